@@ -1,0 +1,86 @@
+"""Errors mig_agent raises on purpose. Anything else is a bug.
+
+* MigAgentError
+  + ConfigError            the profile configs or settings are wrong; a human must fix them
+    - InvalidConfig        schema or profile-name error, with file, layout and key in .context
+    - UnknownLayout        the node label names a layout that is in no config file
+  + PlanError              the layout cannot be realised on these GPUs (does not fit, unknown
+                           profile for the model, instance in use that must go)
+  + GpuError               NVML refused (.context["nvml_code"])
+    - GpuBusy              processes or compute instances still hold the GPU         (retryable)
+    - GpuResetRequired     MIG mode change pending; needs a GPU reset or a reboot
+    - GpuUnavailable       no NVML library, driver not loaded                         (retryable)
+  + KubeError              the API refused after the client's own retries
+    - KubeUnavailable      5xx, throttling or connection errors, retries used up      (retryable)
+    - EvictionBlocked      eviction answered 429: a PodDisruptionBudget says no       (retryable)
+  + DrainTimeout           GPU clients still present at the deadline                  (retryable)
+  + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
+
+Leaf module: imports nothing from mig_agent.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class MigAgentError(Exception):
+    """Base of every error raised on purpose; ``context`` holds structured fields for logs."""
+
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **context: object) -> None:
+        super().__init__(message)
+        self.context: dict[str, object] = context
+
+
+class ConfigError(MigAgentError):
+    pass
+
+
+class InvalidConfig(ConfigError):
+    pass
+
+
+class UnknownLayout(ConfigError):
+    pass
+
+
+class PlanError(MigAgentError):
+    pass
+
+
+class GpuError(MigAgentError):
+    pass
+
+
+class GpuBusy(GpuError):
+    retryable = True
+
+
+class GpuResetRequired(GpuError):
+    pass
+
+
+class GpuUnavailable(GpuError):
+    retryable = True
+
+
+class KubeError(MigAgentError):
+    pass
+
+
+class KubeUnavailable(KubeError):
+    retryable = True
+
+
+class EvictionBlocked(KubeError):
+    retryable = True
+
+
+class DrainTimeout(MigAgentError):
+    retryable = True
+
+
+class DevicePluginTimeout(MigAgentError):
+    retryable = True

@@ -1,0 +1,1 @@
+"""The GPU boundary: one backend protocol, one NVML adapter, a simulated NVML library beneath it."""

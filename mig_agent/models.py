@@ -1,0 +1,306 @@
+"""GPU model catalog: every MIG profile each supported GPU model offers, with its NVML ids and placements.
+
+The numbers come from real readouts (nvidia-smi -lgip/-lgipp, NVML); the H200 rows are exactly the
+capture of a real H200 (driver 580.159.04). Profile *names* are not stored: they are derived from the
+profile index and memory size the way NVIDIA's Kubernetes stack derives them (`mig_name`), and a test
+checks them against the names the hardware prints.
+
+Pure module: data and functions of data, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from mig_agent.placement import Placement
+
+
+class Architecture(StrEnum):
+    AMPERE = "ampere"
+    HOPPER = "hopper"
+    TURING = "turing"
+
+    @property
+    def mig_mode_needs_reset(self) -> bool:
+        """Ampere applies a MIG mode change only after a GPU reset; Hopper and later at once."""
+        return self is Architecture.AMPERE
+
+
+# NVML GPU-instance profile index -> (GPU slices G, name suffix). nvml.h NVML_GPU_INSTANCE_PROFILE_*.
+GI_INDEX_SHAPE: Mapping[int, tuple[int, str]] = {
+    0: (1, ""), 1: (2, ""), 2: (3, ""), 3: (4, ""), 4: (7, ""), 5: (8, ""), 6: (6, ""),
+    7: (1, "+me"), 8: (2, "+me"), 9: (1, ""), 10: (1, "+gfx"), 11: (2, "+gfx"), 12: (4, "+gfx"),
+    13: (1, "-me"), 14: (2, "-me"), 15: (1, "+me.all"), 16: (2, "+me.all"), 17: (3, "+gfx"),
+}
+GI_PROFILE_INDEX_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT
+
+# NVML compute-instance profile index by compute slices C; the CI profile id equals the index.
+CI_INDEX_BY_SLICES: Mapping[int, int] = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
+CI_PROFILE_1_SLICE_REV1 = 7
+CI_PROFILE_INDEX_COUNT = 9
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    copy: int
+    decoder: int
+    encoder: int
+    jpeg: int
+    ofa: int
+
+
+@dataclass(frozen=True, slots=True)
+class CiProfile:
+    """A compute-instance profile inside a GPU instance of a given GI profile."""
+
+    index: int
+    id: int
+    slices: int
+    instance_count: int
+    multiprocessors: int
+    placements: tuple[Placement, ...]  # in compute slices within the GPU instance
+
+
+@dataclass(frozen=True, slots=True)
+class GiProfile:
+    """A GPU-instance profile: what ``nvmlDeviceGetGpuInstanceProfileInfoV`` reports, plus placements."""
+
+    name: str  # canonical, e.g. "1g.18gb", "1g.18gb+me"
+    index: int
+    id: int
+    slices: int  # compute slices G
+    memory_mib: int
+    instance_count: int
+    multiprocessors: int
+    engines: Engines
+    placements: tuple[Placement, ...]
+    ci_profiles: tuple[CiProfile, ...] = ()
+
+    @property
+    def memory_slices(self) -> int:
+        return self.placements[0].size
+
+    @property
+    def full_ci(self) -> CiProfile:
+        """The compute instance that spans the whole GPU instance (the default one)."""
+        return next(c for c in self.ci_profiles if c.slices == self.slices)
+
+    def ci_name(self, ci: CiProfile) -> str:
+        """MIG device name of ``ci`` in this GI: the GI name when it spans the GI, else ``Cc.`` + GI name."""
+        if ci.slices == self.slices:
+            return self.name
+        return f"{ci.slices}c.{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuModel:
+    """One GPU model: identity, memory, and its MIG geometry (empty for GPUs without MIG)."""
+
+    key: str  # short name used on the command line, e.g. "H200"
+    name: str  # NVML device name, e.g. "NVIDIA H200"
+    product: str  # nvidia.com/gpu.product label value
+    pci_device_id: int  # packed device<<16 | vendor, as mig-parted's device-filter
+    pci_subsystem_id: int
+    memory_total_mib: int
+    architecture: Architecture
+    memory_slices: int
+    compute_slices: int
+    gi_profiles: tuple[GiProfile, ...] = ()
+    gi_by_name: Mapping[str, GiProfile] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def mig_capable(self) -> bool:
+        return bool(self.gi_profiles)
+
+    def gi_profile_by_id(self, profile_id: int) -> GiProfile | None:
+        return next((p for p in self.gi_profiles if p.id == profile_id), None)
+
+    def device_names(self) -> tuple[str, ...]:
+        """Every MIG device name this model can host (GI names and ``Cc.`` sub-profiles)."""
+        names: list[str] = []
+        for gi in self.gi_profiles:
+            for ci in gi.ci_profiles:
+                name = gi.ci_name(ci)
+                if name not in names:
+                    names.append(name)
+        return tuple(names)
+
+    def resolve(self, device_name: str) -> tuple[GiProfile, CiProfile] | None:
+        """The GI and CI profile that make a MIG device called ``device_name``, or None."""
+        for gi in self.gi_profiles:
+            for ci in gi.ci_profiles:
+                if gi.ci_name(ci) == device_name and (
+                    ci.slices != 1 or ci.index != CI_PROFILE_1_SLICE_REV1
+                ):
+                    return gi, ci
+        return None
+
+
+def mig_memory_gb(memory_mib: int, total_mib: int) -> int:
+    """The ``gb`` of a MIG profile name, computed as NVIDIA's Kubernetes stack computes it.
+
+    The fraction of total memory is rounded up to eighths, scaled by the total in whole GiB
+    (rounded up), and rounded half away from zero (Go's math.Round, not Python's round()).
+    NB: H200 3g.71gb: 71424 of 143771 MiB -> 4/8 * 141 = 70.5 -> 71.
+    """
+    frac = math.ceil(memory_mib / total_mib * 8) / 8
+    total_gb = math.ceil(total_mib / 1024)
+    return math.floor(frac * total_gb + 0.5)
+
+
+def mig_name(index: int, memory_mib: int, total_mib: int) -> str:
+    g, suffix = GI_INDEX_SHAPE[index]
+    return f"{g}g.{mig_memory_gb(memory_mib, total_mib)}gb{suffix}"
+
+
+def _ci_profiles(g: int, sm_per_slice: int, gi_sms: int, rev1_sms: int | None) -> tuple[CiProfile, ...]:
+    # C <= G and, below G, 2C <= G+1 (the rule NVIDIA's tools use); count floor(G/C).
+    out: list[CiProfile] = []
+    for c in sorted(CI_INDEX_BY_SLICES):
+        if c > g or (c < g and 2 * c > g + 1):
+            continue
+        starts = [0] if c == g else list(range(0, g - c + 1, 2 if c == 2 else (4 if c == 3 else 1)))
+        if c == 4:
+            starts = [0]
+        count = len(starts)
+        sms = gi_sms if c == g else c * sm_per_slice
+        idx = CI_INDEX_BY_SLICES[c]
+        out.append(CiProfile(idx, idx, c, count, sms, tuple(Placement(s, c) for s in starts)))
+    if rev1_sms is not None:  # Hopper 1g REV2 GIs also offer a whole-GI CI with more SMs
+        out.append(CiProfile(CI_PROFILE_1_SLICE_REV1, CI_PROFILE_1_SLICE_REV1, 1, 1, rev1_sms,
+                             (Placement(0, 1),)))
+    return tuple(out)
+
+
+# (index, id, G, memory MiB, instances, SMs, CE, DEC, ENC, JPEG, OFA, placement starts, size)
+_Row = tuple[int, int, int, int, int, int, int, int, int, int, int, tuple[int, ...], int]
+_S7 = (0, 1, 2, 3, 4, 5, 6)
+
+
+def _model(key: str, name: str, product: str, pci: int, subsys: int, total_mib: int,
+           arch: Architecture, memory_slices: int, compute_slices: int,
+           rows: tuple[_Row, ...]) -> GpuModel:
+    sm_1g = next((r[5] for r in rows if r[0] == 0), 0)
+    profiles = []
+    for idx, pid, g, mem, inst, sms, ce, dec, enc, jpg, ofa, starts, size in rows:
+        rev1 = sms if (idx == 9 and arch is not Architecture.AMPERE) else None
+        profiles.append(GiProfile(
+            name=mig_name(idx, mem, total_mib), index=idx, id=pid, slices=g, memory_mib=mem,
+            instance_count=inst, multiprocessors=sms, engines=Engines(ce, dec, enc, jpg, ofa),
+            placements=tuple(Placement(s, size) for s in starts),
+            ci_profiles=_ci_profiles(g, sm_1g if idx != 9 else sm_1g, sms, rev1),
+        ))
+    by_name = {p.name: p for p in profiles}
+    return GpuModel(key, name, product, pci, subsys, total_mib, arch, memory_slices,
+                    compute_slices, tuple(profiles), by_name)
+
+
+A = Architecture
+MODELS: Mapping[str, GpuModel] = {m.key: m for m in (
+    _model("A100-40GB", "NVIDIA A100-SXM4-40GB", "NVIDIA-A100-SXM4-40GB", 0x20B010DE, 0x134F10DE,
+           40536, A.AMPERE, 8, 7, (
+               (0, 19, 1, 4864, 7, 14, 1, 0, 0, 0, 0, _S7, 1),
+               (7, 20, 1, 4864, 1, 14, 1, 1, 0, 1, 1, _S7, 1),
+               (9, 15, 1, 9856, 4, 14, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
+               (1, 14, 2, 9856, 3, 28, 2, 1, 0, 0, 0, (0, 2, 4), 2),
+               (2, 9, 3, 19968, 2, 42, 3, 2, 0, 0, 0, (0, 4), 4),
+               (3, 5, 4, 19968, 1, 56, 4, 2, 0, 0, 0, (0,), 4),
+               (4, 0, 7, 40192, 1, 98, 7, 5, 0, 1, 1, (0,), 8),
+           )),
+    _model("A100-80GB", "NVIDIA A100-SXM4-80GB", "NVIDIA-A100-SXM4-80GB", 0x20B210DE, 0x147F10DE,
+           81920, A.AMPERE, 8, 7, (
+               (0, 19, 1, 9728, 7, 14, 1, 0, 0, 0, 0, _S7, 1),
+               (7, 20, 1, 9728, 1, 14, 1, 1, 0, 1, 1, _S7, 1),
+               (9, 15, 1, 19968, 4, 14, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
+               (1, 14, 2, 19968, 3, 28, 2, 1, 0, 0, 0, (0, 2, 4), 2),
+               (2, 9, 3, 40192, 2, 42, 3, 2, 0, 0, 0, (0, 4), 4),
+               (3, 5, 4, 40192, 1, 56, 4, 2, 0, 0, 0, (0,), 4),
+               (4, 0, 7, 80896, 1, 98, 7, 5, 0, 1, 1, (0,), 8),
+           )),
+    _model("A30", "NVIDIA A30", "NVIDIA-A30", 0x20B710DE, 0x153210DE, 24576, A.AMPERE, 4, 4, (
+        (0, 14, 1, 5952, 4, 14, 1, 1, 0, 0, 0, (0, 1, 2, 3), 1),
+        (7, 21, 1, 5952, 1, 14, 1, 1, 0, 1, 1, (0, 1, 2, 3), 1),
+        (1, 5, 2, 11968, 2, 28, 2, 2, 0, 0, 0, (0, 2), 2),
+        (8, 6, 2, 11968, 1, 28, 2, 2, 0, 1, 1, (0, 2), 2),
+        (3, 0, 4, 24064, 1, 56, 4, 4, 0, 1, 1, (0,), 4),
+    )),
+    _model("H100-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA-H100-80GB-HBM3", 0x233010DE, 0x16C110DE,
+           81559, A.HOPPER, 8, 7, (
+               (0, 19, 1, 9984, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
+               (7, 20, 1, 9984, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
+               (9, 15, 1, 20096, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+               (1, 14, 2, 20096, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+               (2, 9, 3, 40448, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
+               (3, 5, 4, 40448, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
+               (4, 0, 7, 81152, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
+           )),
+    _model("H100-NVL", "NVIDIA H100 NVL", "NVIDIA-H100-NVL", 0x232110DE, 0x183910DE,
+           95830, A.HOPPER, 8, 7, (
+               (0, 19, 1, 10880, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
+               (7, 20, 1, 10880, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
+               (9, 15, 1, 22016, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+               (1, 14, 2, 22016, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+               (2, 9, 3, 47232, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
+               (3, 5, 4, 47232, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
+               (4, 0, 7, 94848, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
+           )),
+    # NB: exactly the real H200 capture (reference captures h200-0x2335-*), driver 580.159.04.
+    _model("H200", "NVIDIA H200", "NVIDIA-H200", 0x233510DE, 0x18BF10DE, 143771, A.HOPPER, 8, 7, (
+        (0, 19, 1, 16384, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
+        (7, 20, 1, 16384, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
+        (9, 15, 1, 33280, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+        (1, 14, 2, 33280, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+        (2, 9, 3, 71424, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
+        (3, 5, 4, 71424, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
+        (4, 0, 7, 143360, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
+    )),
+    # A display GPU without MIG, as in DGX Station configs (device-filter 0x1FB010DE).
+    _model("DGX-Display", "DGX Display", "DGX-Display", 0x1FB010DE, 0x000010DE, 4096,
+           A.TURING, 0, 0, ()),
+)}
+
+# The GPUs' nvidia.com/gpu.product label values, for finding a model from a node label.
+MODEL_BY_PRODUCT: Mapping[str, GpuModel] = {m.product: m for m in MODELS.values()}
+MODEL_BY_PCI_ID: Mapping[int, GpuModel] = {m.pci_device_id: m for m in MODELS.values()}
+
+
+def model(key: str) -> GpuModel:
+    """The catalog model called ``key`` (case-insensitive); ValueError naming the known ones."""
+    for k, m in MODELS.items():
+        if k.lower() == key.lower():
+            return m
+    raise ValueError(f"unknown GPU model {key!r}; known models: {', '.join(MODELS)}")
+
+
+def parse_gpu_spec(spec: str) -> tuple[GpuModel, ...]:
+    """``8xH100-80GB`` or ``2xA100-40GB,2xA30`` or ``H200`` -> one model per GPU, in order."""
+    out: list[GpuModel] = []
+    for part in spec.split(","):
+        part = part.strip()
+        count_text, sep, key = part.partition("x")
+        if sep and count_text.isdigit():
+            count = int(count_text)
+        else:
+            count, key = 1, part
+        if count < 1:
+            raise ValueError(f"bad GPU count in {part!r}")
+        out.extend([model(key)] * count)
+    if not out:
+        raise ValueError(f"no GPUs in {spec!r}")
+    return tuple(out)
+
+
+def resource_name(device_name: str, *, strategy: str = "mixed") -> str | None:
+    """The Kubernetes extended resource NVIDIA's device plugin advertises for a MIG device.
+
+    mixed: ``nvidia.com/mig-<name>`` with ``+`` replaced by ``.``; single: ``nvidia.com/gpu``.
+    Devices that split a GPU instance (``1c.3g.71gb``) get no resource in mixed strategy.
+    """
+    if device_name.split(".")[0].endswith("c"):
+        return None
+    if strategy == "single":
+        return "nvidia.com/gpu"
+    return "nvidia.com/mig-" + device_name.replace("+", ".")

@@ -1,0 +1,485 @@
+"""The planner: from the GPUs as they are and a layout to the steps that get there, or why not.
+
+It proves a layout fits before any GPU is touched and chooses every placement itself; nothing is
+left to NVML's own placement choice or to trial and error. It keeps every instance that can stay
+where it is, and never plans to destroy an instance in use unless told to.
+
+Pure module: no I/O, no clock, no logging.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mig_agent.errors import GpuBusy, PlanError
+from mig_agent.layout import GpuLayout, Layout
+from mig_agent.models import CiProfile, GiProfile, GpuModel
+from mig_agent.placement import Placement
+from mig_agent.state import GpuInstance, GpuState, NodeState
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+
+
+@dataclass(frozen=True, slots=True)
+class SetMigMode:
+    gpu: int
+    enabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DestroyComputeInstance:
+    gpu: int
+    gi_id: int
+    ci_id: int
+    profile: str  # MIG device name, for logs
+
+
+@dataclass(frozen=True, slots=True)
+class DestroyGpuInstance:
+    gpu: int
+    gi_id: int
+    profile: str
+    placement: Placement
+
+
+@dataclass(frozen=True, slots=True)
+class CreateGpuInstance:
+    gpu: int
+    profile: str
+    profile_id: int
+    placement: Placement
+
+
+@dataclass(frozen=True, slots=True)
+class CreateComputeInstance:
+    """Create a CI in the GPU instance at ``gi_placement`` (unique per GPU, known before it exists)."""
+
+    gpu: int
+    gi_placement: Placement
+    profile: str  # MIG device name
+    profile_id: int  # CI profile id
+    placement: Placement  # compute slices within the GI
+
+
+Step = SetMigMode | DestroyComputeInstance | DestroyGpuInstance | CreateGpuInstance | CreateComputeInstance
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedDevice:
+    """One MIG device of the result: its name, where its GI sits, and whether it already existed."""
+
+    profile: str
+    gi_placement: Placement
+    ci_placement: Placement
+    kept: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    gpu: int
+    model: str
+    desired: GpuLayout
+    steps: tuple[Step, ...]
+    devices: tuple[PlannedDevice, ...]  # the result, sorted by placement
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.steps
+
+    @property
+    def destroyed_gpu_instances(self) -> int:
+        return sum(isinstance(s, DestroyGpuInstance) for s in self.steps)
+
+    @property
+    def created_gpu_instances(self) -> int:
+        return sum(isinstance(s, CreateGpuInstance) for s in self.steps)
+
+    @property
+    def changes_mig_mode(self) -> bool:
+        return any(isinstance(s, SetMigMode) for s in self.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    layout: str
+    gpus: tuple[GpuPlan, ...]
+    untouched: tuple[int, ...] = ()  # GPUs no rule of the layout selects
+
+    @property
+    def is_empty(self) -> bool:
+        return all(g.is_empty for g in self.gpus)
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        return tuple(s for g in self.gpus for s in g.steps)
+
+    @property
+    def changed_gpus(self) -> tuple[int, ...]:
+        return tuple(g.gpu for g in self.gpus if not g.is_empty)
+
+
+# ---------------------------------------------------------------------------------------------
+# Node level
+
+
+def plan(layout: Layout, node: NodeState, models: Mapping[int, GpuModel], *,
+         destroy_in_use: bool = False) -> Plan:
+    """Plan ``layout`` for every GPU of ``node``; ``models`` gives each GPU's MIG geometry.
+
+    Raises PlanError (layout unknown to these models, does not fit) or GpuBusy (an instance in
+    use would have to go) for the first GPU where that happens; nothing is planned then.
+    """
+    plans: list[GpuPlan] = []
+    untouched: list[int] = []
+    for gpu in node.gpus:
+        target = layout.target_for(gpu.index, gpu.info.pci_device_id, gpu.info.pci_subsystem_id)
+        if target is None:
+            untouched.append(gpu.index)
+            continue
+        plans.append(plan_gpu(models[gpu.index], gpu, target, destroy_in_use=destroy_in_use))
+    if not plans:
+        kinds = sorted({f"{g.info.name} (0x{g.info.pci_device_id:08X})" for g in node.gpus})
+        raise PlanError(
+            f"layout {layout.name!r} selects none of this node's GPUs ({', '.join(kinds)})",
+            layout=layout.name,
+        )
+    return Plan(layout.name, tuple(plans), tuple(untouched))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU level
+
+
+@dataclass(frozen=True, slots=True)
+class _Demand:
+    """One GPU instance the layout needs, with the CI profiles it must hold."""
+
+    gi: GiProfile
+    cis: tuple[CiProfile, ...]
+
+    @property
+    def ci_ids(self) -> Counter[int]:
+        return Counter(c.id for c in self.cis)
+
+
+@dataclass(slots=True)
+class _Present:
+    gi: GpuInstance
+    profile: GiProfile | None
+    in_use: bool
+    pids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def plan_gpu(model: GpuModel, gpu: GpuState, desired: GpuLayout, *,
+             destroy_in_use: bool = False) -> GpuPlan:
+    """The steps that turn ``gpu`` into ``desired``, keeping whatever can stay."""
+    where = f"GPU {gpu.index} ({model.key})"
+    if desired.mig_enabled and not model.mig_capable:
+        raise PlanError(f"{where} does not support MIG", gpu=gpu.index)
+    if not model.mig_capable:
+        return GpuPlan(gpu.index, model.key, desired, (), ())
+
+    present = [_present(model, gpu, gi) for gi in gpu.gpu_instances] if gpu.mig_current else []
+    needs_mode = gpu.mig_current != desired.mig_enabled or gpu.mig_pending != desired.mig_enabled
+
+    if not desired.mig_enabled:
+        _refuse_in_use(where, present, destroy_in_use)
+        if needs_mode and gpu.processes:
+            _raise_busy(where, "MIG mode change", sorted({p.pid for p in gpu.processes}))
+        steps: list[Step] = [s for p in present for s in _destroy_steps(gpu.index, p, model)]
+        if needs_mode:
+            steps.append(SetMigMode(gpu.index, False))
+        return GpuPlan(gpu.index, model.key, desired, tuple(steps), ())
+
+    demands = demands_for(model, desired, where)
+    check_fits(model, [d.gi for d in demands], where)
+
+    keep = _choose_kept(model, present, demands)
+    if keep is None:  # fits from empty (checked above) so only kept instances could block
+        keep = {}
+    dropped = [p for i, p in enumerate(present) if i not in keep]
+    _refuse_in_use(where, dropped, destroy_in_use)
+    if needs_mode and gpu.processes:
+        _raise_busy(where, "MIG mode change", sorted({p.pid for p in gpu.processes}))
+
+    kept_demands = set(keep.values())
+    open_demands = [d for j, d in enumerate(demands) if j not in kept_demands]
+    taken = 0
+    for i in keep:
+        taken |= present[i].gi.placement.mask
+    placements = place(model, [d.gi for d in open_demands], taken)
+    assert placements is not None  # _choose_kept only returns keep sets that leave room
+
+    steps = [s for p in dropped for s in _destroy_steps(gpu.index, p, model)]
+    if needs_mode:
+        steps.append(SetMigMode(gpu.index, True))
+    devices: list[PlannedDevice] = []
+    ci_steps: list[Step] = []
+    for d, pl in sorted(zip(open_demands, placements, strict=True), key=lambda dp: dp[1]):
+        steps.append(CreateGpuInstance(gpu.index, d.gi.name, d.gi.id, pl))
+        for ci, ci_pl in _place_cis(d.gi, list(d.cis), []) or []:
+            ci_steps.append(CreateComputeInstance(gpu.index, pl, d.gi.ci_name(ci), ci.id, ci_pl))
+            devices.append(PlannedDevice(d.gi.ci_name(ci), pl, ci_pl, kept=False))
+    for i, j in keep.items():
+        gi, d = present[i], demands[j]
+        assert gi.profile is not None
+        have = [(_ci_by_id(gi.profile, c.profile_id), c.placement) for c in gi.gi.compute_instances]
+        for ci, ci_pl in have:
+            devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, kept=True))
+        missing = list((d.ci_ids - Counter(c.id for c, _ in have)).elements())
+        new = _place_cis(gi.profile, [_ci_by_id(gi.profile, m) for m in missing], have)
+        assert new is not None
+        for ci, ci_pl in new:
+            ci_steps.append(CreateComputeInstance(gpu.index, gi.gi.placement,
+                                                  gi.profile.ci_name(ci), ci.id, ci_pl))
+            devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, False))
+    steps.extend(ci_steps)
+    devices.sort(key=lambda dv: (dv.gi_placement, dv.ci_placement))
+    return GpuPlan(gpu.index, model.key, desired, tuple(steps), tuple(devices))
+
+
+def demands_for(model: GpuModel, desired: GpuLayout, where: str = "") -> list[_Demand]:
+    """The GPU instances (with their CIs) ``desired`` needs; PlanError for unknown profiles."""
+    where = where or model.key
+    whole: list[_Demand] = []
+    split: dict[str, list[CiProfile]] = {}
+    split_gi: dict[str, GiProfile] = {}
+    for profile, count in desired.devices:
+        resolved = model.resolve(str(profile))
+        if resolved is None:
+            raise PlanError(
+                f"{where}: no MIG profile {profile} on {model.name}; "
+                f"profiles there: {', '.join(model.device_names())}",
+                profile=str(profile),
+            )
+        gi, ci = resolved
+        if ci.slices == gi.slices:
+            whole.extend(_Demand(gi, (ci,)) for _ in range(count))
+        else:
+            split.setdefault(gi.name, []).extend([ci] * count)
+            split_gi[gi.name] = gi
+    out = list(whole)
+    for name, cis in split.items():
+        gi = split_gi[name]
+        bins: list[list[tuple[CiProfile, Placement]]] = []
+        for ci in sorted(cis, key=lambda c: -c.slices):  # first fit, largest first
+            for b in bins:
+                found = _place_cis(gi, [ci], b)
+                if found:
+                    b.extend(found)
+                    break
+            else:
+                first = _place_cis(gi, [ci], [])
+                assert first is not None
+                bins.append(first)
+        out.extend(_Demand(gi, tuple(c for c, _ in b)) for b in bins)
+    out.sort(key=lambda d: (-d.gi.memory_slices, -d.gi.slices, d.gi.id, sorted(d.ci_ids.items())))
+    return out
+
+
+def check_fits(model: GpuModel, gis: Sequence[GiProfile], where: str = "") -> None:
+    """PlanError saying why these GPU instances cannot share one empty GPU, if they cannot."""
+    where = where or model.key
+    for gi, n in Counter(gis).items():
+        if n > gi.instance_count:
+            raise PlanError(
+                f"{where}: {n} x {gi.name} requested, but {model.key} allows at most "
+                f"{gi.instance_count}", profile=gi.name,
+            )
+    mem = sum(g.memory_slices for g in gis)
+    if mem > model.memory_slices:
+        raise PlanError(
+            f"{where}: layout needs {mem} memory slices "
+            f"({' + '.join(f'{g.name}:{g.memory_slices}' for g in gis)}), "
+            f"{model.key} has {model.memory_slices}",
+        )
+    compute = sum(g.slices for g in gis)
+    if compute > model.compute_slices:
+        raise PlanError(
+            f"{where}: layout needs {compute} compute slices, {model.key} has "
+            f"{model.compute_slices}",
+        )
+    if place(model, list(gis), 0) is None:
+        allowed = "; ".join(
+            f"{g.name} at {{{','.join(str(p.start) for p in g.placements)}}}:{g.memory_slices}"
+            for g in sorted(set(gis), key=lambda g: -g.memory_slices)
+        )
+        raise PlanError(
+            f"{where}: no non-overlapping placement exists for "
+            f"{', '.join(sorted(g.name for g in gis))} (allowed placements: {allowed})",
+        )
+
+
+def place(model: GpuModel, gis: Sequence[GiProfile], taken: int) -> list[Placement] | None:
+    """Non-overlapping placements for ``gis`` (in their order) on memory slices not in ``taken``.
+
+    Exhaustive depth-first search, largest profiles first, lowest start first: it finds a
+    placement whenever one exists, and always the same one.
+    """
+    order = sorted(range(len(gis)), key=lambda i: (-gis[i].memory_slices, gis[i].id, i))
+    chosen: dict[int, Placement] = {}
+    failed: set[tuple[int, int]] = set()  # (depth, taken mask) known to lead nowhere
+
+    def search(depth: int, mask: int) -> bool:
+        if depth == len(order):
+            return True
+        if (depth, mask) in failed:
+            return False
+        i = order[depth]
+        for pl in gis[i].placements:
+            if pl.end <= model.memory_slices and not pl.mask & mask:
+                chosen[i] = pl
+                if search(depth + 1, mask | pl.mask):
+                    return True
+        failed.add((depth, mask))
+        return False
+
+    return [chosen[i] for i in range(len(gis))] if search(0, taken) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _present(model: GpuModel, gpu: GpuState, gi: GpuInstance) -> _Present:
+    pids = tuple(sorted({p.pid for p in gpu.processes_on(gi.id)}))
+    return _Present(gi, model.gi_profile_by_id(gi.profile_id), bool(pids), pids)
+
+
+def _ci_by_id(gi: GiProfile, ci_id: int) -> CiProfile:
+    for c in gi.ci_profiles:
+        if c.id == ci_id:
+            return c
+    raise PlanError(f"compute instance profile {ci_id} is not valid in {gi.name}")
+
+
+def _matches(model: GpuModel, p: _Present, d: _Demand) -> bool:
+    """Can present GI ``p`` serve demand ``d`` (same GI profile, its CIs a subset of d's)?"""
+    if p.profile is None or p.profile.id != d.gi.id:
+        return False
+    if not set(c.profile_id for c in p.gi.compute_instances) <= {c.id for c in p.profile.ci_profiles}:
+        return False
+    have = Counter(c.profile_id for c in p.gi.compute_instances)
+    if have - d.ci_ids:
+        return False
+    placed = [(_ci_by_id(p.profile, c.profile_id), c.placement) for c in p.gi.compute_instances]
+    missing = [_ci_by_id(p.profile, m) for m in (d.ci_ids - have).elements()]
+    return _place_cis(p.profile, missing, placed) is not None
+
+
+def _choose_kept(model: GpuModel, present: list[_Present],
+                 demands: list[_Demand]) -> dict[int, int] | None:
+    """Which present GIs stay (present index -> demand index): in-use ones first, then most.
+
+    Tries keep sets from the best down; the first whose leftovers still fit wins.
+    """
+    options = {i: [j for j, d in enumerate(demands) if _matches(model, p, d)]
+               for i, p in enumerate(present)}
+    candidates = [i for i, js in options.items() if js]
+    subsets: list[tuple[int, ...]] = []
+    for r in range(len(candidates), -1, -1):
+        subsets.extend(itertools.combinations(candidates, r))
+    subsets.sort(key=lambda s: (-sum(present[i].in_use for i in s), -len(s)))
+    for subset in subsets:
+        assignment = _assign(subset, options)
+        if assignment is None:
+            continue
+        taken = 0
+        for i in subset:
+            taken |= present[i].gi.placement.mask
+        rest = [d.gi for j, d in enumerate(demands) if j not in set(assignment.values())]
+        if place(model, rest, taken) is not None:
+            return assignment
+    return None
+
+
+def _assign(subset: Iterable[int], options: Mapping[int, list[int]]) -> dict[int, int] | None:
+    """A matching of present GIs to distinct demands, or None."""
+    items = list(subset)
+    result: dict[int, int] = {}
+
+    def go(k: int, used: frozenset[int]) -> bool:
+        if k == len(items):
+            return True
+        for j in options[items[k]]:
+            if j not in used:
+                result[items[k]] = j
+                if go(k + 1, used | {j}):
+                    return True
+        return False
+
+    return dict(result) if go(0, frozenset()) else None
+
+
+def _place_cis(gi: GiProfile, cis: Sequence[CiProfile],
+               placed: Sequence[tuple[CiProfile, Placement]]) -> list[tuple[CiProfile, Placement]] | None:
+    """Placements in compute slices for new ``cis`` inside a GI that already holds ``placed``."""
+    mask = 0
+    counts: Counter[int] = Counter()
+    for ci, pl in placed:
+        mask |= pl.mask
+        counts[ci.id] += 1
+    out: list[tuple[CiProfile, Placement]] = []
+    for ci in sorted(cis, key=lambda c: -c.slices):
+        if counts[ci.id] >= ci.instance_count:
+            return None
+        spot = next((pl for pl in ci.placements if not pl.mask & mask), None)
+        if spot is None:
+            return None
+        mask |= spot.mask
+        counts[ci.id] += 1
+        out.append((ci, spot))
+    return out
+
+
+def _destroy_steps(gpu: int, p: _Present, model: GpuModel) -> list[Step]:
+    name = p.profile.name if p.profile else f"profile id {p.gi.profile_id}"
+    steps: list[Step] = []
+    for ci in p.gi.compute_instances:
+        ci_name = name
+        if p.profile is not None:
+            ci_profile = next((c for c in p.profile.ci_profiles if c.id == ci.profile_id), None)
+            if ci_profile is not None:
+                ci_name = p.profile.ci_name(ci_profile)
+        steps.append(DestroyComputeInstance(gpu, p.gi.id, ci.id, ci_name))
+    steps.append(DestroyGpuInstance(gpu, p.gi.id, name, p.gi.placement))
+    return steps
+
+
+def _refuse_in_use(where: str, doomed: Iterable[_Present], destroy_in_use: bool) -> None:
+    if destroy_in_use:
+        return
+    for p in doomed:
+        if p.in_use:
+            name = p.profile.name if p.profile else f"profile id {p.gi.profile_id}"
+            _raise_busy(where, f"{name} at {p.gi.placement} (GPU instance {p.gi.id}) must be "
+                        "destroyed but", list(p.pids))
+
+
+def _raise_busy(where: str, what: str, pids: Sequence[int]) -> None:
+    raise GpuBusy(f"{where}: {what} is in use by process(es) {', '.join(map(str, pids))}",
+                  pids=list(pids))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading observed state
+
+
+def observed_devices(model: GpuModel, gpu: GpuState) -> Counter[str]:
+    """MIG device names present on ``gpu`` now, with counts (a GI without CIs shows no device)."""
+    out: Counter[str] = Counter()
+    if not gpu.mig_current:
+        return out
+    for gi in gpu.gpu_instances:
+        profile = model.gi_profile_by_id(gi.profile_id)
+        if profile is None:
+            continue
+        for ci in gi.compute_instances:
+            ci_profile = next((c for c in profile.ci_profiles if c.id == ci.profile_id), None)
+            if ci_profile is not None:
+                out[profile.ci_name(ci_profile)] += 1
+    return out
