@@ -1,0 +1,153 @@
+"""The executor: applies a plan to this node's GPUs step by step, then verifies by re-observing.
+
+Node-local: knows no Kubernetes. NVML create/destroy calls are never retried blindly (they are
+not idempotent); a failed step stops the apply, and the next apply re-plans from what NVML says.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import assert_never
+
+import structlog
+
+from mig_agent import planner
+from mig_agent.errors import GpuError, GpuResetRequired
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.layout import Layout
+from mig_agent.models import GpuModel
+from mig_agent.placement import Placement
+from mig_agent.planner import (
+    CreateComputeInstance,
+    CreateGpuInstance,
+    DestroyComputeInstance,
+    DestroyGpuInstance,
+    Plan,
+    SetMigMode,
+    Step,
+)
+from mig_agent.state import NodeState
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class GpuReport:
+    """What the executor did to one GPU."""
+
+    gpu: int
+    destroyed_gpu_instances: int = 0
+    created_gpu_instances: int = 0
+    destroyed_compute_instances: int = 0
+    created_compute_instances: int = 0
+    mig_mode_set: bool = False
+    reset: bool = False
+
+    @property
+    def touched(self) -> bool:
+        return bool(self.destroyed_gpu_instances or self.created_gpu_instances
+                    or self.destroyed_compute_instances or self.created_compute_instances
+                    or self.mig_mode_set or self.reset)
+
+
+@dataclass(slots=True)
+class ApplyReport:
+    layout: str
+    plan: Plan
+    gpus: dict[int, GpuReport] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return any(r.touched for r in self.gpus.values())
+
+
+def apply_layout(layout: Layout, gpus: GpuBackend, *, destroy_in_use: bool = False,
+                 reset: bool = True, dry_run: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> ApplyReport:
+    """Plan ``layout`` against the GPUs as they are, execute, and verify the result.
+
+    Raises PlanError/GpuBusy before anything is touched when the layout cannot be reached,
+    GpuError when NVML refuses a step, GpuResetRequired when a MIG mode change stays pending.
+    """
+    start = clock()
+    models = gpus.models()
+    the_plan = planner.plan(layout, gpus.observe(), models, destroy_in_use=destroy_in_use)
+    report = ApplyReport(layout.name, the_plan)
+    if dry_run or the_plan.is_empty:
+        report.duration_s = clock() - start
+        return report
+    execute(the_plan, gpus, report=report, reset=reset)
+    verify(layout, gpus.observe(), models)
+    report.duration_s = clock() - start
+    return report
+
+
+def verify(layout: Layout, observed: NodeState, models: Mapping[int, GpuModel]) -> None:
+    """GpuError unless the GPUs are now exactly as ``layout`` says."""
+    after = planner.plan(layout, observed, models, destroy_in_use=True)
+    if not after.is_empty:
+        left = "; ".join(f"GPU {g.gpu}: {len(g.steps)} step(s) left" for g in after.gpus
+                         if not g.is_empty)
+        raise GpuError(f"layout {layout.name!r} not reached after apply ({left})",
+                       layout=layout.name)
+
+
+def execute(the_plan: Plan, gpus: GpuBackend, *, report: ApplyReport | None = None,
+            reset: bool = True) -> ApplyReport:
+    """Run every step of ``the_plan`` in order; GPU instances are found by their placement."""
+    report = report if report is not None else ApplyReport(the_plan.layout, the_plan)
+    for gpu_plan in the_plan.gpus:
+        if gpu_plan.is_empty:
+            continue
+        r = report.gpus.setdefault(gpu_plan.gpu, GpuReport(gpu_plan.gpu))
+        gi_ids: dict[Placement, int] = {}
+        for step in gpu_plan.steps:
+            _run(step, gpus, r, gi_ids, reset=reset)
+    return report
+
+
+def _run(step: Step, gpus: GpuBackend, r: GpuReport, gi_ids: dict[Placement, int], *,
+         reset: bool) -> None:
+    match step:
+        case DestroyComputeInstance(gpu=g, gi_id=gi, ci_id=ci, profile=p):
+            gpus.destroy_compute_instance(g, gi, ci)
+            r.destroyed_compute_instances += 1
+            log.info("gpu.compute_instance_destroyed", gpu=g, gi_id=gi, ci_id=ci, profile=p)
+        case DestroyGpuInstance(gpu=g, gi_id=gi, profile=p, placement=pl):
+            gpus.destroy_gpu_instance(g, gi)
+            r.destroyed_gpu_instances += 1
+            log.info("gpu.instance_destroyed", gpu=g, gi_id=gi, profile=p, placement=str(pl))
+        case SetMigMode(gpu=g, enabled=on):
+            gpus.set_mig_mode(g, enabled=on)
+            r.mig_mode_set = True
+            log.info("gpu.mig_mode_set", gpu=g, enabled=on)
+            state = gpus.observe().gpu(g)
+            if state.mig_current != on and reset:
+                # NB: Ampere applies the mode only after a reset; reset just this GPU.
+                gpus.reset_gpu(g)
+                r.reset = True
+                log.info("gpu.reset", gpu=g)
+                state = gpus.observe().gpu(g)
+            if state.mig_current != on:
+                raise GpuResetRequired(
+                    f"GPU {g}: MIG mode change to {'enabled' if on else 'disabled'} is pending "
+                    "and needs a GPU reset or a reboot", gpu=g)
+        case CreateGpuInstance(gpu=g, profile=p, profile_id=pid, placement=pl):
+            gi_ids[pl] = gpus.create_gpu_instance(g, pid, pl)
+            r.created_gpu_instances += 1
+            log.info("gpu.instance_created", gpu=g, gi_id=gi_ids[pl], profile=p, placement=str(pl))
+        case CreateComputeInstance(gpu=g, gi_placement=gpl, profile=p, profile_id=pid,
+                                   placement=pl):
+            gi = gi_ids.get(gpl)
+            if gi is None:  # a kept GPU instance: find it where it sits
+                gi = next(x.id for x in gpus.observe().gpu(g).gpu_instances if x.placement == gpl)
+                gi_ids[gpl] = gi
+            ci = gpus.create_compute_instance(g, gi, pid, pl)
+            r.created_compute_instances += 1
+            log.info("gpu.compute_instance_created", gpu=g, gi_id=gi, ci_id=ci, profile=p,
+                     placement=str(gpl))
+        case _:
+            assert_never(step)

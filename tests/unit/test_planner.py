@@ -1,0 +1,300 @@
+"""We test these aspects of the planner:
+
+* completeness: every multiset of GPU-instance profiles that fits a model (found here by a
+  brute-force search over placements, independent of the planner) is planned from an empty GPU
+  with valid, non-overlapping placements; every multiset that does not fit is refused with a reason;
+* from random present states: kept instances never move, nothing in use is destroyed, and
+  applying the plan's steps yields the desired devices; a second plan is empty;
+* error messages name the GPU, the model and the cause.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from functools import cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mig_agent.errors import GpuBusy, PlanError
+from mig_agent.executor import execute
+from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
+from mig_agent.models import MODELS, GiProfile, GpuModel
+from mig_agent.planner import (
+    CreateGpuInstance,
+    DestroyGpuInstance,
+    observed_devices,
+    plan,
+    plan_gpu,
+)
+
+from .fake_gpus import FakeGpus
+
+MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
+
+
+def layout_of(counts: dict[str, int], name: str = "test") -> Layout:
+    gl = GpuLayout.of(True, {MigProfile.parse(k): v for k, v in counts.items()})
+    return Layout(name, (Rule(DeviceSelector(), gl),))
+
+
+@cache
+def fitting_multisets(model: GpuModel) -> frozenset[tuple[tuple[str, int], ...]]:
+    """Every multiset of GI profiles with some non-overlapping placement: brute force."""
+    options = [(gi, pl) for gi in model.gi_profiles for pl in gi.placements]
+    found: set[tuple[tuple[str, int], ...]] = set()
+
+    def walk(start: int, mask: int, chosen: Counter[str]) -> None:
+        found.add(tuple(sorted(chosen.items())))
+        for k in range(start, len(options)):
+            gi, pl = options[k]
+            if pl.mask & mask or chosen[gi.name] >= gi.instance_count:
+                continue
+            chosen[gi.name] += 1
+            walk(k + 1, mask | pl.mask, chosen)
+            chosen[gi.name] -= 1
+            if not chosen[gi.name]:
+                del chosen[gi.name]
+
+    walk(0, 0, Counter())
+    return frozenset(found)
+
+
+def all_multisets(model: GpuModel) -> list[dict[str, int]]:
+    ranges = [range(gi.instance_count + 1) for gi in model.gi_profiles]
+    out = []
+    for counts in itertools.product(*ranges):
+        out.append({gi.name: n for gi, n in zip(model.gi_profiles, counts, strict=True) if n})
+    return out
+
+
+def empty_gpu(model: GpuModel, *, mig: bool = True) -> FakeGpus:
+    return FakeGpus([model], mig_enabled=mig)
+
+
+@pytest.mark.parametrize("model", MIG_MODELS, ids=lambda m: m.key)
+def test_planner_places_exactly_the_multisets_that_fit(model: GpuModel) -> None:
+    fits = fitting_multisets(model)
+    gi_by_name = {gi.name: gi for gi in model.gi_profiles}
+    planned = refused = 0
+    for counts in all_multisets(model):
+        key = tuple(sorted(counts.items()))
+        gpus = empty_gpu(model)
+        layout = layout_of(counts)
+        if key in fits:
+            p = plan(layout, gpus.observe(), gpus.models())
+            creates = [s for s in p.steps if isinstance(s, CreateGpuInstance)]
+            assert Counter(s.profile for s in creates) == Counter(counts)
+            mask = 0
+            for s in creates:
+                assert s.placement in gi_by_name[s.profile].placements
+                assert not s.placement.mask & mask, f"overlap in {counts}"
+                mask |= s.placement.mask
+            planned += 1
+        else:
+            with pytest.raises(PlanError) as err:
+                plan(layout, gpus.observe(), gpus.models())
+            assert model.key in str(err.value)
+            refused += 1
+    assert planned == len(fits) and refused > 0
+
+
+def test_h200_balanced_plan_uses_real_placements() -> None:
+    model = MODELS["H200"]
+    gpus = empty_gpu(model, mig=False)
+    p = plan(layout_of({"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1}), gpus.observe(),
+             gpus.models())
+    creates = {(s.profile, str(s.placement)) for s in p.steps if isinstance(s, CreateGpuInstance)}
+    # H200 table: 1g.18gb {0..6}:1, 2g.35gb {0,2,4}:2, 3g.71gb {0,4}:4
+    assert creates == {("3g.71gb", "4:4"), ("2g.35gb", "0:2"), ("1g.18gb", "2:1"),
+                       ("1g.18gb", "3:1")}
+
+
+def test_unknown_profile_names_the_profiles_of_the_model() -> None:
+    gpus = empty_gpu(MODELS["H200"])
+    with pytest.raises(PlanError, match=r"no MIG profile 1g\.10gb on NVIDIA H200.*1g\.18gb"):
+        plan(layout_of({"1g.10gb": 7}), gpus.observe(), gpus.models())
+
+
+def test_too_many_instances_says_the_limit() -> None:
+    gpus = empty_gpu(MODELS["H100-80GB"])
+    with pytest.raises(PlanError, match=r"8 x 1g\.10gb requested, but H100-80GB allows at most 7"):
+        plan(layout_of({"1g.10gb": 8}), gpus.observe(), gpus.models())
+
+
+def test_too_many_memory_slices_lists_the_profiles() -> None:
+    gpus = empty_gpu(MODELS["H200"])
+    with pytest.raises(PlanError, match=r"needs 9 memory slices \(4g\.71gb:4 \+ .*H200 has 8"):
+        plan(layout_of({"4g.71gb": 1, "1g.35gb": 2, "1g.18gb": 1}), gpus.observe(),
+             gpus.models())
+
+
+def test_too_many_compute_slices_is_refused() -> None:
+    gpus = empty_gpu(MODELS["H100-80GB"])
+    with pytest.raises(PlanError, match="needs 8 compute slices, H100-80GB has 7"):
+        plan(layout_of({"4g.40gb": 1, "2g.20gb": 2}), gpus.observe(), gpus.models())
+
+
+def test_fragmented_gpu_is_repacked_by_moving_only_what_blocks() -> None:
+    """1g instances at 0 and 4 block both 3g placements: exactly one of them must go."""
+    model = MODELS["H200"]
+    gpus = empty_gpu(model)
+    pid = model.gi_by_name["1g.18gb"].id
+    gpus.create_gpu_instance(0, pid, model.gi_by_name["1g.18gb"].placements[0])
+    gpus.create_gpu_instance(0, pid, model.gi_by_name["1g.18gb"].placements[4])
+    for gi in gpus.observe().gpu(0).gpu_instances:
+        gpus.create_compute_instance(0, gi.id, 0, model.gi_by_name["1g.18gb"].full_ci.placements[0])
+    p = plan(layout_of({"3g.71gb": 1, "1g.18gb": 2}), gpus.observe(), gpus.models())
+    assert p.gpus[0].destroyed_gpu_instances == 1
+    execute(p, gpus)
+    assert observed_devices(model, gpus.observe().gpu(0)) == {"3g.71gb": 1, "1g.18gb": 2}
+
+
+def test_layout_selecting_no_gpu_is_an_error() -> None:
+    gpus = empty_gpu(MODELS["H200"])
+    from mig_agent.layout import DeviceFilter
+
+    only_a30 = Layout("a30-only", (Rule(DeviceSelector(filters=(DeviceFilter(0x20B710DE),)),
+                                        GpuLayout.of(True, {})),))
+    with pytest.raises(PlanError, match="selects none of this node's GPUs"):
+        plan(only_a30, gpus.observe(), gpus.models())
+
+
+def test_plan_is_empty_when_gpu_already_matches() -> None:
+    gpus = empty_gpu(MODELS["A100-40GB"], mig=False)
+    layout = layout_of({"1g.5gb": 7})
+    execute(plan(layout, gpus.observe(), gpus.models()), gpus)
+    before = gpus.calls[0]
+    assert plan(layout, gpus.observe(), gpus.models()).is_empty
+    assert gpus.calls[0] == before
+
+
+def test_changing_one_profile_keeps_the_others_in_place() -> None:
+    model = MODELS["H100-80GB"]
+    gpus = empty_gpu(model)
+    execute(plan(layout_of({"1g.10gb": 7}), gpus.observe(), gpus.models()), gpus)
+    p = plan(layout_of({"1g.10gb": 5, "2g.20gb": 1}), gpus.observe(), gpus.models())
+    assert sum(isinstance(s, DestroyGpuInstance) for s in p.steps) == 2
+    kept = [d for d in p.gpus[0].devices if d.kept]
+    assert len(kept) == 5
+
+
+def test_in_use_instance_is_kept_when_possible_and_never_destroyed() -> None:
+    model = MODELS["H200"]
+    gpus = empty_gpu(model)
+    execute(plan(layout_of({"1g.18gb": 7}), gpus.observe(), gpus.models()), gpus)
+    busy = gpus.observe().gpu(0).gpu_instances[0]
+    gpus.add_process(0, 4242, busy.id)
+    # 3g.71gb needs 4 slices: the planner must pick the half without the busy instance
+    p = plan(layout_of({"3g.71gb": 1, "1g.18gb": 3}), gpus.observe(), gpus.models())
+    destroyed = {s.gi_id for s in p.steps if isinstance(s, DestroyGpuInstance)}
+    assert busy.id not in destroyed and len(destroyed) == 4
+    # all-7g needs the whole GPU: refused, naming the process
+    with pytest.raises(GpuBusy, match="4242"):
+        plan(layout_of({"7g.141gb": 1}), gpus.observe(), gpus.models())
+
+
+def test_disabling_mig_destroys_everything_then_sets_mode() -> None:
+    gpus = empty_gpu(MODELS["A30"])
+    execute(plan(layout_of({"1g.6gb": 4}), gpus.observe(), gpus.models()), gpus)
+    off = Layout("off", (Rule(DeviceSelector(), GpuLayout.of(False)),))
+    execute(plan(off, gpus.observe(), gpus.models()), gpus)
+    g = gpus.observe().gpu(0)
+    assert not g.mig_current and not g.gpu_instances
+
+
+def test_compute_instance_profiles_share_one_gpu_instance() -> None:
+    gpus = empty_gpu(MODELS["A100-40GB"])
+    p = plan(layout_of({"1c.3g.20gb": 3}), gpus.observe(), gpus.models())
+    assert sum(isinstance(s, CreateGpuInstance) for s in p.steps) == 1
+    execute(p, gpus)
+    assert observed_devices(MODELS["A100-40GB"], gpus.observe().gpu(0)) == {"1c.3g.20gb": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# Property tests from random present states
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> tuple[GpuModel, dict[str, int], list[int], dict[str, int]]:
+    model = draw(st.sampled_from(MIG_MODELS))
+    fits = sorted(fitting_multisets(model))
+    start = dict(draw(st.sampled_from(fits)))
+    target = dict(draw(st.sampled_from(fits)))
+    busy = draw(st.lists(st.integers(0, 6), max_size=3, unique=True))
+    return model, start, busy, target
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario())
+def test_plans_from_random_states_keep_busy_and_reach_target(
+    case: tuple[GpuModel, dict[str, int], list[int], dict[str, int]],
+) -> None:
+    model, start, busy, target = case
+    gpus = empty_gpu(model)
+    execute(plan(layout_of(start), gpus.observe(), gpus.models()), gpus)
+    present = gpus.observe().gpu(0).gpu_instances
+    busy_ids = {present[i].id for i in busy if i < len(present)}
+    for gi_id in busy_ids:
+        gpus.add_process(0, 1000 + gi_id, gi_id)
+    before = {gi.id: gi.placement for gi in present}
+    try:
+        p = plan(layout_of(target), gpus.observe(), gpus.models())
+    except GpuBusy:
+        # refused only if no plan could keep every busy instance: check by brute force
+        busy_gis: list[GiProfile] = []
+        for gi in present:
+            if gi.id in busy_ids:
+                prof = model.gi_profile_by_id(gi.profile_id)
+                assert prof is not None
+                busy_gis.append(prof)
+        need = Counter(target)
+        have = Counter(g.name for g in busy_gis)
+        assert have - need or not _fits_around(model, present, busy_ids, need - have)
+        return
+    destroyed = {s.gi_id for s in p.steps if isinstance(s, DestroyGpuInstance)}
+    assert not destroyed & busy_ids
+    execute(p, gpus)
+    after = gpus.observe().gpu(0)
+    for gi in after.gpu_instances:  # kept instances never move
+        if gi.id in before and gi.id not in destroyed:
+            assert gi.placement == before[gi.id]
+    assert observed_devices(model, after) == Counter(target)
+    assert plan(layout_of(target), gpus.observe(), gpus.models()).is_empty
+
+
+def _fits_around(model: GpuModel, present: tuple, busy_ids: set[int], rest: Counter[str]) -> bool:
+    from mig_agent.planner import place
+
+    taken = 0
+    for gi in present:
+        if gi.id in busy_ids:
+            taken |= gi.placement.mask
+    gis = [model.gi_by_name[n] for n in rest.elements()]
+    return place(model, gis, taken) is not None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(MIG_MODELS), st.data())
+def test_minimum_destruction_matches_brute_force(model: GpuModel, data: st.DataObject) -> None:
+    """The planner destroys no more GPU instances than the best keep set found by brute force."""
+    fits = sorted(fitting_multisets(model))
+    start = dict(data.draw(st.sampled_from(fits)))
+    target = dict(data.draw(st.sampled_from(fits)))
+    gpus = empty_gpu(model)
+    execute(plan(layout_of(start), gpus.observe(), gpus.models()), gpus)
+    present = gpus.observe().gpu(0).gpu_instances
+    p = plan_gpu(model, gpus.observe().gpu(0), layout_of(target).rules[0].gpu_layout)
+    best = 0
+    for r in range(len(present), -1, -1):
+        for keep in itertools.combinations(present, r):
+            names = Counter(model.gi_profile_by_id(g.profile_id).name for g in keep)  # type: ignore[union-attr]
+            if names - Counter(target):
+                continue
+            if _fits_around(model, present, {g.id for g in keep}, Counter(target) - names):
+                best = max(best, r)
+        if best:
+            break
+    assert len(present) - p.destroyed_gpu_instances == best
