@@ -1,0 +1,113 @@
+"""`scripts/local-cluster up|down|status|env`: the local cluster from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cluster import COMPONENTS, Cluster, default_dir, down
+from .errors import ClusterNotRunning, DevClusterError
+from .nodes import DEFAULT_GPUS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="local-cluster",
+        description="A local Kubernetes on loopback with kwok-simulated GPU nodes.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_dir(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--dir", type=Path, default=None,
+                        help=f"cluster folder (default: $MIG_AGENT_CLUSTER_DIR or {default_dir()})")
+        return sp
+
+    up = with_dir(sub.add_parser("up", help="start the cluster (reuse it if already up)"))
+    up.add_argument("--nodes", type=int, default=2, metavar="N",
+                    help="simulated GPU nodes gpu-node-0..N-1 (default 2)")
+    up.add_argument("--gpus", action="append", metavar="SPEC",
+                    help=f"GPUs of each GPU node, e.g. 8xH100-80GB or 4xA100-40GB,4xA30 "
+                         f"(default {DEFAULT_GPUS}); repeat to give nodes different GPUs, cycling")
+    up.add_argument("--cpu-nodes", type=int, default=0, metavar="M",
+                    help="simulated nodes without GPUs, cpu-node-0..M-1 (default 0)")
+    up.add_argument("--pod-delete-delay", type=float, default=2.0, metavar="SECONDS",
+                    help="how long a deleted pod lingers (default 2; per pod: annotation "
+                         "pod-delete.stage.kwok.x-k8s.io/delay)")
+    down_p = with_dir(sub.add_parser("down", help="stop the cluster's processes"))
+    down_p.add_argument("--purge", action="store_true", help="also remove the cluster folder")
+    with_dir(sub.add_parser("status", help="show processes, health, memory and nodes"))
+    with_dir(sub.add_parser("env", help="print `export KUBECONFIG=...` for eval"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "up":
+            return _up(args)
+        if args.command == "down":
+            return _down(args)
+        if args.command == "status":
+            return _status(args)
+        return _env(args)
+    except DevClusterError as e:
+        print(f"local-cluster: {e}", file=sys.stderr)
+        return 1
+
+
+def _up(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    cluster = Cluster.up(
+        args.dir, gpu_nodes=args.nodes, gpus=args.gpus or DEFAULT_GPUS, cpu_nodes=args.cpu_nodes,
+        pod_delete_delay=args.pod_delete_delay, log=lambda msg: print(msg, file=sys.stderr),
+    )
+    print(f"ready in {time.monotonic() - started:.1f} s; use it with:", file=sys.stderr)
+    print(f"  export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}", file=sys.stderr)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    killed = down(args.dir, purge=args.purge)
+    if killed:
+        print(f"stopped; had to kill: {', '.join(killed)}", file=sys.stderr)
+    else:
+        print("stopped", file=sys.stderr)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Exit 0: up and healthy; 1: some component is stopped or unhealthy; 3: no cluster."""
+    try:
+        cluster = Cluster.load(args.dir)
+    except ClusterNotRunning as e:
+        # "Not running" is an answer, not a failure of `status`; the exit code tells scripts which.
+        print(str(e))
+        return 3
+    statuses = cluster.status()
+    print(f"cluster folder  {cluster.dir}")
+    print(f"API server      {cluster.server}")
+    print(f"kubeconfig      {cluster.kubeconfig}")
+    print()
+    print(f"{'component':<26}{'pid':>8}  {'state':<10}{'RSS MiB':>8}")
+    for s in statuses:
+        state = "healthy" if s.healthy else "UNHEALTHY" if s.running else "STOPPED"
+        print(f"{s.name:<26}{s.pid:>8}  {state:<10}{s.rss_bytes / 2**20:>8.0f}")
+    print(f"{'total':<26}{'':>8}  {'':<10}{sum(s.rss_bytes for s in statuses) / 2**20:>8.0f}")
+    healthy = len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
+    if healthy:
+        print()
+        print(cluster.kubectl("get", "nodes", "-L",
+                              "nvidia.com/gpu.product,nvidia.com/gpu.count"), end="")
+    return 0 if healthy else 1
+
+
+def _env(args: argparse.Namespace) -> int:
+    cluster = Cluster.attach(args.dir)
+    print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
+    # Lets `pytest tests/cluster` reuse this cluster instead of starting its own.
+    print(f"export MIG_AGENT_TEST_CLUSTER_DIR={shlex.quote(str(cluster.dir))}")
+    return 0

@@ -1,0 +1,142 @@
+"""Start, identify and stop the cluster's processes, each in a process group of its own.
+
+A PID alone is a weak handle: after a reboot or a long pause the number may belong to some other
+program. Each started process is therefore recorded with its kernel start time (field 22 of
+/proc/<pid>/stat), and `stop` signals a PID only while that start time still matches, so it can
+never hit a stranger. Processes are started with `start_new_session=True`: each is the leader of
+its own group (pgid == pid), is detached from the terminal that ran `up`, and is stopped together
+with any child it forks by signalling that one group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True, slots=True)
+class Proc:
+    """A process this cluster started: its name (`etcd`, `kube-apiserver`, ...), PID, start time."""
+
+    name: str
+    pid: int
+    start_ticks: int
+
+    def alive(self) -> bool:
+        """Whether this very process (same PID *and* start time) still runs and is not a zombie."""
+        stat = _read_stat(self.pid)
+        return stat is not None and stat[1] == self.start_ticks and stat[0] != "Z"
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the process (0 when it is gone)."""
+        if not self.alive():
+            return 0
+        try:
+            pages = int(Path(f"/proc/{self.pid}/statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+        return pages * _PAGE_SIZE
+
+
+def _read_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of `pid`, or None if there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; fields after the last ')' cannot.
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[19])
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that are free on 127.0.0.1 right now.
+
+    All sockets stay open until every port is chosen so the kernel hands out distinct ports; they
+    are closed before the servers bind. Another program could grab one in between, and the server
+    would then fail to start with "address already in use" in its log: rare on a dev machine, and
+    the price of not hard-coding ports (which would stop two clusters running side by side).
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def spawn(name: str, argv: Sequence[str], log: Path) -> Proc:
+    """Start `argv` in a new session, stdout and stderr appended to `log`, stdin from /dev/null."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        # posix_spawn rather than subprocess.Popen: the process must outlive this Python process
+        # (`up` returns to the shell), and a Popen object would want to be waited for. Python opens
+        # its own descriptors close-on-exec, so only these three reach the child.
+        pid = os.posix_spawn(
+            argv[0], list(argv), os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, devnull, 0),
+                (os.POSIX_SPAWN_DUP2, out, 1),
+                (os.POSIX_SPAWN_DUP2, out, 2),
+            ],
+            setsid=True,
+        )
+    finally:
+        os.close(out)
+        os.close(devnull)
+    stat = _read_stat(pid)
+    if stat is None or stat[0] == "Z":  # died at once (bad flag, missing library)
+        _reap(pid)
+        raise RuntimeError(f"{name} exited immediately; see {log}")
+    return Proc(name, pid, stat[1])
+
+
+def stop(procs: Sequence[Proc], timeout: float = 10.0) -> list[str]:
+    """SIGTERM each process group, wait, SIGKILL what is left; names of those that needed SIGKILL.
+
+    Groups are signalled one after the other in the given order (callers pass the reverse of the
+    start order, so kwok and the controllers go before the API server, and etcd goes last).
+    """
+    killed: list[str] = []
+    for proc in procs:
+        if not proc.alive():
+            continue
+        _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while proc.alive() and time.monotonic() < deadline:
+            _reap(proc.pid)
+            time.sleep(0.05)
+        if proc.alive():
+            _signal_group(proc, signal.SIGKILL)
+            killed.append(proc.name)
+            while proc.alive():
+                _reap(proc.pid)
+                time.sleep(0.05)
+        _reap(proc.pid)
+    return killed
+
+
+def _signal_group(proc: Proc, sig: signal.Signals) -> None:
+    # The group id is the leader's PID; the caller has just checked that the leader is still ours.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if `pid` is our own child (as under pytest); otherwise do nothing."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
