@@ -325,7 +325,8 @@ def _refuse_duplicate_keys(node: yaml.Node, path: tuple[object, ...], seen: set[
 
 
 def _duplicate_key_error(source: str, dup: _DuplicateKey) -> InvalidConfig:
-    path, lines = dup.path, f"lines {dup.first} and {dup.again}"
+    path = dup.path
+    lines = f"line {dup.first}" if dup.first == dup.again else f"lines {dup.first} and {dup.again}"
     if path == ("mig-configs",):
         return _Where(source, dup.key).error(f"defined twice in this file ({lines})",
                                              line=dup.again)
@@ -348,7 +349,10 @@ def load_text(text: str, source: str) -> list[Layout]:
         raise _duplicate_key_error(source, dup) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
-        what = " ".join(str(s) for s in (e.context, e.problem) if s) or "syntax error"
+        what = e.problem or "syntax error"
+        if e.context:  # e.g. "while parsing a flow mapping", where that began
+            began = f" at line {e.context_mark.line + 1}" if e.context_mark else ""
+            what = f"{e.context}{began}: {what}"
         if mark is None:
             raise InvalidConfig(f"{source}: invalid YAML: {what}", file=source) from None
         line, column = mark.line + 1, mark.column + 1
@@ -417,6 +421,9 @@ class FitResult:
     reason: str = ""  # why not, when it does not fit or does not apply
     by_filter: bool = False  # a selecting rule names this model's PCI id in its device-filter
     targets: tuple[GpuLayout, ...] = ()  # the distinct partitions selected for this model
+    # Profile names those partitions use that this model does not have: a layout written for
+    # other models (NVIDIA's all-<profile> layouts select every GPU) rather than a broken one.
+    unknown_profiles: tuple[str, ...] = ()
 
 
 def fit_report(catalog: LayoutCatalog, model: GpuModel) -> list[FitResult]:
@@ -447,7 +454,12 @@ def _fit(layout: Layout, model: GpuModel) -> FitResult:
         reason = _misfit(model, target, where)
         if reason:
             break
-    return FitResult(layout.name, model.key, True, not reason, reason, by_filter, targets)
+    unknown = sorted({
+        str(p) for t in targets if t.mig_enabled for p, _ in t.devices
+        if model.mig_capable and model.resolve(str(p)) is None
+    })
+    return FitResult(layout.name, model.key, True, not reason, reason, by_filter, targets,
+                     tuple(unknown))
 
 
 def _misfit(model: GpuModel, target: GpuLayout, where: str) -> str:
