@@ -342,6 +342,93 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """The node agent: watch the own Node and reconcile until SIGTERM."""
+    import signal
+    import threading
+    import time
+
+    from mig_agent.agent import Agent
+    from mig_agent.catalog import load_catalog
+    from mig_agent.health import HealthServer
+    from mig_agent.kube.client import KubernetesCluster
+    from mig_agent.metrics import InstrumentedGpus, Metrics
+    from mig_agent.settings import Settings
+
+    settings = Settings.from_env(
+        node_name=args.node, config=(args.config_file or [None])[0], kubeconfig=args.kubeconfig,
+        backend=args.backend, sim_state=args.sim_state, metrics_port=args.metrics_port,
+        mig_strategy=args.mig_strategy)
+    if not settings.node_name:
+        raise ConfigError("no node name: pass --node or set NODE_NAME")
+    log = structlog.get_logger("mig_agent.run")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = Metrics()
+    gpus = InstrumentedGpus(_open_gpus(args), metrics)
+    cluster = KubernetesCluster.connect(settings.kubeconfig)
+    agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics)
+    server = None
+    if settings.metrics_port:
+        def healthz() -> str:
+            now = time.time()
+            if agent.last_pass_at and now - agent.last_pass_at > settings.resync_s * 2 + 60:
+                return "reconcile loop stalled"
+            if agent.watch_alive_at and now - agent.watch_alive_at > settings.watch_timeout_s * 2:
+                return "node watch stalled"
+            return ""
+
+        def readyz() -> str:
+            if agent.catalog is None:
+                return f"profile configs not loaded: {agent.catalog_error}"
+            try:
+                gpus.observe()
+            except MigAgentError as exc:
+                return f"NVML unreachable: {exc}"
+            return ""
+
+        server = HealthServer(settings.metrics_address, settings.metrics_port, metrics.registry,
+                              healthz=healthz, readyz=readyz).start()
+    log.info("agent.started", node=settings.node_name, config=settings.config,
+             backend=settings.backend, metrics_port=server.port if server else 0)
+    try:
+        agent.run(stop)
+    finally:
+        if server:
+            server.stop()
+        gpus.close()
+        cluster.close()
+    return EXIT_OK
+
+
+def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
+    """The simulated device plugin of one simulated node (local cluster only)."""
+    import signal
+    import threading
+
+    from mig_agent import sim_device_plugin
+    from mig_agent.gpu.nvml import open_backend
+    from mig_agent.kube.client import KubernetesCluster
+
+    if not args.sim_state:
+        raise ConfigError("--sim-state is required")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = KubernetesCluster.connect(args.kubeconfig or "", component="sim-device-plugin")
+    structlog.get_logger("mig_agent.sim_device_plugin").info(
+        "device_plugin.started", node=args.node)
+    try:
+        sim_device_plugin.run(
+            cluster, lambda: open_backend("simulated", sim_state=args.sim_state), node=args.node,
+            namespace=args.namespace, selector=args.selector, strategy=args.mig_strategy,
+            stop=stop)
+    finally:
+        cluster.close()
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------
 # Parser
 
@@ -401,6 +488,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-l", "--config-label", default="current", help="layout name in the output")
     _add_backend_args(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("run", help="the node agent: watch this node's layout label and apply it")
+    p.add_argument("--node", default=None, help="node name (env NODE_NAME)")
+    p.add_argument("--kubeconfig", default=None,
+                   help="kubeconfig (default: in-cluster credentials, else $KUBECONFIG)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="port of /metrics, /healthz, /readyz (env MIG_AGENT_METRICS_PORT; 0: off)")
+    p.add_argument("--mig-strategy", choices=["mixed", "single"], default=None)
+    _add_config_args(p, layout=False)
+    _add_backend_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("sim-device-plugin", help="simulated device plugin of a simulated node")
+    p.add_argument("--node", required=True)
+    p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
+    p.add_argument("--namespace", default="gpu-operator")
+    p.add_argument("--selector", default="app=nvidia-device-plugin-daemonset")
+    p.add_argument("--mig-strategy", choices=["mixed", "single"], default="mixed")
+    _add_backend_args(p)
+    p.set_defaults(func=cmd_sim_device_plugin)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

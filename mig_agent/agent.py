@@ -1,0 +1,450 @@
+"""The agent: from the node's layout label to a repartitioned node, and back to a clean node.
+
+One reconcile pass: read the node, plan against the GPUs as they are (nothing to do: ``success``,
+nothing touched), else ``pending``, cordon, pause GPU operands, drain GPU pods, apply, restart the
+device plugin and wait for the node to advertise the layout, then resume, uncordon, ``success``.
+Every failure restores operands and uncordons (in ``finally``), writes the reason (label,
+annotation, condition, event, log) and, when the cause can pass, retries with capped backoff.
+
+All progress lives on the Node (labels and annotations), so a restarted agent finishes or undoes
+what an interrupted one started. This is the only module that sequences Kubernetes and GPU I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from mig_agent import labels, planner
+from mig_agent.drain import Clock, drain_gpu_pods, wait_pods_gone
+from mig_agent.errors import (
+    ConfigError,
+    DevicePluginTimeout,
+    GpuResetRequired,
+    MigAgentError,
+)
+from mig_agent.executor import execute, verify
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef
+from mig_agent.labels import State
+from mig_agent.layout import LayoutCatalog
+from mig_agent.metrics import Metrics
+from mig_agent.models import GpuModel
+from mig_agent.resources import expected_resources, format_resources
+from mig_agent.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+class Outcome(enum.StrEnum):
+    IDLE = "idle"  # no layout label
+    NOOP = "noop"  # already applied
+    APPLIED = "applied"
+    FAILED = "failed"
+    REBOOTING = "rebooting"
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    outcome: Outcome
+    retry_after_s: float | None = None  # set for retryable failures
+    error: str = ""
+
+
+class _Rebooting(Exception):
+    """Raised past the clean-up: the node is about to reboot and stays cordoned and paused."""
+
+
+def config_fingerprint(path: str) -> tuple[tuple[str, float, int], ...]:
+    """Modification times and sizes of the config files, to notice a changed ConfigMap."""
+    p = Path(path)
+    files = sorted(p.glob("*.y*ml")) if p.is_dir() else [p]
+    out = []
+    for f in files:
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            out.append((str(f), st.st_mtime, st.st_size))
+    return tuple(out)
+
+
+def run_reboot(command: str) -> None:
+    subprocess.run(shlex.split(command), check=True, timeout=120)  # noqa: S603
+
+
+@dataclass
+class Agent:
+    settings: Settings
+    cluster: Cluster
+    gpus: GpuBackend
+    load_catalog: Callable[[str], LayoutCatalog]
+    clock: Clock = field(default_factory=Clock)
+    metrics: Metrics = field(default_factory=Metrics)
+    reboot: Callable[[str], None] = run_reboot
+
+    catalog: LayoutCatalog | None = None
+    catalog_error: str = ""
+    last_pass_at: float = 0.0
+    watch_alive_at: float = 0.0
+    _failures: int = 0
+    _fingerprint: tuple[tuple[str, float, int], ...] = ()
+    _seen: tuple[str | None, str | None] = (None, None)
+    _wake: threading.Event = field(default_factory=threading.Event)
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def reload_config(self) -> bool:
+        """Load the profile configs if they changed; True when they did (or on first load)."""
+        fp = config_fingerprint(self.settings.config)
+        if self.catalog is not None and fp == self._fingerprint:
+            return False
+        self._fingerprint = fp
+        try:
+            self.catalog = self.load_catalog(self.settings.config)
+            self.catalog_error = ""
+            log.info("config.loaded", layouts=len(self.catalog.layouts),
+                     config=self.settings.config)
+        except ConfigError as exc:
+            self.catalog_error = str(exc)
+            log.error("config.invalid", error=str(exc), config=self.settings.config)
+        return True
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def reconcile_once(self) -> PassResult:
+        s = self.settings
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(node=s.node_name)
+        self.last_pass_at = time.time()
+        node = self.cluster.get_node(s.node_name)
+        desired = node.labels.get(s.config_label)
+        self._seen = (desired, node.labels.get(s.state_label))
+        if not desired:
+            self._finish(node, None)
+            return PassResult(Outcome.IDLE)
+        structlog.contextvars.bind_contextvars(layout=desired)
+        start = self.clock.now()
+        try:
+            result = self._reconcile(node, desired)
+        except _Rebooting:
+            return PassResult(Outcome.REBOOTING)
+        except MigAgentError as exc:
+            return self._failed(desired, exc)
+        self._failures = 0
+        if result is Outcome.APPLIED:
+            self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
+            log.info("reconcile.finished", outcome=str(result),
+                     duration_s=round(self.clock.now() - start, 3))
+        return PassResult(result)
+
+    def _reconcile(self, node: NodeView, desired: str) -> Outcome:
+        s = self.settings
+        if self.catalog is None:
+            raise ConfigError(f"profile configs not loaded: {self.catalog_error}")
+        layout = self.catalog.get(desired)
+        with self.metrics.phase("plan"):
+            models = self.gpus.models()
+            # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
+            the_plan = planner.plan(layout, self.gpus.observe(), models, destroy_in_use=True)
+        interrupted = self._interrupted(node) or (
+            the_plan.is_empty and node.labels.get(s.state_label) == State.FAILED
+            and not self._resources_ok(node, models))
+        if the_plan.is_empty and not interrupted:
+            self._record_devices()
+            if node.labels.get(s.state_label) != State.SUCCESS or s.reason_annotation in \
+                    node.annotations:
+                self._succeed(node, desired, f"layout {desired} is applied; nothing to change")
+            self.metrics.last_success.set(time.time())
+            return Outcome.NOOP
+
+        changed = list(the_plan.changed_gpus)
+        log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
+        node = self._set_state(node, State.PENDING)
+        self._condition(NodeCondition(s.condition_type, "False", "Reconfiguring",
+                                      f"applying layout {desired} to GPU(s) {changed}"))
+        self._event(node, "MIGReconfiguring",
+                    f"applying layout {desired}: GPU(s) {changed} change" if changed
+                    else f"finishing layout {desired} after an interrupted pass")
+        with self._gpu_clients_paused(node) as paused:
+            if not the_plan.is_empty:
+                with self.metrics.phase("drain"):
+                    self._drain(paused)
+                with self.metrics.phase("apply"):
+                    self._apply(desired, models)
+            with self.metrics.phase("device_plugin"):
+                self._restart_device_plugin(paused)
+            with self.metrics.phase("verify"):
+                self._wait_resources(models)
+        node = self.cluster.get_node(s.node_name)
+        self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
+        return Outcome.APPLIED
+
+    def _drain(self, paused: list[str]) -> None:
+        s = self.settings
+        operand_pods = [p.ref for p in self.cluster.list_pods(node=s.node_name)
+                        if "DaemonSet" in p.owner_kinds and set(p.node_selector) & set(paused)]
+        if operand_pods:
+            log.info("operands.waiting", pods=len(operand_pods))
+            wait_pods_gone(self.cluster, operand_pods, timeout_s=s.operand_timeout_s,
+                           poll_s=s.poll_s, what="paused operand pods", clock=self.clock)
+        evicted = drain_gpu_pods(self.cluster, s.node_name, timeout_s=s.drain_timeout_s,
+                                 retry_s=s.eviction_retry_s, poll_s=s.poll_s, clock=self.clock,
+                                 exclude=operand_pods)
+        self.metrics.evictions.inc(len(evicted))
+
+    def _apply(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+        assert self.catalog is not None
+        layout = self.catalog.get(desired)
+        # Re-plan after the drain: anything still in use now is a real busy GPU (GpuBusy).
+        the_plan = planner.plan(layout, self.gpus.observe(), models)
+        try:
+            execute(the_plan, self.gpus)
+        except GpuResetRequired as exc:
+            self._reboot_or_fail(desired, exc)
+        verify(layout, self.gpus.observe(), models)
+        self._record_devices()
+
+    def _reboot_or_fail(self, desired: str, exc: GpuResetRequired) -> None:
+        s = self.settings
+        node = self.cluster.get_node(s.node_name)
+        if not s.reboot_command:
+            raise GpuResetRequired(f"{exc}; no reboot command is configured, reboot the node "
+                                   "to finish", **exc.context) from exc
+        if node.annotations.get(s.reboot_annotation) == desired:
+            raise GpuResetRequired(f"{exc}; MIG mode change did not take effect after "
+                                   "rebooting once, not rebooting again", **exc.context) from exc
+        self.cluster.patch_node(s.node_name, labels={s.state_label: State.REBOOTING},
+                                annotations={s.reboot_annotation: desired})
+        self.metrics.set_state(State.REBOOTING)
+        self._event(node, "MIGRebooting", f"{exc}; rebooting the node", warning=True)
+        log.warning("node.rebooting", error=str(exc))
+        self.reboot(s.reboot_command)
+        raise _Rebooting()
+
+    def _restart_device_plugin(self, paused: list[str]) -> None:
+        s = self.settings
+        if any(k.endswith(".device-plugin") for k in paused):
+            return  # resuming the operands brings a new device plugin pod
+        pods = self.cluster.list_pods(node=s.node_name, namespace=s.device_plugin_namespace,
+                                      label_selector=s.device_plugin_selector)
+        if not pods:
+            log.warning("device_plugin.not_found", namespace=s.device_plugin_namespace,
+                        selector=s.device_plugin_selector)
+            return
+        for p in pods:
+            self.cluster.delete_pod(p.ref)
+        log.info("device_plugin.restarted", pods=[p.ref.name for p in pods])
+
+    def _resources_ok(self, node: NodeView, models: Mapping[int, GpuModel]) -> bool:
+        """True unless a device plugin runs here and advertises other resources than the GPUs'."""
+        s = self.settings
+        if not self.cluster.list_pods(node=s.node_name, namespace=s.device_plugin_namespace,
+                                      label_selector=s.device_plugin_selector):
+            return True
+        return node.gpu_resources() == expected_resources(self.gpus.observe(), models,
+                                                          s.mig_strategy)
+
+    def _wait_resources(self, models: Mapping[int, GpuModel]) -> None:
+        """Resume operands first if the device plugin is one of them, then wait for the node."""
+        s = self.settings
+        node = self.cluster.get_node(s.node_name)
+        resume = labels.resume_patch(node.labels, s.operand_labels)
+        if any(k.endswith(".device-plugin") for k in resume):
+            self.cluster.patch_node(s.node_name, labels=resume)
+        has_plugin = bool(resume) or bool(self.cluster.list_pods(
+            node=s.node_name, namespace=s.device_plugin_namespace,
+            label_selector=s.device_plugin_selector))
+        want = expected_resources(self.gpus.observe(), models, s.mig_strategy)
+        if not has_plugin:
+            log.warning("device_plugin.skipped_wait", expected=want)
+            return
+        deadline = self.clock.now() + s.device_plugin_timeout_s
+        while True:
+            have = self.cluster.get_node(s.node_name).gpu_resources()
+            if have == want:
+                log.info("device_plugin.resources_match", resources=want)
+                return
+            if self.clock.now() >= deadline:
+                raise DevicePluginTimeout(
+                    f"node resources do not match the layout after "
+                    f"{s.device_plugin_timeout_s:.0f} s: expected {format_resources(want)}, node "
+                    f"advertises {format_resources(have)}", expected=want, advertised=have)
+            self.clock.sleep(s.poll_s)
+
+    # -- cordon and operands ------------------------------------------------------------------
+
+    def _interrupted(self, node: NodeView) -> bool:
+        s = self.settings
+        return (node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING)
+                or s.cordon_annotation in node.annotations
+                or s.paused_annotation in node.annotations)
+
+    @contextlib.contextmanager
+    def _gpu_clients_paused(self, node: NodeView) -> Iterator[list[str]]:
+        """Cordon (unless already cordoned by someone else) and pause operands; always undo."""
+        s = self.settings
+        annotations: dict[str, str | None] = {}
+        if not node.unschedulable:
+            annotations[s.cordon_annotation] = "true"
+        pause = labels.pause_patch(node.labels, s.operand_labels)
+        already = [k for k in s.operand_labels if node.labels.get(k) == labels.PAUSED]
+        paused = sorted({*pause, *already})
+        if paused:
+            annotations[s.paused_annotation] = ",".join(paused)
+        if annotations or pause:
+            # Annotations first in the same patch: a crash right after leaves a trail to undo.
+            self.cluster.patch_node(s.node_name, labels=pause, annotations=annotations,
+                                    unschedulable=True if not node.unschedulable else None)
+            log.info("node.paused", cordoned=not node.unschedulable, operands=paused)
+        try:
+            yield paused
+        except _Rebooting:
+            raise
+        except BaseException:
+            with contextlib.suppress(MigAgentError):
+                self._finish(self.cluster.get_node(s.node_name), None)
+            raise
+        self._finish(self.cluster.get_node(s.node_name), None)
+
+    def _finish(self, node: NodeView, _unused: object) -> None:
+        """Resume paused operands and uncordon if this agent cordoned; idempotent."""
+        s = self.settings
+        resume = labels.resume_patch(node.labels, s.operand_labels)
+        annotations: dict[str, str | None] = {}
+        uncordon = None
+        if s.cordon_annotation in node.annotations:
+            annotations[s.cordon_annotation] = None
+            uncordon = False
+        if s.paused_annotation in node.annotations:
+            annotations[s.paused_annotation] = None
+        if resume or annotations:
+            self.cluster.patch_node(s.node_name, labels=resume, annotations=annotations,
+                                    unschedulable=uncordon)
+            log.info("node.resumed", uncordoned=uncordon is False, operands=sorted(resume))
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def _set_state(self, node: NodeView, state: State) -> NodeView:
+        s = self.settings
+        self.metrics.set_state(state)
+        if node.labels.get(s.state_label) == state:
+            return node
+        log.info("labels.patched", state=str(state))
+        return self.cluster.patch_node(s.node_name, labels={s.state_label: str(state)})
+
+    def _succeed(self, node: NodeView, desired: str, message: str) -> None:
+        s = self.settings
+        self.cluster.patch_node(
+            s.node_name, labels={s.state_label: State.SUCCESS},
+            annotations={s.reason_annotation: None, s.reboot_annotation: None})
+        self.metrics.set_state(State.SUCCESS)
+        self.metrics.last_success.set(time.time())
+        self._condition(NodeCondition(s.condition_type, "True", "Applied", message))
+        self._event(node, "MIGConfigApplied", message)
+        self._seen = (desired, State.SUCCESS)
+        log.info("reconcile.succeeded", message=message)
+
+    def _failed(self, desired: str, exc: MigAgentError) -> PassResult:
+        s = self.settings
+        reason = str(exc)
+        retry = None
+        if exc.retryable:
+            self._failures += 1
+            retry = min(s.backoff_s * 2 ** (self._failures - 1), s.backoff_max_s)
+        log.error("reconcile.failed", error=reason, error_type=type(exc).__name__,
+                  retryable=exc.retryable, retry_in_s=retry,
+                  **{k: v for k, v in exc.context.items() if k not in ("node", "layout")})
+        self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
+        self.metrics.set_state(State.FAILED)
+        try:
+            node = self.cluster.patch_node(
+                s.node_name, labels={s.state_label: State.FAILED},
+                annotations={s.reason_annotation: reason[:4096]})
+            self._condition(NodeCondition(s.condition_type, "False", type(exc).__name__, reason))
+            self._event(node, "MIGConfigFailed", reason + (
+                f" (retrying in {retry:.0f} s)" if retry else " (waiting for a label or config "
+                "change)"), warning=True)
+            self._seen = (desired, State.FAILED)
+        except MigAgentError as report_exc:  # API down: retry the whole pass later
+            log.error("reconcile.report_failed", error=str(report_exc))
+            retry = retry or s.backoff_s
+        return PassResult(Outcome.FAILED, retry, reason)
+
+    def _condition(self, condition: NodeCondition) -> None:
+        with contextlib.suppress(MigAgentError):
+            self.cluster.set_node_condition(self.settings.node_name, condition)
+
+    def _event(self, node: NodeView, reason: str, message: str, *, warning: bool = False) -> None:
+        with contextlib.suppress(MigAgentError):  # events are best effort
+            self.cluster.emit_event(node, reason=reason, message=message, warning=warning)
+
+    def _record_devices(self) -> None:
+        with contextlib.suppress(MigAgentError):
+            node, models = self.gpus.observe(), self.gpus.models()
+            self.metrics.set_devices({g.index: planner.observed_devices(models[g.index], g)
+                                      for g in node.gpus})
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def watch_forever(self, stop: threading.Event) -> None:
+        """Wake the loop when someone else changes the layout or state label; reconnects."""
+        s = self.settings
+        delay = 1.0
+        while not stop.is_set():
+            try:
+                for node in self.cluster.watch_node(s.node_name, timeout_s=s.watch_timeout_s):
+                    self.watch_alive_at = time.time()
+                    delay = 1.0
+                    seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
+                    if seen != self._seen:
+                        self._wake.set()
+                    if stop.is_set():
+                        return
+                self.watch_alive_at = time.time()
+            except MigAgentError as exc:
+                log.warning("watch.failed", error=str(exc), retry_in_s=delay)
+                stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+
+    def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
+        """Reconcile on start, on label and config changes, after backoff, and every resync."""
+        watcher = threading.Thread(target=self.watch_forever, args=(stop,), daemon=True,
+                                   name="node-watch")
+        watcher.start()
+        self.reload_config()
+        next_due = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            if self._wake.is_set() or now >= next_due:
+                self._wake.clear()
+                try:
+                    result = self.reconcile_once()
+                except MigAgentError as exc:  # could not even read the node
+                    log.error("reconcile.failed", error=str(exc), error_type=type(exc).__name__)
+                    result = PassResult(Outcome.FAILED, self.settings.backoff_s, str(exc))
+                if result.outcome is Outcome.FAILED and result.retry_after_s is None:
+                    next_due = float("inf")  # wait for a label or config change
+                else:
+                    next_due = time.monotonic() + (result.retry_after_s or self.settings.resync_s)
+            timeout = max(0.05, min(config_poll_s, next_due - time.monotonic()))
+            self._wake.wait(timeout)
+            if self.reload_config():
+                self._failures = 0
+                self._wake.set()
+        log.info("agent.stopping")
+
+
+def node_name_from_env() -> str:
+    return os.environ.get("NODE_NAME", "")

@@ -1,0 +1,150 @@
+"""FakeCluster: an in-memory Cluster for unit tests of the reconcile logic.
+
+Nodes, pods, evictions blocked per pod (a stand-in for a PodDisruptionBudget), events, and a hook
+that runs on every patch so tests can play the device plugin or inject failures. The real
+behaviour is tested against a real API server (tests/cluster, tests/e2e).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from mig_agent.errors import EvictionBlocked, KubeUnavailable
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
+
+_uids = itertools.count(1)
+
+
+@dataclass
+class FakeCluster(Cluster):
+    nodes: dict[str, NodeView] = field(default_factory=dict)
+    pods: dict[PodRef, PodView] = field(default_factory=dict)
+    blocked: dict[PodRef, str] = field(default_factory=dict)  # pod -> PDB name
+    events: list[tuple[str, str, str, bool]] = field(default_factory=list)
+    evicted: list[PodRef] = field(default_factory=list)
+    on_change: Callable[[FakeCluster], None] | None = None
+    down: bool = False  # every call raises KubeUnavailable
+    fail_patch_after: int | None = None  # raise on the n-th patch from now
+
+    def add_node(self, name: str, labels: Mapping[str, str] | None = None,
+                 allocatable: Mapping[str, str] | None = None) -> NodeView:
+        node = NodeView(name, f"uid-{name}", "1", dict(labels or {}), {}, False,
+                        dict(allocatable or {}))
+        self.nodes[name] = node
+        return node
+
+    def add_pod(self, namespace: str, name: str, node: str, *, gpu: Mapping[str, int] | None = None,
+                labels: Mapping[str, str] | None = None, owner: str = "",
+                node_selector: Mapping[str, str] | None = None, ready: bool = True) -> PodRef:
+        ref = PodRef(namespace, name, f"pod-{next(_uids)}")
+        self.pods[ref] = PodView(ref, node, "Running", ready, False, dict(labels or {}), {},
+                                 (owner,) if owner else (), dict(node_selector or {}),
+                                 dict(gpu or {}))
+        return ref
+
+    def _check(self) -> None:
+        if self.down:
+            raise KubeUnavailable("API server unreachable (fake)")
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+    # Cluster
+    def get_node(self, name: str) -> NodeView:
+        self._check()
+        return self.nodes[name]
+
+    def list_nodes(self, label_selector: str = "") -> list[NodeView]:
+        self._check()
+        want = dict(kv.split("=", 1) for kv in label_selector.split(",") if "=" in kv)
+        return [n for n in self.nodes.values()
+                if all(n.labels.get(k) == v for k, v in want.items())]
+
+    def patch_node(self, name: str, *, labels: Mapping[str, str | None] | None = None,
+                   annotations: Mapping[str, str | None] | None = None,
+                   unschedulable: bool | None = None) -> NodeView:
+        self._check()
+        if self.fail_patch_after is not None:
+            self.fail_patch_after -= 1
+            if self.fail_patch_after < 0:
+                self.fail_patch_after = None
+                raise KubeUnavailable("injected patch failure")
+        node = self.nodes[name]
+        new_labels = _merge(node.labels, labels or {})
+        new_ann = _merge(node.annotations, annotations or {})
+        node = dataclasses.replace(
+            node, labels=new_labels, annotations=new_ann,
+            unschedulable=node.unschedulable if unschedulable is None else unschedulable,
+            resource_version=str(int(node.resource_version) + 1))
+        self.nodes[name] = node
+        self._changed()
+        return self.nodes[name]
+
+    def set_node_condition(self, name: str, condition: NodeCondition) -> None:
+        self._check()
+        node = self.nodes[name]
+        conds = tuple(c for c in node.conditions if c.type != condition.type) + (condition,)
+        self.nodes[name] = dataclasses.replace(node, conditions=conds)
+
+    def patch_node_resources(self, name: str, resources: Mapping[str, int]) -> None:
+        self._check()
+        node = self.nodes[name]
+        alloc = dict(node.allocatable)
+        alloc.update({k: str(v) for k, v in resources.items()})
+        self.nodes[name] = dataclasses.replace(node, allocatable=alloc, capacity=dict(alloc))
+
+    def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
+        self._check()
+        yield self.nodes[name]
+
+    def list_pods(self, *, node: str | None = None, namespace: str | None = None,
+                  label_selector: str = "") -> list[PodView]:
+        self._check()
+        want = dict(kv.split("=", 1) for kv in label_selector.split(",") if "=" in kv)
+        return [p for p in self.pods.values()
+                if (node is None or p.node == node)
+                and (namespace is None or p.ref.namespace == namespace)
+                and all(p.labels.get(k) == v for k, v in want.items())]
+
+    def get_pod(self, ref: PodRef) -> PodView | None:
+        self._check()
+        for p in self.pods.values():
+            if p.ref.namespace == ref.namespace and p.ref.name == ref.name and (
+                not ref.uid or p.ref.uid == ref.uid
+            ):
+                return p
+        return None
+
+    def evict(self, ref: PodRef) -> None:
+        self._check()
+        if ref in self.blocked:
+            raise EvictionBlocked(f"eviction of pod {ref} refused: PodDisruptionBudget "
+                                  f"{ref.namespace}/{self.blocked[ref]} does not allow it",
+                                  pod=str(ref), pdb=self.blocked[ref])
+        self.pods.pop(ref, None)
+        self.evicted.append(ref)
+        self._changed()
+
+    def delete_pod(self, ref: PodRef) -> None:
+        self._check()
+        self.pods.pop(ref, None)
+        self._changed()
+
+    def emit_event(self, node: NodeView, *, reason: str, message: str,
+                   warning: bool = False) -> None:
+        self._check()
+        self.events.append((node.name, reason, message, warning))
+
+
+def _merge(old: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:
+    out = dict(old)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,127 @@
+"""Settings of the agent: one frozen dataclass, read from the environment, overridden by flags.
+
+Every setting has an environment twin ``MIG_AGENT_<NAME>`` (upper case); the node name also comes
+from ``NODE_NAME`` as a DaemonSet passes it through the downward API. Label keys are settings, so
+the agent can run beside NVIDIA's MIG Manager under other keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mig_agent.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    node_name: str = ""
+    """The Node this agent owns."""
+    config: str = "/etc/mig-agent/profiles"
+    """Profile config file or folder (a ConfigMap mount)."""
+    config_label: str = "nvidia.com/mig.config"
+    """Node label that selects the layout."""
+    state_label: str = "nvidia.com/mig.config.state"
+    """Node label the agent writes: pending, rebooting, success, failed."""
+    annotation_prefix: str = "mig-agent.dev"
+    """Prefix of the agent's own annotations and its node condition."""
+    condition_type: str = "MIGConfigApplied"
+    """Node condition the agent maintains (status True when the layout is applied)."""
+    operand_labels: tuple[str, ...] = (
+        "nvidia.com/gpu.deploy.device-plugin",
+        "nvidia.com/gpu.deploy.gpu-feature-discovery",
+        "nvidia.com/gpu.deploy.dcgm-exporter",
+        "nvidia.com/gpu.deploy.dcgm",
+        "nvidia.com/gpu.deploy.nvsm",
+        "nvidia.com/gpu.deploy.client",
+    )
+    """GPU Operator operand labels paused (``paused-for-mig-change``) during a change."""
+    device_plugin_namespace: str = "gpu-operator"
+    device_plugin_selector: str = "app=nvidia-device-plugin-daemonset"
+    """Namespace and label selector of the device plugin pod (restarted after a change)."""
+    mig_strategy: str = "mixed"
+    """How the device plugin advertises MIG devices: mixed or single."""
+    drain_timeout_s: float = 300.0
+    """How long to wait for GPU pods to go (PDBs are retried until then)."""
+    operand_timeout_s: float = 300.0
+    """How long to wait for paused operand pods to go."""
+    device_plugin_timeout_s: float = 300.0
+    """How long to wait for the device plugin to advertise the new resources."""
+    eviction_retry_s: float = 5.0
+    """Pause between eviction attempts a PodDisruptionBudget refused."""
+    poll_s: float = 1.0
+    """Poll interval while waiting for pods and resources."""
+    backoff_s: float = 5.0
+    backoff_max_s: float = 300.0
+    """Capped exponential backoff of retryable failures."""
+    resync_s: float = 300.0
+    """Reconcile at least this often even without events."""
+    watch_timeout_s: int = 300
+    """Server-side timeout of one node watch; the watch then reconnects."""
+    reboot_command: str = ""
+    """Command run when a MIG mode change needs a reboot (empty: never reboot)."""
+    backend: str = "nvml"
+    """GPU library: nvml or simulated."""
+    sim_state: str = ""
+    """State file of the simulated node (simulated backend)."""
+    metrics_port: int = 9400
+    """Port of /metrics, /healthz and /readyz (0: off)."""
+    metrics_address: str = "0.0.0.0"
+    kubeconfig: str = ""
+    """Kubeconfig file; empty: in-cluster credentials, else KUBECONFIG or ~/.kube/config."""
+    extra: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def cordon_annotation(self) -> str:
+        return f"{self.annotation_prefix}/cordoned"
+
+    @property
+    def paused_annotation(self) -> str:
+        return f"{self.annotation_prefix}/paused-operands"
+
+    @property
+    def reason_annotation(self) -> str:
+        return f"{self.annotation_prefix}/reason"
+
+    @property
+    def reboot_annotation(self) -> str:
+        return f"{self.annotation_prefix}/reboot-attempted"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``MIG_AGENT_*`` variables, then ``overrides`` (None values ignored)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "extra":
+                continue
+            raw = env.get(f"MIG_AGENT_{f.name.upper()}")
+            if f.name == "node_name" and raw is None:
+                raw = env.get("NODE_NAME")
+            if raw is not None:
+                values[f.name] = _convert(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        if settings.mig_strategy not in ("mixed", "single"):
+            raise ConfigError(f"mig strategy must be mixed or single, got {settings.mig_strategy!r}")
+        return settings
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = str(f.type)
+    try:
+        if kind == "float":
+            return float(raw)
+        if kind == "int":
+            return int(raw)
+        if kind.startswith("tuple"):
+            return tuple(x.strip() for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"MIG_AGENT_{f.name.upper()}={raw!r} is not a valid {kind}") from None
+    return raw
