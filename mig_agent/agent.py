@@ -35,7 +35,7 @@ from mig_agent.errors import (
 )
 from mig_agent.executor import execute, verify
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView
 from mig_agent.labels import State
 from mig_agent.layout import LayoutCatalog
 from mig_agent.metrics import Metrics
@@ -111,8 +111,9 @@ class Agent:
         try:
             self.catalog = self.load_catalog(self.settings.config)
             self.catalog_error = ""
-            log.info("config.loaded", layouts=len(self.catalog.layouts),
-                     config=self.settings.config)
+            log.info(
+                "config.loaded", layouts=len(self.catalog.layouts), config=self.settings.config
+            )
         except ConfigError as exc:
             self.catalog_error = str(exc)
             log.error("config.invalid", error=str(exc), config=self.settings.config)
@@ -142,8 +143,11 @@ class Agent:
         self._failures = 0
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
-            log.info("reconcile.finished", outcome=str(result),
-                     duration_s=round(self.clock.now() - start, 3))
+            log.info(
+                "reconcile.finished",
+                outcome=str(result),
+                duration_s=round(self.clock.now() - start, 3),
+            )
         return PassResult(result)
 
     def _reconcile(self, node: NodeView, desired: str) -> Outcome:
@@ -156,12 +160,16 @@ class Agent:
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
             the_plan = planner.plan(layout, self.gpus.observe(), models, destroy_in_use=True)
         interrupted = self._interrupted(node) or (
-            the_plan.is_empty and node.labels.get(s.state_label) == State.FAILED
-            and not self._resources_ok(node, models))
+            the_plan.is_empty
+            and node.labels.get(s.state_label) == State.FAILED
+            and not self._resources_ok(node, models)
+        )
         if the_plan.is_empty and not interrupted:
             self._record_devices()
-            if node.labels.get(s.state_label) != State.SUCCESS or s.reason_annotation in \
-                    node.annotations:
+            if (
+                node.labels.get(s.state_label) != State.SUCCESS
+                or s.reason_annotation in node.annotations
+            ):
                 self._succeed(node, desired, f"layout {desired} is applied; nothing to change")
             self.metrics.last_success.set(time.time())
             return Outcome.NOOP
@@ -169,11 +177,21 @@ class Agent:
         changed = list(the_plan.changed_gpus)
         log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
         node = self._set_state(node, State.PENDING)
-        self._condition(NodeCondition(s.condition_type, "False", "Reconfiguring",
-                                      f"applying layout {desired} to GPU(s) {changed}"))
-        self._event(node, "MIGReconfiguring",
-                    f"applying layout {desired}: GPU(s) {changed} change" if changed
-                    else f"finishing layout {desired} after an interrupted pass")
+        self._condition(
+            NodeCondition(
+                s.condition_type,
+                "False",
+                "Reconfiguring",
+                f"applying layout {desired} to GPU(s) {changed}",
+            )
+        )
+        self._event(
+            node,
+            "MIGReconfiguring",
+            f"applying layout {desired}: GPU(s) {changed} change"
+            if changed
+            else f"finishing layout {desired} after an interrupted pass",
+        )
         with self._gpu_clients_paused(node) as paused:
             if not the_plan.is_empty:
                 with self.metrics.phase("drain"):
@@ -190,15 +208,30 @@ class Agent:
 
     def _drain(self, paused: list[str]) -> None:
         s = self.settings
-        operand_pods = [p.ref for p in self.cluster.list_pods(node=s.node_name)
-                        if "DaemonSet" in p.owner_kinds and set(p.node_selector) & set(paused)]
+        operand_pods = [
+            p.ref
+            for p in self.cluster.list_pods(node=s.node_name)
+            if "DaemonSet" in p.owner_kinds and set(p.node_selector) & set(paused)
+        ]
         if operand_pods:
             log.info("operands.waiting", pods=len(operand_pods))
-            wait_pods_gone(self.cluster, operand_pods, timeout_s=s.operand_timeout_s,
-                           poll_s=s.poll_s, what="paused operand pods", clock=self.clock)
-        evicted = drain_gpu_pods(self.cluster, s.node_name, timeout_s=s.drain_timeout_s,
-                                 retry_s=s.eviction_retry_s, poll_s=s.poll_s, clock=self.clock,
-                                 exclude=operand_pods)
+            wait_pods_gone(
+                self.cluster,
+                operand_pods,
+                timeout_s=s.operand_timeout_s,
+                poll_s=s.poll_s,
+                what="paused operand pods",
+                clock=self.clock,
+            )
+        evicted = drain_gpu_pods(
+            self.cluster,
+            s.node_name,
+            timeout_s=s.drain_timeout_s,
+            retry_s=s.eviction_retry_s,
+            poll_s=s.poll_s,
+            clock=self.clock,
+            exclude=operand_pods,
+        )
         self.metrics.evictions.inc(len(evicted))
 
     def _apply(self, desired: str, models: Mapping[int, GpuModel]) -> None:
@@ -217,13 +250,20 @@ class Agent:
         s = self.settings
         node = self.cluster.get_node(s.node_name)
         if not s.reboot_command:
-            raise GpuResetRequired(f"{exc}; no reboot command is configured, reboot the node "
-                                   "to finish", **exc.context) from exc
+            raise GpuResetRequired(
+                f"{exc}; no reboot command is configured, reboot the node to finish", **exc.context
+            ) from exc
         if node.annotations.get(s.reboot_annotation) == desired:
-            raise GpuResetRequired(f"{exc}; MIG mode change did not take effect after "
-                                   "rebooting once, not rebooting again", **exc.context) from exc
-        self.cluster.patch_node(s.node_name, labels={s.state_label: State.REBOOTING},
-                                annotations={s.reboot_annotation: desired})
+            raise GpuResetRequired(
+                f"{exc}; MIG mode change did not take effect after "
+                "rebooting once, not rebooting again",
+                **exc.context,
+            ) from exc
+        self.cluster.patch_node(
+            s.node_name,
+            labels={s.state_label: State.REBOOTING},
+            annotations={s.reboot_annotation: desired},
+        )
         self.metrics.set_state(State.REBOOTING)
         self._event(node, "MIGRebooting", f"{exc}; rebooting the node", warning=True)
         log.warning("node.rebooting", error=str(exc))
@@ -234,11 +274,17 @@ class Agent:
         s = self.settings
         if any(k.endswith(".device-plugin") for k in paused):
             return  # resuming the operands brings a new device plugin pod
-        pods = self.cluster.list_pods(node=s.node_name, namespace=s.device_plugin_namespace,
-                                      label_selector=s.device_plugin_selector)
+        pods = self.cluster.list_pods(
+            node=s.node_name,
+            namespace=s.device_plugin_namespace,
+            label_selector=s.device_plugin_selector,
+        )
         if not pods:
-            log.warning("device_plugin.not_found", namespace=s.device_plugin_namespace,
-                        selector=s.device_plugin_selector)
+            log.warning(
+                "device_plugin.not_found",
+                namespace=s.device_plugin_namespace,
+                selector=s.device_plugin_selector,
+            )
             return
         for p in pods:
             self.cluster.delete_pod(p.ref)
@@ -247,11 +293,15 @@ class Agent:
     def _resources_ok(self, node: NodeView, models: Mapping[int, GpuModel]) -> bool:
         """True unless a device plugin runs here and advertises other resources than the GPUs'."""
         s = self.settings
-        if not self.cluster.list_pods(node=s.node_name, namespace=s.device_plugin_namespace,
-                                      label_selector=s.device_plugin_selector):
+        if not self.cluster.list_pods(
+            node=s.node_name,
+            namespace=s.device_plugin_namespace,
+            label_selector=s.device_plugin_selector,
+        ):
             return True
-        return node.gpu_resources() == expected_resources(self.gpus.observe(), models,
-                                                          s.mig_strategy)
+        return node.gpu_resources() == expected_resources(
+            self.gpus.observe(), models, s.mig_strategy
+        )
 
     def _wait_resources(self, models: Mapping[int, GpuModel]) -> None:
         """Resume operands first if the device plugin is one of them, then wait for the node."""
@@ -260,9 +310,13 @@ class Agent:
         resume = labels.resume_patch(node.labels, s.operand_labels)
         if any(k.endswith(".device-plugin") for k in resume):
             self.cluster.patch_node(s.node_name, labels=resume)
-        has_plugin = bool(resume) or bool(self.cluster.list_pods(
-            node=s.node_name, namespace=s.device_plugin_namespace,
-            label_selector=s.device_plugin_selector))
+        has_plugin = bool(resume) or bool(
+            self.cluster.list_pods(
+                node=s.node_name,
+                namespace=s.device_plugin_namespace,
+                label_selector=s.device_plugin_selector,
+            )
+        )
         want = expected_resources(self.gpus.observe(), models, s.mig_strategy)
         if not has_plugin:
             log.warning("device_plugin.skipped_wait", expected=want)
@@ -277,16 +331,21 @@ class Agent:
                 raise DevicePluginTimeout(
                     f"node resources do not match the layout after "
                     f"{s.device_plugin_timeout_s:.0f} s: expected {format_resources(want)}, node "
-                    f"advertises {format_resources(have)}", expected=want, advertised=have)
+                    f"advertises {format_resources(have)}",
+                    expected=want,
+                    advertised=have,
+                )
             self.clock.sleep(s.poll_s)
 
     # -- cordon and operands ------------------------------------------------------------------
 
     def _interrupted(self, node: NodeView) -> bool:
         s = self.settings
-        return (node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING)
-                or s.cordon_annotation in node.annotations
-                or s.paused_annotation in node.annotations)
+        return (
+            node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING)
+            or s.cordon_annotation in node.annotations
+            or s.paused_annotation in node.annotations
+        )
 
     @contextlib.contextmanager
     def _gpu_clients_paused(self, node: NodeView) -> Iterator[list[str]]:
@@ -302,14 +361,18 @@ class Agent:
             annotations[s.paused_annotation] = ",".join(paused)
         if annotations or pause:
             # Annotations first in the same patch: a crash right after leaves a trail to undo.
-            self.cluster.patch_node(s.node_name, labels=pause, annotations=annotations,
-                                    unschedulable=True if not node.unschedulable else None)
+            self.cluster.patch_node(
+                s.node_name,
+                labels=pause,
+                annotations=annotations,
+                unschedulable=True if not node.unschedulable else None,
+            )
             log.info("node.paused", cordoned=not node.unschedulable, operands=paused)
         try:
             yield paused
         except _Rebooting:
             raise
-        except BaseException:
+        except Exception:  # a kill (not an exception) leaves the trail for the next agent
             with contextlib.suppress(MigAgentError):
                 self._finish(self.cluster.get_node(s.node_name), None)
             raise
@@ -327,8 +390,9 @@ class Agent:
         if s.paused_annotation in node.annotations:
             annotations[s.paused_annotation] = None
         if resume or annotations:
-            self.cluster.patch_node(s.node_name, labels=resume, annotations=annotations,
-                                    unschedulable=uncordon)
+            self.cluster.patch_node(
+                s.node_name, labels=resume, annotations=annotations, unschedulable=uncordon
+            )
             log.info("node.resumed", uncordoned=uncordon is False, operands=sorted(resume))
 
     # -- reporting ----------------------------------------------------------------------------
@@ -344,8 +408,10 @@ class Agent:
     def _succeed(self, node: NodeView, desired: str, message: str) -> None:
         s = self.settings
         self.cluster.patch_node(
-            s.node_name, labels={s.state_label: State.SUCCESS},
-            annotations={s.reason_annotation: None, s.reboot_annotation: None})
+            s.node_name,
+            labels={s.state_label: State.SUCCESS},
+            annotations={s.reason_annotation: None, s.reboot_annotation: None},
+        )
         self.metrics.set_state(State.SUCCESS)
         self.metrics.last_success.set(time.time())
         self._condition(NodeCondition(s.condition_type, "True", "Applied", message))
@@ -360,19 +426,34 @@ class Agent:
         if exc.retryable:
             self._failures += 1
             retry = min(s.backoff_s * 2 ** (self._failures - 1), s.backoff_max_s)
-        log.error("reconcile.failed", error=reason, error_type=type(exc).__name__,
-                  retryable=exc.retryable, retry_in_s=retry,
-                  **{k: v for k, v in exc.context.items() if k not in ("node", "layout")})
+        log.error(
+            "reconcile.failed",
+            error=reason,
+            error_type=type(exc).__name__,
+            retryable=exc.retryable,
+            retry_in_s=retry,
+            **{k: v for k, v in exc.context.items() if k not in ("node", "layout")},
+        )
         self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
         self.metrics.set_state(State.FAILED)
         try:
             node = self.cluster.patch_node(
-                s.node_name, labels={s.state_label: State.FAILED},
-                annotations={s.reason_annotation: reason[:4096]})
+                s.node_name,
+                labels={s.state_label: State.FAILED},
+                annotations={s.reason_annotation: reason[:4096]},
+            )
             self._condition(NodeCondition(s.condition_type, "False", type(exc).__name__, reason))
-            self._event(node, "MIGConfigFailed", reason + (
-                f" (retrying in {retry:.0f} s)" if retry else " (waiting for a label or config "
-                "change)"), warning=True)
+            self._event(
+                node,
+                "MIGConfigFailed",
+                reason
+                + (
+                    f" (retrying in {retry:.0f} s)"
+                    if retry
+                    else " (waiting for a label or config change)"
+                ),
+                warning=True,
+            )
             self._seen = (desired, State.FAILED)
         except MigAgentError as report_exc:  # API down: retry the whole pass later
             log.error("reconcile.report_failed", error=str(report_exc))
@@ -390,8 +471,9 @@ class Agent:
     def _record_devices(self) -> None:
         with contextlib.suppress(MigAgentError):
             node, models = self.gpus.observe(), self.gpus.models()
-            self.metrics.set_devices({g.index: planner.observed_devices(models[g.index], g)
-                                      for g in node.gpus})
+            self.metrics.set_devices(
+                {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
+            )
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -420,8 +502,9 @@ class Agent:
 
     def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
         """Reconcile on start, on label and config changes, after backoff, and every resync."""
-        watcher = threading.Thread(target=self.watch_forever, args=(stop,), daemon=True,
-                                   name="node-watch")
+        watcher = threading.Thread(
+            target=self.watch_forever, args=(stop,), daemon=True, name="node-watch"
+        )
         watcher.start()
         self.reload_config()
         next_due = 0.0

@@ -56,24 +56,43 @@ def _err(text: str) -> None:
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, layout: bool = True) -> None:
-    p.add_argument("-f", "--config-file", action="append", metavar="FILE",
-                   help="profile config file or folder (repeatable; default $MIG_AGENT_CONFIG "
-                   "or profiles/)")
+    p.add_argument(
+        "-f",
+        "--config-file",
+        action="append",
+        metavar="FILE",
+        help="profile config file or folder (repeatable; default $MIG_AGENT_CONFIG or profiles/)",
+    )
     if layout:
-        p.add_argument("-c", "--layout", "--selected-config", dest="layout", metavar="LAYOUT",
-                       default=os.environ.get("MIG_AGENT_LAYOUT"),
-                       help="layout name (optional when the config holds exactly one)")
+        p.add_argument(
+            "-c",
+            "--layout",
+            "--selected-config",
+            dest="layout",
+            metavar="LAYOUT",
+            default=os.environ.get("MIG_AGENT_LAYOUT"),
+            help="layout name (optional when the config holds exactly one)",
+        )
 
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=["nvml", "simulated"],
-                   default=os.environ.get("MIG_AGENT_BACKEND", "nvml"),
-                   help="GPU library: the real NVML or the simulator (env MIG_AGENT_BACKEND)")
-    p.add_argument("--sim-state", default=os.environ.get("MIG_AGENT_SIM_STATE"),
-                   help="simulated node state file (env MIG_AGENT_SIM_STATE)")
-    p.add_argument("--sim-gpus", default=os.environ.get("MIG_AGENT_SIM_GPUS"),
-                   help="create the simulated node with these GPUs if the state file is new, "
-                   "e.g. 8xH100-80GB (env MIG_AGENT_SIM_GPUS)")
+    p.add_argument(
+        "--backend",
+        choices=["nvml", "simulated"],
+        default=os.environ.get("MIG_AGENT_BACKEND", "nvml"),
+        help="GPU library: the real NVML or the simulator (env MIG_AGENT_BACKEND)",
+    )
+    p.add_argument(
+        "--sim-state",
+        default=os.environ.get("MIG_AGENT_SIM_STATE"),
+        help="simulated node state file (env MIG_AGENT_SIM_STATE)",
+    )
+    p.add_argument(
+        "--sim-gpus",
+        default=os.environ.get("MIG_AGENT_SIM_GPUS"),
+        help="create the simulated node with these GPUs if the state file is new, "
+        "e.g. 8xH100-80GB (env MIG_AGENT_SIM_GPUS)",
+    )
 
 
 def _load(args: argparse.Namespace) -> LayoutCatalog:
@@ -86,8 +105,10 @@ def _select(catalog: LayoutCatalog, name: str | None) -> Layout:
     if name is None:
         if len(catalog.layouts) == 1:
             return next(iter(catalog.layouts.values()))
-        raise ConfigError(f"choose a layout with -c; the config has {len(catalog.layouts)}: "
-                          f"{', '.join(catalog.names())}")
+        raise ConfigError(
+            f"choose a layout with -c; the config has {len(catalog.layouts)}: "
+            f"{', '.join(catalog.names())}"
+        )
     return catalog.get(name)
 
 
@@ -136,11 +157,20 @@ def _step_json(step: Step) -> dict[str, Any]:
         case DestroyGpuInstance(gi_id=gi, profile=p, placement=x):
             return {"op": "destroy_gpu_instance", "gi_id": gi, "profile": p, "placement": pl(x)}
         case CreateGpuInstance(profile=p, profile_id=pid, placement=x):
-            return {"op": "create_gpu_instance", "profile": p, "profile_id": pid,
-                    "placement": pl(x)}
+            return {
+                "op": "create_gpu_instance",
+                "profile": p,
+                "profile_id": pid,
+                "placement": pl(x),
+            }
         case CreateComputeInstance(profile=p, profile_id=pid, gi_placement=g, placement=x):
-            return {"op": "create_compute_instance", "profile": p, "profile_id": pid,
-                    "gi_placement": pl(g), "placement": pl(x)}
+            return {
+                "op": "create_compute_instance",
+                "profile": p,
+                "profile_id": pid,
+                "gi_placement": pl(g),
+                "placement": pl(x),
+            }
     raise AssertionError(step)
 
 
@@ -149,17 +179,29 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "layout": plan.layout,
         "changes": not plan.is_empty,
         "untouched_gpus": list(plan.untouched),
-        "gpus": [{
-            "gpu": g.gpu, "model": g.model, "desired": str(g.desired),
-            "steps": [_step_json(s) for s in g.steps],
-            "destroyed_gpu_instances": g.destroyed_gpu_instances,
-            "created_gpu_instances": g.created_gpu_instances,
-            "devices": [{"profile": d.profile,
-                         "placement": {"start": d.gi_placement.start, "size": d.gi_placement.size},
-                         "compute_placement": {"start": d.ci_placement.start,
-                                               "size": d.ci_placement.size},
-                         "kept": d.kept} for d in g.devices],
-        } for g in plan.gpus],
+        "gpus": [
+            {
+                "gpu": g.gpu,
+                "model": g.model,
+                "desired": str(g.desired),
+                "steps": [_step_json(s) for s in g.steps],
+                "destroyed_gpu_instances": g.destroyed_gpu_instances,
+                "created_gpu_instances": g.created_gpu_instances,
+                "devices": [
+                    {
+                        "profile": d.profile,
+                        "placement": {"start": d.gi_placement.start, "size": d.gi_placement.size},
+                        "compute_placement": {
+                            "start": d.ci_placement.start,
+                            "size": d.ci_placement.size,
+                        },
+                        "kept": d.kept,
+                    }
+                    for d in g.devices
+                ],
+            }
+            for g in plan.gpus
+        ],
     }
 
 
@@ -170,14 +212,20 @@ def print_plan(plan: Plan) -> None:
         if g.is_empty:
             _out(f"GPU {g.gpu} ({g.model}): already {g.desired}, nothing to do")
             continue
-        _out(f"GPU {g.gpu} ({g.model}): {g.desired} -- {len(g.steps)} step(s), "
-             f"{g.destroyed_gpu_instances} GPU instance(s) destroyed, "
-             f"{g.created_gpu_instances} created")
+        _out(
+            f"GPU {g.gpu} ({g.model}): {g.desired} -- {len(g.steps)} step(s), "
+            f"{g.destroyed_gpu_instances} GPU instance(s) destroyed, "
+            f"{g.created_gpu_instances} created"
+        )
         for s in g.steps:
             _out(f"  {_step_text(s)}")
         if g.devices:
-            _out("  result: " + ", ".join(
-                f"{d.profile}@{d.gi_placement}{' (kept)' if d.kept else ''}" for d in g.devices))
+            _out(
+                "  result: "
+                + ", ".join(
+                    f"{d.profile}@{d.gi_placement}{' (kept)' if d.kept else ''}" for d in g.devices
+                )
+            )
     for i in plan.untouched:
         _out(f"GPU {i}: not selected by the layout, left as it is")
 
@@ -197,11 +245,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for key in args.gpu:
         gpu_model = _model_arg(key)
         _out(f"\n{gpu_model.key} (0x{gpu_model.pci_device_id:08X}):")
+        other = []
         for r in fit_report(catalog, gpu_model):
             if not r.applies:
                 continue
+            if not r.fits and r.unknown_profiles and not r.by_filter:
+                other.append(r.layout)  # written for other models, selects all GPUs
+                continue
             _out(f"  {r.layout:<32} {'fits' if r.fits else 'DOES NOT FIT: ' + str(r.reason)}")
             bad += not r.fits
+        if other:
+            _out(f"  (for other models, profiles unknown here: {', '.join(other)})")
     return EXIT_FAILED if bad else EXIT_OK
 
 
@@ -217,35 +271,61 @@ def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json
     for m in models.values():
         seen.setdefault(m.key, m)
     if as_json:
-        _out(json.dumps({k: [{
-            "name": p.name, "index": p.index, "id": p.id, "slices": p.slices,
-            "memory_mib": p.memory_mib, "instances": p.instance_count,
-            "multiprocessors": p.multiprocessors,
-            "engines": {"copy": p.engines.copy, "decoder": p.engines.decoder,
-                        "encoder": p.engines.encoder, "jpeg": p.engines.jpeg,
-                        "ofa": p.engines.ofa},
-            "placements": [{"start": x.start, "size": x.size} for x in p.placements],
-        } for p in m.gi_profiles] for k, m in seen.items()}, indent=2))
+        _out(
+            json.dumps(
+                {
+                    k: [
+                        {
+                            "name": p.name,
+                            "index": p.index,
+                            "id": p.id,
+                            "slices": p.slices,
+                            "memory_mib": p.memory_mib,
+                            "instances": p.instance_count,
+                            "multiprocessors": p.multiprocessors,
+                            "engines": {
+                                "copy": p.engines.copy,
+                                "decoder": p.engines.decoder,
+                                "encoder": p.engines.encoder,
+                                "jpeg": p.engines.jpeg,
+                                "ofa": p.engines.ofa,
+                            },
+                            "placements": [
+                                {"start": x.start, "size": x.size} for x in p.placements
+                            ],
+                        }
+                        for p in m.gi_profiles
+                    ]
+                    for k, m in seen.items()
+                },
+                indent=2,
+            )
+        )
         return
     for m in seen.values():
         _out(f"{m.name} ({m.key}, 0x{m.pci_device_id:08X}, {m.memory_total_mib} MiB)")
         if not m.mig_capable:
             _out("  no MIG support")
             continue
-        _out(f"  {'profile':<14}{'id':>4}{'idx':>5}{'inst':>6}{'MiB':>8}{'SM':>5}"
-             f"  CE/DEC/ENC/JPG/OFA  placements")
+        _out(
+            f"  {'profile':<14}{'id':>4}{'idx':>5}{'inst':>6}{'MiB':>8}{'SM':>5}"
+            f"  CE/DEC/ENC/JPG/OFA  placements"
+        )
         for p in m.gi_profiles:
             e = p.engines
             starts = ",".join(str(x.start) for x in p.placements)
-            _out(f"  {p.name:<14}{p.id:>4}{p.index:>5}{p.instance_count:>6}{p.memory_mib:>8}"
-                 f"{p.multiprocessors:>5}  {e.copy}/{e.decoder}/{e.encoder}/{e.jpeg}/{e.ofa:<10}"
-                 f"  {{{starts}}}:{p.memory_slices}")
+            _out(
+                f"  {p.name:<14}{p.id:>4}{p.index:>5}{p.instance_count:>6}{p.memory_mib:>8}"
+                f"{p.multiprocessors:>5}  {e.copy}/{e.decoder}/{e.encoder}/{e.jpeg}/{e.ofa:<10}"
+                f"  {{{starts}}}:{p.memory_slices}"
+            )
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
     if args.gpu:
-        print_profiles({str(i): _model_arg(k) for i, k in enumerate(args.gpu)},
-                       as_json=args.output == "json")
+        print_profiles(
+            {str(i): _model_arg(k) for i, k in enumerate(args.gpu)}, as_json=args.output == "json"
+        )
         return EXIT_OK
     gpus = _open_gpus(args)
     try:
@@ -289,8 +369,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
     layout = _select(_load(args), args.layout)
     gpus = _open_gpus(args)
     try:
-        report = apply_layout(layout, gpus, destroy_in_use=args.destroy_in_use,
-                              reset=not args.skip_reset, dry_run=args.dry_run)
+        report = apply_layout(
+            layout,
+            gpus,
+            destroy_in_use=args.destroy_in_use,
+            reset=not args.skip_reset,
+            dry_run=args.dry_run,
+        )
     finally:
         gpus.close()
     if args.dry_run:
@@ -300,9 +385,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
         _out(f"layout {layout.name} already applied; nothing changed")
         return EXIT_OK
     for r in sorted(report.gpus.values(), key=lambda r: r.gpu):
-        _out(f"GPU {r.gpu}: destroyed {r.destroyed_gpu_instances} GPU instance(s), created "
-             f"{r.created_gpu_instances}" + (", MIG mode set" if r.mig_mode_set else "")
-             + (", reset" if r.reset else ""))
+        _out(
+            f"GPU {r.gpu}: destroyed {r.destroyed_gpu_instances} GPU instance(s), created "
+            f"{r.created_gpu_instances}"
+            + (", MIG mode set" if r.mig_mode_set else "")
+            + (", reset" if r.reset else "")
+        )
     _out(f"layout {layout.name} applied in {report.duration_s:.2f} s")
     return EXIT_OK
 
@@ -319,8 +407,10 @@ def cmd_assert(args: argparse.Namespace) -> int:
     if the_plan.is_empty:
         _out(f"layout {layout.name} is applied")
         return EXIT_OK
-    _err(f"layout {layout.name} is not applied: GPU(s) "
-         f"{', '.join(map(str, the_plan.changed_gpus))} differ")
+    _err(
+        f"layout {layout.name} is not applied: GPU(s) "
+        f"{', '.join(map(str, the_plan.changed_gpus))} differ"
+    )
     return EXIT_FAILED
 
 
@@ -337,8 +427,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         import yaml
 
-        _out(yaml.safe_dump(snapshot.export_config(node, models, name=args.config_label),
-                            sort_keys=False).rstrip())
+        _out(
+            yaml.safe_dump(
+                snapshot.export_config(node, models, name=args.config_label), sort_keys=False
+            ).rstrip()
+        )
     return EXIT_OK
 
 
@@ -356,9 +449,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mig_agent.settings import Settings
 
     settings = Settings.from_env(
-        node_name=args.node, config=(args.config_file or [None])[0], kubeconfig=args.kubeconfig,
-        backend=args.backend, sim_state=args.sim_state, metrics_port=args.metrics_port,
-        mig_strategy=args.mig_strategy)
+        node_name=args.node,
+        config=(args.config_file or [None])[0],
+        kubeconfig=args.kubeconfig,
+        backend=args.backend,
+        sim_state=args.sim_state,
+        metrics_port=args.metrics_port,
+        mig_strategy=args.mig_strategy,
+    )
     if not settings.node_name:
         raise ConfigError("no node name: pass --node or set NODE_NAME")
     log = structlog.get_logger("mig_agent.run")
@@ -371,6 +469,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics)
     server = None
     if settings.metrics_port:
+
         def healthz() -> str:
             now = time.time()
             if agent.last_pass_at and now - agent.last_pass_at > settings.resync_s * 2 + 60:
@@ -388,10 +487,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                 return f"NVML unreachable: {exc}"
             return ""
 
-        server = HealthServer(settings.metrics_address, settings.metrics_port, metrics.registry,
-                              healthz=healthz, readyz=readyz).start()
-    log.info("agent.started", node=settings.node_name, config=settings.config,
-             backend=settings.backend, metrics_port=server.port if server else 0)
+        server = HealthServer(
+            settings.metrics_address,
+            settings.metrics_port,
+            metrics.registry,
+            healthz=healthz,
+            readyz=readyz,
+        ).start()
+    log.info(
+        "agent.started",
+        node=settings.node_name,
+        config=settings.config,
+        backend=settings.backend,
+        metrics_port=server.port if server else 0,
+    )
     try:
         agent.run(stop)
     finally:
@@ -418,12 +527,18 @@ def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster = KubernetesCluster.connect(args.kubeconfig or "", component="sim-device-plugin")
     structlog.get_logger("mig_agent.sim_device_plugin").info(
-        "device_plugin.started", node=args.node)
+        "device_plugin.started", node=args.node
+    )
     try:
         sim_device_plugin.run(
-            cluster, lambda: open_backend("simulated", sim_state=args.sim_state), node=args.node,
-            namespace=args.namespace, selector=args.selector, strategy=args.mig_strategy,
-            stop=stop)
+            cluster,
+            lambda: open_backend("simulated", sim_state=args.sim_state),
+            node=args.node,
+            namespace=args.namespace,
+            selector=args.selector,
+            strategy=args.mig_strategy,
+            stop=stop,
+        )
     finally:
         cluster.close()
     return EXIT_OK
@@ -435,21 +550,30 @@ def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mig-agent", description="Partition NVIDIA GPUs into MIG instances from a layout.")
+        prog="mig-agent", description="Partition NVIDIA GPUs into MIG instances from a layout."
+    )
     parser.add_argument("--version", action="version", version=f"mig-agent {__version__}")
-    parser.add_argument("--log-format", choices=["auto", "json", "console"],
-                        default=os.environ.get("MIG_AGENT_LOG_FORMAT", "auto"))
+    parser.add_argument(
+        "--log-format",
+        choices=["auto", "json", "console"],
+        default=os.environ.get("MIG_AGENT_LOG_FORMAT", "auto"),
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("validate", help="check profile configs; with --gpu, which layouts fit")
     _add_config_args(p, layout=False)
-    p.add_argument("--gpu", action="append", metavar="MODEL",
-                   help=f"GPU model to check against ({', '.join(MODELS)}); repeatable")
+    p.add_argument(
+        "--gpu",
+        action="append",
+        metavar="MODEL",
+        help=f"GPU model to check against ({', '.join(MODELS)}); repeatable",
+    )
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("profiles", help="MIG profiles and placements of a GPU model or the GPUs "
-                       "present")
+    p = sub.add_parser(
+        "profiles", help="MIG profiles and placements of a GPU model or the GPUs present"
+    )
     p.add_argument("--gpu", action="append", metavar="MODEL", help="a catalog model")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     _add_backend_args(p)
@@ -459,12 +583,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--gpus", metavar="MODEL[xN]", help="plan for empty GPUs, e.g. 8xH200")
-    src.add_argument("--from", dest="from_file", metavar="FILE",
-                     help="plan from a state snapshot (mig-agent export -o json)")
+    src.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="plan from a state snapshot (mig-agent export -o json)",
+    )
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     p.add_argument("--exit-code", action="store_true", help="exit 3 when changes are needed")
-    p.add_argument("--destroy-in-use", action="store_true",
-                   help="allow destroying instances that processes use")
+    p.add_argument(
+        "--destroy-in-use",
+        action="store_true",
+        help="allow destroying instances that processes use",
+    )
     _add_backend_args(p)
     p.set_defaults(func=cmd_plan)
 
@@ -472,8 +603,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--skip-reset", action="store_true", help="never reset a GPU")
-    p.add_argument("--destroy-in-use", action="store_true",
-                   help="allow destroying instances that processes use")
+    p.add_argument(
+        "--destroy-in-use",
+        action="store_true",
+        help="allow destroying instances that processes use",
+    )
     _add_backend_args(p)
     p.set_defaults(func=cmd_apply)
 
@@ -483,18 +617,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_assert)
 
     p = sub.add_parser("export", help="the GPUs' current partition as a v1 config")
-    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml",
-                   help="yaml: a v1 config; json: every instance with its placement")
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=["yaml", "json"],
+        default="yaml",
+        help="yaml: a v1 config; json: every instance with its placement",
+    )
     p.add_argument("-l", "--config-label", default="current", help="layout name in the output")
     _add_backend_args(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("run", help="the node agent: watch this node's layout label and apply it")
     p.add_argument("--node", default=None, help="node name (env NODE_NAME)")
-    p.add_argument("--kubeconfig", default=None,
-                   help="kubeconfig (default: in-cluster credentials, else $KUBECONFIG)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="port of /metrics, /healthz, /readyz (env MIG_AGENT_METRICS_PORT; 0: off)")
+    p.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig (default: in-cluster credentials, else $KUBECONFIG)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="port of /metrics, /healthz, /readyz (env MIG_AGENT_METRICS_PORT; 0: off)",
+    )
     p.add_argument("--mig-strategy", choices=["mixed", "single"], default=None)
     _add_config_args(p, layout=False)
     _add_backend_args(p)

@@ -28,13 +28,23 @@ class Clock:
 def gpu_pods(cluster: Cluster, node: str, *, exclude: Iterable[PodRef] = ()) -> list[PodView]:
     """Pods on ``node`` that request GPU resources and have not finished."""
     skip = {(r.namespace, r.name) for r in exclude}
-    return [p for p in cluster.list_pods(node=node)
-            if p.uses_gpu and not p.finished and (p.ref.namespace, p.ref.name) not in skip]
+    return [
+        p
+        for p in cluster.list_pods(node=node)
+        if p.uses_gpu and not p.finished and (p.ref.namespace, p.ref.name) not in skip
+    ]
 
 
-def drain_gpu_pods(cluster: Cluster, node: str, *, timeout_s: float, retry_s: float,
-                   poll_s: float, clock: Clock = Clock(),
-                   exclude: Iterable[PodRef] = ()) -> list[PodRef]:
+def drain_gpu_pods(
+    cluster: Cluster,
+    node: str,
+    *,
+    timeout_s: float,
+    retry_s: float,
+    poll_s: float,
+    clock: Clock = Clock(),
+    exclude: Iterable[PodRef] = (),
+) -> list[PodRef]:
     """Evict every GPU pod on ``node`` and wait until all are gone; returns the evicted pods.
 
     Raises EvictionBlocked (naming the pod and its PodDisruptionBudget) when a budget still
@@ -44,8 +54,11 @@ def drain_gpu_pods(cluster: Cluster, node: str, *, timeout_s: float, retry_s: fl
     pods = gpu_pods(cluster, node, exclude=exclude)
     for p in pods:
         if p.is_mirror:
-            raise KubeError(f"static pod {p.ref} uses GPUs and cannot be evicted; remove it from "
-                            "the node's static pod manifests", pod=str(p.ref))
+            raise KubeError(
+                f"static pod {p.ref} uses GPUs and cannot be evicted; remove it from "
+                "the node's static pod manifests",
+                pod=str(p.ref),
+            )
     if not pods:
         return []
     log.info("drain.started", pods=len(pods), timeout_s=timeout_s)
@@ -61,8 +74,13 @@ def drain_gpu_pods(cluster: Cluster, node: str, *, timeout_s: float, retry_s: fl
                     cluster.evict(ref)
                 except EvictionBlocked as exc:
                     if ref not in blocked:
-                        log.warning("drain.blocked", pod=ref.name, namespace=ref.namespace,
-                                    pdb=exc.context.get("pdb", ""), error=str(exc))
+                        log.warning(
+                            "drain.blocked",
+                            pod=ref.name,
+                            namespace=ref.namespace,
+                            pdb=exc.context.get("pdb", ""),
+                            error=str(exc),
+                        )
                     blocked[ref] = exc
                     continue
                 blocked.pop(ref, None)
@@ -79,13 +97,22 @@ def drain_gpu_pods(cluster: Cluster, node: str, *, timeout_s: float, retry_s: fl
             if blocked:
                 raise next(iter(blocked.values()))
             names = ", ".join(sorted(str(r) for r in waiting))
-            raise DrainTimeout(f"GPU pods still terminating after {timeout_s:.0f} s: {names}",
-                               pods=sorted(str(r) for r in waiting))
+            raise DrainTimeout(
+                f"GPU pods still terminating after {timeout_s:.0f} s: {names}",
+                pods=sorted(str(r) for r in waiting),
+            )
         clock.sleep(poll_s)
 
 
-def wait_pods_gone(cluster: Cluster, refs: Iterable[PodRef], *, timeout_s: float,
-                   poll_s: float, what: str, clock: Clock = Clock()) -> None:
+def wait_pods_gone(
+    cluster: Cluster,
+    refs: Iterable[PodRef],
+    *,
+    timeout_s: float,
+    poll_s: float,
+    what: str,
+    clock: Clock = Clock(),
+) -> None:
     """Wait until none of ``refs`` exists any more (by UID); DrainTimeout naming the rest."""
     waiting = set(refs)
     deadline = clock.now() + timeout_s
@@ -95,6 +122,8 @@ def wait_pods_gone(cluster: Cluster, refs: Iterable[PodRef], *, timeout_s: float
             return
         if clock.now() >= deadline:
             names = ", ".join(sorted(str(r) for r in waiting))
-            raise DrainTimeout(f"{what} still present after {timeout_s:.0f} s: {names}",
-                               pods=sorted(str(r) for r in waiting))
+            raise DrainTimeout(
+                f"{what} still present after {timeout_s:.0f} s: {names}",
+                pods=sorted(str(r) for r in waiting),
+            )
         clock.sleep(poll_s)

@@ -47,9 +47,14 @@ class GpuReport:
 
     @property
     def touched(self) -> bool:
-        return bool(self.destroyed_gpu_instances or self.created_gpu_instances
-                    or self.destroyed_compute_instances or self.created_compute_instances
-                    or self.mig_mode_set or self.reset)
+        return bool(
+            self.destroyed_gpu_instances
+            or self.created_gpu_instances
+            or self.destroyed_compute_instances
+            or self.created_compute_instances
+            or self.mig_mode_set
+            or self.reset
+        )
 
 
 @dataclass(slots=True)
@@ -64,9 +69,15 @@ class ApplyReport:
         return any(r.touched for r in self.gpus.values())
 
 
-def apply_layout(layout: Layout, gpus: GpuBackend, *, destroy_in_use: bool = False,
-                 reset: bool = True, dry_run: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> ApplyReport:
+def apply_layout(
+    layout: Layout,
+    gpus: GpuBackend,
+    *,
+    destroy_in_use: bool = False,
+    reset: bool = True,
+    dry_run: bool = False,
+    clock: Callable[[], float] = time.monotonic,
+) -> ApplyReport:
     """Plan ``layout`` against the GPUs as they are, execute, and verify the result.
 
     Raises PlanError/GpuBusy before anything is touched when the layout cannot be reached,
@@ -89,14 +100,17 @@ def verify(layout: Layout, observed: NodeState, models: Mapping[int, GpuModel]) 
     """GpuError unless the GPUs are now exactly as ``layout`` says."""
     after = planner.plan(layout, observed, models, destroy_in_use=True)
     if not after.is_empty:
-        left = "; ".join(f"GPU {g.gpu}: {len(g.steps)} step(s) left" for g in after.gpus
-                         if not g.is_empty)
-        raise GpuError(f"layout {layout.name!r} not reached after apply ({left})",
-                       layout=layout.name)
+        left = "; ".join(
+            f"GPU {g.gpu}: {len(g.steps)} step(s) left" for g in after.gpus if not g.is_empty
+        )
+        raise GpuError(
+            f"layout {layout.name!r} not reached after apply ({left})", layout=layout.name
+        )
 
 
-def execute(the_plan: Plan, gpus: GpuBackend, *, report: ApplyReport | None = None,
-            reset: bool = True) -> ApplyReport:
+def execute(
+    the_plan: Plan, gpus: GpuBackend, *, report: ApplyReport | None = None, reset: bool = True
+) -> ApplyReport:
     """Run every step of ``the_plan`` in order; GPU instances are found by their placement."""
     report = report if report is not None else ApplyReport(the_plan.layout, the_plan)
     for gpu_plan in the_plan.gpus:
@@ -109,8 +123,9 @@ def execute(the_plan: Plan, gpus: GpuBackend, *, report: ApplyReport | None = No
     return report
 
 
-def _run(step: Step, gpus: GpuBackend, r: GpuReport, gi_ids: dict[Placement, int], *,
-         reset: bool) -> None:
+def _run(
+    step: Step, gpus: GpuBackend, r: GpuReport, gi_ids: dict[Placement, int], *, reset: bool
+) -> None:
     match step:
         case DestroyComputeInstance(gpu=g, gi_id=gi, ci_id=ci, profile=p):
             gpus.destroy_compute_instance(g, gi, ci)
@@ -134,20 +149,31 @@ def _run(step: Step, gpus: GpuBackend, r: GpuReport, gi_ids: dict[Placement, int
             if state.mig_current != on:
                 raise GpuResetRequired(
                     f"GPU {g}: MIG mode change to {'enabled' if on else 'disabled'} is pending "
-                    "and needs a GPU reset or a reboot", gpu=g)
+                    "and needs a GPU reset or a reboot",
+                    gpu=g,
+                )
         case CreateGpuInstance(gpu=g, profile=p, profile_id=pid, placement=pl):
             gi_ids[pl] = gpus.create_gpu_instance(g, pid, pl)
             r.created_gpu_instances += 1
             log.info("gpu.instance_created", gpu=g, gi_id=gi_ids[pl], profile=p, placement=str(pl))
-        case CreateComputeInstance(gpu=g, gi_placement=gpl, profile=p, profile_id=pid,
-                                   placement=pl):
-            gi = gi_ids.get(gpl)
-            if gi is None:  # a kept GPU instance: find it where it sits
-                gi = next(x.id for x in gpus.observe().gpu(g).gpu_instances if x.placement == gpl)
-                gi_ids[gpl] = gi
-            ci = gpus.create_compute_instance(g, gi, pid, pl)
+        case CreateComputeInstance(
+            gpu=g, gi_placement=gpl, profile=p, profile_id=pid, placement=pl
+        ):
+            found = gi_ids.get(gpl)
+            if found is None:  # a kept GPU instance: find it where it sits
+                found = next(
+                    x.id for x in gpus.observe().gpu(g).gpu_instances if x.placement == gpl
+                )
+                gi_ids[gpl] = found
+            ci = gpus.create_compute_instance(g, found, pid, pl)
             r.created_compute_instances += 1
-            log.info("gpu.compute_instance_created", gpu=g, gi_id=gi, ci_id=ci, profile=p,
-                     placement=str(gpl))
+            log.info(
+                "gpu.compute_instance_created",
+                gpu=g,
+                gi_id=found,
+                ci_id=ci,
+                profile=p,
+                placement=str(gpl),
+            )
         case _:
             assert_never(step)

@@ -16,8 +16,9 @@ Check = Callable[[], str]  # "" when fine, else the problem
 
 
 class HealthServer:
-    def __init__(self, address: str, port: int, registry: CollectorRegistry, *,
-                 healthz: Check, readyz: Check) -> None:
+    def __init__(
+        self, address: str, port: int, registry: CollectorRegistry, *, healthz: Check, readyz: Check
+    ) -> None:
         checks = {"/healthz": healthz, "/readyz": readyz}
 
         class Handler(BaseHTTPRequestHandler):
@@ -27,8 +28,11 @@ class HealthServer:
                     self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
                 elif path in checks:
                     problem = checks[path]()
-                    self._send(503 if problem else 200, (problem or "ok").encode() + b"\n",
-                               "text/plain; charset=utf-8")
+                    self._send(
+                        503 if problem else 200,
+                        (problem or "ok").encode() + b"\n",
+                        "text/plain; charset=utf-8",
+                    )
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
@@ -43,8 +47,9 @@ class HealthServer:
                 pass  # probes every few seconds would flood the log
 
         self._server = ThreadingHTTPServer((address, port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="health")
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, daemon=True, name="health"
+        )
 
     @property
     def port(self) -> int:

@@ -41,7 +41,8 @@ class MigProfile:
         m = _PROFILE.fullmatch(text)
         if m is None:
             raise ValueError(
-                f"{text!r} is not a MIG profile name (expected e.g. 1g.10gb, 1c.3g.40gb, 1g.10gb+me)"
+                f"{text!r} is not a MIG profile name "
+                "(expected e.g. 1g.10gb, 1c.3g.40gb, 1g.10gb+me)"
             )
         g = int(m["g"])
         c = int(m["c"]) if m["c"] else g

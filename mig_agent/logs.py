@@ -21,8 +21,9 @@ _TRACEBACKS = structlog.processors.ExceptionRenderer(
 LogFormat = Literal["auto", "json", "console"]
 
 
-def configure_logging(fmt: LogFormat = "auto", *, level: int = logging.INFO,
-                      stream: object = None, cache: bool = True) -> None:
+def configure_logging(
+    fmt: LogFormat = "auto", *, level: int = logging.INFO, stream: object = None, cache: bool = True
+) -> None:
     """Route structlog and stdlib logging to one handler on ``stream`` (stderr by default)."""
     out = stream if stream is not None else sys.stderr
     json_out = fmt == "json" or (fmt == "auto" and not getattr(out, "isatty", lambda: False)())
@@ -34,21 +35,27 @@ def configure_logging(fmt: LogFormat = "auto", *, level: int = logging.INFO,
         structlog.processors.StackInfoRenderer(),
     ]
     structlog.configure(
-        processors=[structlog.stdlib.filter_by_level, *shared,
-                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=cache,
     )
     tail: list[Processor] = (
-        [_TRACEBACKS, structlog.processors.JSONRenderer()] if json_out
+        [_TRACEBACKS, structlog.processors.JSONRenderer()]
+        if json_out
         else [structlog.dev.ConsoleRenderer(colors=False)]
     )
     handler = logging.StreamHandler(out)  # type: ignore[arg-type]
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+        )
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

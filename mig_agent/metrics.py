@@ -28,24 +28,39 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.reconfigurations = Counter(
-            "mig_agent_reconfigurations", "Reconfiguration passes that changed or tried to "
-            "change the node, by result and layout", ["result", "layout"], registry=r)
+            "mig_agent_reconfigurations",
+            "Reconfiguration passes that changed or tried to change the node, by result and layout",
+            ["result", "layout"],
+            registry=r,
+        )
         self.phase_seconds = Histogram(
-            "mig_agent_reconfiguration_phase_seconds", "Time spent per phase of a "
-            "reconfiguration", ["phase"], registry=r,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+            "mig_agent_reconfiguration_phase_seconds",
+            "Time spent per phase of a reconfiguration",
+            ["phase"],
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+        )
         self.evictions = Counter("mig_agent_evictions", "Pods evicted from the node", registry=r)
-        self.nvml_calls = Counter("mig_agent_nvml_calls", "NVML operations by call", ["call"],
-                                  registry=r)
-        self.nvml_errors = Counter("mig_agent_nvml_errors", "NVML operations that failed, by "
-                                   "call", ["call"], registry=r)
-        self.state = Gauge("mig_agent_state", "1 for the node's current MIG config state",
-                           ["state"], registry=r)
-        self.mig_devices = Gauge("mig_agent_mig_devices", "MIG devices per GPU and profile",
-                                 ["gpu", "profile"], registry=r)
-        self.last_success = Gauge("mig_agent_last_success_timestamp_seconds",
-                                  "Unix time of the last successful reconfiguration or check",
-                                  registry=r)
+        self.nvml_calls = Counter(
+            "mig_agent_nvml_calls", "NVML operations by call", ["call"], registry=r
+        )
+        self.nvml_errors = Counter(
+            "mig_agent_nvml_errors", "NVML operations that failed, by call", ["call"], registry=r
+        )
+        self.state = Gauge(
+            "mig_agent_state", "1 for the node's current MIG config state", ["state"], registry=r
+        )
+        self.mig_devices = Gauge(
+            "mig_agent_mig_devices",
+            "MIG devices per GPU and profile",
+            ["gpu", "profile"],
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "mig_agent_last_success_timestamp_seconds",
+            "Unix time of the last successful reconfiguration or check",
+            registry=r,
+        )
 
     def set_state(self, state: str) -> None:
         for s in STATES:
@@ -94,17 +109,26 @@ class InstrumentedGpus(GpuBackend):
         self._count("reset_gpu", self._inner.reset_gpu, gpu)
 
     def create_gpu_instance(self, gpu: int, profile_id: int, placement: Placement) -> int:
-        return self._count("create_gpu_instance", self._inner.create_gpu_instance, gpu,
-                           profile_id, placement)
+        return self._count(
+            "create_gpu_instance", self._inner.create_gpu_instance, gpu, profile_id, placement
+        )
 
-    def create_compute_instance(self, gpu: int, gi_id: int, profile_id: int,
-                                placement: Placement) -> int:
-        return self._count("create_compute_instance", self._inner.create_compute_instance, gpu,
-                           gi_id, profile_id, placement)
+    def create_compute_instance(
+        self, gpu: int, gi_id: int, profile_id: int, placement: Placement
+    ) -> int:
+        return self._count(
+            "create_compute_instance",
+            self._inner.create_compute_instance,
+            gpu,
+            gi_id,
+            profile_id,
+            placement,
+        )
 
     def destroy_compute_instance(self, gpu: int, gi_id: int, ci_id: int) -> None:
-        self._count("destroy_compute_instance", self._inner.destroy_compute_instance, gpu,
-                    gi_id, ci_id)
+        self._count(
+            "destroy_compute_instance", self._inner.destroy_compute_instance, gpu, gi_id, ci_id
+        )
 
     def destroy_gpu_instance(self, gpu: int, gi_id: int) -> None:
         self._count("destroy_gpu_instance", self._inner.destroy_gpu_instance, gpu, gi_id)

@@ -1,9 +1,9 @@
-"""GPU model catalog: every MIG profile each supported GPU model offers, with its NVML ids and placements.
+"""GPU model catalog: every MIG profile of each supported GPU model, NVML ids, placements.
 
-The numbers come from real readouts (nvidia-smi -lgip/-lgipp, NVML); the H200 rows are exactly the
-capture of a real H200 (driver 580.159.04). Profile *names* are not stored: they are derived from the
-profile index and memory size the way NVIDIA's Kubernetes stack derives them (`mig_name`), and a test
-checks them against the names the hardware prints.
+The numbers come from real readouts (nvidia-smi -lgip/-lgipp, NVML); the H200 rows are exactly
+the capture of a real H200 (driver 580.159.04). Profile *names* are not stored: they are derived
+from the profile index and memory size the way NVIDIA's Kubernetes stack derives them
+(`mig_name`), and a test checks them against the names the hardware prints.
 
 Pure module: data and functions of data, no I/O.
 """
@@ -29,11 +29,27 @@ class Architecture(StrEnum):
         return self is Architecture.AMPERE
 
 
-# NVML GPU-instance profile index -> (GPU slices G, name suffix). nvml.h NVML_GPU_INSTANCE_PROFILE_*.
+# NVML GPU-instance profile index -> (GPU slices G, name suffix), after nvml.h's
+# NVML_GPU_INSTANCE_PROFILE_* constants.
 GI_INDEX_SHAPE: Mapping[int, tuple[int, str]] = {
-    0: (1, ""), 1: (2, ""), 2: (3, ""), 3: (4, ""), 4: (7, ""), 5: (8, ""), 6: (6, ""),
-    7: (1, "+me"), 8: (2, "+me"), 9: (1, ""), 10: (1, "+gfx"), 11: (2, "+gfx"), 12: (4, "+gfx"),
-    13: (1, "-me"), 14: (2, "-me"), 15: (1, "+me.all"), 16: (2, "+me.all"), 17: (3, "+gfx"),
+    0: (1, ""),
+    1: (2, ""),
+    2: (3, ""),
+    3: (4, ""),
+    4: (7, ""),
+    5: (8, ""),
+    6: (6, ""),
+    7: (1, "+me"),
+    8: (2, "+me"),
+    9: (1, ""),
+    10: (1, "+gfx"),
+    11: (2, "+gfx"),
+    12: (4, "+gfx"),
+    13: (1, "-me"),
+    14: (2, "-me"),
+    15: (1, "+me.all"),
+    16: (2, "+me.all"),
+    17: (3, "+gfx"),
 }
 GI_PROFILE_INDEX_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT
 
@@ -66,7 +82,8 @@ class CiProfile:
 
 @dataclass(frozen=True, slots=True)
 class GiProfile:
-    """A GPU-instance profile: what ``nvmlDeviceGetGpuInstanceProfileInfoV`` reports, plus placements."""
+    """A GPU-instance profile: what ``nvmlDeviceGetGpuInstanceProfileInfoV`` reports, and where
+    it can be placed."""
 
     name: str  # canonical, e.g. "1g.18gb", "1g.18gb+me"
     index: int
@@ -89,7 +106,8 @@ class GiProfile:
         return next(c for c in self.ci_profiles if c.slices == self.slices)
 
     def ci_name(self, ci: CiProfile) -> str:
-        """MIG device name of ``ci`` in this GI: the GI name when it spans the GI, else ``Cc.`` + GI name."""
+        """MIG device name of ``ci`` in this GI: the GI name when it spans the GI, else
+        ``Cc.`` + GI name."""
         if ci.slices == self.slices:
             return self.name
         return f"{ci.slices}c.{self.name}"
@@ -156,7 +174,9 @@ def mig_name(index: int, memory_mib: int, total_mib: int) -> str:
     return f"{g}g.{mig_memory_gb(memory_mib, total_mib)}gb{suffix}"
 
 
-def _ci_profiles(g: int, sm_per_slice: int, gi_sms: int, rev1_sms: int | None) -> tuple[CiProfile, ...]:
+def _ci_profiles(
+    g: int, sm_per_slice: int, gi_sms: int, rev1_sms: int | None
+) -> tuple[CiProfile, ...]:
     # C <= G and, below G, 2C <= G+1 (the rule NVIDIA's tools use); count floor(G/C).
     out: list[CiProfile] = []
     for c in sorted(CI_INDEX_BY_SLICES):
@@ -170,8 +190,11 @@ def _ci_profiles(g: int, sm_per_slice: int, gi_sms: int, rev1_sms: int | None) -
         idx = CI_INDEX_BY_SLICES[c]
         out.append(CiProfile(idx, idx, c, count, sms, tuple(Placement(s, c) for s in starts)))
     if rev1_sms is not None:  # Hopper 1g REV2 GIs also offer a whole-GI CI with more SMs
-        out.append(CiProfile(CI_PROFILE_1_SLICE_REV1, CI_PROFILE_1_SLICE_REV1, 1, 1, rev1_sms,
-                             (Placement(0, 1),)))
+        out.append(
+            CiProfile(
+                CI_PROFILE_1_SLICE_REV1, CI_PROFILE_1_SLICE_REV1, 1, 1, rev1_sms, (Placement(0, 1),)
+            )
+        )
     return tuple(out)
 
 
@@ -180,87 +203,190 @@ _Row = tuple[int, int, int, int, int, int, int, int, int, int, int, tuple[int, .
 _S7 = (0, 1, 2, 3, 4, 5, 6)
 
 
-def _model(key: str, name: str, product: str, pci: int, subsys: int, total_mib: int,
-           arch: Architecture, memory_slices: int, compute_slices: int,
-           rows: tuple[_Row, ...]) -> GpuModel:
+def _model(
+    key: str,
+    name: str,
+    product: str,
+    pci: int,
+    subsys: int,
+    total_mib: int,
+    arch: Architecture,
+    memory_slices: int,
+    compute_slices: int,
+    rows: tuple[_Row, ...],
+) -> GpuModel:
     sm_1g = next((r[5] for r in rows if r[0] == 0), 0)
     profiles = []
     for idx, pid, g, mem, inst, sms, ce, dec, enc, jpg, ofa, starts, size in rows:
         rev1 = sms if (idx == 9 and arch is not Architecture.AMPERE) else None
-        profiles.append(GiProfile(
-            name=mig_name(idx, mem, total_mib), index=idx, id=pid, slices=g, memory_mib=mem,
-            instance_count=inst, multiprocessors=sms, engines=Engines(ce, dec, enc, jpg, ofa),
-            placements=tuple(Placement(s, size) for s in starts),
-            ci_profiles=_ci_profiles(g, sm_1g if idx != 9 else sm_1g, sms, rev1),
-        ))
+        profiles.append(
+            GiProfile(
+                name=mig_name(idx, mem, total_mib),
+                index=idx,
+                id=pid,
+                slices=g,
+                memory_mib=mem,
+                instance_count=inst,
+                multiprocessors=sms,
+                engines=Engines(ce, dec, enc, jpg, ofa),
+                placements=tuple(Placement(s, size) for s in starts),
+                ci_profiles=_ci_profiles(g, sm_1g if idx != 9 else sm_1g, sms, rev1),
+            )
+        )
     by_name = {p.name: p for p in profiles}
-    return GpuModel(key, name, product, pci, subsys, total_mib, arch, memory_slices,
-                    compute_slices, tuple(profiles), by_name)
+    return GpuModel(
+        key,
+        name,
+        product,
+        pci,
+        subsys,
+        total_mib,
+        arch,
+        memory_slices,
+        compute_slices,
+        tuple(profiles),
+        by_name,
+    )
 
 
 A = Architecture
-MODELS: Mapping[str, GpuModel] = {m.key: m for m in (
-    _model("A100-40GB", "NVIDIA A100-SXM4-40GB", "NVIDIA-A100-SXM4-40GB", 0x20B010DE, 0x134F10DE,
-           40536, A.AMPERE, 8, 7, (
-               (0, 19, 1, 4864, 7, 14, 1, 0, 0, 0, 0, _S7, 1),
-               (7, 20, 1, 4864, 1, 14, 1, 1, 0, 1, 1, _S7, 1),
-               (9, 15, 1, 9856, 4, 14, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
-               (1, 14, 2, 9856, 3, 28, 2, 1, 0, 0, 0, (0, 2, 4), 2),
-               (2, 9, 3, 19968, 2, 42, 3, 2, 0, 0, 0, (0, 4), 4),
-               (3, 5, 4, 19968, 1, 56, 4, 2, 0, 0, 0, (0,), 4),
-               (4, 0, 7, 40192, 1, 98, 7, 5, 0, 1, 1, (0,), 8),
-           )),
-    _model("A100-80GB", "NVIDIA A100-SXM4-80GB", "NVIDIA-A100-SXM4-80GB", 0x20B210DE, 0x147F10DE,
-           81920, A.AMPERE, 8, 7, (
-               (0, 19, 1, 9728, 7, 14, 1, 0, 0, 0, 0, _S7, 1),
-               (7, 20, 1, 9728, 1, 14, 1, 1, 0, 1, 1, _S7, 1),
-               (9, 15, 1, 19968, 4, 14, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
-               (1, 14, 2, 19968, 3, 28, 2, 1, 0, 0, 0, (0, 2, 4), 2),
-               (2, 9, 3, 40192, 2, 42, 3, 2, 0, 0, 0, (0, 4), 4),
-               (3, 5, 4, 40192, 1, 56, 4, 2, 0, 0, 0, (0,), 4),
-               (4, 0, 7, 80896, 1, 98, 7, 5, 0, 1, 1, (0,), 8),
-           )),
-    _model("A30", "NVIDIA A30", "NVIDIA-A30", 0x20B710DE, 0x153210DE, 24576, A.AMPERE, 4, 4, (
-        (0, 14, 1, 5952, 4, 14, 1, 1, 0, 0, 0, (0, 1, 2, 3), 1),
-        (7, 21, 1, 5952, 1, 14, 1, 1, 0, 1, 1, (0, 1, 2, 3), 1),
-        (1, 5, 2, 11968, 2, 28, 2, 2, 0, 0, 0, (0, 2), 2),
-        (8, 6, 2, 11968, 1, 28, 2, 2, 0, 1, 1, (0, 2), 2),
-        (3, 0, 4, 24064, 1, 56, 4, 4, 0, 1, 1, (0,), 4),
-    )),
-    _model("H100-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA-H100-80GB-HBM3", 0x233010DE, 0x16C110DE,
-           81559, A.HOPPER, 8, 7, (
-               (0, 19, 1, 9984, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
-               (7, 20, 1, 9984, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
-               (9, 15, 1, 20096, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
-               (1, 14, 2, 20096, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
-               (2, 9, 3, 40448, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
-               (3, 5, 4, 40448, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
-               (4, 0, 7, 81152, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
-           )),
-    _model("H100-NVL", "NVIDIA H100 NVL", "NVIDIA-H100-NVL", 0x232110DE, 0x183910DE,
-           95830, A.HOPPER, 8, 7, (
-               (0, 19, 1, 10880, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
-               (7, 20, 1, 10880, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
-               (9, 15, 1, 22016, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
-               (1, 14, 2, 22016, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
-               (2, 9, 3, 47232, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
-               (3, 5, 4, 47232, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
-               (4, 0, 7, 94848, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
-           )),
-    # NB: exactly the real H200 capture (reference captures h200-0x2335-*), driver 580.159.04.
-    _model("H200", "NVIDIA H200", "NVIDIA-H200", 0x233510DE, 0x18BF10DE, 143771, A.HOPPER, 8, 7, (
-        (0, 19, 1, 16384, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
-        (7, 20, 1, 16384, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
-        (9, 15, 1, 33280, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
-        (1, 14, 2, 33280, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
-        (2, 9, 3, 71424, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
-        (3, 5, 4, 71424, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
-        (4, 0, 7, 143360, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
-    )),
-    # A display GPU without MIG, as in DGX Station configs (device-filter 0x1FB010DE).
-    _model("DGX-Display", "DGX Display", "DGX-Display", 0x1FB010DE, 0x000010DE, 4096,
-           A.TURING, 0, 0, ()),
-)}
+MODELS: Mapping[str, GpuModel] = {
+    m.key: m
+    for m in (
+        _model(
+            "A100-40GB",
+            "NVIDIA A100-SXM4-40GB",
+            "NVIDIA-A100-SXM4-40GB",
+            0x20B010DE,
+            0x134F10DE,
+            40536,
+            A.AMPERE,
+            8,
+            7,
+            (
+                (0, 19, 1, 4864, 7, 14, 1, 0, 0, 0, 0, _S7, 1),
+                (7, 20, 1, 4864, 1, 14, 1, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 9856, 4, 14, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 9856, 3, 28, 2, 1, 0, 0, 0, (0, 2, 4), 2),
+                (2, 9, 3, 19968, 2, 42, 3, 2, 0, 0, 0, (0, 4), 4),
+                (3, 5, 4, 19968, 1, 56, 4, 2, 0, 0, 0, (0,), 4),
+                (4, 0, 7, 40192, 1, 98, 7, 5, 0, 1, 1, (0,), 8),
+            ),
+        ),
+        _model(
+            "A100-80GB",
+            "NVIDIA A100-SXM4-80GB",
+            "NVIDIA-A100-SXM4-80GB",
+            0x20B210DE,
+            0x147F10DE,
+            81920,
+            A.AMPERE,
+            8,
+            7,
+            (
+                (0, 19, 1, 9728, 7, 14, 1, 0, 0, 0, 0, _S7, 1),
+                (7, 20, 1, 9728, 1, 14, 1, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 19968, 4, 14, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 19968, 3, 28, 2, 1, 0, 0, 0, (0, 2, 4), 2),
+                (2, 9, 3, 40192, 2, 42, 3, 2, 0, 0, 0, (0, 4), 4),
+                (3, 5, 4, 40192, 1, 56, 4, 2, 0, 0, 0, (0,), 4),
+                (4, 0, 7, 80896, 1, 98, 7, 5, 0, 1, 1, (0,), 8),
+            ),
+        ),
+        _model(
+            "A30",
+            "NVIDIA A30",
+            "NVIDIA-A30",
+            0x20B710DE,
+            0x153210DE,
+            24576,
+            A.AMPERE,
+            4,
+            4,
+            (
+                (0, 14, 1, 5952, 4, 14, 1, 1, 0, 0, 0, (0, 1, 2, 3), 1),
+                (7, 21, 1, 5952, 1, 14, 1, 1, 0, 1, 1, (0, 1, 2, 3), 1),
+                (1, 5, 2, 11968, 2, 28, 2, 2, 0, 0, 0, (0, 2), 2),
+                (8, 6, 2, 11968, 1, 28, 2, 2, 0, 1, 1, (0, 2), 2),
+                (3, 0, 4, 24064, 1, 56, 4, 4, 0, 1, 1, (0,), 4),
+            ),
+        ),
+        _model(
+            "H100-80GB",
+            "NVIDIA H100 80GB HBM3",
+            "NVIDIA-H100-80GB-HBM3",
+            0x233010DE,
+            0x16C110DE,
+            81559,
+            A.HOPPER,
+            8,
+            7,
+            (
+                (0, 19, 1, 9984, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 9984, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 20096, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 20096, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 40448, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 40448, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 81152, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        _model(
+            "H100-NVL",
+            "NVIDIA H100 NVL",
+            "NVIDIA-H100-NVL",
+            0x232110DE,
+            0x183910DE,
+            95830,
+            A.HOPPER,
+            8,
+            7,
+            (
+                (0, 19, 1, 10880, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 10880, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 22016, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 22016, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 47232, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 47232, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 94848, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        # NB: exactly the real H200 capture (reference captures h200-0x2335-*), driver 580.159.04.
+        _model(
+            "H200",
+            "NVIDIA H200",
+            "NVIDIA-H200",
+            0x233510DE,
+            0x18BF10DE,
+            143771,
+            A.HOPPER,
+            8,
+            7,
+            (
+                (0, 19, 1, 16384, 7, 16, 1, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 16384, 1, 16, 1, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 33280, 4, 26, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 33280, 3, 32, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 71424, 2, 60, 3, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 71424, 1, 64, 4, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 143360, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        # A display GPU without MIG, as in DGX Station configs (device-filter 0x1FB010DE).
+        _model(
+            "DGX-Display",
+            "DGX Display",
+            "DGX-Display",
+            0x1FB010DE,
+            0x000010DE,
+            4096,
+            A.TURING,
+            0,
+            0,
+            (),
+        ),
+    )
+}
 
 # The GPUs' nvidia.com/gpu.product label values, for finding a model from a node label.
 MODEL_BY_PRODUCT: Mapping[str, GpuModel] = {m.product: m for m in MODELS.values()}

@@ -56,7 +56,9 @@ class CreateGpuInstance:
 
 @dataclass(frozen=True, slots=True)
 class CreateComputeInstance:
-    """Create a CI in the GPU instance at ``gi_placement`` (unique per GPU, known before it exists)."""
+    """Create a CI in the GPU instance at ``gi_placement``.
+
+    The placement is unique per GPU and known before the GI exists, unlike its id."""
 
     gpu: int
     gi_placement: Placement
@@ -65,7 +67,13 @@ class CreateComputeInstance:
     placement: Placement  # compute slices within the GI
 
 
-Step = SetMigMode | DestroyComputeInstance | DestroyGpuInstance | CreateGpuInstance | CreateComputeInstance
+Step = (
+    SetMigMode
+    | DestroyComputeInstance
+    | DestroyGpuInstance
+    | CreateGpuInstance
+    | CreateComputeInstance
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +134,9 @@ class Plan:
 # Node level
 
 
-def plan(layout: Layout, node: NodeState, models: Mapping[int, GpuModel], *,
-         destroy_in_use: bool = False) -> Plan:
+def plan(
+    layout: Layout, node: NodeState, models: Mapping[int, GpuModel], *, destroy_in_use: bool = False
+) -> Plan:
     """Plan ``layout`` for every GPU of ``node``; ``models`` gives each GPU's MIG geometry.
 
     Raises PlanError (layout unknown to these models, does not fit) or GpuBusy (an instance in
@@ -174,8 +183,9 @@ class _Present:
     pids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def plan_gpu(model: GpuModel, gpu: GpuState, desired: GpuLayout, *,
-             destroy_in_use: bool = False) -> GpuPlan:
+def plan_gpu(
+    model: GpuModel, gpu: GpuState, desired: GpuLayout, *, destroy_in_use: bool = False
+) -> GpuPlan:
     """The steps that turn ``gpu`` into ``desired``, keeping whatever can stay."""
     where = f"GPU {gpu.index} ({model.key})"
     if desired.mig_enabled and not model.mig_capable:
@@ -234,8 +244,11 @@ def plan_gpu(model: GpuModel, gpu: GpuState, desired: GpuLayout, *,
         new = _place_cis(gi.profile, [_ci_by_id(gi.profile, m) for m in missing], have)
         assert new is not None
         for ci, ci_pl in new:
-            ci_steps.append(CreateComputeInstance(gpu.index, gi.gi.placement,
-                                                  gi.profile.ci_name(ci), ci.id, ci_pl))
+            ci_steps.append(
+                CreateComputeInstance(
+                    gpu.index, gi.gi.placement, gi.profile.ci_name(ci), ci.id, ci_pl
+                )
+            )
             devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, False))
     steps.extend(ci_steps)
     devices.sort(key=lambda dv: (dv.gi_placement, dv.ci_placement))
@@ -288,7 +301,8 @@ def check_fits(model: GpuModel, gis: Sequence[GiProfile], where: str = "") -> No
         if n > gi.instance_count:
             raise PlanError(
                 f"{where}: {n} x {gi.name} requested, but {model.key} allows at most "
-                f"{gi.instance_count}", profile=gi.name,
+                f"{gi.instance_count}",
+                profile=gi.name,
             )
     mem = sum(g.memory_slices for g in gis)
     if mem > model.memory_slices:
@@ -361,7 +375,9 @@ def _matches(model: GpuModel, p: _Present, d: _Demand) -> bool:
     """Can present GI ``p`` serve demand ``d`` (same GI profile, its CIs a subset of d's)?"""
     if p.profile is None or p.profile.id != d.gi.id:
         return False
-    if not set(c.profile_id for c in p.gi.compute_instances) <= {c.id for c in p.profile.ci_profiles}:
+    if not set(c.profile_id for c in p.gi.compute_instances) <= {
+        c.id for c in p.profile.ci_profiles
+    }:
         return False
     have = Counter(c.profile_id for c in p.gi.compute_instances)
     if have - d.ci_ids:
@@ -371,14 +387,17 @@ def _matches(model: GpuModel, p: _Present, d: _Demand) -> bool:
     return _place_cis(p.profile, missing, placed) is not None
 
 
-def _choose_kept(model: GpuModel, present: list[_Present],
-                 demands: list[_Demand]) -> dict[int, int] | None:
+def _choose_kept(
+    model: GpuModel, present: list[_Present], demands: list[_Demand]
+) -> dict[int, int] | None:
     """Which present GIs stay (present index -> demand index): in-use ones first, then most.
 
     Tries keep sets from the best down; the first whose leftovers still fit wins.
     """
-    options = {i: [j for j, d in enumerate(demands) if _matches(model, p, d)]
-               for i, p in enumerate(present)}
+    options = {
+        i: [j for j, d in enumerate(demands) if _matches(model, p, d)]
+        for i, p in enumerate(present)
+    }
     candidates = [i for i, js in options.items() if js]
     subsets: list[tuple[int, ...]] = []
     for r in range(len(candidates), -1, -1):
@@ -415,8 +434,9 @@ def _assign(subset: Iterable[int], options: Mapping[int, list[int]]) -> dict[int
     return dict(result) if go(0, frozenset()) else None
 
 
-def _place_cis(gi: GiProfile, cis: Sequence[CiProfile],
-               placed: Sequence[tuple[CiProfile, Placement]]) -> list[tuple[CiProfile, Placement]] | None:
+def _place_cis(
+    gi: GiProfile, cis: Sequence[CiProfile], placed: Sequence[tuple[CiProfile, Placement]]
+) -> list[tuple[CiProfile, Placement]] | None:
     """Placements in compute slices for new ``cis`` inside a GI that already holds ``placed``."""
     mask = 0
     counts: Counter[int] = Counter()
@@ -456,13 +476,17 @@ def _refuse_in_use(where: str, doomed: Iterable[_Present], destroy_in_use: bool)
     for p in doomed:
         if p.in_use:
             name = p.profile.name if p.profile else f"profile id {p.gi.profile_id}"
-            _raise_busy(where, f"{name} at {p.gi.placement} (GPU instance {p.gi.id}) must be "
-                        "destroyed but", list(p.pids))
+            _raise_busy(
+                where,
+                f"{name} at {p.gi.placement} (GPU instance {p.gi.id}) must be destroyed but",
+                list(p.pids),
+            )
 
 
 def _raise_busy(where: str, what: str, pids: Sequence[int]) -> None:
-    raise GpuBusy(f"{where}: {what} is in use by process(es) {', '.join(map(str, pids))}",
-                  pids=list(pids))
+    raise GpuBusy(
+        f"{where}: {what} is in use by process(es) {', '.join(map(str, pids))}", pids=list(pids)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from mig_agent.planner import observed_devices
 from mig_agent.state import NodeState
 
 
-def expected_resources(node: NodeState, models: Mapping[int, GpuModel], strategy: str
-                       ) -> dict[str, int]:
+def expected_resources(
+    node: NodeState, models: Mapping[int, GpuModel], strategy: str
+) -> dict[str, int]:
     """What NVIDIA's device plugin advertises: a whole GPU per non-MIG GPU, else one resource
     per MIG device (``nvidia.com/mig-<profile>`` in mixed strategy, ``nvidia.com/gpu`` in single).
     """

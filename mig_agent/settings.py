@@ -106,7 +106,9 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         settings = cls(**values)
         if settings.mig_strategy not in ("mixed", "single"):
-            raise ConfigError(f"mig strategy must be mixed or single, got {settings.mig_strategy!r}")
+            raise ConfigError(
+                f"mig strategy must be mixed or single, got {settings.mig_strategy!r}"
+            )
         return settings
 
     def replace(self, **changes: Any) -> Settings:

@@ -25,27 +25,42 @@ def advertise(cluster: Cluster, node: str, gpus: GpuBackend, strategy: str) -> d
     """Read the GPUs, set the node's GPU resources to them (others to 0); returns what was set."""
     want = expected_resources(gpus.observe(), gpus.models(), strategy)
     current = cluster.get_node(node)
-    stale = {k: 0 for k in {*current.capacity, *current.allocatable}
-             if is_gpu_resource(k) and k not in want}
+    stale = {
+        k: 0
+        for k in {*current.capacity, *current.allocatable}
+        if is_gpu_resource(k) and k not in want
+    }
     cluster.patch_node_resources(node, {**stale, **want})
     return want
 
 
 def withdraw(cluster: Cluster, node: str) -> None:
     current = cluster.get_node(node)
-    cluster.patch_node_resources(node, {k: 0 for k in {*current.capacity, *current.allocatable}
-                                        if is_gpu_resource(k)})
+    cluster.patch_node_resources(
+        node, {k: 0 for k in {*current.capacity, *current.allocatable} if is_gpu_resource(k)}
+    )
 
 
-def run(cluster: Cluster, open_gpus: Callable[[], GpuBackend], *, node: str, namespace: str,
-        selector: str, strategy: str, stop: threading.Event, poll_s: float = 0.5) -> None:
+def run(
+    cluster: Cluster,
+    open_gpus: Callable[[], GpuBackend],
+    *,
+    node: str,
+    namespace: str,
+    selector: str,
+    strategy: str,
+    stop: threading.Event,
+    poll_s: float = 0.5,
+) -> None:
     """Advertise on every new Ready plugin pod; withdraw while there is none."""
     advertised: str | None = None
     while not stop.is_set():
         try:
-            pods = [p for p in cluster.list_pods(node=node, namespace=namespace,
-                                                 label_selector=selector)
-                    if p.ready and not p.terminating]
+            pods = [
+                p
+                for p in cluster.list_pods(node=node, namespace=namespace, label_selector=selector)
+                if p.ready and not p.terminating
+            ]
             uid = pods[0].ref.uid if pods else None
             if uid and uid != advertised:
                 gpus = open_gpus()
@@ -54,8 +69,7 @@ def run(cluster: Cluster, open_gpus: Callable[[], GpuBackend], *, node: str, nam
                 finally:
                     gpus.close()
                 advertised = uid
-                log.info("device_plugin.advertised", node=node, pod=pods[0].ref.name,
-                         resources=res)
+                log.info("device_plugin.advertised", node=node, pod=pods[0].ref.name, resources=res)
             elif uid is None and advertised is not None:
                 withdraw(cluster, node)
                 advertised = None

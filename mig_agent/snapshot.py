@@ -15,8 +15,9 @@ from mig_agent.planner import observed_devices
 from mig_agent.state import ComputeInstance, GpuInfo, GpuInstance, GpuProcess, GpuState, NodeState
 
 
-def export_config(node: NodeState, models: Mapping[int, GpuModel], *,
-                  name: str = "current") -> dict[str, Any]:
+def export_config(
+    node: NodeState, models: Mapping[int, GpuModel], *, name: str = "current"
+) -> dict[str, Any]:
     """A v1 config with one layout ``name`` describing the GPUs as they are.
 
     GPUs with the same model and partition share one entry; ``devices`` becomes ``all`` when an
@@ -60,23 +61,47 @@ def to_json(node: NodeState, models: Mapping[int, GpuModel]) -> dict[str, Any]:
             prof = m.gi_profile_by_id(gi.profile_id)
             cis = []
             for ci in gi.compute_instances:
-                ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None) \
-                    if prof else None
-                cis.append({"id": ci.id, "profile_id": ci.profile_id,
-                            "profile": prof.ci_name(ci_prof) if prof and ci_prof else None,
-                            "placement": _placement(ci.placement), "uuid": ci.uuid})
-            gis.append({"id": gi.id, "profile_id": gi.profile_id,
-                        "profile": prof.name if prof else None,
-                        "placement": _placement(gi.placement), "compute_instances": cis})
-        gpus.append({
-            "index": gpu.index, "model": m.key, "name": gpu.info.name, "uuid": gpu.info.uuid,
-            "pci_bus_id": gpu.info.pci_bus_id, "pci_device_id": f"0x{gpu.info.pci_device_id:08X}",
-            "mig_capable": gpu.mig_capable, "mig_enabled": gpu.mig_current,
-            "mig_pending": gpu.mig_pending, "gpu_instances": gis,
-            "devices": dict(sorted(observed_devices(m, gpu).items())),
-            "processes": [{"pid": p.pid, "gi_id": p.gi_id, "ci_id": p.ci_id}
-                          for p in gpu.processes],
-        })
+                ci_prof = (
+                    next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
+                    if prof
+                    else None
+                )
+                cis.append(
+                    {
+                        "id": ci.id,
+                        "profile_id": ci.profile_id,
+                        "profile": prof.ci_name(ci_prof) if prof and ci_prof else None,
+                        "placement": _placement(ci.placement),
+                        "uuid": ci.uuid,
+                    }
+                )
+            gis.append(
+                {
+                    "id": gi.id,
+                    "profile_id": gi.profile_id,
+                    "profile": prof.name if prof else None,
+                    "placement": _placement(gi.placement),
+                    "compute_instances": cis,
+                }
+            )
+        gpus.append(
+            {
+                "index": gpu.index,
+                "model": m.key,
+                "name": gpu.info.name,
+                "uuid": gpu.info.uuid,
+                "pci_bus_id": gpu.info.pci_bus_id,
+                "pci_device_id": f"0x{gpu.info.pci_device_id:08X}",
+                "mig_capable": gpu.mig_capable,
+                "mig_enabled": gpu.mig_current,
+                "mig_pending": gpu.mig_pending,
+                "gpu_instances": gis,
+                "devices": dict(sorted(observed_devices(m, gpu).items())),
+                "processes": [
+                    {"pid": p.pid, "gi_id": p.gi_id, "ci_id": p.ci_id} for p in gpu.processes
+                ],
+            }
+        )
     return {"gpus": gpus}
 
 
@@ -90,19 +115,41 @@ def from_json(data: Mapping[str, Any]) -> tuple[NodeState, dict[int, GpuModel]]:
             idx = int(g["index"])
             models[idx] = m
             gis = tuple(
-                GpuInstance(int(gi["id"]), int(gi["profile_id"]), Placement(**gi["placement"]),
-                            tuple(ComputeInstance(int(ci["id"]), int(ci["profile_id"]),
-                                                  Placement(**ci["placement"]), ci.get("uuid", ""))
-                                  for ci in gi.get("compute_instances", ())))
-                for gi in g.get("gpu_instances", ()))
-            info = GpuInfo(idx, g.get("name", m.name), g.get("uuid", f"GPU-sim-{idx}"),
-                           g.get("pci_bus_id", ""), m.pci_device_id, m.pci_subsystem_id,
-                           m.memory_total_mib)
-            procs = tuple(GpuProcess(int(p["pid"]), p.get("gi_id"), p.get("ci_id"))
-                          for p in g.get("processes", ()))
+                GpuInstance(
+                    int(gi["id"]),
+                    int(gi["profile_id"]),
+                    Placement(**gi["placement"]),
+                    tuple(
+                        ComputeInstance(
+                            int(ci["id"]),
+                            int(ci["profile_id"]),
+                            Placement(**ci["placement"]),
+                            ci.get("uuid", ""),
+                        )
+                        for ci in gi.get("compute_instances", ())
+                    ),
+                )
+                for gi in g.get("gpu_instances", ())
+            )
+            info = GpuInfo(
+                idx,
+                g.get("name", m.name),
+                g.get("uuid", f"GPU-sim-{idx}"),
+                g.get("pci_bus_id", ""),
+                m.pci_device_id,
+                m.pci_subsystem_id,
+                m.memory_total_mib,
+            )
+            procs = tuple(
+                GpuProcess(int(p["pid"]), p.get("gi_id"), p.get("ci_id"))
+                for p in g.get("processes", ())
+            )
             enabled = bool(g.get("mig_enabled", False))
-            gpus.append(GpuState(info, m.mig_capable, enabled,
-                                 bool(g.get("mig_pending", enabled)), gis, procs))
+            gpus.append(
+                GpuState(
+                    info, m.mig_capable, enabled, bool(g.get("mig_pending", enabled)), gis, procs
+                )
+            )
         return NodeState(tuple(gpus)), models
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a GPU state snapshot ({type(exc).__name__}: {exc})") from exc
@@ -111,7 +158,18 @@ def from_json(data: Mapping[str, Any]) -> tuple[NodeState, dict[int, GpuModel]]:
 def empty_node(models: list[GpuModel]) -> tuple[NodeState, dict[int, GpuModel]]:
     """GPUs of the given models with MIG disabled and nothing on them."""
     gpus = tuple(
-        GpuState(GpuInfo(i, m.name, f"GPU-planned-{i}", f"00000000:{0x18 + i:02X}:00.0",
-                         m.pci_device_id, m.pci_subsystem_id, m.memory_total_mib), m.mig_capable)
-        for i, m in enumerate(models))
+        GpuState(
+            GpuInfo(
+                i,
+                m.name,
+                f"GPU-planned-{i}",
+                f"00000000:{0x18 + i:02X}:00.0",
+                m.pci_device_id,
+                m.pci_subsystem_id,
+                m.memory_total_mib,
+            ),
+            m.mig_capable,
+        )
+        for i, m in enumerate(models)
+    )
     return NodeState(gpus), dict(enumerate(models))

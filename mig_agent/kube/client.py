@@ -1,4 +1,6 @@
-"""KubernetesCluster: the Cluster protocol over the API server. The only module importing kubernetes.
+"""KubernetesCluster: the Cluster protocol over the API server.
+
+The only module that imports kubernetes.
 
 Transient failures (5xx, throttling, connection errors) are retried here, in one place, with
 jittered capped backoff; callers see mig_agent.errors only. An eviction's 429 is not throttling:
@@ -46,9 +48,12 @@ def _is_transient(exc: BaseException) -> bool:
 
 def _log_retry(state: tenacity.RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
-    log.warning("kube.retrying", attempt=state.attempt_number,
-                wait_s=round(state.next_action.sleep, 2) if state.next_action else None,
-                error=_short(exc))
+    log.warning(
+        "kube.retrying",
+        attempt=state.attempt_number,
+        wait_s=round(state.next_action.sleep, 2) if state.next_action else None,
+        error=_short(exc),
+    )
 
 
 def _short(exc: BaseException | None) -> str:
@@ -67,8 +72,9 @@ def _kube(op: str, **context: object) -> Iterator[None]:
         cls = KubeUnavailable if _is_transient(exc) else KubeError
         raise cls(f"{op}: {exc.status} {msg}", op=op, status=exc.status, **context) from exc
     except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
-        raise KubeUnavailable(f"{op}: API server unreachable ({type(exc).__name__})",
-                              op=op, **context) from exc
+        raise KubeUnavailable(
+            f"{op}: API server unreachable ({type(exc).__name__})", op=op, **context
+        ) from exc
 
 
 def _api_message(exc: ApiException) -> str:
@@ -82,9 +88,16 @@ def _api_message(exc: ApiException) -> str:
 class KubernetesCluster(Cluster):
     """The agent's client of the API server (kubeconfig or in-cluster credentials)."""
 
-    def __init__(self, api: client.ApiClient, *, attempts: int = 5, backoff_s: float = 0.5,
-                 backoff_max_s: float = 10.0, component: str = "mig-agent",
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        attempts: int = 5,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        component: str = "mig-agent",
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._api = api
         self._core = client.CoreV1Api(api)
         self._component = component
@@ -128,9 +141,14 @@ class KubernetesCluster(Cluster):
             items = self._call(self._core.list_node, label_selector=label_selector).items
         return [_node(n) for n in items]
 
-    def patch_node(self, name: str, *, labels: Mapping[str, str | None] | None = None,
-                   annotations: Mapping[str, str | None] | None = None,
-                   unschedulable: bool | None = None) -> NodeView:
+    def patch_node(
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        unschedulable: bool | None = None,
+    ) -> NodeView:
         meta: dict[str, Any] = {}
         if labels:
             meta["labels"] = dict(labels)
@@ -140,8 +158,11 @@ class KubernetesCluster(Cluster):
         if unschedulable is not None:
             body["spec"] = {"unschedulable": unschedulable or None}
         with _kube("patch node", node=name):
-            return _node(self._call(self._core.patch_node, name, body,
-                                    _content_type="application/merge-patch+json"))
+            return _node(
+                self._call(
+                    self._core.patch_node, name, body, _content_type="application/merge-patch+json"
+                )
+            )
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -149,8 +170,13 @@ class KubernetesCluster(Cluster):
         previous = next((c for c in node.conditions if c.type == condition.type), None)
         if previous == condition:
             return
-        entry = {"type": condition.type, "status": condition.status, "reason": condition.reason,
-                 "message": condition.message[:1024], "lastHeartbeatTime": now}
+        entry = {
+            "type": condition.type,
+            "status": condition.status,
+            "reason": condition.reason,
+            "message": condition.message[:1024],
+            "lastHeartbeatTime": now,
+        }
         if previous is None or previous.status != condition.status:
             entry["lastTransitionTime"] = now
         # strategic merge: conditions merge by type, other conditions stay untouched
@@ -166,24 +192,35 @@ class KubernetesCluster(Cluster):
     def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
         w = watch.Watch()
         with _kube("watch node", node=name):
-            for event in w.stream(self._core.list_node, field_selector=f"metadata.name={name}",
-                                  timeout_seconds=timeout_s,
-                                  _request_timeout=(10, timeout_s + 30)):
+            for event in w.stream(
+                self._core.list_node,
+                field_selector=f"metadata.name={name}",
+                timeout_seconds=timeout_s,
+                _request_timeout=(10, timeout_s + 30),
+            ):
                 if event["type"] in ("ADDED", "MODIFIED"):
                     yield _node(event["object"])
 
     # pods ---------------------------------------------------------------------------------
 
-    def list_pods(self, *, node: str | None = None, namespace: str | None = None,
-                  label_selector: str = "") -> list[PodView]:
+    def list_pods(
+        self, *, node: str | None = None, namespace: str | None = None, label_selector: str = ""
+    ) -> list[PodView]:
         field = f"spec.nodeName={node}" if node else ""
         with _kube("list pods", node=node or "", namespace=namespace or ""):
             if namespace:
-                items = self._call(self._core.list_namespaced_pod, namespace,
-                                   field_selector=field, label_selector=label_selector).items
+                items = self._call(
+                    self._core.list_namespaced_pod,
+                    namespace,
+                    field_selector=field,
+                    label_selector=label_selector,
+                ).items
             else:
-                items = self._call(self._core.list_pod_for_all_namespaces, field_selector=field,
-                                   label_selector=label_selector).items
+                items = self._call(
+                    self._core.list_pod_for_all_namespaces,
+                    field_selector=field,
+                    label_selector=label_selector,
+                ).items
         return [_pod(p) for p in items]
 
     def get_pod(self, ref: PodRef) -> PodView | None:
@@ -200,17 +237,20 @@ class KubernetesCluster(Cluster):
         body = client.V1Eviction(
             metadata=client.V1ObjectMeta(name=ref.name, namespace=ref.namespace),
             delete_options=client.V1DeleteOptions(
-                preconditions=client.V1Preconditions(uid=ref.uid) if ref.uid else None),
+                preconditions=client.V1Preconditions(uid=ref.uid) if ref.uid else None
+            ),
         )
         try:
-            self._call_once_on_429(self._core.create_namespaced_pod_eviction, ref.name,
-                                   ref.namespace, body)
+            self._call_once_on_429(
+                self._core.create_namespaced_pod_eviction, ref.name, ref.namespace, body
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return  # already gone
             if exc.status == 429:
-                raise EvictionBlocked(_blocked_reason(ref, exc), pod=str(ref),
-                                      pdb=_pdb_name(exc)) from exc
+                raise EvictionBlocked(
+                    _blocked_reason(ref, exc), pod=str(ref), pdb=_pdb_name(exc)
+                ) from exc
             with _kube("evict pod", pod=str(ref)):
                 raise
         except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError):
@@ -218,13 +258,17 @@ class KubernetesCluster(Cluster):
                 raise
 
     def _call_once_on_429(self, fn: Callable[..., T], *args: Any) -> T:
-        retrying = self._retrying.copy(retry=tenacity.retry_if_exception(
-            lambda e: _is_transient(e) and not (isinstance(e, ApiException) and e.status == 429)))
+        retrying = self._retrying.copy(
+            retry=tenacity.retry_if_exception(
+                lambda e: _is_transient(e) and not (isinstance(e, ApiException) and e.status == 429)
+            )
+        )
         return retrying(fn, *args)
 
     def delete_pod(self, ref: PodRef) -> None:
         opts = client.V1DeleteOptions(
-            preconditions=client.V1Preconditions(uid=ref.uid) if ref.uid else None)
+            preconditions=client.V1Preconditions(uid=ref.uid) if ref.uid else None
+        )
         try:
             with _kube("delete pod", pod=str(ref)):
                 self._call(self._core.delete_namespaced_pod, ref.name, ref.namespace, body=opts)
@@ -234,17 +278,24 @@ class KubernetesCluster(Cluster):
 
     # events -------------------------------------------------------------------------------
 
-    def emit_event(self, node: NodeView, *, reason: str, message: str,
-                   warning: bool = False) -> None:
+    def emit_event(
+        self, node: NodeView, *, reason: str, message: str, warning: bool = False
+    ) -> None:
         now = datetime.now(UTC)
         event = client.CoreV1Event(
             metadata=client.V1ObjectMeta(generate_name=f"{node.name}.{self._component}."),
-            involved_object=client.V1ObjectReference(kind="Node", name=node.name, uid=node.uid,
-                                                     api_version="v1"),
-            reason=reason, message=message[:1024], type="Warning" if warning else "Normal",
+            involved_object=client.V1ObjectReference(
+                kind="Node", name=node.name, uid=node.uid, api_version="v1"
+            ),
+            reason=reason,
+            message=message[:1024],
+            type="Warning" if warning else "Normal",
             source=client.V1EventSource(component=self._component, host=node.name),
-            first_timestamp=now, last_timestamp=now, count=1,
-            reporting_component=self._component, reporting_instance=f"{self._component}-{node.name}"[:128],
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            reporting_component=self._component,
+            reporting_instance=f"{self._component}-{node.name}"[:128],
         )
         with _kube("create event", node=node.name):
             self._call(self._core.create_namespaced_event, "default", event)
@@ -270,12 +321,20 @@ def _pdb_name(exc: ApiException) -> str:
 
 def _node(n: Any) -> NodeView:
     meta, spec, status = n.metadata, n.spec, n.status
-    conditions = tuple(
-        NodeCondition(c.type, c.status, c.reason or "", c.message or "")
-        for c in (status.conditions or [])) if status else ()
+    conditions = (
+        tuple(
+            NodeCondition(c.type, c.status, c.reason or "", c.message or "")
+            for c in (status.conditions or [])
+        )
+        if status
+        else ()
+    )
     return NodeView(
-        name=meta.name, uid=meta.uid or "", resource_version=meta.resource_version or "",
-        labels=dict(meta.labels or {}), annotations=dict(meta.annotations or {}),
+        name=meta.name,
+        uid=meta.uid or "",
+        resource_version=meta.resource_version or "",
+        labels=dict(meta.labels or {}),
+        annotations=dict(meta.annotations or {}),
         unschedulable=bool(spec and spec.unschedulable),
         allocatable=dict((status.allocatable or {}) if status else {}),
         capacity=dict((status.capacity or {}) if status else {}),
@@ -294,13 +353,19 @@ def _pod(p: Any) -> PodView:
             for k, v in source.items():
                 if is_gpu_resource(k):
                     requests[k] = max(requests.get(k, 0), int(str(v)))
-    ready = any(c.type == "Ready" and c.status == "True"
-                for c in ((status.conditions or []) if status else []))
+    ready = any(
+        c.type == "Ready" and c.status == "True"
+        for c in ((status.conditions or []) if status else [])
+    )
     return PodView(
         ref=PodRef(meta.namespace, meta.name, meta.uid or ""),
-        node=spec.node_name or "", phase=(status.phase if status else "") or "",
-        ready=ready, terminating=meta.deletion_timestamp is not None,
-        labels=dict(meta.labels or {}), annotations=dict(meta.annotations or {}),
+        node=spec.node_name or "",
+        phase=(status.phase if status else "") or "",
+        ready=ready,
+        terminating=meta.deletion_timestamp is not None,
+        labels=dict(meta.labels or {}),
+        annotations=dict(meta.annotations or {}),
         owner_kinds=tuple(o.kind for o in (meta.owner_references or [])),
-        node_selector=dict(spec.node_selector or {}), gpu_requests=requests,
+        node_selector=dict(spec.node_selector or {}),
+        gpu_requests=requests,
     )

@@ -90,9 +90,14 @@ class Cluster(Protocol):
 
     def list_nodes(self, label_selector: str = "") -> list[NodeView]: ...
 
-    def patch_node(self, name: str, *, labels: Mapping[str, str | None] | None = None,
-                   annotations: Mapping[str, str | None] | None = None,
-                   unschedulable: bool | None = None) -> NodeView: ...
+    def patch_node(
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        unschedulable: bool | None = None,
+    ) -> NodeView: ...
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None: ...
 
@@ -104,8 +109,9 @@ class Cluster(Protocol):
         """Yield the node on every change until the server closes the watch."""
         ...
 
-    def list_pods(self, *, node: str | None = None, namespace: str | None = None,
-                  label_selector: str = "") -> list[PodView]: ...
+    def list_pods(
+        self, *, node: str | None = None, namespace: str | None = None, label_selector: str = ""
+    ) -> list[PodView]: ...
 
     def get_pod(self, ref: PodRef) -> PodView | None:
         """The pod, or None when it is gone (or replaced by one with another UID)."""
@@ -117,5 +123,6 @@ class Cluster(Protocol):
 
     def delete_pod(self, ref: PodRef) -> None: ...
 
-    def emit_event(self, node: NodeView, *, reason: str, message: str,
-                   warning: bool = False) -> None: ...
+    def emit_event(
+        self, node: NodeView, *, reason: str, message: str, warning: bool = False
+    ) -> None: ...

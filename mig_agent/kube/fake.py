@@ -29,20 +29,43 @@ class FakeCluster(Cluster):
     down: bool = False  # every call raises KubeUnavailable
     fail_patch_after: int | None = None  # raise on the n-th patch from now
 
-    def add_node(self, name: str, labels: Mapping[str, str] | None = None,
-                 allocatable: Mapping[str, str] | None = None) -> NodeView:
-        node = NodeView(name, f"uid-{name}", "1", dict(labels or {}), {}, False,
-                        dict(allocatable or {}))
+    def add_node(
+        self,
+        name: str,
+        labels: Mapping[str, str] | None = None,
+        allocatable: Mapping[str, str] | None = None,
+    ) -> NodeView:
+        node = NodeView(
+            name, f"uid-{name}", "1", dict(labels or {}), {}, False, dict(allocatable or {})
+        )
         self.nodes[name] = node
         return node
 
-    def add_pod(self, namespace: str, name: str, node: str, *, gpu: Mapping[str, int] | None = None,
-                labels: Mapping[str, str] | None = None, owner: str = "",
-                node_selector: Mapping[str, str] | None = None, ready: bool = True) -> PodRef:
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        node: str,
+        *,
+        gpu: Mapping[str, int] | None = None,
+        labels: Mapping[str, str] | None = None,
+        owner: str = "",
+        node_selector: Mapping[str, str] | None = None,
+        ready: bool = True,
+    ) -> PodRef:
         ref = PodRef(namespace, name, f"pod-{next(_uids)}")
-        self.pods[ref] = PodView(ref, node, "Running", ready, False, dict(labels or {}), {},
-                                 (owner,) if owner else (), dict(node_selector or {}),
-                                 dict(gpu or {}))
+        self.pods[ref] = PodView(
+            ref,
+            node,
+            "Running",
+            ready,
+            False,
+            dict(labels or {}),
+            {},
+            (owner,) if owner else (),
+            dict(node_selector or {}),
+            dict(gpu or {}),
+        )
         return ref
 
     def _check(self) -> None:
@@ -61,12 +84,18 @@ class FakeCluster(Cluster):
     def list_nodes(self, label_selector: str = "") -> list[NodeView]:
         self._check()
         want = dict(kv.split("=", 1) for kv in label_selector.split(",") if "=" in kv)
-        return [n for n in self.nodes.values()
-                if all(n.labels.get(k) == v for k, v in want.items())]
+        return [
+            n for n in self.nodes.values() if all(n.labels.get(k) == v for k, v in want.items())
+        ]
 
-    def patch_node(self, name: str, *, labels: Mapping[str, str | None] | None = None,
-                   annotations: Mapping[str, str | None] | None = None,
-                   unschedulable: bool | None = None) -> NodeView:
+    def patch_node(
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        unschedulable: bool | None = None,
+    ) -> NodeView:
         self._check()
         if self.fail_patch_after is not None:
             self.fail_patch_after -= 1
@@ -77,9 +106,12 @@ class FakeCluster(Cluster):
         new_labels = _merge(node.labels, labels or {})
         new_ann = _merge(node.annotations, annotations or {})
         node = dataclasses.replace(
-            node, labels=new_labels, annotations=new_ann,
+            node,
+            labels=new_labels,
+            annotations=new_ann,
             unschedulable=node.unschedulable if unschedulable is None else unschedulable,
-            resource_version=str(int(node.resource_version) + 1))
+            resource_version=str(int(node.resource_version) + 1),
+        )
         self.nodes[name] = node
         self._changed()
         return self.nodes[name]
@@ -101,20 +133,26 @@ class FakeCluster(Cluster):
         self._check()
         yield self.nodes[name]
 
-    def list_pods(self, *, node: str | None = None, namespace: str | None = None,
-                  label_selector: str = "") -> list[PodView]:
+    def list_pods(
+        self, *, node: str | None = None, namespace: str | None = None, label_selector: str = ""
+    ) -> list[PodView]:
         self._check()
         want = dict(kv.split("=", 1) for kv in label_selector.split(",") if "=" in kv)
-        return [p for p in self.pods.values()
-                if (node is None or p.node == node)
-                and (namespace is None or p.ref.namespace == namespace)
-                and all(p.labels.get(k) == v for k, v in want.items())]
+        return [
+            p
+            for p in self.pods.values()
+            if (node is None or p.node == node)
+            and (namespace is None or p.ref.namespace == namespace)
+            and all(p.labels.get(k) == v for k, v in want.items())
+        ]
 
     def get_pod(self, ref: PodRef) -> PodView | None:
         self._check()
         for p in self.pods.values():
-            if p.ref.namespace == ref.namespace and p.ref.name == ref.name and (
-                not ref.uid or p.ref.uid == ref.uid
+            if (
+                p.ref.namespace == ref.namespace
+                and p.ref.name == ref.name
+                and (not ref.uid or p.ref.uid == ref.uid)
             ):
                 return p
         return None
@@ -122,9 +160,12 @@ class FakeCluster(Cluster):
     def evict(self, ref: PodRef) -> None:
         self._check()
         if ref in self.blocked:
-            raise EvictionBlocked(f"eviction of pod {ref} refused: PodDisruptionBudget "
-                                  f"{ref.namespace}/{self.blocked[ref]} does not allow it",
-                                  pod=str(ref), pdb=self.blocked[ref])
+            raise EvictionBlocked(
+                f"eviction of pod {ref} refused: PodDisruptionBudget "
+                f"{ref.namespace}/{self.blocked[ref]} does not allow it",
+                pod=str(ref),
+                pdb=self.blocked[ref],
+            )
         self.pods.pop(ref, None)
         self.evicted.append(ref)
         self._changed()
@@ -134,8 +175,9 @@ class FakeCluster(Cluster):
         self.pods.pop(ref, None)
         self._changed()
 
-    def emit_event(self, node: NodeView, *, reason: str, message: str,
-                   warning: bool = False) -> None:
+    def emit_event(
+        self, node: NodeView, *, reason: str, message: str, warning: bool = False
+    ) -> None:
         self._check()
         self.events.append((node.name, reason, message, warning))
 

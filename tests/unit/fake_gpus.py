@@ -21,9 +21,19 @@ class FakeGpus:
         self._models = {i: m for i, m in enumerate(models)}
         self.gpus: dict[int, GpuState] = {
             i: GpuState(
-                GpuInfo(i, m.name, f"GPU-{i:08d}", f"00000000:{0x18 + i:02X}:00.0",
-                        m.pci_device_id, m.pci_subsystem_id, m.memory_total_mib),
-                m.mig_capable, mig_enabled and m.mig_capable, mig_enabled and m.mig_capable)
+                GpuInfo(
+                    i,
+                    m.name,
+                    f"GPU-{i:08d}",
+                    f"00000000:{0x18 + i:02X}:00.0",
+                    m.pci_device_id,
+                    m.pci_subsystem_id,
+                    m.memory_total_mib,
+                ),
+                m.mig_capable,
+                mig_enabled and m.mig_capable,
+                mig_enabled and m.mig_capable,
+            )
             for i, m in self._models.items()
         }
         self.calls: Counter[int] = Counter()
@@ -57,12 +67,14 @@ class FakeGpus:
         if sum(gi.profile_id == profile_id for gi in g.gpu_instances) >= profile.instance_count:
             raise GpuError("count")
         new_id = min(set(range(32)) - {gi.id for gi in g.gpu_instances})
-        self.gpus[gpu] = replace(g, gpu_instances=(*g.gpu_instances,
-                                                   GpuInstance(new_id, profile_id, placement)))
+        self.gpus[gpu] = replace(
+            g, gpu_instances=(*g.gpu_instances, GpuInstance(new_id, profile_id, placement))
+        )
         return new_id
 
-    def create_compute_instance(self, gpu: int, gi_id: int, profile_id: int,
-                                placement: Placement) -> int:
+    def create_compute_instance(
+        self, gpu: int, gi_id: int, profile_id: int, placement: Placement
+    ) -> int:
         self._mutate(gpu, "create_compute_instance")
         g = self.gpus[gpu]
         gi = next(x for x in g.gpu_instances if x.id == gi_id)
@@ -74,10 +86,16 @@ class FakeGpus:
         ):
             raise GpuError("bad CI placement")
         ci_id = min(set(range(8)) - {c.id for c in gi.compute_instances})
-        new_gi = replace(gi, compute_instances=(*gi.compute_instances,
-                                                ComputeInstance(ci_id, profile_id, placement)))
-        self.gpus[gpu] = replace(g, gpu_instances=tuple(new_gi if x.id == gi_id else x
-                                                        for x in g.gpu_instances))
+        new_gi = replace(
+            gi,
+            compute_instances=(
+                *gi.compute_instances,
+                ComputeInstance(ci_id, profile_id, placement),
+            ),
+        )
+        self.gpus[gpu] = replace(
+            g, gpu_instances=tuple(new_gi if x.id == gi_id else x for x in g.gpu_instances)
+        )
         return ci_id
 
     def destroy_compute_instance(self, gpu: int, gi_id: int, ci_id: int) -> None:
@@ -85,9 +103,15 @@ class FakeGpus:
         g = self.gpus[gpu]
         if any(p.gi_id == gi_id and p.ci_id == ci_id for p in g.processes):
             raise GpuBusy("in use")
-        self.gpus[gpu] = replace(g, gpu_instances=tuple(
-            replace(x, compute_instances=tuple(c for c in x.compute_instances if c.id != ci_id))
-            if x.id == gi_id else x for x in g.gpu_instances))
+        self.gpus[gpu] = replace(
+            g,
+            gpu_instances=tuple(
+                replace(x, compute_instances=tuple(c for c in x.compute_instances if c.id != ci_id))
+                if x.id == gi_id
+                else x
+                for x in g.gpu_instances
+            ),
+        )
 
     def destroy_gpu_instance(self, gpu: int, gi_id: int) -> None:
         self._mutate(gpu, "destroy_gpu_instance")
@@ -95,8 +119,9 @@ class FakeGpus:
         gi = next(x for x in g.gpu_instances if x.id == gi_id)
         if gi.compute_instances or any(p.gi_id == gi_id for p in g.processes):
             raise GpuBusy("in use")
-        self.gpus[gpu] = replace(g, gpu_instances=tuple(x for x in g.gpu_instances
-                                                        if x.id != gi_id))
+        self.gpus[gpu] = replace(
+            g, gpu_instances=tuple(x for x in g.gpu_instances if x.id != gi_id)
+        )
 
     def close(self) -> None:
         pass

@@ -104,12 +104,15 @@ def test_planner_places_exactly_the_multisets_that_fit(model: GpuModel) -> None:
 def test_h200_balanced_plan_uses_real_placements() -> None:
     model = MODELS["H200"]
     gpus = empty_gpu(model, mig=False)
-    p = plan(layout_of({"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1}), gpus.observe(),
-             gpus.models())
+    p = plan(layout_of({"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1}), gpus.observe(), gpus.models())
     creates = {(s.profile, str(s.placement)) for s in p.steps if isinstance(s, CreateGpuInstance)}
     # H200 table: 1g.18gb {0..6}:1, 2g.35gb {0,2,4}:2, 3g.71gb {0,4}:4
-    assert creates == {("3g.71gb", "4:4"), ("2g.35gb", "0:2"), ("1g.18gb", "2:1"),
-                       ("1g.18gb", "3:1")}
+    assert creates == {
+        ("3g.71gb", "4:4"),
+        ("2g.35gb", "0:2"),
+        ("1g.18gb", "2:1"),
+        ("1g.18gb", "3:1"),
+    }
 
 
 def test_unknown_profile_names_the_profiles_of_the_model() -> None:
@@ -127,8 +130,7 @@ def test_too_many_instances_says_the_limit() -> None:
 def test_too_many_memory_slices_lists_the_profiles() -> None:
     gpus = empty_gpu(MODELS["H200"])
     with pytest.raises(PlanError, match=r"needs 9 memory slices \(4g\.71gb:4 \+ .*H200 has 8"):
-        plan(layout_of({"4g.71gb": 1, "1g.35gb": 2, "1g.18gb": 1}), gpus.observe(),
-             gpus.models())
+        plan(layout_of({"4g.71gb": 1, "1g.35gb": 2, "1g.18gb": 1}), gpus.observe(), gpus.models())
 
 
 def test_too_many_compute_slices_is_refused() -> None:
@@ -156,8 +158,10 @@ def test_layout_selecting_no_gpu_is_an_error() -> None:
     gpus = empty_gpu(MODELS["H200"])
     from mig_agent.layout import DeviceFilter
 
-    only_a30 = Layout("a30-only", (Rule(DeviceSelector(filters=(DeviceFilter(0x20B710DE),)),
-                                        GpuLayout.of(True, {})),))
+    only_a30 = Layout(
+        "a30-only",
+        (Rule(DeviceSelector(filters=(DeviceFilter(0x20B710DE),)), GpuLayout.of(True, {})),),
+    )
     with pytest.raises(PlanError, match="selects none of this node's GPUs"):
         plan(only_a30, gpus.observe(), gpus.models())
 

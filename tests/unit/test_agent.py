@@ -1,0 +1,318 @@
+"""We test these aspects of the agent's reconcile pass, with in-memory fakes of our own
+Cluster and GpuBackend interfaces (the real API server is in tests/e2e):
+
+* the happy path: pending -> cordon -> pause -> drain GPU pods only -> apply -> device plugin
+  restart -> resources match -> resume -> uncordon -> success;
+* nothing to do: success without drain or GPU mutation;
+* failures: unknown layout, layout that does not fit, PDB, busy GPU, API down: each leaves GPUs
+  untouched where it should, the node uncordoned, operands resumed, the reason on the node;
+* restart safety: killed at any GPU step, a fresh agent converges and cleans up;
+* an admin's cordon and an operand set to false are left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mig_agent.agent import Agent, Outcome
+from mig_agent.catalog import load_catalog
+from mig_agent.drain import Clock
+from mig_agent.kube.cluster import PodRef
+from mig_agent.kube.fake import FakeCluster
+from mig_agent.labels import PAUSED
+from mig_agent.models import MODELS
+from mig_agent.resources import expected_resources
+from mig_agent.settings import Settings
+
+from .fake_gpus import FakeGpus
+
+PROFILES = str(Path(__file__).resolve().parents[2] / "profiles")
+NODE = "gpu-node-0"
+DP_NS, DP_SEL = "gpu-operator", {"app": "nvidia-device-plugin-daemonset"}
+CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+class Crash(BaseException):
+    """Stands in for the agent being killed."""
+
+
+def make(
+    gpus: FakeGpus | None = None, *, operands: bool = True, **settings: object
+) -> tuple[Agent, FakeCluster, FakeGpus]:
+    gpus = gpus or FakeGpus([MODELS["H100-80GB"]] * 8)
+    cluster = FakeCluster()
+    labels = {DP_LABEL: "true"} if operands else {}
+    cluster.add_node(NODE, labels, {"nvidia.com/gpu": "8"})
+
+    def device_plugin(c: FakeCluster) -> None:
+        # plays the DaemonSet controller and the device plugin
+        node = c.nodes[NODE]
+        dp = c.list_pods(
+            node=NODE, namespace=DP_NS, label_selector="app=nvidia-device-plugin-daemonset"
+        )
+        wanted = node.labels.get(DP_LABEL, "true") == "true"
+        if dp and operands and not wanted:
+            c.pods.pop(dp[0].ref)
+            c.patch_node_resources(NODE, {k: 0 for k in node.gpu_resources()})
+        elif not dp and wanted:
+            c.add_pod(
+                DP_NS,
+                "dp",
+                NODE,
+                labels=DP_SEL,
+                owner="DaemonSet",
+                node_selector={DP_LABEL: "true"} if operands else {},
+            )
+            res = expected_resources(gpus.observe(), gpus.models(), "mixed")
+            c.patch_node_resources(NODE, {**{k: 0 for k in node.gpu_resources()}, **res})
+
+    cluster.on_change = device_plugin
+    device_plugin(cluster)
+    t = FakeTime()
+    s = Settings(node_name=NODE, config=PROFILES, **settings)  # type: ignore[arg-type]
+    agent = Agent(s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep))
+    agent.reload_config()
+    return agent, cluster, gpus
+
+
+def label(cluster: FakeCluster, layout: str) -> None:
+    cluster.patch_node(NODE, labels={CONFIG: layout})
+
+
+def assert_clean(cluster: FakeCluster) -> None:
+    node = cluster.nodes[NODE]
+    assert not node.unschedulable
+    assert node.labels.get(DP_LABEL, "true") != PAUSED
+    assert not any(
+        k.startswith("mig-agent.dev/cordoned") or k.endswith("paused-operands")
+        for k in node.annotations
+    )
+
+
+def test_label_repartitions_node_and_drains_only_gpu_pods() -> None:
+    agent, cluster, gpus = make()
+    gpu_pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    cpu_pod = cluster.add_pod("work", "web", NODE)
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.APPLIED
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "success"
+    assert node.gpu_resources() == {"nvidia.com/mig-1g.10gb": 56}
+    assert cluster.evicted == [gpu_pod] and cpu_pod in cluster.pods
+    assert_clean(cluster)
+    assert any(c.type == "MIGConfigApplied" and c.status == "True" for c in node.conditions)
+    assert [e[1] for e in cluster.events] == ["MIGReconfiguring", "MIGConfigApplied"]
+
+
+def test_already_applied_is_success_without_drain_or_gpu_calls() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    agent.reconcile_once()
+    calls = sum(gpus.calls.values())
+    pod = cluster.add_pod("work", "infer", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    assert agent.reconcile_once().outcome is Outcome.NOOP
+    assert sum(gpus.calls.values()) == calls and pod in cluster.pods
+
+
+def test_mixed_layout_touches_only_the_changed_gpus() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    agent.reconcile_once()
+    gpus.calls.clear()
+    from mig_agent.layout import DeviceSelector, GpuLayout, Layout, LayoutCatalog, MigProfile, Rule
+
+    base = agent.catalog.get("all-1g.10gb")  # type: ignore[union-attr]
+    two = GpuLayout.of(True, {MigProfile.parse("3g.40gb"): 2})
+    custom = Layout("two-changed", (*base.rules, Rule(DeviceSelector(frozenset({2, 5})), two)))
+    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), custom])  # type: ignore[union-attr]
+    label(cluster, "two-changed")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert set(gpus.calls) == {2, 5}
+
+
+@pytest.mark.parametrize(
+    "layout,fragment",
+    [
+        ("all-1g.10gbb", "unknown layout 'all-1g.10gbb'; did you mean all-1g.10gb"),
+        ("all-1g.18gb", "selects none of this node's GPUs"),
+    ],
+)
+def test_bad_layout_fails_without_drain_or_gpu_mutation(layout: str, fragment: str) -> None:
+    agent, cluster, gpus = make()
+    pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    label(cluster, layout)
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s is None
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "failed" and fragment in node.annotations["mig-agent.dev/reason"]
+    assert not gpus.calls and pod in cluster.pods and not cluster.evicted
+    assert_clean(cluster)
+
+
+def test_pdb_blocks_then_succeeds_after_it_is_relaxed() -> None:
+    agent, cluster, gpus = make(drain_timeout_s=30.0)
+    pod = cluster.add_pod("work", "guarded", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.blocked[pod] = "keep-one"
+    label(cluster, "all-balanced")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s == 5.0
+    node = cluster.nodes[NODE]
+    assert "PodDisruptionBudget work/keep-one" in node.annotations["mig-agent.dev/reason"]
+    assert not gpus.calls
+    assert_clean(cluster)
+    assert node.labels[DP_LABEL] == "true"
+    assert agent.reconcile_once().retry_after_s == 10.0  # capped exponential backoff
+    del cluster.blocked[pod]
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert "mig-agent.dev/reason" not in cluster.nodes[NODE].annotations
+
+
+def test_busy_gpu_after_drain_is_refused_and_left_as_it_was() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    agent.reconcile_once()
+    gi = gpus.observe().gpu(3).gpu_instances[0]
+    gpus.add_process(3, 777, gi.id)  # a process outside Kubernetes
+    before = gpus.observe()
+    gpus.calls.clear()
+    label(cluster, "all-7g.80gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s is not None
+    assert "777" in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert gpus.observe() == before and not gpus.calls
+    assert_clean(cluster)
+
+
+def test_admin_cordon_and_false_operand_are_respected() -> None:
+    agent, cluster, gpus = make()
+    cluster.patch_node(NODE, labels={"nvidia.com/gpu.deploy.dcgm": "false"}, unschedulable=True)
+    label(cluster, "all-3g.40gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    node = cluster.nodes[NODE]
+    assert node.unschedulable  # the admin's cordon stays
+    assert node.labels["nvidia.com/gpu.deploy.dcgm"] == "false"
+
+
+def test_device_plugin_mismatch_fails_naming_both_sides() -> None:
+    agent, cluster, gpus = make(device_plugin_timeout_s=5.0)
+    original = cluster.on_change
+    assert original is not None
+
+    def lying_plugin(c: FakeCluster) -> None:
+        original(c)
+        alloc = dict(c.nodes[NODE].allocatable)
+        if "nvidia.com/mig-1g.10gb" in alloc:
+            alloc["nvidia.com/mig-1g.10gb"] = "50"
+            c.nodes[NODE] = dataclasses.replace(c.nodes[NODE], allocatable=alloc)
+
+    cluster.on_change = lying_plugin
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert "expected {nvidia.com/mig-1g.10gb: 56}" in reason
+    assert "advertises {nvidia.com/mig-1g.10gb: 50}" in reason
+    assert_clean(cluster)
+
+
+def test_api_down_during_pass_is_retried() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    cluster.fail_patch_after = 1  # the cordon patch fails
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert_clean(cluster)
+
+
+@pytest.mark.parametrize("crash_at", range(0, 60, 7))
+def test_killed_during_apply_a_new_agent_converges(crash_at: int) -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-balanced")
+    agent.reconcile_once()
+    label(cluster, "all-1g.10gb")
+    calls = [0]
+    original = gpus._mutate
+
+    def crash(gpu: int, op: str) -> None:
+        calls[0] += 1
+        if calls[0] == crash_at:
+            raise Crash()
+        original(gpu, op)
+
+    gpus._mutate = crash  # type: ignore[method-assign]
+    with contextlib.suppress(Crash):
+        agent.reconcile_once()
+    gpus._mutate = original  # type: ignore[method-assign]
+    fresh, _, _ = make(gpus)
+    fresh.cluster = cluster
+    assert fresh.reconcile_once().outcome in (Outcome.APPLIED, Outcome.NOOP)
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "success"
+    assert node.gpu_resources() == {"nvidia.com/mig-1g.10gb": 56}
+    assert_clean(cluster)
+
+
+def test_killed_during_drain_a_new_agent_converges() -> None:
+    agent, cluster, gpus = make()
+    pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    label(cluster, "all-1g.10gb")
+    original_evict = cluster.evict
+
+    def crash(ref: PodRef) -> None:
+        raise Crash()
+
+    cluster.evict = crash  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        agent.reconcile_once()
+    node = cluster.nodes[NODE]
+    assert node.unschedulable and node.labels[STATE] == "pending"  # as the crash left it
+    cluster.evict = original_evict  # type: ignore[method-assign]
+    fresh, _, _ = make(gpus)
+    fresh.cluster = cluster
+    assert fresh.reconcile_once().outcome is Outcome.APPLIED
+    assert pod not in cluster.pods
+    assert_clean(cluster)
+
+
+def test_mode_change_needing_reboot_reboots_once_then_fails() -> None:
+    from mig_agent.errors import GpuResetRequired
+
+    reboots: list[str] = []
+    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), reboot_command="/sbin/reboot")
+    agent.reboot = reboots.append
+
+    def stuck(gpu: int, *, enabled: bool) -> None:
+        raise GpuResetRequired("GPU 0: MIG mode change pending")
+
+    gpus.set_mig_mode = stuck  # type: ignore[method-assign]
+    label(cluster, "all-1g.5gb")
+    assert agent.reconcile_once().outcome is Outcome.REBOOTING
+    assert reboots == ["/sbin/reboot"]
+    assert cluster.nodes[NODE].labels[STATE] == "rebooting"
+    # after the "reboot" the mode is still pending: no second reboot, a clear failure
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and reboots == ["/sbin/reboot"]
+    assert (
+        "did not take effect after rebooting"
+        in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    )
+    assert_clean(cluster)
