@@ -25,7 +25,7 @@ from pathlib import Path
 
 import structlog
 
-from mig_agent import labels, planner
+from mig_agent import labels, planner, snapshot
 from mig_agent.drain import Clock, drain_gpu_pods, wait_pods_gone
 from mig_agent.errors import (
     ConfigError,
@@ -131,6 +131,7 @@ class Agent:
         self._seen = (desired, node.labels.get(s.state_label))
         if not desired:
             self._finish(node, None)
+            self._record_devices(node)
             return PassResult(Outcome.IDLE)
         structlog.contextvars.bind_contextvars(layout=desired)
         start = self.clock.now()
@@ -165,7 +166,7 @@ class Agent:
             and not self._resources_ok(node, models)
         )
         if the_plan.is_empty and not interrupted:
-            self._record_devices()
+            self._record_devices(node)
             if (
                 node.labels.get(s.state_label) != State.SUCCESS
                 or s.reason_annotation in node.annotations
@@ -468,12 +469,19 @@ class Agent:
         with contextlib.suppress(MigAgentError):  # events are best effort
             self.cluster.emit_event(node, reason=reason, message=message, warning=warning)
 
-    def _record_devices(self) -> None:
+    def _record_devices(self, node_view: NodeView | None = None) -> None:
+        """Update the device metrics and publish the GPU state on the node (for ``repartition
+        --dry-run`` and ``status``, which run far from NVML) when it changed."""
         with contextlib.suppress(MigAgentError):
             node, models = self.gpus.observe(), self.gpus.models()
             self.metrics.set_devices(
                 {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
             )
+            text = snapshot.compact(node, models)
+            s = self.settings
+            current = node_view or self.cluster.get_node(s.node_name)
+            if current.annotations.get(s.gpu_state_annotation) != text:
+                self.cluster.patch_node(s.node_name, annotations={s.gpu_state_annotation: text})
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -87,6 +87,10 @@ class Settings:
         return f"{self.annotation_prefix}/reason"
 
     @property
+    def gpu_state_annotation(self) -> str:
+        return f"{self.annotation_prefix}/gpu-state"
+
+    @property
     def reboot_annotation(self) -> str:
         return f"{self.annotation_prefix}/reboot-attempted"
 

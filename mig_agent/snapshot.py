@@ -6,6 +6,7 @@ Pure module: dicts in, dicts out; the CLI does the I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -173,3 +174,21 @@ def empty_node(models: list[GpuModel]) -> tuple[NodeState, dict[int, GpuModel]]:
         for i, m in enumerate(models)
     )
     return NodeState(gpus), dict(enumerate(models))
+
+
+def compact(node: NodeState, models: Mapping[int, GpuModel]) -> str:
+    """A small, stable JSON of the GPUs (model, mode, instances and placements) for a node
+    annotation; ``from_json(json.loads(...))`` reads it back."""
+    gpus = []
+    for g in to_json(node, models)["gpus"]:
+        gpus.append({
+            "index": g["index"], "model": g["model"], "mig_enabled": g["mig_enabled"],
+            "mig_pending": g["mig_pending"],
+            "gpu_instances": [
+                {"id": gi["id"], "profile_id": gi["profile_id"], "placement": gi["placement"],
+                 "compute_instances": [{"id": ci["id"], "profile_id": ci["profile_id"],
+                                        "placement": ci["placement"]}
+                                       for ci in gi["compute_instances"]]}
+                for gi in g["gpu_instances"]],
+        })
+    return json.dumps({"gpus": gpus}, separators=(",", ":"), sort_keys=True)

@@ -316,3 +316,20 @@ def test_mode_change_needing_reboot_reboots_once_then_fails() -> None:
         in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
     )
     assert_clean(cluster)
+
+
+def test_gpu_state_is_published_on_the_node_and_plans_remotely() -> None:
+    import json
+
+    from mig_agent import planner, snapshot
+
+    agent, cluster, gpus = make()
+    agent.reconcile_once()  # no label yet: the state is published all the same
+    assert "mig-agent.dev/gpu-state" in cluster.nodes[NODE].annotations
+    label(cluster, "all-balanced")
+    agent.reconcile_once()
+    text = cluster.nodes[NODE].annotations["mig-agent.dev/gpu-state"]
+    node, models = snapshot.from_json(json.loads(text))
+    layout = agent.catalog.get("all-balanced")  # type: ignore[union-attr]
+    assert planner.plan(layout, node, models).is_empty
+    assert not planner.plan(agent.catalog.get("all-7g.80gb"), node, models).is_empty  # type: ignore[union-attr]
