@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -57,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DevClusterError as e:
         print(f"local-cluster: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # `local-cluster status | head`: the reader left early, which is no error of ours. Point
+        # stdout at /dev/null so that the interpreter's final flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -304,6 +304,14 @@ class Cluster:
             f"--secure-port={p['kube-apiserver']}",
             f"--tls-cert-file={keys.serving_cert}", f"--tls-private-key-file={keys.serving_key}",
             f"--client-ca-file={keys.ca_cert}",
+            # The front-proxy settings kubeadm gives every cluster. Nothing here proxies, but
+            # without them KCM and the scheduler, which read these settings to authenticate their
+            # own callers, log "missing content for CA bundle" every few seconds.
+            f"--requestheader-client-ca-file={keys.ca_cert}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--token-auth-file={self.dir / 'tokens.csv'}",
             "--authorization-mode=RBAC",
             # Service-account tokens (TokenRequest); the public key must be given explicitly,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +47,28 @@ class Proc:
         return pages * _PAGE_SIZE
 
 
-def _read_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks) of `pid`, or None if there is no such process."""
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the process has used so far (0 when it is gone)."""
+        fields = _stat_fields(self.pid)
+        if fields is None or int(fields[19]) != self.start_ticks:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / _TICKS_PER_SECOND
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on, or None if there is no such process."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses; fields after the last ')' cannot.
-    fields = text[text.rindex(")") + 2:].split()
-    return fields[0], int(fields[19])
+    return text[text.rindex(")") + 2:].split()
+
+
+def _read_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of `pid`, or None if there is no such process."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[19]))
 
 
 def free_ports(count: int) -> list[int]:
