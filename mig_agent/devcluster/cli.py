@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _status(args)
         return _env(args)
-    except DevClusterError as e:
+    except (DevClusterError, ValueError) as e:  # ValueError: a bad --gpus spec
         print(f"local-cluster: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:

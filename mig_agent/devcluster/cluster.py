@@ -2,7 +2,7 @@
 
 Everything lives in one folder (default `$MIG_AGENT_CLUSTER_DIR` or `~/.cache/mig-agent/cluster`):
 
-    cluster.json       ports, the processes started (PID + start time), binaries used, nodes
+    cluster.json       ports, the processes started (PID + start time), binaries used
     admin.kubeconfig   system:masters, bearer token
     tokens.csv         the API server's static token file (the admin token)
     kwok.yaml          kwok's Stages (see kwok_stages)
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import json
 import os
 import secrets
@@ -34,7 +33,7 @@ from typing import Any
 
 from . import kubeconfig, kwok_stages, nodes, pki
 from .api import Api, ApiError, probe
-from .errors import BinariesMissing, ClusterNotRunning, DevClusterError
+from .errors import BinariesMissing, ClusterNotRunning, DevClusterError, WaitTimeout
 from .processes import Proc, free_ports, spawn, stop
 from .waiting import wait_until
 
@@ -94,7 +93,6 @@ class State:
     bin_dir: str
     ports: dict[str, int]
     processes: list[dict[str, Any]] = field(default_factory=list)
-    nodes: list[str] = field(default_factory=list)
     version: int = _STATE_VERSION
 
     @property
@@ -227,15 +225,13 @@ class Cluster:
                          user=ADMIN_USER, token=token)
         started = time.monotonic()
         try:
-            cluster._launch("etcd", cluster._etcd_args())
-            cluster._wait("etcd", lambda: probe(f"http://127.0.0.1:{ports['etcd']}/health", None),
-                          timeout)
-            cluster._launch("kube-apiserver", cluster._apiserver_args(keys))
-            cluster._wait("kube-apiserver", lambda: cluster.api.ok("/readyz"), timeout)
-            for name in COMPONENTS[2:]:
-                cluster._launch(name, cluster._component_args(name, keys))
-            for name in COMPONENTS[2:]:
-                cluster._wait(name, functools.partial(cluster._component_healthy, name), timeout)
+            # etcd, then the API server, each healthy before the next; the API server's clients
+            # (KCM, scheduler, kwok) start together.
+            for group in (COMPONENTS[:1], COMPONENTS[1:2], COMPONENTS[2:]):
+                for name in group:
+                    cluster._launch(name, cluster._args(name, keys))
+                for name in group:
+                    cluster._wait_healthy(name, timeout)
         except BaseException:
             stop(list(reversed(cluster.state.procs)))
             raise
@@ -257,13 +253,13 @@ class Cluster:
         self.state.processes.append(asdict(proc))
         _save_state(self.dir, self.state)
 
-    def _wait(self, name: str, ready: Callable[[], bool], timeout: float) -> None:
+    def _wait_healthy(self, name: str, timeout: float) -> None:
         proc = next(p for p in self.state.procs if p.name == name)
 
         def ready_or_dead() -> bool:
             if not proc.alive():
                 raise DevClusterError(f"{name} exited during start-up:\n{self._log_tail(name)}")
-            return ready()
+            return self._component_healthy(name)
 
         try:
             wait_until(ready_or_dead, timeout=timeout, what=f"{name} to become healthy")
@@ -279,6 +275,13 @@ class Cluster:
         except OSError:
             return f"(no log at {path})"
         return "\n".join(f"  {line}" for line in tail) + f"\n(full log: {path})"
+
+    def _args(self, name: str, keys: pki.Pki) -> list[str]:
+        if name == "etcd":
+            return self._etcd_args()
+        if name == "kube-apiserver":
+            return self._apiserver_args(keys)
+        return self._component_args(name, keys)
 
     def _etcd_args(self) -> list[str]:
         p = self.state.ports
@@ -300,6 +303,8 @@ class Cluster:
         p = self.state.ports
         return [
             f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
+            # Without an explicit advertise address the API server looks for a routable host
+            # interface, and fails on hosts that have none.
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
             f"--secure-port={p['kube-apiserver']}",
             f"--tls-cert-file={keys.serving_cert}", f"--tls-private-key-file={keys.serving_key}",
@@ -320,9 +325,8 @@ class Cluster:
             f"--service-account-signing-key-file={keys.sa_private_key}",
             f"--service-account-key-file={keys.sa_public_key}",
             f"--service-cluster-ip-range={pki.SERVICE_CIDR}",
-            # No host interface needed: with a loopback bind address the API server would otherwise
-            # look for a routable interface to advertise, and endpoints of the `kubernetes`
-            # Service would point at it.
+            # Nothing runs inside pods that could dial the `kubernetes` Service, so its endpoints
+            # are not maintained (kwokctl does the same).
             "--endpoint-reconciler-type=none",
             # Privileged DaemonSet pods (device plugin, the agent) must be admissible.
             "--allow-privileged=true",
@@ -369,11 +373,12 @@ class Cluster:
 
     def status(self) -> list[ComponentStatus]:
         """Per process: running (same PID and start time), healthy (its health endpoint), RSS."""
-        return [
-            ComponentStatus(p.name, p.pid, p.alive(), p.alive() and self._component_healthy(p.name),
-                            p.rss_bytes())
-            for p in self.state.procs
-        ]
+        statuses = []
+        for p in self.state.procs:
+            alive = p.alive()
+            healthy = alive and self._component_healthy(p.name)
+            statuses.append(ComponentStatus(p.name, p.pid, alive, healthy, p.rss_bytes()))
+        return statuses
 
     def healthy(self) -> bool:
         statuses = self.status()
@@ -405,9 +410,6 @@ class Cluster:
         if gpus:  # the node's GPU inventory, for whatever simulates this node's GPUs
             (self.node_dir(name) / "gpus").write_text(gpus + "\n")
         self.api.request("POST", "/api/v1/nodes", manifest)
-        if name not in self.state.nodes:
-            self.state.nodes.append(name)
-            _save_state(self.dir, self.state)
         if wait:
             self.wait_nodes_ready([name], timeout=timeout)
         return name
@@ -431,9 +433,6 @@ class Cluster:
         with contextlib.suppress(ApiError):
             self.api.request("DELETE", f"/api/v1/nodes/{name}")
         shutil.rmtree(self.node_dir(name), ignore_errors=True)
-        if name in self.state.nodes:
-            self.state.nodes.remove(name)
-            _save_state(self.dir, self.state)
 
     def wait_nodes_ready(self, names: Sequence[str], *, timeout: float = 60.0) -> None:
         """Wait until each node is Ready and has no `node.kubernetes.io/*` taint left.
@@ -450,8 +449,12 @@ class Cluster:
                     pending.discard(item["metadata"]["name"])
             return not pending
 
-        wait_until(all_schedulable, timeout=timeout, interval=0.2,
-                   what=f"nodes to be Ready and untainted: {', '.join(sorted(pending))}")
+        try:
+            wait_until(all_schedulable, timeout=timeout, interval=0.2,
+                       what="nodes to be Ready and untainted")
+        except WaitTimeout:
+            raise WaitTimeout(f"nodes not Ready and untainted after {timeout:g} s: "
+                              f"{', '.join(sorted(pending))}") from None
 
     def token_for(self, namespace: str, serviceaccount: str, *, seconds: int = 86400,
                   bound_pod: tuple[str, str] | None = None) -> str:

@@ -46,7 +46,6 @@ class Proc:
             return 0
         return pages * _PAGE_SIZE
 
-
     def cpu_seconds(self) -> float:
         """CPU time (user + system) the process has used so far (0 when it is gone)."""
         fields = _stat_fields(self.pid)
