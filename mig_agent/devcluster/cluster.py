@@ -77,8 +77,8 @@ def find_binaries() -> Path:
     hint = "Kubernetes binaries not built; run: scripts/k8s-binaries build"
     if script.is_file():
         res = subprocess.run([str(script), "path"], capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            raise BinariesMissing(f"{hint} ({res.stderr.strip()})")
+        if res.returncode != 0:  # the script says what is missing and how to build it
+            raise BinariesMissing(res.stderr.strip() or hint)
         return Path(res.stdout.strip())
     env = os.environ.get("MIG_AGENT_K8S_BIN")
     if env and all((Path(env) / c).is_file() for c in (*COMPONENTS, "kubectl")):

@@ -63,8 +63,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         directory = tmp_path_factory.mktemp("cluster")
     try:
         find_binaries()
+        missing = ""
     except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
+        missing = str(e)
+    if missing:  # failed outside the except block, so the report is this one line
+        pytest.fail(missing, pytrace=False)
     started = Cluster.up(directory, gpu_nodes=2, gpus=DEFAULT_GPUS)
     try:
         yield started
