@@ -21,6 +21,20 @@ from __future__ import annotations
 # Per-pod override of the deletion delay; the same key kwok's own "general" pod stages read.
 DELETE_DELAY_ANNOTATION = "pod-delete.stage.kwok.x-k8s.io/delay"
 
+# Both node stages write the same conditions: kwok's standard set (Ready, no pressure), stamped now.
+_NODE_CONDITIONS = """\
+{{ $now := Now }}
+      {{ $since := or .metadata.creationTimestamp $now }}
+      conditions:
+      {{ range NodeConditions }}
+      - lastHeartbeatTime: {{ $now | Quote }}
+        lastTransitionTime: {{ $since | Quote }}
+        message: {{ .message | Quote }}
+        reason: {{ .reason | Quote }}
+        status: {{ .status | Quote }}
+        type: {{ .type | Quote }}
+      {{ end }}"""
+
 _NODE_STAGES = """\
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
@@ -35,17 +49,7 @@ spec:
       values: ['True']
   next:
     statusTemplate: |
-      {{ $now := Now }}
-      {{ $since := or .metadata.creationTimestamp $now }}
-      conditions:
-      {{ range NodeConditions }}
-      - lastHeartbeatTime: {{ $now | Quote }}
-        lastTransitionTime: {{ $since | Quote }}
-        message: {{ .message | Quote }}
-        reason: {{ .reason | Quote }}
-        status: {{ .status | Quote }}
-        type: {{ .type | Quote }}
-      {{ end }}
+      __NODE_CONDITIONS__
       addresses:
       {{ with NodeIP }}
       - {address: {{ . | Quote }}, type: InternalIP}
@@ -104,17 +108,7 @@ spec:
     jitterDurationMilliseconds: 300000
   next:
     statusTemplate: |
-      {{ $now := Now }}
-      {{ $since := or .metadata.creationTimestamp $now }}
-      conditions:
-      {{ range NodeConditions }}
-      - lastHeartbeatTime: {{ $now | Quote }}
-        lastTransitionTime: {{ $since | Quote }}
-        message: {{ .message | Quote }}
-        reason: {{ .reason | Quote }}
-        status: {{ .status | Quote }}
-        type: {{ .type | Quote }}
-      {{ end }}
+      __NODE_CONDITIONS__
   immediateNextStage: true
 """
 
@@ -251,4 +245,4 @@ def config(pod_delete_delay_ms: int = 2000) -> str:
     """The kwok config: node and pod Stages; pods go `pod_delete_delay_ms` after deletion starts."""
     pod = (_POD_STAGES.replace("__DEFAULT_MS__", str(pod_delete_delay_ms))
            .replace("__ANNOTATION__", DELETE_DELAY_ANNOTATION))
-    return _NODE_STAGES + pod
+    return _NODE_STAGES.replace("__NODE_CONDITIONS__", _NODE_CONDITIONS) + pod
