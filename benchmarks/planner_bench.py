@@ -1,0 +1,135 @@
+"""Planner benchmarks: feasibility, disruption against destroy-and-recreate, and planning time.
+
+* feasibility: every multiset of GPU-instance profiles that fits a model (exhaustive search over
+  placements) -- the share the planner places from an empty GPU (must be 100%);
+* disruption: over transitions between layouts on every model (random fitting layouts, seeded),
+  GPU instances destroyed per reconfiguration by the planner vs by destroy-and-recreate (what
+  mig-parted does to every GPU whose profile multiset changes);
+* time: planning a full 8-GPU node, from empty and from a populated state.
+
+Run: python benchmarks/planner_bench.py   (prints tables; no cluster needed)
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mig_agent.executor import execute  # noqa: E402
+from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule  # noqa: E402
+from mig_agent.models import MODELS, GpuModel  # noqa: E402
+from mig_agent.planner import plan, plan_gpu  # noqa: E402
+from tests.unit.fake_gpus import FakeGpus  # noqa: E402
+
+MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
+
+
+def fitting(model: GpuModel) -> list[dict[str, int]]:
+    options = [(gi, pl) for gi in model.gi_profiles for pl in gi.placements]
+    found: set[tuple[tuple[str, int], ...]] = set()
+
+    def walk(start: int, mask: int, chosen: Counter[str]) -> None:
+        found.add(tuple(sorted(chosen.items())))
+        for k in range(start, len(options)):
+            gi, pl = options[k]
+            if pl.mask & mask or chosen[gi.name] >= gi.instance_count:
+                continue
+            chosen[gi.name] += 1
+            walk(k + 1, mask | pl.mask, chosen)
+            chosen[gi.name] -= 1
+            if not chosen[gi.name]:
+                del chosen[gi.name]
+
+    walk(0, 0, Counter())
+    return [dict(k) for k in sorted(found) if k]
+
+
+def layout(counts: dict[str, int]) -> Layout:
+    gl = GpuLayout.of(True, {MigProfile.parse(k): v for k, v in counts.items()})
+    return Layout("bench", (Rule(DeviceSelector(), gl),))
+
+
+def feasibility() -> None:
+    print("\n## Feasibility: fitting layouts the planner places (from an empty GPU)\n")
+    print(f"| {'model':<10} | {'fitting layouts':>15} | {'placed':>7} | {'share':>7} |")
+    print(f"|{'-' * 12}|{'-' * 17}|{'-' * 9}|{'-' * 9}|")
+    for m in MIG_MODELS:
+        fits = fitting(m)
+        placed = 0
+        for counts in fits:
+            gpus = FakeGpus([m], mig_enabled=True)
+            try:
+                plan(layout(counts), gpus.observe(), gpus.models())
+                placed += 1
+            except Exception:  # noqa: BLE001 -- counted as not placed
+                pass
+        print(f"| {m.key:<10} | {len(fits):>15} | {placed:>7} | {placed / len(fits):>6.1%} |")
+
+
+def disruption(transitions: int = 300, seed: int = 7) -> None:
+    print(f"\n## Disruption: GPU instances destroyed per reconfiguration ({transitions} random "
+          "transitions per model, seed 7)\n")
+    print(f"| {'model':<10} | {'changed GPUs':>12} | {'planner':>8} | {'destroy+recreate':>16} "
+          f"| {'saved':>6} | {'kept instances':>14} |")
+    print(f"|{'-' * 12}|{'-' * 14}|{'-' * 10}|{'-' * 18}|{'-' * 8}|{'-' * 16}|")
+    rng = random.Random(seed)
+    for m in MIG_MODELS:
+        fits = fitting(m)
+        ours = theirs = changed = kept = 0
+        for _ in range(transitions):
+            a, b = rng.choice(fits), rng.choice(fits)
+            gpus = FakeGpus([m], mig_enabled=True)
+            execute(plan(layout(a), gpus.observe(), gpus.models()), gpus)
+            gp = plan_gpu(m, gpus.observe().gpu(0), layout(b).rules[0].gpu_layout)
+            if gp.is_empty:
+                continue
+            changed += 1
+            ours += gp.destroyed_gpu_instances
+            theirs += sum(a.values())
+            kept += sum(d.kept for d in gp.devices)
+        saved = 1 - ours / theirs if theirs else 0.0
+        print(f"| {m.key:<10} | {changed:>12} | {ours / changed:>8.2f} | "
+              f"{theirs / changed:>16.2f} | {saved:>6.1%} | {kept / changed:>14.2f} |")
+
+
+def timing(repeats: int = 200) -> None:
+    print(f"\n## Planner time for one 8-GPU node (median of {repeats})\n")
+    print(f"| {'model':<10} | {'case':<28} | {'median ms':>9} | {'p95 ms':>7} |")
+    print(f"|{'-' * 12}|{'-' * 30}|{'-' * 11}|{'-' * 9}|")
+    for key, start, target in [
+        ("H100-80GB", None, {"1g.10gb": 7}),
+        ("H100-80GB", {"1g.10gb": 7}, {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}),
+        ("H200", {"1g.18gb": 7}, {"7g.141gb": 1}),
+        ("A100-40GB", {"1g.5gb": 7}, {"1c.7g.40gb": 7}),
+    ]:
+        m = MODELS[key]
+        gpus = FakeGpus([m] * 8, mig_enabled=True)
+        if start:
+            execute(plan(layout(start), gpus.observe(), gpus.models()), gpus)
+        observed, models, lay = gpus.observe(), gpus.models(), layout(target)
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            plan(lay, observed, models)
+            samples.append((time.perf_counter() - t0) * 1000)
+        samples.sort()
+        case = f"{'empty' if not start else '+'.join(start)} -> {'+'.join(target)}"
+        print(f"| {key:<10} | {case[:28]:<28} | {statistics.median(samples):>9.2f} | "
+              f"{samples[int(len(samples) * 0.95)]:>7.2f} |")
+
+
+if __name__ == "__main__":
+    import logging
+
+    from mig_agent.logs import configure_logging
+
+    configure_logging("console", level=logging.WARNING)
+    feasibility()
+    disruption()
+    timing()
