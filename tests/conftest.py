@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real local cluster (marker `cluster`).
+"""Shared fixtures; those for tests against a real local cluster (marker `cluster`).
 
 One cluster serves the whole test session: started by `cluster` in a temp folder and stopped at the
 end, or, when `MIG_AGENT_TEST_CLUSTER_DIR` names a folder with a running cluster (`eval
@@ -41,11 +41,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Every test in this folder needs the cluster; marking them here lets `-m "not cluster"` skip
-    # the folder without each module having to remember the marker.
+    # Every test in tests/cluster and tests/e2e needs the cluster; marking them here lets
+    # `-m "not cluster"` skip those folders without each module having to remember the marker.
     here = Path(__file__).parent
+    folders = (here / "cluster", here / "e2e")
     for item in items:
-        if here in Path(str(item.path)).parents:
+        if any(f in Path(str(item.path)).parents for f in folders):
             item.add_marker(pytest.mark.cluster)
 
 
