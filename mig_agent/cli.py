@@ -24,6 +24,7 @@ from mig_agent import __version__
 from mig_agent.errors import ConfigError, MigAgentError, PlanError
 from mig_agent.layout import Layout, LayoutCatalog
 from mig_agent.models import MODELS, GpuModel, parse_gpu_spec
+from mig_agent.ops import register_commands
 from mig_agent.planner import (
     CreateComputeInstance,
     CreateGpuInstance,
@@ -661,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands defined in other modules (agent, ops) add themselves here.
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = [register_commands]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
