@@ -123,7 +123,10 @@ class NvmlGpuBackend:
             finally:
                 self._closed = True
                 if pynvml.nvmlLib is self._lib:
-                    pynvml.nvmlLib = self._previous_lib
+                    previous = self._previous_lib
+                    if isinstance(previous, SimulatedNvmlLibrary) and not previous.initialized:
+                        previous = None  # a backend closed before this one: nothing to restore
+                    pynvml.nvmlLib = previous
                     pynvml._nvmlGetFunctionPointer_cache.clear()
 
     def __enter__(self) -> NvmlGpuBackend:

@@ -254,6 +254,11 @@ class SimulatedNvmlLibrary:
     def __repr__(self) -> str:
         return f"SimulatedNvmlLibrary({self.state_file!r})"
 
+    @property
+    def initialized(self) -> bool:
+        """nvmlInit was called more often than nvmlShutdown."""
+        return self._init_count > 0
+
     def reset_gpu(self, index: int) -> None:
         """``nvidia-smi -r`` for the simulated node (SimError when refused)."""
         reset_gpu(self.state_file, index)

@@ -1,0 +1,71 @@
+"""Fixtures: a fresh simulated node in tmp_path, pynvml over its simulated library, the adapter."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pynvml
+import pytest
+
+from mig_agent.gpu import simlib
+from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
+
+CAPTURES = Path("/work/shared/reference/captures")
+REPO = Path(__file__).resolve().parents[2]
+
+MakeNode = Callable[..., str]
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> MakeNode:
+    """``make_node("2xA100-40GB,H200", passthrough=True)`` -> path of a new node state file."""
+    counter = itertools.count()
+
+    def make(gpus: str = "H200", **kwargs: Any) -> str:
+        path = str(tmp_path / f"node{next(counter)}.json")
+        simlib.create_node(path, gpus, **kwargs)
+        return path
+
+    return make
+
+
+@pytest.fixture
+def nvml_on() -> Iterator[Callable[[str], ModuleType]]:
+    """``nvml_on(path)`` -> the pynvml module, initialised over the simulated library of path."""
+    libs: list[simlib.SimulatedNvmlLibrary] = []
+
+    def install(path: str) -> ModuleType:
+        lib = simlib.SimulatedNvmlLibrary(path)
+        pynvml.nvmlLib = lib
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+        pynvml.nvmlInit()
+        libs.append(lib)
+        return pynvml
+
+    yield install
+    for lib in libs:
+        pynvml.nvmlLib = lib
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+        while lib._init_count:
+            pynvml.nvmlShutdown()
+    pynvml.nvmlLib = None
+    pynvml._nvmlGetFunctionPointer_cache.clear()
+
+
+@pytest.fixture
+def open_sim() -> Iterator[Callable[[str], NvmlGpuBackend]]:
+    """``open_sim(path)`` -> an NvmlGpuBackend over the simulated node, closed at teardown."""
+    opened: list[NvmlGpuBackend] = []
+
+    def open_(path: str) -> NvmlGpuBackend:
+        backend = open_backend("simulated", sim_state=path)
+        opened.append(backend)
+        return backend
+
+    yield open_
+    for backend in reversed(opened):
+        backend.close()
