@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import agents
 from .cluster import COMPONENTS, Cluster, default_dir, down
 from .errors import ClusterNotRunning, DevClusterError
 from .nodes import DEFAULT_GPUS
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--pod-delete-delay", type=float, default=2.0, metavar="SECONDS",
                     help="how long a deleted pod lingers (default 2; per pod: annotation "
                          "pod-delete.stage.kwok.x-k8s.io/delay)")
+    up.add_argument("--no-agents", action="store_true",
+                    help="do not install mig-agent nor start an agent and a simulated device "
+                         "plugin per GPU node")
     down_p = with_dir(sub.add_parser("down", help="stop the cluster's processes"))
     down_p.add_argument("--purge", action="store_true", help="also remove the cluster folder")
     with_dir(sub.add_parser("status", help="show processes, health, memory and nodes"))
@@ -71,6 +75,15 @@ def _up(args: argparse.Namespace) -> int:
         args.dir, gpu_nodes=args.nodes, gpus=args.gpus or DEFAULT_GPUS, cpu_nodes=args.cpu_nodes,
         pod_delete_delay=args.pod_delete_delay, log=lambda msg: print(msg, file=sys.stderr),
     )
+    if not args.no_agents:
+        agents.install(cluster)
+        gpu_nodes = [f"gpu-node-{i}" for i in range(args.nodes)]
+        running = agents.running(cluster.dir)
+        for node in gpu_nodes:
+            if node not in running:
+                agents.start_node(cluster, node)
+        print(f"mig-agent and a simulated device plugin running on {len(gpu_nodes)} node(s); "
+              f"logs in {cluster.dir / 'logs'}", file=sys.stderr)
     print(f"ready in {time.monotonic() - started:.1f} s; use it with:", file=sys.stderr)
     print(f"  export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}", file=sys.stderr)
     return 0

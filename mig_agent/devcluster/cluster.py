@@ -497,9 +497,12 @@ def down(directory: Path | None = None, *, purge: bool = False) -> list[str]:
     directory = (directory or default_dir()).resolve()
     if not directory.exists():
         return []
+    from .agents import stop_all  # agents import this module
+
+    agents_killed = stop_all(directory)
     with _locked(directory):
         state = _load_state(directory)
-        killed = stop(list(reversed(state.procs))) if state is not None else []
+        killed = agents_killed + (stop(list(reversed(state.procs))) if state is not None else [])
         if state is not None:
             state.processes = []
             _save_state(directory, state)

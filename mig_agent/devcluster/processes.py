@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +90,10 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def spawn(name: str, argv: Sequence[str], log: Path) -> Proc:
-    """Start `argv` in a new session, stdout and stderr appended to `log`, stdin from /dev/null."""
+def spawn(name: str, argv: Sequence[str], log: Path,
+          env: Mapping[str, str] | None = None) -> Proc:
+    """Start `argv` in a new session, stdout and stderr appended to `log`, stdin from /dev/null;
+    `env` replaces the environment (default: this process's)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -100,7 +102,7 @@ def spawn(name: str, argv: Sequence[str], log: Path) -> Proc:
         # (`up` returns to the shell), and a Popen object would want to be waited for. Python opens
         # its own descriptors close-on-exec, so only these three reach the child.
         pid = os.posix_spawn(
-            argv[0], list(argv), os.environ,
+            argv[0], list(argv), dict(os.environ if env is None else env),
             file_actions=[
                 (os.POSIX_SPAWN_DUP2, devnull, 0),
                 (os.POSIX_SPAWN_DUP2, out, 1),
