@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import pynvml
 
 from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
+from mig_agent.gpu.backend import GpuBackend
 from mig_agent.gpu.simlib import SimError, SimulatedNvmlLibrary
 from mig_agent.gpu.simstate import ENV_STATE
 from mig_agent.models import (
@@ -89,7 +90,7 @@ class MigDevice(NamedTuple):
     name: str  # e.g. "3g.71gb", "1c.3g.71gb", "1g.18gb+me"
 
 
-class NvmlGpuBackend:
+class NvmlGpuBackend(GpuBackend):
     """GpuBackend over pynvml; ``simulated`` is set when the library beneath is the simulator."""
 
     def __init__(self, lib: Any, previous_lib: Any,
@@ -375,7 +376,10 @@ class NvmlGpuBackend:
                 try:
                     self.simulated.reset_gpu(gpu)
                 except SimError as exc:
-                    cls = GpuBusy if exc.code == pynvml.NVML_ERROR_IN_USE else GpuResetRequired
+                    cls = {pynvml.NVML_ERROR_IN_USE: GpuBusy,
+                           pynvml.NVML_ERROR_NOT_SUPPORTED: GpuResetRequired,
+                           pynvml.NVML_ERROR_RESET_REQUIRED: GpuResetRequired,
+                           }.get(exc.code, GpuError)
                     raise cls(f"{op}: {exc}", op=op, gpu=gpu, nvml_code=exc.code) from exc
                 return
             self._reset_hardware(gpu, op)

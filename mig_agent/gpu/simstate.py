@@ -15,6 +15,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -306,6 +308,7 @@ class StateFile:
         # The cached document and an open fd of the file it came from: files are only ever
         # replaced, never rewritten, and holding the fd keeps its inode from being reused.
         self._cached: tuple[int, int, int, SimNode] | None = None  # fd, dev, ino, node
+        self._cache_lock = threading.Lock()
 
     def exists(self) -> bool:
         return os.path.exists(self.path)
@@ -321,14 +324,14 @@ class StateFile:
 
     def read(self) -> SimNode:
         """The current document. Callers must not change it (use ``mutate``)."""
-        with self._lock(exclusive=False):
+        with self._cache_lock, self._lock(exclusive=False):
             fd = os.open(self.path, os.O_RDONLY)
             st = os.fstat(fd)
             if self._cached and self._cached[1:3] == (st.st_dev, st.st_ino):
                 os.close(fd)
                 return self._cached[3]
             node = _node_from_json(json.loads(_read_fd(fd)))
-            self.close()
+            self._drop_cache()
             self._cached = (fd, st.st_dev, st.st_ino, node)
             return node
 
@@ -353,6 +356,10 @@ class StateFile:
         os.replace(tmp, self.path)
 
     def close(self) -> None:
+        with self._cache_lock:
+            self._drop_cache()
+
+    def _drop_cache(self) -> None:
         if self._cached is not None:
             os.close(self._cached[0])
             self._cached = None
@@ -571,8 +578,11 @@ def reset_gpu(path: str | os.PathLike[str], index: int) -> None:
 
     SimError(IN_USE) while processes hold the GPU; SimError(NOT_SUPPORTED) where reset is not
     possible (pass-through VM). Counted as a mutating call named "reset"; fault rules naming
-    "reset" apply.
+    "reset" and latency for mutating calls apply.
     """
+    delay = load_node(path).latency_for(True)
+    if delay:
+        time.sleep(delay)
     with _mutate(path) as node:
         gpu = node.gpu(index)
         node.count(RESET, index)

@@ -568,15 +568,15 @@ def test_call_counters(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     assert simlib.call_counts(path).total == 0
 
 
-def test_cli(tmp_path: Any) -> None:
+def test_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str],
+             monkeypatch: pytest.MonkeyPatch) -> None:
     path = str(tmp_path / "cli-node.json")
+    monkeypatch.setenv("MIG_AGENT_SIM_STATE", path)
 
     def cli(*args: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "mig_agent.gpu.simlib", *args],
-                                capture_output=True, text=True,
-                                env={**_env(), "MIG_AGENT_SIM_STATE": path})
-        assert result.returncode == 0, result.stderr
-        return result.stdout
+        capsys.readouterr()
+        assert simlib.main(list(args)) == 0, capsys.readouterr().err
+        return capsys.readouterr().out
 
     assert "GPU 1 NVIDIA A30" in cli("create", "--gpus", "A100-40GB,A30", "--mig-enabled")
     cli("process", "add", "1", "321")
@@ -589,9 +589,13 @@ def test_cli(tmp_path: Any) -> None:
     cli("fault", "clear")
     cli("process", "remove", "321")
     assert simlib.load_node(path).gpus[1].processes == []
-    bad = subprocess.run([sys.executable, "-m", "mig_agent.gpu.simlib", "--state", path,
-                          "reset", "9"], capture_output=True, text=True, env=_env())
-    assert bad.returncode == 1 and "no GPU 9" in bad.stderr
+    assert simlib.main(["reset", "9"]) == 1
+    assert "no GPU 9" in capsys.readouterr().err
+    # and as a program, state from the environment
+    out = subprocess.run([sys.executable, "-m", "mig_agent.gpu.simlib", "show"],
+                         capture_output=True, text=True, check=True,
+                         env={**_env(), "MIG_AGENT_SIM_STATE": path}).stdout
+    assert out.startswith("node cli-node: 2 GPU(s), bare metal")
 
 
 def test_uuids_are_deterministic(tmp_path: Any) -> None:
