@@ -131,6 +131,11 @@ class Agent:
         self._seen = (desired, node.labels.get(s.state_label))
         if not desired:
             self._finish(node, None)
+            if s.state_label in node.labels or s.reason_annotation in node.annotations:
+                # no layout asked for: no state to report (an old "failed" would mislead)
+                node = self.cluster.patch_node(s.node_name, labels={s.state_label: None},
+                                               annotations={s.reason_annotation: None})
+                self._seen = (None, None)
             self._record_devices(node)
             return PassResult(Outcome.IDLE)
         structlog.contextvars.bind_contextvars(layout=desired)

@@ -333,3 +333,14 @@ def test_gpu_state_is_published_on_the_node_and_plans_remotely() -> None:
     layout = agent.catalog.get("all-balanced")  # type: ignore[union-attr]
     assert planner.plan(layout, node, models).is_empty
     assert not planner.plan(agent.catalog.get("all-7g.80gb"), node, models).is_empty  # type: ignore[union-attr]
+
+
+def test_removing_the_layout_label_clears_the_reported_state() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "no-such-layout")
+    agent.reconcile_once()
+    assert cluster.nodes[NODE].labels[STATE] == "failed"
+    cluster.patch_node(NODE, labels={CONFIG: None})
+    assert agent.reconcile_once().outcome is Outcome.IDLE
+    node = cluster.nodes[NODE]
+    assert STATE not in node.labels and "mig-agent.dev/reason" not in node.annotations
