@@ -200,13 +200,18 @@ class Agent:
         )
         with self._gpu_clients_paused(node) as paused:
             if not the_plan.is_empty:
-                with self.metrics.phase("drain"):
+                with self._phase(node, "drain", "MIGDraining",
+                                 "evicting the pods that use GPUs on this node"):
                     self._drain(paused)
-                with self.metrics.phase("apply"):
+                with self._phase(node, "apply", "MIGApplying",
+                                 f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) "
+                                 f"{changed}"):
                     self._apply(desired, models)
-            with self.metrics.phase("device_plugin"):
+            with self._phase(node, "device_plugin", "MIGDevicePluginRestart",
+                             "restarting the device plugin to advertise the new devices"):
                 self._restart_device_plugin(paused)
-            with self.metrics.phase("verify"):
+            with self._phase(node, "verify", "MIGVerifying",
+                             "waiting for the node to advertise the layout's resources"):
                 self._wait_resources(models)
         node = self.cluster.get_node(s.node_name)
         self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
@@ -473,6 +478,16 @@ class Agent:
     def _event(self, node: NodeView, reason: str, message: str, *, warning: bool = False) -> None:
         with contextlib.suppress(MigAgentError):  # events are best effort
             self.cluster.emit_event(node, reason=reason, message=message, warning=warning)
+
+    @contextlib.contextmanager
+    def _phase(self, node: NodeView, phase: str, reason: str, message: str) -> Iterator[None]:
+        """One phase of a reconfiguration: a log line, a Node event, a duration metric."""
+        log.info("phase.started", phase=phase)
+        self._event(node, reason, message)
+        start = self.clock.now()
+        with self.metrics.phase(phase):
+            yield
+        log.info("phase.finished", phase=phase, duration_s=round(self.clock.now() - start, 3))
 
     def _record_devices(self, node_view: NodeView | None = None) -> None:
         """Update the device metrics and publish the GPU state on the node (for ``repartition

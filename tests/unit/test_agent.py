@@ -118,7 +118,9 @@ def test_label_repartitions_node_and_drains_only_gpu_pods() -> None:
     assert cluster.evicted == [gpu_pod] and cpu_pod in cluster.pods
     assert_clean(cluster)
     assert any(c.type == "MIGConfigApplied" and c.status == "True" for c in node.conditions)
-    assert [e[1] for e in cluster.events] == ["MIGReconfiguring", "MIGConfigApplied"]
+    assert [e[1] for e in cluster.events] == [
+        "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGDevicePluginRestart",
+        "MIGVerifying", "MIGConfigApplied"]
 
 
 def test_already_applied_is_success_without_drain_or_gpu_calls() -> None:
