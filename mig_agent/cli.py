@@ -466,7 +466,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     metrics = Metrics()
     gpus = InstrumentedGpus(_open_gpus(args), metrics)
-    cluster = KubernetesCluster.connect(settings.kubeconfig)
+    cluster = KubernetesCluster.connect(
+        settings.kubeconfig, on_request=lambda call: metrics.api_requests.labels(call=call).inc())
     agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics)
     server = None
     if settings.metrics_port:

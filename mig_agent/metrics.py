@@ -47,6 +47,8 @@ class Metrics:
         self.nvml_errors = Counter(
             "mig_agent_nvml_errors", "NVML operations that failed, by call", ["call"], registry=r
         )
+        self.api_requests = Counter("mig_agent_api_requests", "Requests to the Kubernetes API "
+                                    "server, by call", ["call"], registry=r)
         self.state = Gauge(
             "mig_agent_state", "1 for the node's current MIG config state", ["state"], registry=r
         )

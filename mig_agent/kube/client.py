@@ -97,10 +97,12 @@ class KubernetesCluster(Cluster):
         backoff_max_s: float = 10.0,
         component: str = "mig-agent",
         sleep: Callable[[float], None] = time.sleep,
+        on_request: Callable[[str], None] | None = None,
     ) -> None:
         self._api = api
         self._core = client.CoreV1Api(api)
         self._component = component
+        self._on_request = on_request or (lambda _op: None)
         self._retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_transient),
             wait=tenacity.wait_random_exponential(multiplier=backoff_s, max=backoff_max_s),
@@ -128,7 +130,11 @@ class KubernetesCluster(Cluster):
         self._api.close()
 
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return self._retrying(fn, *args, **kwargs)
+        def counted(*a: Any, **kw: Any) -> T:
+            self._on_request(getattr(fn, "__name__", "request"))
+            return fn(*a, **kw)
+
+        return self._retrying(counted, *args, **kwargs)
 
     # nodes --------------------------------------------------------------------------------
 
@@ -190,6 +196,7 @@ class KubernetesCluster(Cluster):
             self._call(self._core.patch_node_status, name, body)
 
     def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
+        self._on_request("watch_node")
         w = watch.Watch()
         with _kube("watch node", node=name):
             for event in w.stream(
@@ -258,6 +265,7 @@ class KubernetesCluster(Cluster):
                 raise
 
     def _call_once_on_429(self, fn: Callable[..., T], *args: Any) -> T:
+        self._on_request(getattr(fn, "__name__", "request"))
         retrying = self._retrying.copy(
             retry=tenacity.retry_if_exception(
                 lambda e: _is_transient(e) and not (isinstance(e, ApiException) and e.status == 429)
