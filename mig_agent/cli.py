@@ -446,6 +446,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mig_agent.catalog import load_catalog
     from mig_agent.health import HealthServer
     from mig_agent.kube.client import KubernetesCluster
+    from mig_agent.logs import bind_process
     from mig_agent.metrics import InstrumentedGpus, Metrics
     from mig_agent.settings import Settings
 
@@ -460,6 +461,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if not settings.node_name:
         raise ConfigError("no node name: pass --node or set NODE_NAME")
+    bind_process(node=settings.node_name)  # on every log line, from any thread or library
     log = structlog.get_logger("mig_agent.run")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,7 +1,11 @@
 """HTTP endpoints of the agent: /metrics (Prometheus), /healthz (alive), /readyz (ready).
 
+/metrics answers in the format the scraper asks for in its Accept header (OpenMetrics or the
+Prometheus text format, the latter by default).
+
 /healthz answers 200 while the reconcile loop and the node watch are alive; /readyz answers 200
-when the profile configs are loaded and NVML answers. Both say why when they answer 503.
+when the profile configs are loaded and NVML answers. Both say why when they answer 503; a check
+that raises answers 503 with the exception rather than dropping the connection.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 Check = Callable[[], str]  # "" when fine, else the problem
 
@@ -25,9 +30,14 @@ class HealthServer:
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?")[0]
                 if path == "/metrics":
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                    # the format Prometheus asks for (OpenMetrics or text), as its own handler does
+                    encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+                    self._send(200, encoder(registry), ctype)
                 elif path in checks:
-                    problem = checks[path]()
+                    try:
+                        problem = checks[path]()
+                    except Exception as exc:  # noqa: BLE001 (a probe answers, never hangs up)
+                        problem = f"check failed: {type(exc).__name__}: {exc}"
                     self._send(
                         503 if problem else 200,
                         (problem or "ok").encode() + b"\n",

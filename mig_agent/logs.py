@@ -1,6 +1,8 @@
 """Logging setup: structlog for our events, stdlib records from libraries routed the same way.
 
 JSON lines when stderr is not a terminal (in a pod), readable console output at a terminal.
+Keys bound with `bind_process` (the node) are on every line, from any thread or library.
+Tracebacks never show frame locals, which could hold client configs or tokens.
 The only structlog.configure() call in the codebase.
 """
 
@@ -8,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
-from structlog.typing import Processor
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 # Like dict_tracebacks but without frame locals, which could carry client config or tokens.
 _TRACEBACKS = structlog.processors.ExceptionRenderer(
@@ -19,6 +21,20 @@ _TRACEBACKS = structlog.processors.ExceptionRenderer(
 )
 
 LogFormat = Literal["auto", "json", "console"]
+
+_process_context: dict[str, Any] = {}
+
+
+def bind_process(**values: Any) -> None:
+    """Put ``values`` (e.g. ``node=...``) on every line from now on, whatever the thread."""
+    _process_context.update(values)
+
+
+def _add_process_context(_logger: WrappedLogger, _name: str, event_dict: EventDict) -> EventDict:
+    for key, value in _process_context.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
 
 
 def configure_logging(
@@ -29,6 +45,7 @@ def configure_logging(
     json_out = fmt == "json" or (fmt == "auto" and not getattr(out, "isatty", lambda: False)())
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
+        _add_process_context,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -47,7 +64,9 @@ def configure_logging(
     tail: list[Processor] = (
         [_TRACEBACKS, structlog.processors.JSONRenderer()]
         if json_out
-        else [structlog.dev.ConsoleRenderer(colors=False)]
+        # plain_traceback: without it, ConsoleRenderer uses rich (locals shown) when installed
+        else [structlog.dev.ConsoleRenderer(colors=False,
+                                            exception_formatter=structlog.dev.plain_traceback)]
     )
     handler = logging.StreamHandler(out)  # type: ignore[arg-type]
     handler.setFormatter(

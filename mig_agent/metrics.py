@@ -1,16 +1,29 @@
 """Prometheus metrics of the agent, on a registry of its own, plus a GpuBackend wrapper that
-counts NVML calls and errors. Label values are bounded: results, phases, layout names from the
-profile configs, NVML call names, GPU indices and profile names.
+counts NVML calls and errors.
+
+Names follow the Prometheus conventions: counters are exposed as ``<name>_total``, durations and
+timestamps in seconds with a ``_seconds`` suffix, everything under ``mig_agent_``. No ``_created``
+series: they would double every counter and histogram for no use here. Label values are bounded:
+results, phases, states, NVML and API call names, GPU indices and MIG profile names come from
+fixed sets; layouts come from the node's label, so at most ``MAX_LAYOUTS`` distinct ones are kept
+per process and any further one counts as ``OTHER_LAYOUT``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 
 from mig_agent.errors import GpuError
 from mig_agent.gpu.backend import GpuBackend
@@ -21,17 +34,45 @@ from mig_agent.state import NodeState
 T = TypeVar("T")
 STATES = ("pending", "rebooting", "success", "failed")
 PHASES = ("plan", "drain", "apply", "device_plugin", "verify")
+RESULTS = ("success", "failed")
+MAX_LAYOUTS = 32
+OTHER_LAYOUT = "other"
+
+# Process-wide switch of prometheus_client; it must be off before the metrics are created.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+class LayoutCounter:
+    """A Counter by ``result`` and ``layout`` that keeps at most ``limit`` layout values."""
+
+    def __init__(self, counter: Counter, limit: int = MAX_LAYOUTS) -> None:
+        self.counter = counter
+        self._limit = limit
+        self._layouts: set[str] = set()
+        self._lock = threading.Lock()
+
+    def labels(self, *, result: str, layout: str) -> Counter:
+        with self._lock:
+            if layout not in self._layouts:
+                if len(self._layouts) >= self._limit:
+                    layout = OTHER_LAYOUT
+                else:
+                    self._layouts.add(layout)
+        return self.counter.labels(result=result, layout=layout)
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.reconfigurations = Counter(
-            "mig_agent_reconfigurations",
-            "Reconfiguration passes that changed or tried to change the node, by result and layout",
-            ["result", "layout"],
-            registry=r,
+        self.reconfigurations = LayoutCounter(
+            Counter(
+                "mig_agent_reconfigurations",
+                "Reconfiguration passes that changed or tried to change the node, by result "
+                "and layout",
+                ["result", "layout"],
+                registry=r,
+            )
         )
         self.phase_seconds = Histogram(
             "mig_agent_reconfiguration_phase_seconds",
