@@ -136,7 +136,7 @@ class GpuLayout:
             return "MIG disabled"
         if not self.devices:
             return "MIG enabled, no devices"
-        return ", ".join(f"{p}x{n}" for p, n in self.devices)
+        return ", ".join(f"{p} x{n}" for p, n in self.devices)
 
 
 @dataclass(frozen=True, slots=True)

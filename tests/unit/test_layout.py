@@ -164,7 +164,7 @@ def test_gpu_layout_is_canonical() -> None:
     assert a == b and hash(a) == hash(b)
     assert a.counts == {"3g.71gb": 1, "2g.35gb": 1, "1g.18gb": 2}
     assert [str(x) for x in a.flatten()] == ["3g.71gb", "2g.35gb", "1g.18gb", "1g.18gb"]
-    assert str(a) == "3g.71gbx1, 2g.35gbx1, 1g.18gbx2"
+    assert str(a) == "3g.71gb x1, 2g.35gb x1, 1g.18gb x2"
     assert GpuLayout.of(True, {p("1c.1g.10gb"): 7}) == GpuLayout.of(True, {p("1g.10gb"): 7})
 
 
