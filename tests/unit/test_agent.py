@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mig_agent.agent import Agent, Outcome
 from mig_agent.catalog import load_catalog
 from mig_agent.drain import Clock
+from mig_agent.errors import KubeUnavailable
 from mig_agent.kube.cluster import PodRef
 from mig_agent.kube.fake import FakeCluster
 from mig_agent.labels import PAUSED
@@ -346,3 +348,32 @@ def test_removing_the_layout_label_clears_the_reported_state() -> None:
     assert agent.reconcile_once().outcome is Outcome.IDLE
     node = cluster.nodes[NODE]
     assert STATE not in node.labels and "mig-agent.dev/reason" not in node.annotations
+
+
+def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
+    import threading
+
+    from mig_agent.errors import KubeError
+
+    agent, cluster, gpus = make()
+    agent.reconcile_once()
+    stop = threading.Event()
+    calls = [0]
+
+    def flaky_watch(name: str, *, timeout_s: int) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KubeUnavailable("connection refused")
+        if calls[0] == 2:
+            raise KubeError("watch node: 410 too old resource version", status=410)
+        cluster.patch_node(NODE, labels={CONFIG: "all-1g.10gb"})
+        yield cluster.nodes[NODE]
+        stop.set()
+
+    cluster.watch_node = flaky_watch  # type: ignore[method-assign]
+    waits: list[float] = []
+    original_wait = stop.wait
+    stop.wait = lambda t=None: waits.append(t or 0) or original_wait(0)  # type: ignore[method-assign]
+    agent.watch_forever(stop)
+    assert calls[0] == 3 and waits == [1.0, 2.0]  # backed off, reconnected twice
+    assert agent._wake.is_set()
