@@ -87,7 +87,7 @@ def make(
     cluster.on_change = device_plugin
     device_plugin(cluster)
     t = FakeTime()
-    s = Settings(node_name=NODE, config=PROFILES, **settings)  # type: ignore[arg-type]
+    s = Settings(node_name=NODE, **{"config": PROFILES, **settings})  # type: ignore[arg-type]
     agent = Agent(s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep))
     agent.reload_config()
     return agent, cluster, gpus
@@ -377,3 +377,24 @@ def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
     agent.watch_forever(stop)
     assert calls[0] == 3 and waits == [1.0, 2.0]  # backed off, reconnected twice
     assert agent._wake.is_set()
+
+
+def test_config_change_is_picked_up_and_a_broken_one_keeps_the_last_good(tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    profiles = tmp_path / "profiles"
+    shutil.copytree(PROFILES, profiles)
+    agent, cluster, gpus = make(config=str(profiles))
+    assert agent.reload_config() is False  # nothing changed since make() loaded it
+    (profiles / "extra.yaml").write_text(
+        "version: v1\nmig-configs:\n  late-layout:\n    - devices: all\n"
+        "      mig-enabled: true\n      mig-devices: {\"7g.80gb\": 1}\n")
+    assert agent.reload_config() is True
+    label(cluster, "late-layout")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    (profiles / "extra.yaml").write_text("version: v2\n")
+    os.utime(profiles / "extra.yaml", (1, 1))
+    assert agent.reload_config() is True
+    assert "unknown version" in agent.catalog_error or "v1" in agent.catalog_error
+    assert agent.catalog is not None and "late-layout" in agent.catalog
