@@ -111,8 +111,9 @@ def main() -> int:
                      if k.startswith("mig_agent_api_requests_total") and m1[k] - m0.get(k, 0)}
             print(f"\n## Idle agent over {args.idle:.0f} s\n")
             print("| measure | value |\n|---|---|")
-            print(f"| API requests per minute | {(api_requests(m1) - api_requests(m0)) / minutes:.1f}"
-                  f" ({', '.join(f'{k}: {v:.0f}' for k, v in sorted(calls.items())) or 'none'}) |")
+            per_minute = (api_requests(m1) - api_requests(m0)) / minutes
+            detail = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(calls.items())) or "none"
+            print(f"| API requests per minute | {per_minute:.1f} ({detail}) |")
             print(f"| CPU (share of one core) | {(cpu1 - cpu0) / (t1 - t0):.2%} |")
             print(f"| RSS | {agent.rss_bytes() / 2**20:.0f} MiB |")
             dp = Proc(**agents.running(cluster.dir)[node]["device_plugin"])
