@@ -230,7 +230,7 @@ def _model(
                 multiprocessors=sms,
                 engines=Engines(ce, dec, enc, jpg, ofa),
                 placements=tuple(Placement(s, size) for s in starts),
-                ci_profiles=_ci_profiles(g, sm_1g if idx != 9 else sm_1g, sms, rev1),
+                ci_profiles=_ci_profiles(g, sm_1g, sms, rev1),
             )
         )
     by_name = {p.name: p for p in profiles}
