@@ -464,13 +464,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     bind_process(node=settings.node_name)  # on every log line, from any thread or library
     log = structlog.get_logger("mig_agent.run")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     metrics = Metrics()
     gpus = InstrumentedGpus(_open_gpus(args), metrics)
     cluster = KubernetesCluster.connect(
         settings.kubeconfig, on_request=lambda call: metrics.api_requests.labels(call=call).inc())
     agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics)
+
+    def on_signal(*_: object) -> None:  # finish the current pass, then stop at once
+        stop.set()
+        agent.wake()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     server = None
     if settings.metrics_port:
 
