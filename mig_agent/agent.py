@@ -448,6 +448,8 @@ class Agent:
         self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
         self.metrics.set_state(State.FAILED)
         try:
+            # before the patch: the watch must not take our own "failed" for someone's change
+            self._seen = (desired, State.FAILED)
             node = self.cluster.patch_node(
                 s.node_name,
                 labels={s.state_label: State.FAILED},
@@ -465,7 +467,6 @@ class Agent:
                 ),
                 warning=True,
             )
-            self._seen = (desired, State.FAILED)
         except MigAgentError as report_exc:  # API down: retry the whole pass later
             log.error("reconcile.report_failed", error=str(report_exc))
             retry = retry or s.backoff_s
