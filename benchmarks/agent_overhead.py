@@ -22,7 +22,7 @@ from mig_agent.devcluster import Cluster, agents  # noqa: E402
 from mig_agent.devcluster.processes import Proc  # noqa: E402
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
-PHASES = ("plan", "drain", "apply", "device_plugin", "verify")
+PHASES = ("plan", "drain", "apply", "verify", "device_plugin")
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -136,6 +136,7 @@ class Agent:
                 node = self.cluster.patch_node(s.node_name, labels={s.state_label: None},
                                                annotations={s.reason_annotation: None})
                 self._seen = (None, None)
+            self.metrics.set_state("")
             self._record_devices(node)
             return PassResult(Outcome.IDLE)
         structlog.contextvars.bind_contextvars(layout=desired)
@@ -177,6 +178,7 @@ class Agent:
                 or s.reason_annotation in node.annotations
             ):
                 self._succeed(node, desired, f"layout {desired} is applied; nothing to change")
+            self.metrics.set_state(State.SUCCESS)
             self.metrics.last_success.set(time.time())
             return Outcome.NOOP
 
@@ -207,11 +209,13 @@ class Agent:
                                  f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) "
                                  f"{changed}"):
                     self._apply(desired, models)
+                with self._phase(node, "verify", "MIGVerifying",
+                                 "re-reading the GPUs to check the layout is in place"):
+                    self._verify(desired, models)
             with self._phase(node, "device_plugin", "MIGDevicePluginRestart",
-                             "restarting the device plugin to advertise the new devices"):
+                             "restarting the device plugin and waiting for the node to "
+                             "advertise the layout's resources"):
                 self._restart_device_plugin(paused)
-            with self._phase(node, "verify", "MIGVerifying",
-                             "waiting for the node to advertise the layout's resources"):
                 self._wait_resources(models)
         node = self.cluster.get_node(s.node_name)
         self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
@@ -254,7 +258,10 @@ class Agent:
             execute(the_plan, self.gpus)
         except GpuResetRequired as exc:
             self._reboot_or_fail(desired, exc)
-        verify(layout, self.gpus.observe(), models)
+
+    def _verify(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+        assert self.catalog is not None
+        verify(self.catalog.get(desired), self.gpus.observe(), models)
         self._record_devices()
 
     def _reboot_or_fail(self, desired: str, exc: GpuResetRequired) -> None:
@@ -414,10 +421,13 @@ class Agent:
         if node.labels.get(s.state_label) == state:
             return node
         log.info("labels.patched", state=str(state))
+        # before the patch: the watch must not take our own label for someone else's change
+        self._seen = (node.labels.get(s.config_label), str(state))
         return self.cluster.patch_node(s.node_name, labels={s.state_label: str(state)})
 
     def _succeed(self, node: NodeView, desired: str, message: str) -> None:
         s = self.settings
+        self._seen = (desired, State.SUCCESS)
         self.cluster.patch_node(
             s.node_name,
             labels={s.state_label: State.SUCCESS},
@@ -427,7 +437,6 @@ class Agent:
         self.metrics.last_success.set(time.time())
         self._condition(NodeCondition(s.condition_type, "True", "Applied", message))
         self._event(node, "MIGConfigApplied", message)
-        self._seen = (desired, State.SUCCESS)
         log.info("reconcile.succeeded", message=message)
 
     def _failed(self, desired: str, exc: MigAgentError) -> PassResult:

@@ -33,7 +33,7 @@ from mig_agent.state import NodeState
 
 T = TypeVar("T")
 STATES = ("pending", "rebooting", "success", "failed")
-PHASES = ("plan", "drain", "apply", "device_plugin", "verify")
+PHASES = ("plan", "drain", "apply", "verify", "device_plugin")
 RESULTS = ("success", "failed")
 MAX_LAYOUTS = 32
 OTHER_LAYOUT = "other"

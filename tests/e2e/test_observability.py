@@ -39,9 +39,9 @@ from .conftest import AgentNode, NodeFactory
 
 LAYOUT = "all-1g.10gb"  # 8 x H100-80GB: MIG mode on 8 GPUs, 7 GIs and 7 CIs on each
 BAD_LAYOUT = "no-such-layout"
-PHASES = ["drain", "apply", "device_plugin", "verify"]
-PHASE_EVENTS = ["MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGDevicePluginRestart",
-                "MIGVerifying", "MIGConfigApplied"]
+PHASES = ["drain", "apply", "verify", "device_plugin"]
+PHASE_EVENTS = ["MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying",
+                "MIGDevicePluginRestart", "MIGConfigApplied"]
 LATENCY_S = 0.02  # per mutating NVML call: 8 + 56 + 56 calls, about 2.4 s of apply
 
 Sample = tuple[str, frozenset[tuple[str, str]]]

@@ -121,8 +121,8 @@ def test_label_repartitions_node_and_drains_only_gpu_pods() -> None:
     assert_clean(cluster)
     assert any(c.type == "MIGConfigApplied" and c.status == "True" for c in node.conditions)
     assert [e[1] for e in cluster.events] == [
-        "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGDevicePluginRestart",
-        "MIGVerifying", "MIGConfigApplied"]
+        "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying",
+        "MIGDevicePluginRestart", "MIGConfigApplied"]
 
 
 def test_already_applied_is_success_without_drain_or_gpu_calls() -> None:
