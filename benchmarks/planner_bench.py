@@ -16,7 +16,6 @@ import random
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,29 +24,14 @@ from mig_agent.executor import execute  # noqa: E402
 from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule  # noqa: E402
 from mig_agent.models import MODELS, GpuModel  # noqa: E402
 from mig_agent.planner import plan, plan_gpu  # noqa: E402
+from tests.oracle import fitting_multisets  # noqa: E402
 from tests.unit.fake_gpus import FakeGpus  # noqa: E402
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
 
 
 def fitting(model: GpuModel) -> list[dict[str, int]]:
-    options = [(gi, pl) for gi in model.gi_profiles for pl in gi.placements]
-    found: set[tuple[tuple[str, int], ...]] = set()
-
-    def walk(start: int, mask: int, chosen: Counter[str]) -> None:
-        found.add(tuple(sorted(chosen.items())))
-        for k in range(start, len(options)):
-            gi, pl = options[k]
-            if pl.mask & mask or chosen[gi.name] >= gi.instance_count:
-                continue
-            chosen[gi.name] += 1
-            walk(k + 1, mask | pl.mask, chosen)
-            chosen[gi.name] -= 1
-            if not chosen[gi.name]:
-                del chosen[gi.name]
-
-    walk(0, 0, Counter())
-    return [dict(k) for k in sorted(found) if k]
+    return [dict(k) for k in sorted(fitting_multisets(model)) if k]
 
 
 def layout(counts: dict[str, int]) -> Layout:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from functools import cache
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,6 +29,7 @@ from mig_agent.planner import (
     plan_gpu,
 )
 
+from ..oracle import fitting_multisets
 from .fake_gpus import FakeGpus
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
@@ -38,28 +38,6 @@ MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
 def layout_of(counts: dict[str, int], name: str = "test") -> Layout:
     gl = GpuLayout.of(True, {MigProfile.parse(k): v for k, v in counts.items()})
     return Layout(name, (Rule(DeviceSelector(), gl),))
-
-
-@cache
-def fitting_multisets(model: GpuModel) -> frozenset[tuple[tuple[str, int], ...]]:
-    """Every multiset of GI profiles with some non-overlapping placement: brute force."""
-    options = [(gi, pl) for gi in model.gi_profiles for pl in gi.placements]
-    found: set[tuple[tuple[str, int], ...]] = set()
-
-    def walk(start: int, mask: int, chosen: Counter[str]) -> None:
-        found.add(tuple(sorted(chosen.items())))
-        for k in range(start, len(options)):
-            gi, pl = options[k]
-            if pl.mask & mask or chosen[gi.name] >= gi.instance_count:
-                continue
-            chosen[gi.name] += 1
-            walk(k + 1, mask | pl.mask, chosen)
-            chosen[gi.name] -= 1
-            if not chosen[gi.name]:
-                del chosen[gi.name]
-
-    walk(0, 0, Counter())
-    return frozenset(found)
 
 
 def all_multisets(model: GpuModel) -> list[dict[str, int]]:
