@@ -111,15 +111,31 @@ def verify(layout: Layout, observed: NodeState, models: Mapping[int, GpuModel]) 
 def execute(
     the_plan: Plan, gpus: GpuBackend, *, report: ApplyReport | None = None, reset: bool = True
 ) -> ApplyReport:
-    """Run every step of ``the_plan`` in order; GPU instances are found by their placement."""
+    """Run every step of ``the_plan`` in order; GPU instances are found by their placement.
+
+    A GPU whose MIG mode change stays pending does not stop the others: they are done first, so
+    that one reboot finishes the node; GpuResetRequired then names every such GPU. Any other
+    error stops the apply at once.
+    """
     report = report if report is not None else ApplyReport(the_plan.layout, the_plan)
+    pending: list[GpuResetRequired] = []
     for gpu_plan in the_plan.gpus:
         if gpu_plan.is_empty:
             continue
         r = report.gpus.setdefault(gpu_plan.gpu, GpuReport(gpu_plan.gpu))
         gi_ids: dict[Placement, int] = {}
-        for step in gpu_plan.steps:
-            _run(step, gpus, r, gi_ids, reset=reset)
+        try:
+            for step in gpu_plan.steps:
+                _run(step, gpus, r, gi_ids, reset=reset)
+        except GpuResetRequired as exc:
+            pending.append(exc)
+    if len(pending) == 1:
+        raise pending[0]
+    if pending:
+        indices = [e.context.get("gpu") for e in pending]
+        raise GpuResetRequired(
+            "; ".join(str(e) for e in pending), gpu=indices[0], gpus=indices
+        ) from pending[0]
     return report
 
 
