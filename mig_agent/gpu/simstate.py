@@ -583,20 +583,27 @@ def reset_gpu(path: str | os.PathLike[str], index: int) -> None:
     delay = load_node(path).latency_for(True)
     if delay:
         time.sleep(delay)
+    # The failure is decided inside the locked update but raised after it, so that the count
+    # and the consumed fault rule are saved even when the reset fails.
+    failure: SimError | None = None
     with _mutate(path) as node:
         gpu = node.gpu(index)
         node.count(RESET, index)
         code = node.consume_rule(RESET, index, True)
         if code is not None:
-            raise SimError(code, f"reset of GPU {index} failed: {ERROR_STRINGS.get(code, code)} "
-                                 "(injected)")
-        if gpu.processes:
+            failure = SimError(code, f"reset of GPU {index} failed: "
+                                     f"{ERROR_STRINGS.get(code, code)} (injected)")
+        elif gpu.processes:
             pids = ", ".join(str(p.pid) for p in gpu.processes)
-            raise SimError(IN_USE, f"GPU {index} cannot be reset: in use by process(es) {pids}")
-        if not gpu.reset_supported:
-            raise SimError(NOT_SUPPORTED, f"GPU {index} cannot be reset here (pass-through VM): "
-                                          "reboot the node")
-        gpu.mig_current = gpu.mig_pending
+            failure = SimError(IN_USE, f"GPU {index} cannot be reset: in use by process(es) "
+                                       f"{pids}")
+        elif not gpu.reset_supported:
+            failure = SimError(NOT_SUPPORTED, f"GPU {index} cannot be reset here (pass-through "
+                                              "VM): reboot the node")
+        else:
+            gpu.mig_current = gpu.mig_pending
+    if failure is not None:
+        raise failure
 
 
 def reboot_node(path: str | os.PathLike[str]) -> None:

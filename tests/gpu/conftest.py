@@ -14,7 +14,7 @@ import pytest
 from mig_agent.gpu import simlib
 from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
 
-CAPTURES = Path("/work/shared/reference/captures")
+CAPTURES = Path(__file__).resolve().parents[1] / "data" / "captures"
 REPO = Path(__file__).resolve().parents[2]
 
 MakeNode = Callable[..., str]
