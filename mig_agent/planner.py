@@ -240,9 +240,8 @@ def plan_gpu(
         have = [(_ci_by_id(gi.profile, c.profile_id), c.placement) for c in gi.gi.compute_instances]
         for ci, ci_pl in have:
             devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, kept=True))
-        missing = list((d.ci_ids - Counter(c.id for c, _ in have)).elements())
-        new = _place_cis(gi.profile, [_ci_by_id(gi.profile, m) for m in missing], have)
-        assert new is not None
+        new = _missing_cis(gi, d)
+        assert new is not None  # _choose_kept kept only GIs that can serve their demand
         for ci, ci_pl in new:
             ci_steps.append(
                 CreateComputeInstance(
@@ -373,18 +372,28 @@ def _ci_by_id(gi: GiProfile, ci_id: int) -> CiProfile:
 
 def _matches(model: GpuModel, p: _Present, d: _Demand) -> bool:
     """Can present GI ``p`` serve demand ``d`` (same GI profile, its CIs a subset of d's)?"""
+    return _missing_cis(p, d) is not None
+
+
+def _missing_cis(p: _Present, d: _Demand) -> list[tuple[CiProfile, Placement]] | None:
+    """The CIs to add (with placements) so that present GI ``p`` serves ``d``; None if it can't.
+
+    CIs are compared by device name, not profile id: on Hopper a 1-slice REV2 GI can hold either
+    of two CI profiles that make the same device (``1g.35gb``); either one serves.
+    """
     if p.profile is None or p.profile.id != d.gi.id:
-        return False
-    if not set(c.profile_id for c in p.gi.compute_instances) <= {
-        c.id for c in p.profile.ci_profiles
-    }:
-        return False
-    have = Counter(c.profile_id for c in p.gi.compute_instances)
-    if have - d.ci_ids:
-        return False
+        return None
+    valid = {c.id for c in p.profile.ci_profiles}
+    if any(c.profile_id not in valid for c in p.gi.compute_instances):
+        return None
     placed = [(_ci_by_id(p.profile, c.profile_id), c.placement) for c in p.gi.compute_instances]
-    missing = [_ci_by_id(p.profile, m) for m in (d.ci_ids - have).elements()]
-    return _place_cis(p.profile, missing, placed) is not None
+    have = Counter(p.profile.ci_name(ci) for ci, _ in placed)
+    want = Counter(d.gi.ci_name(ci) for ci in d.cis)
+    if have - want:
+        return None
+    by_name = {d.gi.ci_name(ci): ci for ci in d.cis}
+    missing = [by_name[name] for name in (want - have).elements()]
+    return _place_cis(p.profile, missing, placed)
 
 
 def _choose_kept(

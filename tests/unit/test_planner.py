@@ -280,3 +280,16 @@ def test_minimum_destruction_matches_brute_force(model: GpuModel, data: st.DataO
         if best:
             break
     assert len(present) - p.destroyed_gpu_instances == best
+
+
+def test_rev1_compute_instance_serves_the_same_device_name() -> None:
+    """On Hopper a 1g.35gb GPU instance may hold the REV1 CI (whole GI, more SMs): same device."""
+    model = MODELS["H200"]
+    gpus = empty_gpu(model)
+    gi = model.gi_by_name["1g.35gb"]
+    rev1 = next(c for c in gi.ci_profiles if c.id == 7)
+    gi_id = gpus.create_gpu_instance(0, gi.id, gi.placements[3])
+    gpus.create_compute_instance(0, gi_id, rev1.id, rev1.placements[0])
+    assert plan(layout_of({"1g.35gb": 1}), gpus.observe(), gpus.models()).is_empty
+    p = plan(layout_of({"1g.35gb": 2}), gpus.observe(), gpus.models())
+    assert p.gpus[0].destroyed_gpu_instances == 0 and p.gpus[0].created_gpu_instances == 1
