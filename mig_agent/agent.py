@@ -35,7 +35,7 @@ from mig_agent.errors import (
 )
 from mig_agent.executor import execute, verify
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodView
 from mig_agent.labels import State
 from mig_agent.layout import LayoutCatalog
 from mig_agent.metrics import Metrics
@@ -90,6 +90,8 @@ class Agent:
     clock: Clock = field(default_factory=Clock)
     metrics: Metrics = field(default_factory=Metrics)
     reboot: Callable[[str], None] = run_reboot
+    # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
+    pod_devices: Callable[[], Mapping[tuple[str, str], frozenset[str]]] | None = None
 
     catalog: LayoutCatalog | None = None
     catalog_error: str = ""
@@ -203,8 +205,8 @@ class Agent:
         with self._gpu_clients_paused(node) as paused:
             if not the_plan.is_empty:
                 with self._phase(node, "drain", "MIGDraining",
-                                 "evicting the pods that use GPUs on this node"):
-                    self._drain(paused)
+                                 "evicting the pods that use the GPUs that change"):
+                    self._drain(paused, the_plan)
                 with self._phase(node, "apply", "MIGApplying",
                                  f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) "
                                  f"{changed}"):
@@ -221,7 +223,41 @@ class Agent:
         self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
         return Outcome.APPLIED
 
-    def _drain(self, paused: list[str]) -> None:
+    def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str] | None:
+        """Device ids (GPU and MIG UUIDs) that outlive ``the_plan``: every device of an unchanged
+        GPU and the compute instances of kept GPU instances. None when the kubelet cannot tell
+        which pod holds which device."""
+        if self.pod_devices is None:
+            return None
+        changed = {g.gpu: g for g in the_plan.gpus if not g.is_empty}
+        staying: set[str] = set()
+        for gpu in self.gpus.observe().gpus:
+            gp = changed.get(gpu.index)
+            if gp is None and not gpu.mig_current:
+                staying.add(gpu.info.uuid)
+            kept = None if gp is None else {d.gi_placement for d in gp.devices if d.kept}
+            for gi in gpu.gpu_instances:
+                if kept is None or gi.placement in kept:
+                    staying.update(ci.uuid for ci in gi.compute_instances if ci.uuid)
+        return frozenset(staying)
+
+    def _pods_that_may_stay(self, the_plan: planner.Plan) -> Callable[[PodView], bool] | None:
+        staying = self._staying_devices(the_plan)
+        if staying is None or self.pod_devices is None:
+            return None
+        try:
+            holds = self.pod_devices()
+        except MigAgentError as exc:
+            log.warning("drain.pod_resources_unavailable", error=str(exc))
+            return None  # cannot tell: every GPU pod goes
+
+        def may_stay(pod: PodView) -> bool:
+            devices = holds.get((pod.ref.namespace, pod.ref.name))
+            return bool(devices) and devices is not None and devices <= staying
+
+        return may_stay
+
+    def _drain(self, paused: list[str], the_plan: planner.Plan) -> None:
         s = self.settings
         operand_pods = [
             p.ref
@@ -246,6 +282,7 @@ class Agent:
             poll_s=s.poll_s,
             clock=self.clock,
             exclude=operand_pods,
+            may_stay=self._pods_that_may_stay(the_plan),
         )
         self.metrics.evictions.inc(len(evicted))
 

@@ -44,14 +44,21 @@ def drain_gpu_pods(
     poll_s: float,
     clock: Clock = Clock(),
     exclude: Iterable[PodRef] = (),
+    may_stay: Callable[[PodView], bool] | None = None,
 ) -> list[PodRef]:
-    """Evict every GPU pod on ``node`` and wait until all are gone; returns the evicted pods.
+    """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
+    gone; returns the evicted pods.
 
     Raises EvictionBlocked (naming the pod and its PodDisruptionBudget) when a budget still
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
     KubeError for a static (mirror) pod, which cannot be evicted.
     """
     pods = gpu_pods(cluster, node, exclude=exclude)
+    if may_stay is not None:
+        staying = [p for p in pods if may_stay(p)]
+        if staying:
+            log.info("drain.pods_kept", pods=len(staying))
+        pods = [p for p in pods if p not in staying]
     for p in pods:
         if p.is_mirror:
             raise KubeError(

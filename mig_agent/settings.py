@@ -42,6 +42,9 @@ class Settings:
     device_plugin_namespace: str = "gpu-operator"
     device_plugin_selector: str = "app=nvidia-device-plugin-daemonset"
     """Namespace and label selector of the device plugin pod (restarted after a change)."""
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    """The kubelet's PodResources socket: which pod holds which GPU device, so that only pods on
+    changed GPUs are drained (without it, every GPU pod of the node is)."""
     mig_strategy: str = "mixed"
     """How the device plugin advertises MIG devices: mixed or single."""
     drain_timeout_s: float = 300.0

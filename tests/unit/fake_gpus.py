@@ -37,6 +37,7 @@ class FakeGpus:
             for i, m in self._models.items()
         }
         self.calls: Counter[int] = Counter()
+        self.serial = 0
         self.fail_on: str | None = None
 
     # GpuBackend
@@ -86,11 +87,14 @@ class FakeGpus:
         ):
             raise GpuError("bad CI placement")
         ci_id = min(set(range(8)) - {c.id for c in gi.compute_instances})
+        self.serial += 1  # MIG UUIDs are unique over the fake's life, as real ones are
         new_gi = replace(
             gi,
             compute_instances=(
                 *gi.compute_instances,
-                ComputeInstance(ci_id, profile_id, placement),
+                ComputeInstance(
+                    ci_id, profile_id, placement, f"MIG-{gpu}-{gi_id}-{ci_id}-{self.serial}"
+                ),
             ),
         )
         self.gpus[gpu] = replace(

@@ -398,3 +398,71 @@ def test_config_change_is_picked_up_and_a_broken_one_keeps_the_last_good(tmp_pat
     assert agent.reload_config() is True
     assert "unknown version" in agent.catalog_error or "v1" in agent.catalog_error
     assert agent.catalog is not None and "late-layout" in agent.catalog
+
+
+def _holding(gpus: FakeGpus, gpu: int, n: int = 1) -> frozenset[str]:
+    """The UUIDs of the first ``n`` MIG devices of ``gpu``."""
+    cis = [ci for gi in gpus.observe().gpu(gpu).gpu_instances for ci in gi.compute_instances]
+    return frozenset(ci.uuid for ci in cis[:n])
+
+
+def _two_changed(agent: Agent) -> None:
+    from mig_agent.layout import DeviceSelector, GpuLayout, Layout, LayoutCatalog, MigProfile, Rule
+
+    base = agent.catalog.get("all-1g.10gb")  # type: ignore[union-attr]
+    two = GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 5, MigProfile.parse("2g.20gb"): 1})
+    custom = Layout("two-changed", (*base.rules, Rule(DeviceSelector(frozenset({2, 5})), two)))
+    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), custom])  # type: ignore[union-attr]
+
+
+def test_with_pod_resources_only_pods_on_changing_devices_are_drained() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    agent.reconcile_once()
+    on_gpu0 = cluster.add_pod("work", "on-gpu0", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    on_gpu5 = cluster.add_pod("work", "on-gpu5", NODE, gpu={"nvidia.com/mig-1g.10gb": 7})
+    unknown = cluster.add_pod("work", "unknown", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    holds = {("work", "on-gpu0"): _holding(gpus, 0), ("work", "on-gpu5"): _holding(gpus, 5, 7)}
+    agent.pod_devices = lambda: holds
+    _two_changed(agent)
+    label(cluster, "two-changed")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    # GPU 5 keeps 5 of its 1g.10gb instances, but the pod holds all 7: it must go
+    assert set(cluster.evicted) == {on_gpu5, unknown}
+    assert on_gpu0 in cluster.pods
+
+
+def test_pod_on_kept_instances_of_a_changed_gpu_stays() -> None:
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    agent.reconcile_once()
+    from mig_agent import planner
+
+    pod = cluster.add_pod("work", "small", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    _two_changed(agent)
+    the_plan = planner.plan(agent.catalog.get("two-changed"), gpus.observe(),  # type: ignore[union-attr]
+                            gpus.models())
+    kept = next(d.gi_placement for d in the_plan.gpus[5].devices if d.kept)
+    gi = next(g for g in gpus.observe().gpu(5).gpu_instances if g.placement == kept)
+    agent.pod_devices = lambda: {("work", "small"): frozenset({gi.compute_instances[0].uuid})}
+    label(cluster, "two-changed")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert pod in cluster.pods and not cluster.evicted
+
+
+def test_without_pod_resources_every_gpu_pod_is_drained() -> None:
+    from mig_agent.errors import KubeUnavailable as Down
+
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    agent.reconcile_once()
+    pod = cluster.add_pod("work", "on-gpu0", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+
+    def unreachable() -> dict[tuple[str, str], frozenset[str]]:
+        raise Down("kubelet PodResources socket missing")
+
+    agent.pod_devices = unreachable
+    _two_changed(agent)
+    label(cluster, "two-changed")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.evicted == [pod]
