@@ -12,6 +12,7 @@ Run: python benchmarks/planner_bench.py   (prints tables; no cluster needed)
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import sys
@@ -82,6 +83,53 @@ def disruption(transitions: int = 300, seed: int = 7) -> None:
               f"{theirs / changed:>16.2f} | {saved:>6.1%} | {kept / changed:>14.2f} |")
 
 
+def suite() -> None:
+    """Every transition between the shipped layouts of each model on an 8-GPU node, one pod per
+    MIG device; plus changing 2 of the 8 GPUs of a node."""
+    from mig_agent.catalog import fit_report, load_catalog
+
+    catalog = load_catalog([Path(__file__).resolve().parents[1] / "profiles"])
+    print("\n## Layout suite: transitions between the layouts in profiles/, 8-GPU node, one pod "
+          "per MIG device\n")
+    print(f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
+          f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |")
+    print(f"|{'-' * 12}|{'-' * 13}|{'-' * 21}|{'-' * 18}|{'-' * 14}|{'-' * 17}|")
+    for m in MIG_MODELS:
+        names = [r.layout for r in fit_report(catalog, m)
+                 if r.applies and r.fits and r.by_filter]
+        ours = theirs = pods = node_wide = n = 0
+        for a, b in itertools.permutations(names, 2):
+            gpus = FakeGpus([m] * 8)
+            execute(plan(catalog.get(a), gpus.observe(), gpus.models()), gpus)
+            before = gpus.observe()
+            p = plan(catalog.get(b), before, gpus.models())
+            if p.is_empty:
+                continue
+            n += 1
+            devices = sum(len(gi.compute_instances) for g in before.gpus for gi in g.gpu_instances)
+            ours += sum(g.destroyed_gpu_instances for g in p.gpus)
+            theirs += sum(len(before.gpu(g.gpu).gpu_instances) for g in p.gpus if not g.is_empty)
+            kept = sum(d.kept for g in p.gpus if not g.is_empty for d in g.devices)
+            on_changed = sum(len(gi.compute_instances) for g in p.gpus if not g.is_empty
+                             for gi in before.gpu(g.gpu).gpu_instances)
+            pods += on_changed - kept
+            node_wide += devices
+        print(f"| {m.key:<10} | {n:>11} | {ours / n:>19.1f} | {theirs / n:>16.1f} | "
+              f"{pods / n:>12.1f} | {node_wide / n:>15.1f} |")
+    two = Layout("two", (
+        Rule(DeviceSelector(), GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 7})),
+        Rule(DeviceSelector(frozenset({2, 5})),
+             GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 5, MigProfile.parse("2g.20gb"): 1})),
+    ))
+    gpus = FakeGpus([MODELS["H100-80GB"]] * 8)
+    execute(plan(layout({"1g.10gb": 7}), gpus.observe(), gpus.models()), gpus)
+    p = plan(two, gpus.observe(), gpus.models())
+    print("\nH100-80GB node at all-1g.10gb, GPUs 2 and 5 change to 5x1g.10gb + 1x2g.20gb: "
+          f"{sum(g.destroyed_gpu_instances for g in p.gpus)} instances destroyed and "
+          f"{sum(g.destroyed_gpu_instances for g in p.gpus)} pods evicted (destroy+recreate of "
+          f"the changed GPUs: 14 instances; node-wide drain: 56 pods)")
+
+
 def timing(repeats: int = 200) -> None:
     print(f"\n## Planner time for one 8-GPU node (median of {repeats})\n")
     print(f"| {'model':<10} | {'case':<28} | {'median ms':>9} | {'p95 ms':>7} |")
@@ -116,4 +164,5 @@ if __name__ == "__main__":
     configure_logging("console", level=logging.WARNING)
     feasibility()
     disruption()
+    suite()
     timing()
