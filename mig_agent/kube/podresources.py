@@ -88,8 +88,7 @@ def _message_classes() -> dict[str, Any]:
     # must not clash with these names.
     file = descriptor_pool.DescriptorPool().Add(proto)
     return {
-        name: message_factory.GetMessageClass(file.message_types_by_name[name])
-        for name in _SCHEMA
+        name: message_factory.GetMessageClass(file.message_types_by_name[name]) for name in _SCHEMA
     }
 
 
@@ -107,9 +106,7 @@ _AllocatableResponse: Final = _MESSAGES["AllocatableResourcesResponse"]
 # -- client -----------------------------------------------------------------------------------
 
 
-def list_pod_devices(
-    socket_path: str, *, timeout_s: float = 5.0
-) -> dict[PodKey, frozenset[str]]:
+def list_pod_devices(socket_path: str, *, timeout_s: float = 5.0) -> dict[PodKey, frozenset[str]]:
     """Ask the kubelet which GPU devices each pod holds: (namespace, pod) -> device ids.
 
     Device ids are those of ``nvidia.com/gpu`` and ``nvidia.com/mig-*`` in all containers the
@@ -135,7 +132,10 @@ def list_allocatable_devices(socket_path: str, *, timeout_s: float = 5.0) -> fro
     Raises KubeUnavailable as list_pod_devices does.
     """
     response = _call(
-        socket_path, "GetAllocatableResources", _AllocatableRequest, _AllocatableResponse,
+        socket_path,
+        "GetAllocatableResources",
+        _AllocatableRequest,
+        _AllocatableResponse,
         timeout_s,
     )
     return _gpu_device_ids(response.devices)
@@ -155,9 +155,7 @@ def _call(socket_path: str, method: str, request: Any, response: Any, timeout_s:
     try:
         mode = os.stat(socket_path).st_mode
     except OSError as exc:
-        raise KubeUnavailable(
-            f"{what}: no socket ({exc.strerror})", socket=socket_path
-        ) from exc
+        raise KubeUnavailable(f"{what}: no socket ({exc.strerror})", socket=socket_path) from exc
     if not stat.S_ISSOCK(mode):
         raise KubeUnavailable(f"{what}: not a socket", socket=socket_path)
     try:

@@ -1,4 +1,5 @@
-"""We test these aspects of the kubelet PodResources client and server (mig_agent.kube.podresources):
+"""We test these aspects of the kubelet PodResources client and server
+(mig_agent.kube.podresources):
 
 * a List round trip over a unix socket: only GPU resources (nvidia.com/gpu, nvidia.com/mig-*) come
   back, per (namespace, pod); pods without GPU devices are left out; replica suffixes are cut;
@@ -54,7 +55,8 @@ def container_devices(resource: str, *ids: str, numa: int | None = None) -> byte
 
 def container(name: str, *devices: bytes, cpu_ids: tuple[int, ...] = ()) -> bytes:
     # ContainerResources { string name = 1; repeated ContainerDevices devices = 2;
-    #                      repeated int64 cpu_ids = 3 (packed); repeated ContainerMemory memory = 4 }
+    #                      repeated int64 cpu_ids = 3 (packed);
+    #                      repeated ContainerMemory memory = 4 }
     out = field(1, name) + b"".join(field(2, d) for d in devices)
     if cpu_ids:
         out += field(3, b"".join(varint(c) for c in cpu_ids))
@@ -141,8 +143,11 @@ def test_list_sees_what_the_provider_says_now(sock: str) -> None:
 
 
 def test_allocatable_round_trip_returns_only_gpu_devices(sock: str) -> None:
-    allocatable = {"nvidia.com/mig-1g.10gb": ["MIG-1", "MIG-2"], "nvidia.com/gpu": ["GPU-3"],
-                   "example.com/nic": ["nic0"]}
+    allocatable = {
+        "nvidia.com/mig-1g.10gb": ["MIG-1", "MIG-2"],
+        "nvidia.com/gpu": ["GPU-3"],
+        "example.com/nic": ["nic0"],
+    }
     with podresources.serve(sock, dict, allocatable=lambda: allocatable):
         assert podresources.list_allocatable_devices(sock) == {"MIG-1", "MIG-2", "GPU-3"}
     with podresources.serve(sock, dict):
@@ -154,14 +159,23 @@ def test_allocatable_round_trip_returns_only_gpu_devices(sock: str) -> None:
 
 def test_server_sends_api_proto_bytes(sock: str) -> None:
     pods = {
-        ("ml", "train"): {"nvidia.com/mig-3g.40gb": ["MIG-a", "MIG-b"], "nvidia.com/gpu": ["GPU-1"]},
+        ("ml", "train"): {
+            "nvidia.com/mig-3g.40gb": ["MIG-a", "MIG-b"],
+            "nvidia.com/gpu": ["GPU-1"],
+        },
         ("ml", "web"): {},
     }
     c = podresources.SIMULATED_CONTAINER
     expected = list_response(
-        pod("ml", "train", container(c, container_devices("nvidia.com/mig-3g.40gb", "MIG-a",
-                                                          "MIG-b"),
-                                     container_devices("nvidia.com/gpu", "GPU-1"))),
+        pod(
+            "ml",
+            "train",
+            container(
+                c,
+                container_devices("nvidia.com/mig-3g.40gb", "MIG-a", "MIG-b"),
+                container_devices("nvidia.com/gpu", "GPU-1"),
+            ),
+        ),
         pod("ml", "web", container(c)),
     )
     with podresources.serve(sock, lambda: pods):
@@ -171,15 +185,24 @@ def test_server_sends_api_proto_bytes(sock: str) -> None:
 def test_client_decodes_kubelet_bytes_with_containers_and_undeclared_fields(
     sock: str, raw_kubelet: Callable[[bytes], None]
 ) -> None:
-    raw_kubelet(list_response(
-        pod("ml", "train",
-            container("init", container_devices("nvidia.com/gpu", "GPU-0", numa=0)),
-            container("main", container_devices("nvidia.com/mig-1g.10gb", "MIG-1", numa=1),
-                      container_devices("example.com/nic", "nic0"), cpu_ids=(2, 3, 200)),
-            container("sidecar", container_devices("nvidia.com/mig-1g.10gb", "MIG-2"))),
-        pod("ml", "cpu-only", container("main", cpu_ids=(1,))),
-        pod("other", "train", container("main", container_devices("nvidia.com/gpu", "GPU-9"))),
-    ))
+    raw_kubelet(
+        list_response(
+            pod(
+                "ml",
+                "train",
+                container("init", container_devices("nvidia.com/gpu", "GPU-0", numa=0)),
+                container(
+                    "main",
+                    container_devices("nvidia.com/mig-1g.10gb", "MIG-1", numa=1),
+                    container_devices("example.com/nic", "nic0"),
+                    cpu_ids=(2, 3, 200),
+                ),
+                container("sidecar", container_devices("nvidia.com/mig-1g.10gb", "MIG-2")),
+            ),
+            pod("ml", "cpu-only", container("main", cpu_ids=(1,))),
+            pod("other", "train", container("main", container_devices("nvidia.com/gpu", "GPU-9"))),
+        )
+    )
     assert podresources.list_pod_devices(sock) == {
         ("ml", "train"): frozenset({"GPU-0", "MIG-1", "MIG-2"}),
         ("other", "train"): frozenset({"GPU-9"}),
