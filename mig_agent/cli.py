@@ -547,6 +547,7 @@ def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
             selector=args.selector,
             strategy=args.mig_strategy,
             stop=stop,
+            pod_resources_socket=args.pod_resources_socket,
         )
     finally:
         cluster.close()
@@ -661,6 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="gpu-operator")
     p.add_argument("--selector", default="app=nvidia-device-plugin-daemonset")
     p.add_argument("--mig-strategy", choices=["mixed", "single"], default="mixed")
+    p.add_argument(
+        "--pod-resources-socket",
+        metavar="PATH",
+        default=None,
+        help="also assign devices to the node's GPU pods and serve the kubelet's PodResources "
+        "API on this unix socket",
+    )
     _add_backend_args(p)
     p.set_defaults(func=cmd_sim_device_plugin)
 

@@ -4,18 +4,29 @@ Like the real plugin it reads the node's GPUs when its pod starts and advertises
 devices as extended resources (mixed or single strategy); while its pod is gone the resources
 drop to zero. Its "pod" is a DaemonSet pod that kwok runs on the node; this process watches for
 a Ready pod with a new UID and then re-reads the simulated GPUs.
+
+With a pod-resources socket it also plays the kubelet's device manager: it assigns devices (GPU
+UUIDs, MIG device UUIDs) to the GPU pods bound to its node and answers the kubelet's PodResources
+API from that table, so the agent can tell which pods hold devices of which GPU. Nothing is
+persisted: a restarted plugin assigns afresh.
+
+Must not: change GPUs, or touch pods other than reading them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import structlog
 
 from mig_agent.errors import MigAgentError
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, is_gpu_resource
+from mig_agent.gpu.nvml import NvmlGpuBackend
+from mig_agent.kube import podresources
+from mig_agent.kube.cluster import GPU_RESOURCE, Cluster, PodRef, PodView, is_gpu_resource
+from mig_agent.models import resource_name
 from mig_agent.resources import expected_resources
 
 log = structlog.get_logger(__name__)
@@ -41,9 +52,132 @@ def withdraw(cluster: Cluster, node: str) -> None:
     )
 
 
+# -- device assignment --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One device the plugin offers: a whole GPU (gi_id = ci_id = -1) or a MIG device."""
+
+    resource: str  # "nvidia.com/gpu", "nvidia.com/mig-3g.40gb", ...
+    id: str  # what the kubelet reports: the GPU UUID or the MIG device UUID
+    gpu: int
+    gi_id: int = -1
+    ci_id: int = -1
+
+
+def offered_devices(gpus: NvmlGpuBackend, strategy: str) -> tuple[Device, ...]:
+    """The devices behind advertise()'s counts, in assignment order: GPU index, then GI, CI."""
+    out = [
+        Device(GPU_RESOURCE, g.info.uuid, g.index) for g in gpus.observe().gpus if not g.mig_current
+    ]
+    for d in gpus.mig_devices():
+        resource = resource_name(d.name, strategy=strategy)
+        if resource:  # a CI that splits a GPU instance is not advertised in mixed strategy
+            out.append(Device(resource, d.uuid, d.gpu, d.gi_id, d.ci_id))
+    return tuple(sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id)))
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    """What one Allocations.sync() changed, for the log."""
+
+    allocated: dict[PodRef, tuple[Device, ...]] = field(default_factory=dict)
+    released: list[PodRef] = field(default_factory=list)
+    waiting: list[PodRef] = field(default_factory=list)  # newly found short of free devices
+
+
+class Allocations:
+    """Which devices each GPU pod of the node holds, kept as the kubelet's device manager does.
+
+    A pod is given all the devices it requests when first seen with enough free devices (never
+    a part), and keeps them until it is gone, finished or replaced by a pod with another UID.
+    Thread-safe: the PodResources server reads it from its own threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._offered: tuple[Device, ...] = ()
+        self._pods: dict[PodRef, tuple[Device, ...]] = {}
+        self._waiting: set[PodRef] = set()
+
+    def offer(self, devices: Sequence[Device]) -> list[tuple[PodRef, Device]]:
+        """The plugin (re-)advertised ``devices``; returns the assignments dropped because their
+        device is gone. Such a pod keeps the rest and gets no replacement, as on a kubelet."""
+        ids = {d.id for d in devices}
+        dropped: list[tuple[PodRef, Device]] = []
+        with self._lock:
+            self._offered = tuple(devices)
+            for ref, held in self._pods.items():
+                dropped += [(ref, d) for d in held if d.id not in ids]
+                self._pods[ref] = tuple(d for d in held if d.id in ids)
+        return dropped
+
+    def withdraw(self) -> None:
+        """The plugin is gone: nothing more is given out; running pods keep their devices."""
+        with self._lock:
+            self._offered = ()
+
+    def sync(self, pods: Iterable[PodView]) -> SyncResult:
+        """Release what pods no longer on the node hold; give devices to new GPU pods."""
+        result = SyncResult()
+        live = {p.ref: p for p in pods if not p.finished}
+        with self._lock:
+            for ref in [r for r in self._pods if r not in live]:
+                del self._pods[ref]
+                result.released.append(ref)
+            self._waiting &= live.keys()
+            taken = {d.id for held in self._pods.values() for d in held}
+            for ref, pod in sorted(live.items(), key=lambda kv: (kv[0].namespace, kv[0].name)):
+                if ref in self._pods or not pod.uses_gpu or pod.terminating:
+                    continue
+                got = self._pick(pod.gpu_requests, taken)
+                if got is None:
+                    if ref not in self._waiting:
+                        self._waiting.add(ref)
+                        result.waiting.append(ref)
+                    continue
+                self._waiting.discard(ref)
+                self._pods[ref] = got
+                taken |= {d.id for d in got}
+                result.allocated[ref] = got
+        return result
+
+    def _pick(self, requests: Mapping[str, int], taken: set[str]) -> tuple[Device, ...] | None:
+        """The first free devices of each requested resource, or None when one is short."""
+        got: list[Device] = []
+        for resource, count in sorted(requests.items()):
+            free = [d for d in self._offered if d.resource == resource and d.id not in taken]
+            if len(free) < count:
+                return None
+            got += free[:count]
+        return tuple(got)
+
+    def by_pod(self) -> dict[tuple[str, str], dict[str, list[str]]]:
+        """(namespace, pod) -> {resource: device ids}: the PodResources List answer."""
+        with self._lock:
+            out: dict[tuple[str, str], dict[str, list[str]]] = {}
+            for ref, held in self._pods.items():
+                resources = out.setdefault((ref.namespace, ref.name), {})
+                for d in held:
+                    resources.setdefault(d.resource, []).append(d.id)
+            return out
+
+    def allocatable(self) -> dict[str, list[str]]:
+        """resource -> every offered device id: the GetAllocatableResources answer."""
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            for d in self._offered:
+                out.setdefault(d.resource, []).append(d.id)
+            return out
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
 def run(
     cluster: Cluster,
-    open_gpus: Callable[[], GpuBackend],
+    open_gpus: Callable[[], NvmlGpuBackend],
     *,
     node: str,
     namespace: str,
@@ -51,29 +185,69 @@ def run(
     strategy: str,
     stop: threading.Event,
     poll_s: float = 0.5,
+    pod_resources_socket: str | None = None,
 ) -> None:
-    """Advertise on every new Ready plugin pod; withdraw while there is none."""
+    """Advertise on every new Ready plugin pod; withdraw while there is none.
+
+    With ``pod_resources_socket``, also assign devices to the node's GPU pods and serve the
+    kubelet's PodResources API there until ``stop`` is set.
+    """
+    table: Allocations | None = None
+    server: podresources.Server | None = None
+    if pod_resources_socket:
+        table = Allocations()
+        server = podresources.serve(
+            pod_resources_socket, table.by_pod, allocatable=table.allocatable
+        )
+        log.info("device_plugin.pod_resources_serving", node=node, socket=server.socket_path)
     advertised: str | None = None
-    while not stop.is_set():
-        try:
-            pods = [
-                p
-                for p in cluster.list_pods(node=node, namespace=namespace, label_selector=selector)
-                if p.ready and not p.terminating
-            ]
-            uid = pods[0].ref.uid if pods else None
-            if uid and uid != advertised:
-                gpus = open_gpus()
-                try:
-                    res = advertise(cluster, node, gpus, strategy)
-                finally:
-                    gpus.close()
-                advertised = uid
-                log.info("device_plugin.advertised", node=node, pod=pods[0].ref.name, resources=res)
-            elif uid is None and advertised is not None:
-                withdraw(cluster, node)
-                advertised = None
-                log.info("device_plugin.withdrawn", node=node)
-        except MigAgentError as exc:
-            log.warning("device_plugin.error", node=node, error=str(exc))
-        stop.wait(poll_s)
+    try:
+        while not stop.is_set():
+            try:
+                pods = [
+                    p
+                    for p in cluster.list_pods(
+                        node=node, namespace=namespace, label_selector=selector
+                    )
+                    if p.ready and not p.terminating
+                ]
+                uid = pods[0].ref.uid if pods else None
+                if uid and uid != advertised:
+                    gpus = open_gpus()
+                    try:
+                        res = advertise(cluster, node, gpus, strategy)
+                        devices = offered_devices(gpus, strategy) if table else ()
+                    finally:
+                        gpus.close()
+                    advertised = uid
+                    log.info(
+                        "device_plugin.advertised", node=node, pod=pods[0].ref.name, resources=res
+                    )
+                    for ref, device in table.offer(devices) if table else ():
+                        log.info("device_plugin.device_gone", node=node, pod=str(ref),
+                                 device=device.id, resource=device.resource)
+                elif uid is None and advertised is not None:
+                    withdraw(cluster, node)
+                    if table:
+                        table.withdraw()
+                    advertised = None
+                    log.info("device_plugin.withdrawn", node=node)
+                if table:
+                    _log_sync(node, table.sync(cluster.list_pods(node=node)))
+            except MigAgentError as exc:
+                log.warning("device_plugin.error", node=node, error=str(exc))
+            stop.wait(poll_s)
+    finally:
+        if server:
+            server.stop()
+
+
+def _log_sync(node: str, result: SyncResult) -> None:
+    for ref, devices in result.allocated.items():
+        log.info("device_plugin.allocated", node=node, pod=str(ref),
+                 devices=[d.id for d in devices])
+    for ref in result.released:
+        log.info("device_plugin.released", node=node, pod=str(ref))
+    for ref in result.waiting:
+        log.info("device_plugin.unallocatable", node=node, pod=str(ref),
+                 reason="not enough free devices")

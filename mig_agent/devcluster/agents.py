@@ -107,15 +107,20 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
     env.update({"MIG_AGENT_LOG_FORMAT": "json", "MIG_AGENT_BACKOFF_S": "2",
                 "MIG_AGENT_BACKOFF_MAX_S": "30", "MIG_AGENT_POLL_S": "0.2",
                 "MIG_AGENT_EVICTION_RETRY_S": "1"})
+    # The simulated device plugin plays the kubelet's PodResources API here, so the agent can
+    # drain only the pods on GPUs that change.
+    pod_resources = cluster.node_dir(node) / "pod-resources.sock"
     env.update(settings or {})
+    agent_env = {"MIG_AGENT_POD_RESOURCES_SOCKET": str(pod_resources), **env}
     agent = spawn(f"mig-agent@{node}", [
         sys.executable, "-m", "mig_agent", "run", "--node", node, "--kubeconfig", str(kubeconfig),
         "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
-        "--metrics-port", str(port)], logs / f"agent-{node}.log", env=env)
+        "--metrics-port", str(port)], logs / f"agent-{node}.log", env=agent_env)
     plugin = spawn(f"device-plugin@{node}", [
         sys.executable, "-m", "mig_agent", "--log-format", "json", "sim-device-plugin",
         "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
-        "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL], logs / f"device-plugin-{node}.log",
+        "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
+        "--pod-resources-socket", str(pod_resources)], logs / f"device-plugin-{node}.log",
         env=env)
     started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig))
     _record(cluster.dir, started)
