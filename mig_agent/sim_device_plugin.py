@@ -196,10 +196,16 @@ def run(
     server: podresources.Server | None = None
     if pod_resources_socket:
         table = Allocations()
-        server = podresources.serve(
-            pod_resources_socket, table.by_pod, allocatable=table.allocatable
-        )
-        log.info("device_plugin.pod_resources_serving", node=node, socket=server.socket_path)
+        try:
+            server = podresources.serve(
+                pod_resources_socket, table.by_pod, allocatable=table.allocatable
+            )
+        except MigAgentError as exc:
+            # Advertising still works without it; the agent then drains every GPU pod.
+            log.warning("device_plugin.pod_resources_error", node=node, error=str(exc))
+            table = None
+        else:
+            log.info("device_plugin.pod_resources_serving", node=node, socket=server.socket_path)
     advertised: str | None = None
     try:
         while not stop.is_set():

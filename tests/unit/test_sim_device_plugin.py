@@ -9,7 +9,8 @@
 * a pod's devices are released when it is gone, finished or replaced by a pod with another UID;
 * re-advertising drops devices that no longer exist, without handing out replacements; while the
   plugin is withdrawn running pods keep their devices and new ones get none;
-* run() serves the table on the kubelet's PodResources API.
+* run() serves the table on the kubelet's PodResources API; when the socket cannot be bound it
+  still advertises.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from mig_agent import sim_device_plugin
 from mig_agent.catalog import load_catalog
@@ -332,3 +334,28 @@ def _poll(
                 break
         time.sleep(0.01)
     return value
+
+
+def test_run_advertises_without_pod_resources_when_the_socket_cannot_be_bound(
+    cluster: FakeCluster, sim_state: str, tmp_path: Path
+) -> None:
+    cluster.add_pod("gpu-operator", "plugin", NODE, labels={"app": "plugin"})
+    stop = threading.Event()
+
+    def open_gpus_once() -> NvmlGpuBackend:
+        stop.set()  # this pass advertises, then the loop ends
+        return open_backend("simulated", sim_state=sim_state)
+
+    with structlog.testing.capture_logs() as logs:
+        sim_device_plugin.run(
+            cluster,
+            open_gpus_once,
+            node=NODE,
+            namespace="gpu-operator",
+            selector="app=plugin",
+            strategy="mixed",
+            stop=stop,
+            pod_resources_socket=str(tmp_path / ("x" * 120)),
+        )
+    assert cluster.nodes[NODE].gpu_resources() == {G1: 6, G4: 2, GPU: 1}
+    assert any(e["event"] == "device_plugin.pod_resources_error" for e in logs)
