@@ -86,7 +86,9 @@ def _message_classes() -> dict[str, Any]:
                 f.type, f.type_name = _F.TYPE_MESSAGE, f".v1.{kind}"
     # A private pool: another library registering its own "v1" package in the default pool
     # must not clash with these names.
-    file = descriptor_pool.DescriptorPool().Add(proto)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)  # returns the file only in the upb implementation: look it up instead
+    file = pool.FindFileByName(proto.name)
     return {
         name: message_factory.GetMessageClass(file.message_types_by_name[name]) for name in _SCHEMA
     }
