@@ -446,6 +446,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mig_agent.catalog import load_catalog
     from mig_agent.health import HealthServer
     from mig_agent.kube.client import KubernetesCluster
+    from mig_agent.kube.podresources import list_pod_devices
     from mig_agent.logs import bind_process
     from mig_agent.metrics import InstrumentedGpus, Metrics
     from mig_agent.settings import Settings
@@ -468,7 +469,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     gpus = InstrumentedGpus(_open_gpus(args), metrics)
     cluster = KubernetesCluster.connect(
         settings.kubeconfig, on_request=lambda call: metrics.api_requests.labels(call=call).inc())
-    agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics)
+    agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics,
+                  pod_devices=lambda: list_pod_devices(settings.pod_resources_socket))
 
     def on_signal(*_: object) -> None:  # finish the current pass, then stop at once
         stop.set()
