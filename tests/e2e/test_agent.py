@@ -8,7 +8,8 @@ simulated device plugin and simulated GPUs:
   uncordoned, operands resumed; relaxed, the agent succeeds on its own;
 * bad layouts fail with the reason, with no drain and no GPU mutation;
 * a pod waiting for a MIG resource is scheduled once the node succeeds;
-* an agent killed during the drain or the apply is replaced and the node converges.
+* an agent killed during the drain or the apply is replaced and the node converges;
+* with the kubelet's PodResources answers, only the pods on the GPUs that change are evicted.
 """
 
 from __future__ import annotations
@@ -59,10 +60,9 @@ def assert_clean(node: AgentNode) -> None:
 
 
 def applied(node: AgentNode, layout: str) -> bool:
-    catalog = load_catalog([agents.PROFILES])
-    gpus = simstate.load_node(node.sim_state)
-    del gpus
     from mig_agent.gpu.nvml import open_backend
+
+    catalog = load_catalog([agents.PROFILES])
 
     backend = open_backend("simulated", sim_state=node.sim_state)
     try:
@@ -251,3 +251,43 @@ def test_agent_killed_during_apply_is_replaced_and_node_converges(
     state, models = snapshot.from_json(json.loads(text))
     assert planner.plan(load_catalog([agents.PROFILES]).get("all-balanced"), state,
                         models).is_empty
+
+
+def test_only_pods_on_changing_gpus_are_evicted(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api,
+        extra_profiles: Any) -> None:
+    """The simulated device plugin hands out MIG devices lowest GPU first and tells the agent
+    through the kubelet's PodResources API which pod holds which: 7 pods land on GPU 0, one on
+    GPU 1; a layout that changes only GPU 0 evicts exactly those 7."""
+    from mig_agent.kube.podresources import list_pod_devices
+
+    profiles: Path = extra_profiles("""version: v1
+mig-configs:
+  e2e-gpu0-changes:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+""")
+    node = agent_node("8xH100-80GB", profiles=profiles)
+    node.label("all-1g.10gb")
+    assert node.wait_state("success", "failed") == "success", node.log_tail()
+    pods = [gpu_pod(namespace, f"infer-{i}", node=node.name, grace_period=1,
+                    resources={"nvidia.com/mig-1g.10gb": 1}) for i in range(8)]
+    socket = str(node.cluster.node_dir(node.name) / "pod-resources.sock")
+    deadline = time.monotonic() + 30
+    while len(held := list_pod_devices(socket)) < 8:
+        assert time.monotonic() < deadline, f"only {len(held)} pods hold devices"
+        time.sleep(0.2)
+    node.label("e2e-gpu0-changes")
+    deadline = time.monotonic() + 60
+    while node.labels().get("nvidia.com/mig.config.state") != "success" or \
+            node.gpu_resources().get("nvidia.com/mig-3g.40gb") != 2:
+        assert time.monotonic() < deadline, node.log_tail()
+        time.sleep(0.1)
+    alive = [p.metadata.name for p in pods
+             if pod_exists(core, namespace, p.metadata.name, p.metadata.uid)]
+    assert alive == ["infer-7"], alive
+    assert node.gpu_resources() == {"nvidia.com/mig-1g.10gb": 49, "nvidia.com/mig-3g.40gb": 2}
