@@ -81,7 +81,9 @@ def main() -> int:
                 for layout in layouts:
                     before = phase_sums(scrape(port))
                     cluster.api.request("PATCH", f"/api/v1/nodes/{node}",
-                                        {"metadata": {"labels": {CONFIG: layout}}},
+                                        # the old state goes in the same patch, so the
+                                        # next "success" seen is the answer to this change
+                                        {"metadata": {"labels": {CONFIG: layout, STATE: None}}},
                                         content_type="application/merge-patch+json")
                     wall = wait_state(cluster, node, "success")
                     after = phase_sums(scrape(port))
@@ -98,8 +100,9 @@ def main() -> int:
                 ph = {p: statistics.median(x[3][p] for x in mine) for p in PHASES}
                 print(f"| {layout:<13} | {wall:>6.2f} | "
                       + " | ".join(f"{ph[p]:>13.3f}" for p in PHASES) + " |")
-            print("\n(phase seconds are medians from the agent's own histogram; drain and verify"
-                  " are mostly waiting on pods and the device plugin)")
+            print("\n(phase seconds are medians from the agent's own histogram; drain waits for "
+                  "the paused device-plugin pod to go, device_plugin for the new one to "
+                  "advertise)")
 
             agent = Proc(**agents.running(cluster.dir)[node]["agent"])
             time.sleep(10)  # let the last pass settle
