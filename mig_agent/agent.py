@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import shlex
 import subprocess
 import threading
@@ -132,7 +131,7 @@ class Agent:
         desired = node.labels.get(s.config_label)
         self._seen = (desired, node.labels.get(s.state_label))
         if not desired:
-            self._finish(node, None)
+            self._finish(node)
             if s.state_label in node.labels or s.reason_annotation in node.annotations:
                 # no layout asked for: no state to report (an old "failed" would mislead)
                 node = self.cluster.patch_node(s.node_name, labels={s.state_label: None},
@@ -429,11 +428,11 @@ class Agent:
             raise
         except Exception:  # a kill (not an exception) leaves the trail for the next agent
             with contextlib.suppress(MigAgentError):
-                self._finish(self.cluster.get_node(s.node_name), None)
+                self._finish(self.cluster.get_node(s.node_name))
             raise
-        self._finish(self.cluster.get_node(s.node_name), None)
+        self._finish(self.cluster.get_node(s.node_name))
 
-    def _finish(self, node: NodeView, _unused: object) -> None:
+    def _finish(self, node: NodeView) -> None:
         """Resume paused operands and uncordon if this agent cordoned; idempotent."""
         s = self.settings
         resume = labels.resume_patch(node.labels, s.operand_labels)
@@ -602,7 +601,3 @@ class Agent:
                 self._failures = 0
                 self._wake.set()
         log.info("agent.stopping")
-
-
-def node_name_from_env() -> str:
-    return os.environ.get("NODE_NAME", "")

@@ -96,6 +96,11 @@ def _add_backend_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_destroy_in_use(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--destroy-in-use", action="store_true",
+                   help="allow destroying instances that processes use")
+
+
 def _load(args: argparse.Namespace) -> LayoutCatalog:
     from mig_agent.catalog import load_catalog
 
@@ -603,11 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     p.add_argument("--exit-code", action="store_true", help="exit 3 when changes are needed")
-    p.add_argument(
-        "--destroy-in-use",
-        action="store_true",
-        help="allow destroying instances that processes use",
-    )
+    _add_destroy_in_use(p)
     _add_backend_args(p)
     p.set_defaults(func=cmd_plan)
 
@@ -615,11 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--skip-reset", action="store_true", help="never reset a GPU")
-    p.add_argument(
-        "--destroy-in-use",
-        action="store_true",
-        help="allow destroying instances that processes use",
-    )
+    _add_destroy_in_use(p)
     _add_backend_args(p)
     p.set_defaults(func=cmd_apply)
 

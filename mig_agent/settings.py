@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from mig_agent.errors import ConfigError
@@ -75,7 +75,6 @@ class Settings:
     metrics_address: str = "0.0.0.0"
     kubeconfig: str = ""
     """Kubeconfig file; empty: in-cluster credentials, else KUBECONFIG or ~/.kube/config."""
-    extra: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def cordon_annotation(self) -> str:
@@ -103,8 +102,6 @@ class Settings:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
-            if f.name == "extra":
-                continue
             raw = env.get(f"MIG_AGENT_{f.name.upper()}")
             if f.name == "node_name" and raw is None:
                 raw = env.get("NODE_NAME")

@@ -123,5 +123,16 @@ def extra_profiles(tmp_path: Path) -> Callable[[str], Path]:
     return make
 
 
+def wait_running(core: client.CoreV1Api, namespace: str, name: str, timeout: float = 30) -> Any:
+    """The pod once kwok reports it Running; AssertionError with its status after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = core.read_namespaced_pod(name, namespace)
+        if pod.status.phase == "Running":
+            return pod
+        assert time.monotonic() < deadline, f"{name} not running: {pod.status}"
+        time.sleep(0.1)
+
+
 def mig_counts(sim_state: str) -> simstate.CallCounts:
     return simstate.call_counts(sim_state)

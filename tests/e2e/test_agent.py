@@ -25,7 +25,7 @@ from mig_agent.catalog import load_catalog
 from mig_agent.devcluster import agents
 from mig_agent.gpu import simstate
 
-from .conftest import REASON, AgentNode, NodeFactory, mig_counts
+from .conftest import REASON, AgentNode, NodeFactory, mig_counts, wait_running
 
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 
@@ -37,16 +37,6 @@ def pod_exists(core: client.CoreV1Api, namespace: str, name: str, uid: str) -> b
         if exc.status == 404:
             return False
         raise
-
-
-def wait_running(core: client.CoreV1Api, namespace: str, name: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        pod = core.read_namespaced_pod(name, namespace)
-        if pod.status.phase == "Running":
-            return pod
-        assert time.monotonic() < deadline, f"{name} not running: {pod.status}"
-        time.sleep(0.1)
 
 
 def assert_clean(node: AgentNode) -> None:

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mig_agent.gpu import simstate
 
-from .conftest import AgentNode, NodeFactory
+from .conftest import AgentNode, NodeFactory, wait_running
 
 LAYOUT = "all-1g.10gb"  # 8 x H100-80GB: MIG mode on 8 GPUs, 7 GIs and 7 CIs on each
 BAD_LAYOUT = "no-such-layout"
@@ -90,13 +90,6 @@ def poll(what: str, fn: Callable[[], Any], node: AgentNode, timeout: float = 60.
         if result:
             return result
         assert time.monotonic() < deadline, f"{what} after {timeout} s; log:\n{node.log_tail()}"
-        time.sleep(0.1)
-
-
-def wait_running(core: client.CoreV1Api, namespace: str, name: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while core.read_namespaced_pod(name, namespace).status.phase != "Running":
-        assert time.monotonic() < deadline, f"pod {name} not running"
         time.sleep(0.1)
 
 

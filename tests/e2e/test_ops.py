@@ -32,7 +32,7 @@ from kubernetes import client, watch
 from mig_agent.catalog import load_catalog
 from mig_agent.devcluster import Cluster, agents
 
-from .conftest import CONFIG, REPO, STATE, AgentNode, NodeFactory
+from .conftest import CONFIG, REPO, STATE, AgentNode, NodeFactory, wait_running
 
 POOL_LABEL = "e2e.mig-agent.dev/pool"
 RESULTS = ("success", "failed", "timeout", "not started", "in progress", "already applied")
@@ -170,13 +170,6 @@ def wait_pdb_observed(core: client.CoreV1Api, namespace: str, name: str) -> None
         if st.observed_generation is not None and st.disruptions_allowed == 0:
             return
         assert time.monotonic() < deadline, f"PDB {name} not observed: {st}"
-        time.sleep(0.1)
-
-
-def wait_running(core: client.CoreV1Api, namespace: str, name: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while core.read_namespaced_pod(name, namespace).status.phase != "Running":
-        assert time.monotonic() < deadline, f"pod {name} not running"
         time.sleep(0.1)
 
 
