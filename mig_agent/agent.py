@@ -145,7 +145,8 @@ class Agent:
         try:
             result = self._reconcile(node, desired)
         except _Rebooting:
-            return PassResult(Outcome.REBOOTING)
+            # Still alive after the reboot command: look again soon (the guard stops a loop).
+            return PassResult(Outcome.REBOOTING, retry_after_s=self.settings.backoff_s)
         except MigAgentError as exc:
             return self._failed(desired, exc)
         self._failures = 0
@@ -313,6 +314,7 @@ class Agent:
                 "rebooting once, not rebooting again",
                 **exc.context,
             ) from exc
+        self._seen = (desired, State.REBOOTING)  # our own label: no wake-up for it
         self.cluster.patch_node(
             s.node_name,
             labels={s.state_label: State.REBOOTING},

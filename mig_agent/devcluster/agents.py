@@ -89,15 +89,18 @@ def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
 
 
 def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
-               profiles: Path = PROFILES, timeout: float = 60.0) -> NodeAgents:
+               profiles: Path = PROFILES, timeout: float = 60.0,
+               sim: Mapping[str, Any] | None = None) -> NodeAgents:
     """Start the agent and the simulated device plugin of `node`; its GPUs from nodes/<node>/gpus.
 
-    `settings` are MIG_AGENT_* environment variables for the agent (e.g. a short drain timeout).
+    `settings` are MIG_AGENT_* environment variables for the agent (e.g. a short drain timeout);
+    `sim` are options of the node's simulated GPUs when they are first created (e.g.
+    `{"reset_supported": False}` for a pass-through VM).
     """
     state = sim_state_path(cluster, node)
     if not state.exists():
         spec = (cluster.node_dir(node) / "gpus").read_text().strip()
-        simstate.create_node(state, gpus=spec, name=node)
+        simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
     pod, uid = _agent_pod(cluster, node, timeout)
     kubeconfig = cluster.kubeconfig_for(AGENT_NS, AGENT_SA, cluster.node_dir(node) /
                                         "agent.kubeconfig", bound_pod=(pod, uid))

@@ -90,11 +90,12 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
     made: list[AgentNode] = []
 
     def make(gpus: str = "8xH100-80GB", *, settings: Mapping[str, str] | None = None,
-             profiles: Path | None = None) -> AgentNode:
-        name = f"e2e-{next(_ids)}-{int(time.time() * 1000) % 100000}"
+             profiles: Path | None = None, sim: Mapping[str, Any] | None = None,
+             name: str | None = None) -> AgentNode:
+        name = name or f"e2e-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         installed.add_gpu_node(name, gpus)
         procs = agents.start_node(installed, name, settings=settings,
-                                  profiles=profiles or agents.PROFILES)
+                                  profiles=profiles or agents.PROFILES, sim=sim)
         node = AgentNode(name, installed, core, procs)
         made.append(node)
         # the agent has published the GPUs' state once it is up
