@@ -31,6 +31,7 @@ from mig_agent.errors import (
     DevicePluginTimeout,
     GpuResetRequired,
     MigAgentError,
+    PlanError,
 )
 from mig_agent.executor import execute, verify
 from mig_agent.gpu.backend import GpuBackend
@@ -39,7 +40,12 @@ from mig_agent.labels import State
 from mig_agent.layout import LayoutCatalog
 from mig_agent.metrics import Metrics
 from mig_agent.models import GpuModel
-from mig_agent.resources import expected_resources, format_resources
+from mig_agent.resources import (
+    expected_resources,
+    format_resources,
+    planned_devices,
+    single_strategy_problem,
+)
 from mig_agent.settings import Settings
 
 log = structlog.get_logger(__name__)
@@ -167,7 +173,12 @@ class Agent:
         with self.metrics.phase("plan"):
             models = self.gpus.models()
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
-            the_plan = planner.plan(layout, self.gpus.observe(), models, destroy_in_use=True)
+            observed = self.gpus.observe()
+            the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
+            if s.mig_strategy == "single":
+                problem = single_strategy_problem(planned_devices(the_plan, observed, models))
+                if problem:
+                    raise PlanError(f"layout {desired}: {problem}", layout=desired)
         interrupted = self._interrupted(node) or (
             the_plan.is_empty
             and node.labels.get(s.state_label) == State.FAILED

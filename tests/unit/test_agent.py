@@ -466,3 +466,49 @@ def test_without_pod_resources_every_gpu_pod_is_drained() -> None:
     label(cluster, "two-changed")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert cluster.evicted == [pod]
+
+
+@pytest.mark.parametrize("layout,fragment", [
+    ("all-balanced", "needs one MIG profile on the whole node, the layout makes 1g.10gb, "
+                     "2g.20gb, 3g.40gb"),
+    ("all-enabled", "at least one MIG device on every MIG GPU"),
+])
+def test_single_strategy_refuses_layouts_its_device_plugin_cannot_advertise(
+        layout: str, fragment: str) -> None:
+    agent, cluster, gpus = make(mig_strategy="single")
+    label(cluster, layout)
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s is None
+    assert fragment in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert not gpus.calls
+
+
+def test_single_strategy_waits_for_nvidia_gpu_resources() -> None:
+    agent, cluster, gpus = make(mig_strategy="single")
+    original = cluster.on_change
+    assert original is not None
+
+    def single_plugin(c: FakeCluster) -> None:  # advertises as the plugin does in single mode
+        original(c)
+        node = c.nodes[NODE]
+        if node.gpu_resources().get("nvidia.com/mig-1g.10gb"):
+            res = expected_resources(gpus.observe(), gpus.models(), "single")
+            c.nodes[NODE] = dataclasses.replace(node, allocatable={
+                **{k: "0" for k in node.allocatable if k.startswith("nvidia.com/")}, **{
+                    k: str(v) for k, v in res.items()}})
+
+    cluster.on_change = single_plugin
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].gpu_resources() == {"nvidia.com/gpu": 56}
+
+
+def test_single_strategy_problem_is_pure() -> None:
+    from collections import Counter
+
+    from mig_agent.resources import single_strategy_problem
+
+    assert single_strategy_problem({0: Counter({"1g.10gb": 7}), 1: Counter({"1g.10gb": 7})}) == ""
+    assert "GPU(s) 1 would have MIG disabled" in single_strategy_problem(
+        {0: Counter({"1g.10gb": 7}), 1: None})
+    assert single_strategy_problem({0: None, 1: None}) == ""
