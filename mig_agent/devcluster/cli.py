@@ -14,6 +14,7 @@ from . import agents
 from .cluster import COMPONENTS, Cluster, default_dir, down
 from .errors import ClusterNotRunning, DevClusterError
 from .nodes import DEFAULT_GPUS
+from .processes import Proc
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +117,12 @@ def _status(args: argparse.Namespace) -> int:
         state = "healthy" if s.healthy else "UNHEALTHY" if s.running else "STOPPED"
         print(f"{s.name:<26}{s.pid:>8}  {state:<10}{s.rss_bytes / 2**20:>8.0f}")
     print(f"{'total':<26}{'':>8}  {'':<10}{sum(s.rss_bytes for s in statuses) / 2**20:>8.0f}")
+    for node, rec in sorted(agents.running(cluster.dir).items()):
+        for kind in ("agent", "device_plugin"):
+            proc = Proc(**rec[kind])
+            state = "running" if proc.alive() else "STOPPED"
+            label = f"{'mig-agent' if kind == 'agent' else 'device-plugin'}@{node}"
+            print(f"{label:<26}{proc.pid:>8}  {state:<10}{proc.rss_bytes() / 2**20:>8.0f}")
     healthy = len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
     if healthy:
         print()
