@@ -213,6 +213,7 @@ class Agent:
             if changed
             else f"finishing layout {desired} after an interrupted pass",
         )
+        old_plugins = {p.ref.uid for p in self._plugin_pods()}
         with self._gpu_clients_paused(node) as paused:
             if not the_plan.is_empty:
                 with self._phase(node, "drain", "MIGDraining",
@@ -229,7 +230,7 @@ class Agent:
                              "restarting the device plugin and waiting for the node to "
                              "advertise the layout's resources"):
                 self._restart_device_plugin(paused)
-                self._wait_resources(models)
+                self._wait_resources(models, old_plugins)
         node = self.cluster.get_node(s.node_name)
         self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
         return Outcome.APPLIED
@@ -341,11 +342,7 @@ class Agent:
         s = self.settings
         if any(k.endswith(".device-plugin") for k in paused):
             return  # resuming the operands brings a new device plugin pod
-        pods = self.cluster.list_pods(
-            node=s.node_name,
-            namespace=s.device_plugin_namespace,
-            label_selector=s.device_plugin_selector,
-        )
+        pods = self._plugin_pods()
         if not pods:
             log.warning(
                 "device_plugin.not_found",
@@ -356,6 +353,11 @@ class Agent:
         for p in pods:
             self.cluster.delete_pod(p.ref)
         log.info("device_plugin.restarted", pods=[p.ref.name for p in pods])
+
+    def _plugin_pods(self) -> list[PodView]:
+        s = self.settings
+        return self.cluster.list_pods(node=s.node_name, namespace=s.device_plugin_namespace,
+                                      label_selector=s.device_plugin_selector)
 
     def _resources_ok(self, node: NodeView, models: Mapping[int, GpuModel]) -> bool:
         """True unless a device plugin runs here and advertises other resources than the GPUs'."""
@@ -370,30 +372,34 @@ class Agent:
             self.gpus.observe(), models, s.mig_strategy
         )
 
-    def _wait_resources(self, models: Mapping[int, GpuModel]) -> None:
-        """Resume operands first if the device plugin is one of them, then wait for the node."""
+    def _wait_resources(self, models: Mapping[int, GpuModel], old_plugins: set[str]) -> None:
+        """Resume operands first if the device plugin is one of them; wait for a new, Ready
+        device plugin pod (one not there before the pass: the old one's numbers are stale), then
+        for the node to advertise the layout's resources."""
         s = self.settings
         node = self.cluster.get_node(s.node_name)
         resume = labels.resume_patch(node.labels, s.operand_labels)
         if any(k.endswith(".device-plugin") for k in resume):
             self.cluster.patch_node(s.node_name, labels=resume)
-        has_plugin = bool(resume) or bool(
-            self.cluster.list_pods(
-                node=s.node_name,
-                namespace=s.device_plugin_namespace,
-                label_selector=s.device_plugin_selector,
-            )
-        )
+        has_plugin = bool(resume) or bool(old_plugins) or bool(self._plugin_pods())
         want = expected_resources(self.gpus.observe(), models, s.mig_strategy)
         if not has_plugin:
             log.warning("device_plugin.skipped_wait", expected=want)
             return
         deadline = self.clock.now() + s.device_plugin_timeout_s
+        new_pod = False
         while True:
+            new_pod = new_pod or any(p.ready and not p.terminating and p.ref.uid not in old_plugins
+                                     for p in self._plugin_pods())
             have = self.cluster.get_node(s.node_name).gpu_resources()
-            if have == want:
+            if new_pod and have == want:
                 log.info("device_plugin.resources_match", resources=want)
                 return
+            if self.clock.now() >= deadline and not new_pod:
+                raise DevicePluginTimeout(
+                    f"no new device plugin pod ({s.device_plugin_namespace}, "
+                    f"{s.device_plugin_selector}) became Ready on the node within "
+                    f"{s.device_plugin_timeout_s:.0f} s", expected=want, advertised=have)
             if self.clock.now() >= deadline:
                 raise DevicePluginTimeout(
                     f"node resources do not match the layout after "

@@ -512,3 +512,23 @@ def test_single_strategy_problem_is_pure() -> None:
     assert "GPU(s) 1 would have MIG disabled" in single_strategy_problem(
         {0: Counter({"1g.10gb": 7}), 1: None})
     assert single_strategy_problem({0: None, 1: None}) == ""
+
+
+def test_a_device_plugin_that_never_comes_back_fails_the_pass() -> None:
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    cluster.on_change = None  # nobody recreates the plugin pod the agent deletes
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s
+    reason = cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert "no new device plugin pod" in reason and "app=nvidia-device-plugin-daemonset" in reason
+    assert_clean(cluster)
+
+
+def test_device_plugin_pod_is_replaced_when_no_operand_labels() -> None:
+    agent, cluster, gpus = make(operands=False)
+    before = {p.ref.uid for p in cluster.list_pods(namespace=DP_NS)}
+    label(cluster, "all-3g.40gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    after = {p.ref.uid for p in cluster.list_pods(namespace=DP_NS)}
+    assert before and after and not before & after
