@@ -163,6 +163,17 @@ def _array(arg: Any, count_in: int, needed: int, what: str) -> tuple[Any, int]:
     return arg, base
 
 
+def _write_handles(arr_arg: Any, count: Any, handles: Sequence[int], what: str) -> None:
+    """Fill a caller's array of opaque handles (if given) and set the count, as NVML does."""
+    c = _out(count, what)
+    if arr_arg is not None:
+        _, base = _array(arr_arg, c.value, len(handles), what)
+        size = ctypes.sizeof(ctypes.c_void_p)
+        for i, handle in enumerate(handles):
+            ctypes.c_void_p.from_address(base + i * size).value = handle
+    c.value = len(handles)
+
+
 def _placement_in(arg: Any, what: str) -> Placement:
     if isinstance(arg, ctypes.Structure):
         raise SimulatedNvmlMisuse(f"{what}: the placement must be passed by pointer "
@@ -701,13 +712,8 @@ class SimulatedNvmlLibrary:
         profile_id = _uint(pid, "profile id")
         st.gi_profile(gpu, profile_id)
         gis = [g for g in gpu.gpu_instances if g.profile_id == profile_id]
-        c = _out(count, "nvmlDeviceGetGpuInstances")
-        if arr_arg is not None:
-            _, base = _array(arr_arg, c.value, len(gis), "nvmlDeviceGetGpuInstances")
-            for i, gi in enumerate(gis):
-                ctypes.c_void_p.from_address(base + i * ctypes.sizeof(ctypes.c_void_p)).value = (
-                    self._gi_handle(gpu, gi))
-        c.value = len(gis)
+        _write_handles(arr_arg, count, [self._gi_handle(gpu, gi) for gi in gis],
+                       "nvmlDeviceGetGpuInstances")
 
     @_export("nvmlDeviceGetGpuInstanceById")
     def _gi_by_id(self, node: SimNode, handle: Any, gi_id: Any, out: Any) -> None:
@@ -799,13 +805,8 @@ class SimulatedNvmlLibrary:
         profile_id = _uint(pid, "CI profile id")
         st.ci_profile(gpu, gi, profile_id)
         cis = [c for c in gi.compute_instances if c.profile_id == profile_id]
-        c = _out(count, "nvmlGpuInstanceGetComputeInstances")
-        if arr_arg is not None:
-            _, base = _array(arr_arg, c.value, len(cis), "nvmlGpuInstanceGetComputeInstances")
-            for i, ci in enumerate(cis):
-                ctypes.c_void_p.from_address(base + i * ctypes.sizeof(ctypes.c_void_p)).value = (
-                    self._ci_handle(gpu, ci))
-        c.value = len(cis)
+        _write_handles(arr_arg, count, [self._ci_handle(gpu, ci) for ci in cis],
+                       "nvmlGpuInstanceGetComputeInstances")
 
     @_export("nvmlGpuInstanceGetComputeInstanceById")
     def _ci_by_id(self, node: SimNode, handle: Any, ci_id: Any, out: Any) -> None:
