@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
+from benchmarks.tables import print_table  # noqa: E402
 from mig_agent.devcluster import BinariesMissing, Cluster, find_binaries  # noqa: E402
 
 
@@ -111,12 +112,7 @@ def main() -> int:
     rows.append(("RSS total", f"{sum(rss.values()) / mib:.0f} MiB",
                  f"idle CPU {sum(cpu.values()):.1%} of a core (over {args.idle:g} s, "
                  f"after {args.settle:g} s settling)"))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    print(f"| {'measure':<{w0}} | {'value':>{w1}} | note")
-    print(f"|{'-' * (w0 + 2)}|{'-' * (w1 + 2)}|------")
-    for name, value, note in rows:
-        print(f"| {name:<{w0}} | {value:>{w1}} | {note}")
+    print_table(rows)
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any, cast
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
+from benchmarks.tables import print_table  # noqa: E402
 from mig_agent import ops  # noqa: E402
 from mig_agent.catalog import load_catalog  # noqa: E402
 from mig_agent.devcluster import DEFAULT_GPUS, Cluster, agents, wait_until  # noqa: E402
@@ -137,15 +138,6 @@ def quantile(values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def print_table(rows: Sequence[tuple[str, str, str]]) -> None:
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    print(f"| {'measure':<{w0}} | {'value':>{w1}} | note")
-    print(f"|{'-' * (w0 + 2)}|{'-' * (w1 + 2)}|------")
-    for name, value, note in rows:
-        print(f"| {name:<{w0}} | {value:>{w1}} | {note}")
 
 
 def delta(after: Mapping[str, int], before: Mapping[str, int]) -> Counter[str]:

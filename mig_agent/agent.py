@@ -255,7 +255,7 @@ class Agent:
 
     def _pods_that_may_stay(self, the_plan: planner.Plan) -> Callable[[PodView], bool] | None:
         staying = self._staying_devices(the_plan)
-        if staying is None or self.pod_devices is None:
+        if staying is None or self.pod_devices is None:  # (the second check narrows the type)
             return None
         try:
             holds = self.pod_devices()
@@ -264,8 +264,8 @@ class Agent:
             return None  # cannot tell: every GPU pod goes
 
         def may_stay(pod: PodView) -> bool:
-            devices = holds.get((pod.ref.namespace, pod.ref.name))
-            return bool(devices) and devices is not None and devices <= staying
+            devices = holds.get((pod.ref.namespace, pod.ref.name), frozenset())
+            return bool(devices) and devices <= staying  # pods holding nothing known are drained
 
         return may_stay
 
