@@ -88,9 +88,9 @@ def suite() -> None:
     MIG device; plus changing 2 of the 8 GPUs of a node."""
     from mig_agent.catalog import fit_report, load_catalog
 
-    catalog = load_catalog([Path(__file__).resolve().parents[1] / "profiles"])
-    print("\n## Layout suite: transitions between the layouts in profiles/, 8-GPU node, one pod "
-          "per MIG device\n")
+    catalog = load_catalog([Path(__file__).resolve().parents[1] / "mig_agent" / "profiles"])
+    print("\n## Layout suite: transitions between the layouts in mig_agent/profiles/, 8-GPU "
+          "node, one pod per MIG device\n")
     print(f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
           f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |")
     print(f"|{'-' * 12}|{'-' * 13}|{'-' * 21}|{'-' * 18}|{'-' * 14}|{'-' * 17}|")

@@ -34,14 +34,14 @@ from mig_agent.planner import (
     SetMigMode,
     Step,
 )
+from mig_agent.settings import PROFILES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CHANGES = 0, 1, 2, 3
-_REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
 
 def default_config() -> str:
-    """``MIG_AGENT_CONFIG``, else the profiles/ folder of a source checkout."""
-    return os.environ.get("MIG_AGENT_CONFIG", str(_REPO_PROFILES))
+    """``MIG_AGENT_CONFIG``, else the profiles shipped in the package."""
+    return os.environ.get("MIG_AGENT_CONFIG", str(PROFILES))
 
 
 def _out(text: str = "") -> None:
@@ -62,7 +62,8 @@ def _add_config_args(p: argparse.ArgumentParser, *, layout: bool = True) -> None
         "--config-file",
         action="append",
         metavar="FILE",
-        help="profile config file or folder (repeatable; default $MIG_AGENT_CONFIG or profiles/)",
+        help="profile config file or folder (repeatable; default $MIG_AGENT_CONFIG or the "
+        "profiles shipped in the package)",
     )
     if layout:
         p.add_argument(

@@ -11,17 +11,21 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from mig_agent.errors import ConfigError
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+"""The default layouts, shipped inside the package (the DaemonSet mounts its ConfigMap instead)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
     node_name: str = ""
     """The Node this agent owns."""
-    config: str = "/etc/mig-agent/profiles"
-    """Profile config file or folder (a ConfigMap mount)."""
+    config: str = str(PROFILES)
+    """Profile config file or folder (in the DaemonSet, its ConfigMap mount)."""
     config_label: str = "nvidia.com/mig.config"
     """Node label that selects the layout."""
     state_label: str = "nvidia.com/mig.config.state"

@@ -28,7 +28,7 @@ from .processes import Proc, free_ports, spawn, stop
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMONSET = REPO / "daemonset.yaml"
-PROFILES = REPO / "profiles"
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"  # the packaged default layouts
 AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"

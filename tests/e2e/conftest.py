@@ -113,11 +113,11 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
 
 @pytest.fixture
 def extra_profiles(tmp_path: Path) -> Callable[[str], Path]:
-    """A copy of profiles/ plus one more file with the given YAML text."""
+    """A copy of the packaged profiles plus one more file with the given YAML text."""
 
     def make(text: str) -> Path:
         target = tmp_path / "profiles"
-        shutil.copytree(REPO / "profiles", target, dirs_exist_ok=True)
+        shutil.copytree(REPO / "mig_agent" / "profiles", target, dirs_exist_ok=True)
         (target / "e2e.yaml").write_text(text)
         return target
 

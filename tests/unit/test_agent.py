@@ -32,7 +32,7 @@ from mig_agent.settings import Settings
 
 from .fake_gpus import FakeGpus
 
-PROFILES = str(Path(__file__).resolve().parents[2] / "profiles")
+PROFILES = str(Path(__file__).resolve().parents[2] / "mig_agent" / "profiles")
 NODE = "gpu-node-0"
 DP_NS, DP_SEL = "gpu-operator", {"app": "nvidia-device-plugin-daemonset"}
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"

@@ -4,7 +4,7 @@
 * each malformed variant is refused with its own InvalidConfig naming file, layout, entry, key;
 * YAML-level problems: repeated keys, syntax errors (with line and column), empty files;
 * reading files, directories and stdin; a layout defined in two files;
-* profiles/: every layout loads and fits every model it selects, each model has its all-*
+* mig_agent/profiles/: every layout loads and fits every model it selects, each model has its all-*
   layouts, all-balanced and mixes of its own;
 * fit_report on the GPU Operator default: NVIDIA's profile names match our catalog's names.
 """
@@ -24,7 +24,7 @@ from mig_agent.models import MODELS, GpuModel
 REPO = Path(__file__).resolve().parents[2]
 COMPAT = REPO / "tests" / "data" / "compat"
 SHARED_COMPAT = REPO.parent / "shared" / "reference" / "compat"
-PROFILES = REPO / "profiles"
+PROFILES = REPO / "mig_agent" / "profiles"
 GPU_OPERATOR = COMPAT / "gpu-operator-default-mig-config.yaml"
 EXAMPLE = COMPAT / "mig-parted-example-config.yaml"
 DGX_STATION = COMPAT / "mig-parted-dgx-station-80gb-config.yaml"
@@ -458,7 +458,7 @@ def test_dash_reads_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# profiles/
+# mig_agent/profiles/
 
 
 def profile_files() -> list[Path]:

@@ -34,7 +34,7 @@ from mig_agent.gpu import simlib
 from mig_agent.layout import GpuLayout, MigProfile
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = str(REPO / "profiles")
+PROFILES = str(REPO / "mig_agent" / "profiles")
 OPERATOR = str(REPO / "tests" / "data" / "compat" / "gpu-operator-default-mig-config.yaml")
 CAPTURES = REPO / "tests" / "data" / "captures"
 H200 = 0x233510DE

@@ -1,7 +1,8 @@
 """We test these aspects of the deployment manifest (daemonset.yaml), without a cluster:
 
 * it is up to date: `scripts/sync-daemonset --check` passes, and the ConfigMap mig-agent-profiles
-  holds exactly the files of profiles/, each of whose layouts loads with the catalog loader;
+  holds exactly the files of mig_agent/profiles/, each of whose layouts loads with the catalog
+  loader;
 * the DaemonSet: one agent per GPU node at a time (maxSurge 0, maxUnavailable 1), GPU nodes only,
   tolerates the GPU taint, node name from the downward API, probes on /healthz and /readyz of the
   metrics port the agent listens on, requests and limits, system-node-critical, privileged (and
@@ -28,7 +29,7 @@ from mig_agent.catalog import load_text
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "daemonset.yaml"
 TAIL = REPO / "deploy" / "daemonset.tail.yaml"
-PROFILES = REPO / "profiles"
+PROFILES = REPO / "mig_agent" / "profiles"
 SA = {"kind": "ServiceAccount", "name": "mig-agent", "namespace": "mig-agent"}
 
 Doc = dict[str, Any]

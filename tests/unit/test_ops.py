@@ -33,7 +33,7 @@ from mig_agent.ops import Action, Result, RolloutRefused
 from mig_agent.settings import Settings
 from mig_agent.snapshot import compact, empty_node
 
-CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "profiles"])
+CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
 S = Settings()
 CONFIG, STATE = S.config_label, S.state_label
 REASON, GPU_STATE = S.reason_annotation, S.gpu_state_annotation

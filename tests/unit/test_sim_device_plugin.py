@@ -40,7 +40,7 @@ from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
 from mig_agent.resources import expected_resources
 from mig_agent.sim_device_plugin import Allocations, Device, offered_devices
 
-CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "profiles"])
+CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
 NODE = "gpu-node-0"
 G1, G4, GPU = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-4g.40gb", "nvidia.com/gpu"
 
