@@ -198,8 +198,8 @@ def plan_gpu(
 
     if not desired.mig_enabled:
         _refuse_in_use(where, present, destroy_in_use)
-        if needs_mode and gpu.processes:
-            _raise_busy(where, "MIG mode change", sorted({p.pid for p in gpu.processes}))
+        if needs_mode:
+            _refuse_mode_change_in_use(where, gpu, destroy_in_use)
         steps: list[Step] = [s for p in present for s in _destroy_steps(gpu.index, p, model)]
         if needs_mode:
             steps.append(SetMigMode(gpu.index, False))
@@ -213,8 +213,8 @@ def plan_gpu(
         keep = {}
     dropped = [p for i, p in enumerate(present) if i not in keep]
     _refuse_in_use(where, dropped, destroy_in_use)
-    if needs_mode and gpu.processes:
-        _raise_busy(where, "MIG mode change", sorted({p.pid for p in gpu.processes}))
+    if needs_mode:
+        _refuse_mode_change_in_use(where, gpu, destroy_in_use)
 
     kept_demands = set(keep.values())
     open_demands = [d for j, d in enumerate(demands) if j not in kept_demands]
@@ -490,6 +490,13 @@ def _refuse_in_use(where: str, doomed: Iterable[_Present], destroy_in_use: bool)
                 f"{name} at {p.gi.placement} (GPU instance {p.gi.id}) must be destroyed but",
                 list(p.pids),
             )
+
+
+def _refuse_mode_change_in_use(where: str, gpu: GpuState, destroy_in_use: bool) -> None:
+    # A mode change ends every process on the GPU, as destroying an instance ends its own:
+    # the plan made before the drain looks past them both (the drain is what ends them).
+    if gpu.processes and not destroy_in_use:
+        _raise_busy(where, "MIG mode change", sorted({p.pid for p in gpu.processes}))
 
 
 def _raise_busy(where: str, what: str, pids: Sequence[int]) -> None:

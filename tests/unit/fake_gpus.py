@@ -131,7 +131,10 @@ class FakeGpus:
         pass
 
     # test helpers
-    def add_process(self, gpu: int, pid: int, gi_id: int, ci_id: int = 0) -> None:
+    def add_process(self, gpu: int, pid: int, gi_id: int | None, ci_id: int | None = 0) -> None:
+        """A process on MIG device (gi_id, ci_id), or on the whole GPU with gi_id None."""
+        if gi_id is None:
+            ci_id = None
         g = self.gpus[gpu]
         self.gpus[gpu] = replace(g, processes=(*g.processes, GpuProcess(pid, gi_id, ci_id)))
 

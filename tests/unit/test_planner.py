@@ -178,6 +178,28 @@ def test_in_use_instance_is_kept_when_possible_and_never_destroyed() -> None:
         plan(layout_of({"7g.141gb": 1}), gpus.observe(), gpus.models())
 
 
+def test_mode_change_with_processes_is_planned_for_the_drain_and_refused_after() -> None:
+    """The pre-drain plan looks past processes (the drain ends them), on a whole GPU turning
+    MIG on as on a MIG GPU turning it off; the post-drain plan refuses, naming the pids."""
+    whole = empty_gpu(MODELS["H100-80GB"], mig=False)
+    whole.add_process(0, 4242, None)
+    to_mig = layout_of({"1g.10gb": 7})
+    p = plan(to_mig, whole.observe(), whole.models(), destroy_in_use=True)
+    assert p.gpus[0].changes_mig_mode and p.gpus[0].created_gpu_instances == 7
+    with pytest.raises(GpuBusy, match="MIG mode change is in use by process.*4242"):
+        plan(to_mig, whole.observe(), whole.models())
+
+    mig = empty_gpu(MODELS["H100-80GB"])
+    execute(plan(layout_of({"3g.40gb": 2}), mig.observe(), mig.models()), mig)
+    gi = mig.observe().gpu(0).gpu_instances[0]
+    mig.add_process(0, 5151, gi.id, gi.compute_instances[0].id)
+    off = Layout("off", (Rule(DeviceSelector(), GpuLayout.of(False)),))
+    p = plan(off, mig.observe(), mig.models(), destroy_in_use=True)
+    assert p.gpus[0].changes_mig_mode and p.gpus[0].destroyed_gpu_instances == 2
+    with pytest.raises(GpuBusy, match="5151"):
+        plan(off, mig.observe(), mig.models())
+
+
 def test_disabling_mig_destroys_everything_then_sets_mode() -> None:
     gpus = empty_gpu(MODELS["A30"])
     execute(plan(layout_of({"1g.6gb": 4}), gpus.observe(), gpus.models()), gpus)
