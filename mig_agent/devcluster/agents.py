@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -24,7 +23,7 @@ from mig_agent.gpu import simstate
 
 from .cluster import Cluster
 from .errors import DevClusterError
-from .processes import Proc, free_ports, spawn, stop
+from .processes import Proc, free_ports, kill, spawn, stop
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMONSET = REPO / "daemonset.yaml"
@@ -143,9 +142,7 @@ def kill_agent(directory: Path, node: str) -> None:
     """SIGKILL the agent of `node` at once, as a crash would: no clean-up runs."""
     mine = _load(directory).get(node)
     if mine is not None:
-        proc = Proc(**mine["agent"])
-        if proc.alive():
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill(Proc(**mine["agent"]))
 
 
 def stop_all(directory: Path) -> list[str]:

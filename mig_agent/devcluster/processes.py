@@ -3,9 +3,13 @@
 A PID alone is a weak handle: after a reboot or a long pause the number may belong to some other
 program. Each started process is therefore recorded with its kernel start time (field 22 of
 /proc/<pid>/stat), and `stop` signals a PID only while that start time still matches, so it can
-never hit a stranger. Processes are started with `start_new_session=True`: each is the leader of
-its own group (pgid == pid), is detached from the terminal that ran `up`, and is stopped together
-with any child it forks by signalling that one group.
+never hit a stranger. Processes are started in a session of their own (setsid): each is the leader
+of its own group (pgid == pid), is detached from the terminal that ran `up`, and is stopped
+together with any child it forks by signalling that one group.
+
+Whoever stops or kills a process it started itself (a test session, a benchmark) also waits for
+it, so that no zombie stays behind; a process that another one started (`local-cluster up`, then
+`down` from another shell) belongs to init once its starter has exited, and init reaps it.
 """
 
 from __future__ import annotations
@@ -99,8 +103,9 @@ def spawn(name: str, argv: Sequence[str], log: Path,
     devnull = os.open(os.devnull, os.O_RDONLY)
     try:
         # posix_spawn rather than subprocess.Popen: the process must outlive this Python process
-        # (`up` returns to the shell), and a Popen object would want to be waited for. Python opens
-        # its own descriptors close-on-exec, so only these three reach the child.
+        # (`up` returns to the shell), so its handle is the recorded PID and start time, and
+        # `stop`/`kill` reap it while it is our child. Python opens its own descriptors
+        # close-on-exec, so only these three reach the child.
         pid = os.posix_spawn(
             argv[0], list(argv), dict(os.environ if env is None else env),
             file_actions=[
@@ -115,7 +120,8 @@ def spawn(name: str, argv: Sequence[str], log: Path,
         os.close(devnull)
     stat = _read_stat(pid)
     if stat is None or stat[0] == "Z":  # died at once (bad flag, missing library)
-        _reap(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
         raise RuntimeError(f"{name} exited immediately; see {log}")
     return Proc(name, pid, stat[1])
 
@@ -128,21 +134,24 @@ def stop(procs: Sequence[Proc], timeout: float = 10.0) -> list[str]:
     """
     killed: list[str] = []
     for proc in procs:
-        if not proc.alive():
-            continue
-        _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while proc.alive() and time.monotonic() < deadline:
-            _reap(proc.pid)
-            time.sleep(0.05)
         if proc.alive():
-            _signal_group(proc, signal.SIGKILL)
-            killed.append(proc.name)
-            while proc.alive():
-                _reap(proc.pid)
-                time.sleep(0.05)
-        _reap(proc.pid)
+            _signal_group(proc, signal.SIGTERM)
+            if not _wait_gone(proc, time.monotonic() + timeout):
+                _signal_group(proc, signal.SIGKILL)
+                killed.append(proc.name)
+                _wait_gone(proc, None)
+        # Also one that exited (or was killed) earlier: it stays a zombie until waited for.
+        _reap(proc)
     return killed
+
+
+def kill(proc: Proc) -> None:
+    """SIGKILL the group of `proc` at once, as a crash would, and return once the leader is gone
+    (reaped, when it is our child)."""
+    if proc.alive():
+        _signal_group(proc, signal.SIGKILL)
+        _wait_gone(proc, None)
+    _reap(proc)
 
 
 def _signal_group(proc: Proc, sig: signal.Signals) -> None:
@@ -151,7 +160,21 @@ def _signal_group(proc: Proc, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
-def _reap(pid: int) -> None:
-    """Collect the exit status if `pid` is our own child (as under pytest); otherwise do nothing."""
+def _wait_gone(proc: Proc, deadline: float | None) -> bool:
+    """Wait until `proc` has exited (None: however long that takes); False on the deadline."""
+    while proc.alive():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    _reap(proc)
+    return True
+
+
+def _reap(proc: Proc) -> None:
+    """Collect the exit status of `proc` if it is our own child and has exited (a zombie);
+    a process of another parent, or a PID that now names another process, is left alone."""
+    stat = _read_stat(proc.pid)
+    if stat is None or stat[1] != proc.start_ticks or stat[0] != "Z":
+        return
     with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+        os.waitpid(proc.pid, os.WNOHANG)
