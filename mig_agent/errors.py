@@ -13,8 +13,10 @@
   + KubeError              the API refused after the client's own retries
     - KubeUnavailable      5xx, throttling or connection errors, retries used up      (retryable)
     - EvictionBlocked      eviction answered 429: a PodDisruptionBudget says no       (retryable)
+    - LabelsChanged        a conditional node patch found other label values: not written
   + DrainTimeout           GPU clients still present at the deadline                  (retryable)
   + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
+  + RebootFailed           the configured reboot command failed or did not return
 
 Leaf module: imports nothing from mig_agent.
 """
@@ -84,3 +86,11 @@ class DrainTimeout(MigAgentError):
 
 class DevicePluginTimeout(MigAgentError):
     retryable = True
+
+
+class LabelsChanged(KubeError):
+    """A patch conditional on label values was not written: the labels differ now."""
+
+
+class RebootFailed(MigAgentError):
+    pass

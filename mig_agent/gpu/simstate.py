@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -155,6 +155,7 @@ class SimProcess:
     gi: int | None = None
     ci: int | None = None
     used_memory_mib: int = 0
+    owner: str = ""  # who started it in the simulated world, e.g. a pod ("" for a test's own)
 
 
 @dataclass(slots=True)
@@ -633,6 +634,48 @@ def add_process(path: str | os.PathLike[str], gpu: int, pid: int, *, gi: int | N
             if inst is None or inst.ci(ci) is None:
                 raise SimError(NOT_FOUND, f"GPU {gpu} has no MIG device gi={gi} ci={ci}")
         g.processes.append(SimProcess(pid, gi, ci, used_memory_mib))
+
+
+_FIRST_SIM_PID = 100_000  # above the pids tests pick by hand
+
+
+def start_process(path: str | os.PathLike[str], gpu: int, *, gi: int | None = None,
+                  ci: int | None = None, owner: str, used_memory_mib: int = 1024) -> int:
+    """Start a process on GPU ``gpu`` (or its MIG device ``gi``/``ci``) under a free pid;
+    returns the pid. ``owner`` names who holds it, for processes_of() and end_processes()."""
+    with _mutate(path) as node:
+        taken = {p.pid for g in node.gpus for p in g.processes}
+        pid = max(taken | {_FIRST_SIM_PID - 1}) + 1
+        g = node.gpu(gpu)
+        if gi is not None and ci is not None:
+            inst = g.gi(gi)
+            if inst is None or inst.ci(ci) is None:
+                raise SimError(NOT_FOUND, f"GPU {gpu} has no MIG device gi={gi} ci={ci}")
+        g.processes.append(SimProcess(pid, gi, ci, used_memory_mib, owner))
+    return pid
+
+
+def processes_by_owner(path: str | os.PathLike[str]) -> dict[str, list[tuple[int, SimProcess]]]:
+    """owner -> (GPU index, process) of every owned process."""
+    out: dict[str, list[tuple[int, SimProcess]]] = {}
+    for g in load_node(path).gpus:
+        for p in g.processes:
+            if p.owner:
+                out.setdefault(p.owner, []).append((g.index, p))
+    return out
+
+
+def end_processes(path: str | os.PathLike[str], owners: Collection[str]) -> int:
+    """End every process of these owners; returns how many ended."""
+    if not owners:
+        return 0
+    ended = 0
+    with _mutate(path) as node:
+        for g in node.gpus:
+            keep = [p for p in g.processes if p.owner not in owners]
+            ended += len(g.processes) - len(keep)
+            g.processes = keep
+    return ended
 
 
 def remove_process(path: str | os.PathLike[str], pid: int, *, gpu: int | None = None) -> int:

@@ -23,7 +23,7 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from mig_agent.errors import EvictionBlocked, KubeError, KubeUnavailable
+from mig_agent.errors import EvictionBlocked, KubeError, KubeUnavailable, LabelsChanged
 from mig_agent.kube.cluster import (
     Cluster,
     NodeCondition,
@@ -102,6 +102,7 @@ class KubernetesCluster(Cluster):
         self._api = api
         self._core = client.CoreV1Api(api)
         self._component = component
+        self._conflict_attempts = 10
         self._on_request = on_request or (lambda _op: None)
         self._retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_transient),
@@ -154,21 +155,43 @@ class KubernetesCluster(Cluster):
         labels: Mapping[str, str | None] | None = None,
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
+        expect_labels: Mapping[str, str | None] | None = None,
     ) -> NodeView:
         meta: dict[str, Any] = {}
         if labels:
             meta["labels"] = dict(labels)
         if annotations:
             meta["annotations"] = dict(annotations)
-        body: dict[str, Any] = {"metadata": meta} if meta else {}
+        body: dict[str, Any] = {"metadata": meta}
         if unschedulable is not None:
             body["spec"] = {"unschedulable": unschedulable or None}
+        if expect_labels:
+            return self._patch_node_if(name, body, expect_labels)
         with _kube("patch node", node=name):
-            return _node(
-                self._call(
-                    self._core.patch_node, name, body, _content_type="application/merge-patch+json"
-                )
-            )
+            return _node(self._call(self._core.patch_node, name, body,
+                                    _content_type="application/merge-patch+json"))
+
+    def _patch_node_if(self, name: str, body: dict[str, Any],
+                       expect: Mapping[str, str | None]) -> NodeView:
+        """The patch carries the resourceVersion of the read its labels were checked against,
+        so the server refuses it (409) if anything changed in between; then check again."""
+        for _ in range(self._conflict_attempts):
+            node = self.get_node(name)
+            differ = {k: node.labels.get(k) for k, v in expect.items() if node.labels.get(k) != v}
+            if differ:
+                now = ", ".join(f"{k}={v}" for k, v in differ.items())
+                raise LabelsChanged(f"node {name}: labels changed ({now}), patch not written",
+                                    node=name, labels=differ)
+            body["metadata"]["resourceVersion"] = node.resource_version
+            try:
+                with _kube("patch node", node=name):
+                    return _node(self._call(self._core.patch_node, name, body,
+                                            _content_type="application/merge-patch+json"))
+            except KubeError as exc:
+                if exc.context.get("status") != 409:
+                    raise
+        raise KubeUnavailable(f"patch node: {name} changed under every one of "
+                              f"{self._conflict_attempts} attempts", op="patch node", node=name)
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -15,7 +15,8 @@ MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 
 def is_gpu_resource(name: str) -> bool:
-    return name == GPU_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX)
+    # ".shared": what the device plugin calls shared (time-sliced, MPS) GPUs with renameByDefault
+    return name in (GPU_RESOURCE, GPU_RESOURCE + ".shared") or name.startswith(MIG_RESOURCE_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,11 @@ class Cluster(Protocol):
         labels: Mapping[str, str | None] | None = None,
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
-    ) -> NodeView: ...
+        expect_labels: Mapping[str, str | None] | None = None,
+    ) -> NodeView:
+        """Merge-patch the node. With ``expect_labels``, only while those labels have those
+        values (None: absent), checked and written atomically; LabelsChanged otherwise."""
+        ...
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None: ...
 

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mig_agent.errors import EvictionBlocked, KubeUnavailable
+from mig_agent.errors import EvictionBlocked, KubeUnavailable, LabelsChanged
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
 
 _uids = itertools.count(1)
@@ -95,8 +95,13 @@ class FakeCluster(Cluster):
         labels: Mapping[str, str | None] | None = None,
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
+        expect_labels: Mapping[str, str | None] | None = None,
     ) -> NodeView:
         self._check()
+        differ = {k: self.nodes[name].labels.get(k) for k, v in (expect_labels or {}).items()
+                  if self.nodes[name].labels.get(k) != v}
+        if differ:
+            raise LabelsChanged(f"node {name}: labels changed {differ}", labels=differ)
         if self.fail_patch_after is not None:
             self.fail_patch_after -= 1
             if self.fail_patch_after < 0:
