@@ -68,8 +68,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
 
 def _outside_env() -> dict[str, str]:
     """This environment without anything that would point at the checkout or its profiles."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "MIG_AGENT_CONFIG", "PYTHONSAFEPATH")}
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MIG_AGENT_CONFIG")}
 
 
 @pytest.mark.slow
