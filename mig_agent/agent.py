@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from mig_agent import labels, planner, snapshot
+from mig_agent.catalog import device_plugin_sharing
 from mig_agent.drain import Clock, drain_gpu_pods, wait_pods_gone
 from mig_agent.errors import (
     ConfigError,
@@ -41,10 +42,12 @@ from mig_agent.layout import LayoutCatalog
 from mig_agent.metrics import Metrics
 from mig_agent.models import GpuModel
 from mig_agent.resources import (
+    Sharing,
     expected_resources,
     format_resources,
+    node_mig_strategy,
     planned_devices,
-    single_strategy_problem,
+    strategy_problem,
 )
 from mig_agent.settings import Settings
 
@@ -175,10 +178,12 @@ class Agent:
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
             observed = self.gpus.observe()
             the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
-            if s.mig_strategy == "single":
-                problem = single_strategy_problem(planned_devices(the_plan, observed, models))
-                if problem:
-                    raise PlanError(f"layout {desired}: {problem}", layout=desired)
+            # what NVIDIA's plugin would refuse to advertise is refused before anything changes
+            strategy, sharing = self._device_plugin_rules(node)
+            problem = strategy_problem(planned_devices(the_plan, observed, models), strategy,
+                                       sharing)
+            if problem:
+                raise PlanError(f"layout {desired}: {problem}", layout=desired)
         interrupted = self._interrupted(node) or (
             the_plan.is_empty
             and node.labels.get(s.state_label) == State.FAILED
@@ -368,9 +373,27 @@ class Agent:
             label_selector=s.device_plugin_selector,
         ):
             return True
+        strategy, sharing = self._device_plugin_rules(node)
         return node.gpu_resources() == expected_resources(
-            self.gpus.observe(), models, s.mig_strategy
+            self.gpus.observe(), models, strategy, sharing
         )
+
+    def _device_plugin_rules(self, node: NodeView) -> tuple[str, Sharing]:
+        """The MIG strategy and sharing config NVIDIA's device plugin runs with on this node.
+
+        The strategy is GFD's node label, else the setting. Sharing comes from the plugin's own
+        config (``device_plugin_config``: the file, or the GPU Operator's ConfigMap folder with
+        the config the node's ``nvidia.com/device-plugin.config`` label selects): that is what
+        the plugin applies, and it is known before the change, where GFD's ``<resource>.replicas``
+        labels lag it and exist only for resources already advertised.
+        """
+        s = self.settings
+        strategy = node_mig_strategy(node.labels, label=s.mig_strategy_label,
+                                     fallback=s.mig_strategy)
+        sharing = device_plugin_sharing(s.device_plugin_config, node.labels,
+                                        label=s.device_plugin_config_label,
+                                        default=s.device_plugin_config_default)
+        return strategy, sharing
 
     def _wait_resources(self, models: Mapping[int, GpuModel], old_plugins: set[str]) -> None:
         """Resume operands first if the device plugin is one of them; wait for a new, Ready
@@ -382,7 +405,7 @@ class Agent:
         if any(k.endswith(".device-plugin") for k in resume):
             self.cluster.patch_node(s.node_name, labels=resume)
         has_plugin = bool(resume) or bool(old_plugins) or bool(self._plugin_pods())
-        want = expected_resources(self.gpus.observe(), models, s.mig_strategy)
+        want = expected_resources(self.gpus.observe(), models, *self._device_plugin_rules(node))
         if not has_plugin:
             log.warning("device_plugin.skipped_wait", expected=want)
             return

@@ -10,6 +10,9 @@ device-filter that is no PCI id (it would match nothing), a key repeated in one 
 would keep the last one), non-integer counts. Every error is an InvalidConfig whose message and
 ``.context`` name the file, the layout, the entry and the key.
 
+``device_plugin_sharing`` reads the other config file the agent needs: NVIDIA device plugin's,
+whose sharing section changes what a node advertises (parsed by mig_agent.resources).
+
 The only module of mig_agent that imports yaml.
 """
 
@@ -18,14 +21,14 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import yaml
 
-from mig_agent.errors import InvalidConfig, PlanError
+from mig_agent.errors import ConfigError, InvalidConfig, PlanError
 from mig_agent.layout import (
     DeviceFilter,
     DeviceSelector,
@@ -37,6 +40,7 @@ from mig_agent.layout import (
 )
 from mig_agent.models import GpuModel
 from mig_agent.planner import check_fits, demands_for
+from mig_agent.resources import NO_SHARING, Sharing, parse_sharing
 
 VERSION = "v1"
 _TOP_KEYS = ("version", "mig-configs")
@@ -343,6 +347,10 @@ def _duplicate_key_error(source: str, dup: _DuplicateKey) -> InvalidConfig:
 
 def load_text(text: str, source: str) -> list[Layout]:
     """The layouts of one config file's text; InvalidConfig naming ``source`` if malformed."""
+    return parse_config(_load_yaml(text, source), source=source)
+
+
+def _load_yaml(text: str, source: str) -> object:
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: plain data only
     except _DuplicateKey as dup:
@@ -360,7 +368,7 @@ def load_text(text: str, source: str) -> list[Layout]:
                             file=source, line=line, column=column) from None
     except yaml.YAMLError as e:
         raise InvalidConfig(f"{source}: invalid YAML: {e}", file=source) from None
-    return parse_config(data, source=source)
+    return data
 
 
 def load_catalog(paths: Sequence[str | Path]) -> LayoutCatalog:
@@ -475,12 +483,51 @@ def _misfit(model: GpuModel, target: GpuLayout, where: str) -> str:
     return ""
 
 
+# ---------------------------------------------------------------------------------------------
+# The device plugin's config
+
+
+def load_sharing(path: str | Path) -> Sharing:
+    """The sharing config of one NVIDIA device plugin config file (YAML or JSON)."""
+    return parse_sharing(_load_yaml(_read(Path(path)), str(path)), source=str(path))
+
+
+def device_plugin_sharing(path: str, node_labels: Mapping[str, str], *, label: str,
+                          default: str) -> Sharing:
+    """The sharing config NVIDIA's device plugin runs with on a node.
+
+    ``path`` is one config file, or a folder of them (the GPU Operator's plugin ConfigMap as a
+    volume: one file per config name). In a folder the config is chosen as the Operator's
+    config-manager does: the one the node's ``label`` names (ConfigError if there is none of
+    that name: the plugin would not start either), else ``default``, else none. Empty ``path``:
+    no sharing.
+    """
+    if not path:
+        return NO_SHARING
+    folder = Path(path)
+    if not folder.is_dir():
+        return load_sharing(folder)
+    # Dot-files are the ConfigMap volume's own links ('..data').
+    names = sorted(f.name for f in folder.iterdir() if not f.name.startswith(".") and f.is_file())
+    chosen, why = node_labels.get(label, ""), f"node label {label}"
+    if not chosen:
+        chosen, why = default, "the default device plugin config"
+    if not chosen:
+        return NO_SHARING
+    if chosen not in names:
+        raise ConfigError(f"{why} names config {chosen!r}, which {folder} does not have "
+                          f"(it has: {', '.join(names) or 'nothing'})", config=chosen)
+    return load_sharing(folder / chosen)
+
+
 __all__ = [
     "FIT_INDICES",
     "FitResult",
     "VERSION",
+    "device_plugin_sharing",
     "fit_report",
     "load_catalog",
+    "load_sharing",
     "load_text",
     "parse_config",
 ]

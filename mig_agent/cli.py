@@ -556,6 +556,7 @@ def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
             strategy=args.mig_strategy,
             stop=stop,
             pod_resources_socket=args.pod_resources_socket,
+            config_file=args.config_file or "",
         )
     finally:
         cluster.close()
@@ -662,6 +663,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default="gpu-operator")
     p.add_argument("--selector", default="app=nvidia-device-plugin-daemonset")
     p.add_argument("--mig-strategy", choices=["mixed", "single"], default="mixed")
+    p.add_argument(
+        "--config-file",
+        metavar="FILE",
+        default=None,
+        help="the device plugin's config file (NVIDIA's format); its sharing section (time-"
+        "slicing, MPS) multiplies and renames what is advertised",
+    )
     p.add_argument(
         "--pod-resources-socket",
         metavar="PATH",

@@ -422,11 +422,14 @@ def parse_gpu_spec(spec: str) -> tuple[GpuModel, ...]:
 def resource_name(device_name: str, *, strategy: str = "mixed") -> str | None:
     """The Kubernetes extended resource NVIDIA's device plugin advertises for a MIG device.
 
-    mixed: ``nvidia.com/mig-<name>`` with ``+`` replaced by ``.``; single: ``nvidia.com/gpu``.
-    Devices that split a GPU instance (``1c.3g.71gb``) get no resource in mixed strategy.
+    single: ``nvidia.com/gpu`` for every MIG device (its pattern is ``*``). mixed:
+    ``nvidia.com/mig-<name>`` with ``+`` replaced by ``.``, and None for a device that splits a
+    GPU instance (``1c.3g.71gb``): the plugin makes patterns only for profiles whose compute
+    slices equal their GPU slices (k8s-device-plugin ``internal/rm/rm.go``), and refuses to start
+    on a device that matches none (see mig_agent.resources).
     """
-    if device_name.split(".")[0].endswith("c"):
-        return None
     if strategy == "single":
         return "nvidia.com/gpu"
+    if device_name.split(".")[0].endswith("c"):
+        return None
     return "nvidia.com/mig-" + device_name.replace("+", ".")

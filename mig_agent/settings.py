@@ -50,13 +50,32 @@ class Settings:
     """The kubelet's PodResources socket: which pod holds which GPU device, so that only pods on
     changed GPUs are drained (without it, every GPU pod of the node is)."""
     mig_strategy: str = "mixed"
-    """How the device plugin advertises MIG devices: mixed or single."""
+    """How the device plugin advertises MIG devices: mixed or single. The node's
+    ``mig_strategy_label`` overrides it."""
+    mig_strategy_label: str = "nvidia.com/mig.strategy"
+    """Node label GPU Feature Discovery sets to the device plugin's MIG strategy; where present
+    it wins over mig_strategy (empty: always mig_strategy)."""
+    device_plugin_config: str = ""
+    """The device plugin's config file (NVIDIA's format; its ``sharing`` multiplies and renames
+    what the node advertises), or a folder of them: the GPU Operator's plugin ConfigMap mounted
+    as a volume, one file per config name. Empty: the plugin runs without a config."""
+    device_plugin_config_label: str = "nvidia.com/device-plugin.config"
+    device_plugin_config_default: str = ""
+    """In a device_plugin_config folder, the node label naming this node's config, and the
+    config used without that label (the Operator's ``devicePlugin.config.default``); with
+    neither, no config, as the Operator's config-manager falls back to an empty one."""
     drain_timeout_s: float = 300.0
     """How long to wait for GPU pods to go (PDBs are retried until then)."""
     operand_timeout_s: float = 300.0
     """How long to wait for paused operand pods to go."""
     device_plugin_timeout_s: float = 300.0
     """How long to wait for the device plugin to advertise the new resources."""
+    gpu_release_timeout_s: float = 30.0
+    """After the drain, how long the processes of evicted pods may take to leave the GPUs
+    before the GPU counts as busy."""
+    stall_s: float = 600.0
+    """/healthz fails when the reconcile loop (or the node watch) shows no sign of life for
+    this long: a blocked call or a deadlock, never merely a long wait for a label."""
     eviction_retry_s: float = 5.0
     """Pause between eviction attempts a PodDisruptionBudget refused."""
     poll_s: float = 1.0

@@ -1,7 +1,9 @@
 """A simulated NVIDIA device plugin for the local cluster: one per simulated node.
 
 Like the real plugin it reads the node's GPUs when its pod starts and advertises their MIG
-devices as extended resources (mixed or single strategy); while its pod is gone the resources
+devices as extended resources (mixed or single strategy, multiplied and renamed by the sharing
+section of its config file); it skips display GPUs, and advertises nothing where the real one
+refuses to start (mig_agent.resources.strategy_problem). While its pod is gone the resources
 drop to zero. Its "pod" is a DaemonSet pod that kwok runs on the node; this process watches for
 a Ready pod with a new UID and then re-reads the simulated GPUs.
 
@@ -15,26 +17,43 @@ Must not: change GPUs, or touch pods other than reading them.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
+from mig_agent.catalog import load_sharing
 from mig_agent.errors import MigAgentError
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.kube import podresources
 from mig_agent.kube.cluster import GPU_RESOURCE, Cluster, PodRef, PodView, is_gpu_resource
 from mig_agent.models import resource_name
-from mig_agent.resources import expected_resources
+from mig_agent.resources import (
+    NO_SHARING,
+    Sharing,
+    expected_resources,
+    is_skipped,
+    plugin_devices,
+    shared_as,
+    strategy_problem,
+)
 
 log = structlog.get_logger(__name__)
 
 
-def advertise(cluster: Cluster, node: str, gpus: GpuBackend, strategy: str) -> dict[str, int]:
-    """Read the GPUs, set the node's GPU resources to them (others to 0); returns what was set."""
-    want = expected_resources(gpus.observe(), gpus.models(), strategy)
+def advertise(cluster: Cluster, node: str, gpus: GpuBackend, strategy: str,
+              sharing: Sharing = NO_SHARING) -> dict[str, int]:
+    """Read the GPUs, set the node's GPU resources to what NVIDIA's plugin would advertise
+    (others to 0); returns what was set. Where that plugin would refuse to start, log why and
+    advertise nothing."""
+    observed = gpus.observe()
+    problem = strategy_problem(plugin_devices(observed, gpus.models()), strategy, sharing)
+    if problem:
+        log.warning("device_plugin.refused", node=node, strategy=strategy, reason=problem)
+    want = expected_resources(observed, gpus.models(), strategy, sharing)
     current = cluster.get_node(node)
     stale = {
         k: 0
@@ -66,16 +85,30 @@ class Device:
     ci_id: int = -1
 
 
-def offered_devices(gpus: NvmlGpuBackend, strategy: str) -> tuple[Device, ...]:
-    """The devices behind advertise()'s counts, in assignment order: GPU index, then GI, CI."""
-    out = [
-        Device(GPU_RESOURCE, g.info.uuid, g.index) for g in gpus.observe().gpus if not g.mig_current
-    ]
+def offered_devices(gpus: NvmlGpuBackend, strategy: str,
+                    sharing: Sharing = NO_SHARING) -> tuple[Device, ...]:
+    """The devices behind advertise()'s counts, in assignment order: GPU index, then GI, CI,
+    then replica. A shared device is offered once per replica, as ``<uuid>::<replica>``."""
+    observed = gpus.observe()
+    if strategy_problem(plugin_devices(observed, gpus.models()), strategy, sharing):
+        return ()
+    skipped = {g.index for g in observed.gpus if is_skipped(g.info.name)}
+    out = [Device(GPU_RESOURCE, g.info.uuid, g.index) for g in observed.gpus
+           if not g.mig_current and g.index not in skipped]
     for d in gpus.mig_devices():
         resource = resource_name(d.name, strategy=strategy)
-        if resource:  # a CI that splits a GPU instance is not advertised in mixed strategy
+        if resource and d.gpu not in skipped:
             out.append(Device(resource, d.uuid, d.gpu, d.gi_id, d.ci_id))
-    return tuple(sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id)))
+    return tuple(r for d in sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id))
+                 for r in _replicas(d, sharing))
+
+
+def _replicas(device: Device, sharing: Sharing) -> list[Device]:
+    name, replicas = shared_as(device.resource, sharing)
+    if name == device.resource and replicas == 1:
+        return [device]
+    return [dataclasses.replace(device, resource=name, id=f"{device.id}::{i}")
+            for i in range(replicas)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +219,13 @@ def run(
     stop: threading.Event,
     poll_s: float = 0.5,
     pod_resources_socket: str | None = None,
+    config_file: str = "",
 ) -> None:
     """Advertise on every new Ready plugin pod; withdraw while there is none.
 
     With ``pod_resources_socket``, also assign devices to the node's GPU pods and serve the
-    kubelet's PodResources API there until ``stop`` is set.
+    kubelet's PodResources API there until ``stop`` is set. ``config_file``: the device
+    plugin's config (NVIDIA's format), whose sharing section applies.
     """
     table: Allocations | None = None
     server: podresources.Server | None = None
@@ -219,10 +254,12 @@ def run(
                 ]
                 uid = pods[0].ref.uid if pods else None
                 if uid and uid != advertised:
+                    # read at every start, as the real plugin reads its config file
+                    sharing = load_sharing(config_file) if config_file else NO_SHARING
                     gpus = open_gpus()
                     try:
-                        res = advertise(cluster, node, gpus, strategy)
-                        devices = offered_devices(gpus, strategy) if table else ()
+                        res = advertise(cluster, node, gpus, strategy, sharing)
+                        devices = offered_devices(gpus, strategy, sharing) if table else ()
                     finally:
                         gpus.close()
                     advertised = uid

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -89,12 +89,14 @@ def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
 
 def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
                profiles: Path = PROFILES, timeout: float = 60.0,
-               sim: Mapping[str, Any] | None = None) -> NodeAgents:
+               sim: Mapping[str, Any] | None = None,
+               plugin_args: Sequence[str] = ()) -> NodeAgents:
     """Start the agent and the simulated device plugin of `node`; its GPUs from nodes/<node>/gpus.
 
     `settings` are MIG_AGENT_* environment variables for the agent (e.g. a short drain timeout);
     `sim` are options of the node's simulated GPUs when they are first created (e.g.
-    `{"reset_supported": False}` for a pass-through VM).
+    `{"reset_supported": False}` for a pass-through VM); `plugin_args` are more flags of the
+    simulated device plugin (e.g. `--mig-strategy single`, `--config-file FILE`).
     """
     state = sim_state_path(cluster, node)
     if not state.exists():
@@ -122,7 +124,8 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
         sys.executable, "-m", "mig_agent", "--log-format", "json", "sim-device-plugin",
         "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
         "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
-        "--pod-resources-socket", str(pod_resources)], logs / f"device-plugin-{node}.log",
+        "--pod-resources-socket", str(pod_resources), *plugin_args],
+        logs / f"device-plugin-{node}.log",
         env=env)
     started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig))
     _record(cluster.dir, started)

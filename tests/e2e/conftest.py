@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,11 +91,12 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
 
     def make(gpus: str = "8xH100-80GB", *, settings: Mapping[str, str] | None = None,
              profiles: Path | None = None, sim: Mapping[str, Any] | None = None,
-             name: str | None = None) -> AgentNode:
+             name: str | None = None, plugin_args: Sequence[str] = ()) -> AgentNode:
         name = name or f"e2e-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         installed.add_gpu_node(name, gpus)
         procs = agents.start_node(installed, name, settings=settings,
-                                  profiles=profiles or agents.PROFILES, sim=sim)
+                                  profiles=profiles or agents.PROFILES, sim=sim,
+                                  plugin_args=plugin_args)
         node = AgentNode(name, installed, core, procs)
         made.append(node)
         # the agent has published the GPUs' state once it is up

@@ -56,7 +56,8 @@ def test_h200_is_the_real_readout() -> None:
     ("1g.10gb+me", "nvidia.com/mig-1g.10gb.me", "nvidia.com/gpu"),
     ("1g.24gb-me", "nvidia.com/mig-1g.24gb-me", "nvidia.com/gpu"),
     ("1g.24gb+me.all", "nvidia.com/mig-1g.24gb.me.all", "nvidia.com/gpu"),
-    ("1c.3g.40gb", None, None),  # CI-split devices match no device-plugin resource
+    # CI-split devices match no mixed-strategy pattern; single matches every MIG device
+    ("1c.3g.40gb", None, "nvidia.com/gpu"),
 ])
 def test_resource_names(name: str, mixed: str | None, single: str | None) -> None:
     assert resource_name(name, strategy="mixed") == mixed
