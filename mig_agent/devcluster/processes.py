@@ -134,24 +134,21 @@ def stop(procs: Sequence[Proc], timeout: float = 10.0) -> list[str]:
     """
     killed: list[str] = []
     for proc in procs:
-        if proc.alive():
-            _signal_group(proc, signal.SIGTERM)
-            if not _wait_gone(proc, time.monotonic() + timeout):
-                _signal_group(proc, signal.SIGKILL)
-                killed.append(proc.name)
-                _wait_gone(proc, None)
-        # Also one that exited (or was killed) earlier: it stays a zombie until waited for.
-        _reap(proc)
+        if _ended(proc):
+            continue
+        _signal_group(proc, signal.SIGTERM)
+        if not _wait_ended(proc, time.monotonic() + timeout):
+            _signal_group(proc, signal.SIGKILL)
+            killed.append(proc.name)
+            _wait_ended(proc, None)
     return killed
 
 
 def kill(proc: Proc) -> None:
-    """SIGKILL the group of `proc` at once, as a crash would, and return once the leader is gone
-    (reaped, when it is our child)."""
-    if proc.alive():
+    """SIGKILL the group of `proc` at once, as a crash would; return once it has ended."""
+    if not _ended(proc):
         _signal_group(proc, signal.SIGKILL)
-        _wait_gone(proc, None)
-    _reap(proc)
+        _wait_ended(proc, None)
 
 
 def _signal_group(proc: Proc, sig: signal.Signals) -> None:
@@ -160,21 +157,25 @@ def _signal_group(proc: Proc, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
 
 
-def _wait_gone(proc: Proc, deadline: float | None) -> bool:
-    """Wait until `proc` has exited (None: however long that takes); False on the deadline."""
-    while proc.alive():
+def _wait_ended(proc: Proc, deadline: float | None) -> bool:
+    """Wait until `proc` has ended (None: however long that takes); False on the deadline."""
+    while not _ended(proc):
         if deadline is not None and time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
-    _reap(proc)
     return True
 
 
-def _reap(proc: Proc) -> None:
-    """Collect the exit status of `proc` if it is our own child and has exited (a zombie);
-    a process of another parent, or a PID that now names another process, is left alone."""
-    stat = _read_stat(proc.pid)
-    if stat is None or stat[1] != proc.start_ticks or stat[0] != "Z":
-        return
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(proc.pid, os.WNOHANG)
+def _ended(proc: Proc) -> bool:
+    """Whether `proc` is over: collected, when it is our own child (collected here if it has
+    exited); exited, when another process started it (its zombie is that parent's, or init's)."""
+    fields = _stat_fields(proc.pid)
+    if fields is None or int(fields[19]) != proc.start_ticks:
+        return True  # collected already; the PID may name another process by now
+    if int(fields[1]) == os.getpid():
+        # Not `alive()`: the leader of a multi-threaded program shows Z while its other threads
+        # still run or exit, and cannot be collected until they are gone.
+        with contextlib.suppress(ChildProcessError):
+            return os.waitpid(proc.pid, os.WNOHANG)[0] != 0
+        return True
+    return fields[0] == "Z"

@@ -4,6 +4,9 @@
   process that started it: no ``<defunct>`` entry stays until the test session ends;
 * ``stop`` reaps a child that had already exited on its own (or was killed before), and one it
   has to stop;
+* a child whose main thread has exited while other threads run (the leader then shows ``Z``, as
+  a Go program's does for a moment while it exits) still counts as running: killed or stopped,
+  and reaped once its last thread is gone;
 * a process started by another process (``local-cluster up``, then ``down`` from another shell)
   is not ours to reap: killing and stopping it works all the same.
 """
@@ -24,6 +27,11 @@ from mig_agent.devcluster import agents
 from mig_agent.devcluster.processes import Proc, spawn, stop
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
+# The main thread exits (pthread_exit) and leaves a second thread running.
+THREADED = [sys.executable, "-c",
+            "import ctypes, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(30,)).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n"]
 
 
 def _sleeper(tmp_path: Path, name: str = "sleeper") -> Proc:
@@ -74,6 +82,21 @@ def test_stop_reaps_a_child_that_exited_before(tmp_path: Path) -> None:
     assert stop([running, exited]) == []
     assert _reaped(exited)
     assert _reaped(running)
+
+
+def test_a_child_whose_leader_exited_before_its_threads_is_killed_and_reaped(
+        tmp_path: Path) -> None:
+    killed = spawn("agent", THREADED, tmp_path / "agent.log")
+    stopped = spawn("plugin", THREADED, tmp_path / "plugin.log")
+    deadline = time.monotonic() + 10
+    while not (_zombie(killed) and _zombie(stopped)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _zombie(killed) and _zombie(stopped), "the main threads should have exited by now"
+    _record_agent(tmp_path, "gpu-node-0", killed, stopped)
+    agents.kill_agent(tmp_path, "gpu-node-0")
+    assert _reaped(killed)
+    assert stop([stopped]) == []
+    assert _reaped(stopped)
 
 
 def test_processes_of_another_parent_are_killed_and_stopped(tmp_path: Path) -> None:
