@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -30,15 +30,18 @@ from mig_agent.drain import Clock, drain_gpu_pods, wait_pods_gone
 from mig_agent.errors import (
     ConfigError,
     DevicePluginTimeout,
+    GpuBusy,
     GpuResetRequired,
+    LabelsChanged,
     MigAgentError,
     PlanError,
+    RebootFailed,
 )
 from mig_agent.executor import execute, verify
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodView
 from mig_agent.labels import State
-from mig_agent.layout import LayoutCatalog
+from mig_agent.layout import Layout, LayoutCatalog
 from mig_agent.metrics import Metrics
 from mig_agent.models import GpuModel
 from mig_agent.resources import (
@@ -60,6 +63,7 @@ class Outcome(enum.StrEnum):
     APPLIED = "applied"
     FAILED = "failed"
     REBOOTING = "rebooting"
+    SUPERSEDED = "superseded"  # the layout label changed during the pass: start over
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +89,25 @@ def config_fingerprint(path: str) -> tuple[tuple[str, float, int], ...]:
     return tuple(out)
 
 
+REBOOT_TIMEOUT_S = 120.0
+
+
 def run_reboot(command: str) -> None:
-    subprocess.run(shlex.split(command), check=True, timeout=120)  # noqa: S603
+    """Run the reboot command; RebootFailed naming the command and how it failed."""
+    try:
+        subprocess.run(shlex.split(command), check=True, timeout=REBOOT_TIMEOUT_S,  # noqa: S603
+                       capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        said = (exc.stderr or exc.stdout or "").strip().splitlines()[-1:]
+        raise RebootFailed(f"reboot command {command!r} failed with exit status "
+                           f"{exc.returncode}" + (f": {said[0][:300]}" if said else ""),
+                           command=command) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise RebootFailed(f"reboot command {command!r} did not return within "
+                           f"{REBOOT_TIMEOUT_S:.0f} s", command=command) from exc
+    except (OSError, ValueError) as exc:  # not found, not executable, unbalanced quotes
+        raise RebootFailed(f"reboot command {command!r} could not run: {exc}",
+                           command=command) from exc
 
 
 @dataclass
@@ -105,10 +126,36 @@ class Agent:
     catalog_error: str = ""
     last_pass_at: float = 0.0
     watch_alive_at: float = 0.0
+    # time.monotonic() of the loop's last sign of life: each turn between passes, and every
+    # wait inside a pass (drain, device plugin); /healthz fails only when this stops
+    loop_alive_at: float = field(default_factory=time.monotonic)
     _failures: int = 0
     _fingerprint: tuple[tuple[str, float, int], ...] = ()
     _seen: tuple[str | None, str | None] = (None, None)
+    # the labels that choose how the device plugin advertises, as the last pass read them
+    _seen_plugin_labels: tuple[str | None, ...] = ()
     _wake: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        sleep = self.clock.sleep
+
+        def sleep_alive(seconds: float) -> None:
+            self.loop_alive_at = time.monotonic()
+            sleep(seconds)
+
+        self.clock = Clock(self.clock.now, sleep_alive)
+
+    def liveness_problem(self, now: float | None = None) -> str:
+        """Why the agent should be restarted, or "": a loop or node watch that stopped moving.
+        Never "no pass lately": a node waiting for a fixed label runs no pass for days."""
+        now = time.monotonic() if now is None else now
+        s = self.settings
+        if now - self.loop_alive_at > s.stall_s:
+            return f"reconcile loop stalled: no progress for {now - self.loop_alive_at:.0f} s"
+        if now - self.watch_alive_at > max(s.stall_s, s.watch_timeout_s * 2.0) and \
+                self.watch_alive_at:
+            return f"node watch stalled: no progress for {now - self.watch_alive_at:.0f} s"
+        return ""
 
     # -- configuration ------------------------------------------------------------------------
 
@@ -139,6 +186,7 @@ class Agent:
         node = self.cluster.get_node(s.node_name)
         desired = node.labels.get(s.config_label)
         self._seen = (desired, node.labels.get(s.state_label))
+        self._seen_plugin_labels = self._plugin_labels(node)
         if not desired:
             self._finish(node)
             if s.state_label in node.labels or s.reason_annotation in node.annotations:
@@ -156,8 +204,14 @@ class Agent:
         except _Rebooting:
             # Still alive after the reboot command: look again soon (the guard stops a loop).
             return PassResult(Outcome.REBOOTING, retry_after_s=self.settings.backoff_s)
+        except LabelsChanged as exc:
+            return self._superseded(desired, exc)
         except MigAgentError as exc:
-            return self._failed(desired, exc)
+            tidy = self._tidy_up()
+            failed = self._failed(desired, exc)
+            if not tidy and failed.retry_after_s is None:  # our marks are still on the node
+                return replace(failed, retry_after_s=self.settings.backoff_s)
+            return failed
         self._failures = 0
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
@@ -167,6 +221,32 @@ class Agent:
                 duration_s=round(self.clock.now() - start, 3),
             )
         return PassResult(result)
+
+    def _superseded(self, desired: str, exc: LabelsChanged) -> PassResult:
+        """The label asks for another layout now: report nothing for ``desired``, undo our
+        marks, and start over at once."""
+        log.info("reconcile.superseded", error=str(exc))
+        self._tidy_up()
+        self._failures = 0
+        return PassResult(Outcome.SUPERSEDED, retry_after_s=0.0)
+
+    def _tidy_up(self) -> bool:
+        """Resume operands and uncordon if our marks are on the node (no pass runs now);
+        False when that failed (logged): the node may still be cordoned by us."""
+        try:
+            self._finish(self.cluster.get_node(self.settings.node_name))
+        except MigAgentError as exc:
+            log.error("node.resume_failed", error=str(exc))
+            return False
+        return True
+
+    def _still_wanted(self, desired: str) -> None:
+        """LabelsChanged if the layout label no longer names ``desired``."""
+        s = self.settings
+        now = self.cluster.get_node(s.node_name).labels.get(s.config_label)
+        if now != desired:
+            raise LabelsChanged(f"layout label changed from {desired} to {now} during the pass",
+                                labels={s.config_label: now})
 
     def _reconcile(self, node: NodeView, desired: str) -> Outcome:
         s = self.settings
@@ -202,7 +282,7 @@ class Agent:
 
         changed = list(the_plan.changed_gpus)
         log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
-        node = self._set_state(node, State.PENDING)
+        node = self._set_state(node, State.PENDING, desired)
         self._condition(
             NodeCondition(
                 s.condition_type,
@@ -218,12 +298,14 @@ class Agent:
             if changed
             else f"finishing layout {desired} after an interrupted pass",
         )
-        old_plugins = {p.ref.uid for p in self._plugin_pods()}
+        # a plugin pod already on its way out is no sign that a device plugin runs here
+        old_plugins = {p.ref.uid for p in self._plugin_pods() if not p.terminating}
         with self._gpu_clients_paused(node) as paused:
             if not the_plan.is_empty:
                 with self._phase(node, "drain", "MIGDraining",
                                  "evicting the pods that use the GPUs that change"):
                     self._drain(paused, the_plan)
+                self._still_wanted(desired)  # not worth applying a layout no longer asked for
                 with self._phase(node, "apply", "MIGApplying",
                                  f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) "
                                  f"{changed}"):
@@ -305,13 +387,25 @@ class Agent:
 
     def _apply(self, desired: str, models: Mapping[int, GpuModel]) -> None:
         assert self.catalog is not None
-        layout = self.catalog.get(desired)
-        # Re-plan after the drain: anything still in use now is a real busy GPU (GpuBusy).
-        the_plan = planner.plan(layout, self.gpus.observe(), models)
+        the_plan = self._plan_after_drain(self.catalog.get(desired), models)
         try:
             execute(the_plan, self.gpus)
         except GpuResetRequired as exc:
             self._reboot_or_fail(desired, exc)
+
+    def _plan_after_drain(self, layout: Layout, models: Mapping[int, GpuModel]) -> planner.Plan:
+        """Re-plan, now refusing what is in use. An evicted pod's processes can outlive its Pod
+        object for a moment (container teardown), so a busy GPU is looked at again until
+        ``gpu_release_timeout_s``; then it is a real busy GPU (GpuBusy, naming the pids)."""
+        deadline = self.clock.now() + self.settings.gpu_release_timeout_s
+        while True:
+            try:
+                return planner.plan(layout, self.gpus.observe(), models)
+            except GpuBusy as exc:
+                if self.clock.now() >= deadline:
+                    raise
+                log.info("gpu.waiting_for_processes", error=str(exc))
+                self.clock.sleep(self.settings.poll_s)
 
     def _verify(self, desired: str, models: Mapping[int, GpuModel]) -> None:
         assert self.catalog is not None
@@ -336,11 +430,18 @@ class Agent:
             s.node_name,
             labels={s.state_label: State.REBOOTING},
             annotations={s.reboot_annotation: desired},
+            expect_labels={s.config_label: desired},
         )
         self.metrics.set_state(State.REBOOTING)
         self._event(node, "MIGRebooting", f"{exc}; rebooting the node", warning=True)
         log.warning("node.rebooting", error=str(exc))
-        self.reboot(s.reboot_command)
+        try:
+            self.reboot(s.reboot_command)
+        except RebootFailed:
+            # No reboot happened: disarm the guard, so that a fixed command gets its one reboot.
+            with contextlib.suppress(MigAgentError):
+                self.cluster.patch_node(s.node_name, annotations={s.reboot_annotation: None})
+            raise
         raise _Rebooting()
 
     def _restart_device_plugin(self, paused: list[str]) -> None:
@@ -404,7 +505,8 @@ class Agent:
         resume = labels.resume_patch(node.labels, s.operand_labels)
         if any(k.endswith(".device-plugin") for k in resume):
             self.cluster.patch_node(s.node_name, labels=resume)
-        has_plugin = bool(resume) or bool(old_plugins) or bool(self._plugin_pods())
+        has_plugin = (any(k.endswith(".device-plugin") for k in resume) or bool(old_plugins)
+                      or bool(self._plugin_pods()))
         want = expected_resources(self.gpus.observe(), models, *self._device_plugin_rules(node))
         if not has_plugin:
             log.warning("device_plugin.skipped_wait", expected=want)
@@ -493,23 +595,27 @@ class Agent:
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _set_state(self, node: NodeView, state: State) -> NodeView:
+    def _set_state(self, node: NodeView, state: State, desired: str) -> NodeView:
         s = self.settings
         self.metrics.set_state(state)
         if node.labels.get(s.state_label) == state:
             return node
         log.info("labels.patched", state=str(state))
         # before the patch: the watch must not take our own label for someone else's change
-        self._seen = (node.labels.get(s.config_label), str(state))
-        return self.cluster.patch_node(s.node_name, labels={s.state_label: str(state)})
+        self._seen = (desired, str(state))
+        return self.cluster.patch_node(s.node_name, labels={s.state_label: str(state)},
+                                       expect_labels={s.config_label: desired})
 
     def _succeed(self, node: NodeView, desired: str, message: str) -> None:
         s = self.settings
         self._seen = (desired, State.SUCCESS)
+        # only while the label still asks for this layout: a relabel during the pass must not
+        # read as success of the new one
         self.cluster.patch_node(
             s.node_name,
             labels={s.state_label: State.SUCCESS},
             annotations={s.reason_annotation: None, s.reboot_annotation: None},
+            expect_labels={s.config_label: desired},
         )
         self.metrics.set_state(State.SUCCESS)
         self.metrics.last_success.set(time.time())
@@ -541,6 +647,7 @@ class Agent:
                 s.node_name,
                 labels={s.state_label: State.FAILED},
                 annotations={s.reason_annotation: reason[:4096]},
+                expect_labels={s.config_label: desired},
             )
             self._condition(NodeCondition(s.condition_type, "False", type(exc).__name__, reason))
             self._event(
@@ -554,6 +661,8 @@ class Agent:
                 ),
                 warning=True,
             )
+        except LabelsChanged as changed:
+            return self._superseded(desired, changed)
         except MigAgentError as report_exc:  # API down: retry the whole pass later
             log.error("reconcile.report_failed", error=str(report_exc))
             retry = retry or s.backoff_s
@@ -596,6 +705,11 @@ class Agent:
     def wake(self) -> None:
         self._wake.set()
 
+    def _plugin_labels(self, node: NodeView) -> tuple[str | None, ...]:
+        s = self.settings
+        return tuple(node.labels.get(k) for k in (s.mig_strategy_label,
+                                                  s.device_plugin_config_label) if k)
+
     def watch_forever(self, stop: threading.Event) -> None:
         """Wake the loop when someone else changes the layout or state label; reconnects."""
         s = self.settings
@@ -603,15 +717,17 @@ class Agent:
         while not stop.is_set():
             try:
                 for node in self.cluster.watch_node(s.node_name, timeout_s=s.watch_timeout_s):
-                    self.watch_alive_at = time.time()
+                    self.watch_alive_at = time.monotonic()
                     delay = 1.0
                     seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
-                    if seen != self._seen:
+                    # a fixed strategy or plugin-config label is worth a pass as a layout is
+                    if seen != self._seen or self._plugin_labels(node) != self._seen_plugin_labels:
                         self._wake.set()
                     if stop.is_set():
                         return
-                self.watch_alive_at = time.time()
+                self.watch_alive_at = time.monotonic()
             except MigAgentError as exc:
+                self.watch_alive_at = time.monotonic()  # alive, retrying: a restart won't help
                 log.warning("watch.failed", error=str(exc), retry_in_s=delay)
                 stop.wait(delay)
                 delay = min(delay * 2, 30.0)
@@ -625,7 +741,7 @@ class Agent:
         self.reload_config()
         next_due = 0.0
         while not stop.is_set():
-            now = time.monotonic()
+            now = self.loop_alive_at = time.monotonic()
             if self._wake.is_set() or now >= next_due:
                 self._wake.clear()
                 try:

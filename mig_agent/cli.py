@@ -446,7 +446,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The node agent: watch the own Node and reconcile until SIGTERM."""
     import signal
     import threading
-    import time
 
     from mig_agent.agent import Agent
     from mig_agent.catalog import load_catalog
@@ -488,12 +487,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if settings.metrics_port:
 
         def healthz() -> str:
-            now = time.time()
-            if agent.last_pass_at and now - agent.last_pass_at > settings.resync_s * 2 + 60:
-                return "reconcile loop stalled"
-            if agent.watch_alive_at and now - agent.watch_alive_at > settings.watch_timeout_s * 2:
-                return "node watch stalled"
-            return ""
+            return agent.liveness_problem()
 
         def readyz() -> str:
             if agent.catalog is None:
@@ -557,6 +551,9 @@ def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
             stop=stop,
             pod_resources_socket=args.pod_resources_socket,
             config_file=args.config_file or "",
+            # the simulated world: GPU pods hold processes on their devices, as on a real node
+            processes=sim_device_plugin.PodProcesses(args.sim_state)
+            if args.pod_resources_socket and args.sim_state else None,
         )
     finally:
         cluster.close()

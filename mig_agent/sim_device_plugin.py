@@ -26,6 +26,7 @@ import structlog
 
 from mig_agent.catalog import load_sharing
 from mig_agent.errors import MigAgentError
+from mig_agent.gpu import simstate
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.kube import podresources
@@ -176,6 +177,30 @@ class Allocations:
                 result.allocated[ref] = got
         return result
 
+    def adopt(self, held: Mapping[PodRef, Sequence[tuple[int, int, int]]]) -> list[PodRef]:
+        """Give pods not in the table again the offered devices they are known to hold, by
+        (GPU, GI, CI) (a restarted plugin's recovery, as a kubelet's from its checkpoint);
+        returns the pods adopted. A pod one of whose devices is not offered is left out."""
+        adopted = []
+        with self._lock:
+            taken = {d.id for got in self._pods.values() for d in got}
+            for ref, keys in held.items():
+                if ref in self._pods or not keys:
+                    continue
+                devices: list[Device] = []
+                for key in keys:  # time-sliced replicas share a key: take a free one
+                    free = next((d for d in self._offered if (d.gpu, d.gi_id, d.ci_id) == key
+                                 and d.id not in taken and d not in devices), None)
+                    if free is None:
+                        break
+                    devices.append(free)
+                else:
+                    self._pods[ref] = tuple(devices)
+                    taken |= {d.id for d in devices}
+                    self._waiting.discard(ref)
+                    adopted.append(ref)
+        return adopted
+
     def _pick(self, requests: Mapping[str, int], taken: set[str]) -> tuple[Device, ...] | None:
         """The first free devices of each requested resource, or None when one is short."""
         got: list[Device] = []
@@ -185,6 +210,10 @@ class Allocations:
                 return None
             got += free[:count]
         return tuple(got)
+
+    def pods(self) -> set[PodRef]:
+        with self._lock:
+            return set(self._pods)
 
     def by_pod(self) -> dict[tuple[str, str], dict[str, list[str]]]:
         """(namespace, pod) -> {resource: device ids}: the PodResources List answer."""
@@ -205,6 +234,50 @@ class Allocations:
             return out
 
 
+class PodProcesses:
+    """The simulated GPU processes of the node's GPU pods: one on each device a pod holds, as a
+    container keeps a CUDA context on every device it was given, so that NVML shows a node with
+    running GPU pods as busy. A process ends when its pod is gone or finished (not when it
+    starts terminating: it runs through its grace period). Processes are owned by the pod's UID,
+    so a restarted plugin finds those of pods still running and gives the pods the same devices.
+    """
+
+    PREFIX = "pod/"
+
+    def __init__(self, sim_state: str) -> None:
+        self.sim_state = sim_state
+
+    def held(self, pods: Iterable[PodView]) -> dict[PodRef, list[tuple[int, int, int]]]:
+        """(GPU, GI, CI) of the devices each of ``pods`` holds a process on (-1: whole GPU)."""
+        owned = simstate.processes_by_owner(self.sim_state)
+        out: dict[PodRef, list[tuple[int, int, int]]] = {}
+        for pod in pods:
+            for gpu, p in owned.get(self.PREFIX + pod.ref.uid, []):
+                gi = -1 if p.gi is None else p.gi
+                ci = -1 if p.ci is None else p.ci
+                out.setdefault(pod.ref, []).append((gpu, gi, ci))
+        return out
+
+    def start(self, ref: PodRef, devices: Iterable[Device]) -> list[int]:
+        return [
+            simstate.start_process(
+                self.sim_state,
+                d.gpu,
+                gi=None if d.gi_id < 0 else d.gi_id,
+                ci=None if d.ci_id < 0 else d.ci_id,
+                owner=self.PREFIX + ref.uid,
+            )
+            for d in devices
+        ]
+
+    def end_all_but(self, live: Iterable[PodView]) -> int:
+        """End the processes of every pod not in ``live``; returns how many ended."""
+        keep = {self.PREFIX + p.ref.uid for p in live}
+        gone = [o for o in simstate.processes_by_owner(self.sim_state)
+                if o.startswith(self.PREFIX) and o not in keep]
+        return simstate.end_processes(self.sim_state, gone)
+
+
 # -- the loop -----------------------------------------------------------------------------------
 
 
@@ -219,13 +292,15 @@ def run(
     stop: threading.Event,
     poll_s: float = 0.5,
     pod_resources_socket: str | None = None,
+    processes: PodProcesses | None = None,
     config_file: str = "",
 ) -> None:
     """Advertise on every new Ready plugin pod; withdraw while there is none.
 
     With ``pod_resources_socket``, also assign devices to the node's GPU pods and serve the
-    kubelet's PodResources API there until ``stop`` is set. ``config_file``: the device
-    plugin's config (NVIDIA's format), whose sharing section applies.
+    kubelet's PodResources API there until ``stop`` is set; with ``processes`` as well, each GPU
+    pod holds a simulated process on each of its devices while it runs. ``config_file``: the
+    device plugin's config (NVIDIA's format), whose sharing section applies.
     """
     table: Allocations | None = None
     server: podresources.Server | None = None
@@ -276,13 +351,34 @@ def run(
                     advertised = None
                     log.info("device_plugin.withdrawn", node=node)
                 if table:
-                    _log_sync(node, table.sync(cluster.list_pods(node=node)))
+                    _sync_pods(node, table, processes, cluster.list_pods(node=node))
             except MigAgentError as exc:
                 log.warning("device_plugin.error", node=node, error=str(exc))
             stop.wait(poll_s)
     finally:
         if server:
             server.stop()
+
+
+def _sync_pods(node: str, table: Allocations, processes: PodProcesses | None,
+               pods: list[PodView]) -> None:
+    live = [p for p in pods if not p.finished]
+    if processes:
+        held = processes.held(live)
+        adopted = table.adopt(held)
+        for ref in adopted:
+            log.info("device_plugin.adopted", node=node, pod=str(ref))
+        # a pod whose processes hold devices not offered now must not be given others as well
+        unadopted = held.keys() - set(adopted) - table.pods()
+        pods = [p for p in pods if p.ref not in unadopted]
+    result = table.sync(pods)
+    _log_sync(node, result)
+    if processes:
+        for ref, devices in result.allocated.items():
+            pids = processes.start(ref, devices)
+            log.info("device_plugin.processes_started", node=node, pod=str(ref), pids=pids)
+        if ended := processes.end_all_but(live):
+            log.info("device_plugin.processes_ended", node=node, processes=ended)
 
 
 def _log_sync(node: str, result: SyncResult) -> None:

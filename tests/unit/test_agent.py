@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -351,7 +352,7 @@ def test_removing_the_layout_label_clears_the_reported_state() -> None:
 
 
 def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
-    import threading
+
 
     from mig_agent.errors import KubeError
 
@@ -532,3 +533,265 @@ def test_device_plugin_pod_is_replaced_when_no_operand_labels() -> None:
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     after = {p.ref.uid for p in cluster.list_pods(namespace=DP_NS)}
     assert before and after and not before & after
+
+
+# -- the failures a real cluster hits (issue: agent bugs) ------------------------------------
+
+
+def test_mode_change_drains_the_pod_whose_process_holds_the_gpu() -> None:
+    """Whole GPUs to MIG with a pod's process on GPU 0: the drain evicts it, its process ends,
+    and the layout applies (before: GpuBusy before the drain, nothing ever evicted)."""
+    agent, cluster, gpus = make()
+    pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    gpus.add_process(0, 4242, None)
+    original_evict = cluster.evict
+
+    def evict_and_end(ref: PodRef) -> None:
+        original_evict(ref)
+        gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())  # the container stops
+
+    cluster.evict = evict_and_end  # type: ignore[method-assign]
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.evicted == [pod]
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+
+
+def test_a_process_that_outlives_the_drain_is_named_and_nothing_is_touched() -> None:
+    agent, cluster, gpus = make(gpu_release_timeout_s=3.0)
+    gpus.add_process(0, 4242, None)  # not a pod's: the drain cannot end it
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s
+    assert "4242" in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert not gpus.calls
+    assert_clean(cluster)
+
+
+def _as_a_killed_pass_left_it(cluster: FakeCluster) -> None:
+    cluster.patch_node(
+        NODE,
+        labels={STATE: "pending", DP_LABEL: PAUSED},
+        annotations={"mig-agent.dev/cordoned": "true",
+                     "mig-agent.dev/paused-operands": DP_LABEL},
+        unschedulable=True,
+    )
+
+
+def test_marks_of_an_interrupted_pass_are_cleared_when_the_next_pass_fails_early() -> None:
+    agent, cluster, gpus = make()
+    _as_a_killed_pass_left_it(cluster)
+    label(cluster, "all-1g.10gbx")  # a typo: the pass fails before it reaches its clean-up
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s is None
+    assert "unknown layout" in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert_clean(cluster)
+    # the same with profile configs that no longer load after a restart
+    _as_a_killed_pass_left_it(cluster)
+    label(cluster, "all-1g.10gb")
+    agent.catalog, agent.catalog_error = None, "profiles.yaml: mapping values are not allowed"
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert_clean(cluster)
+
+
+def test_clean_up_that_fails_schedules_a_retry_even_for_a_lasting_failure() -> None:
+    agent, cluster, gpus = make()
+    _as_a_killed_pass_left_it(cluster)
+    label(cluster, "all-1g.10gbx")
+    cluster.fail_patch_after = 0  # the resume patch fails
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert_clean(cluster)
+
+
+def test_relabel_during_the_drain_never_reports_the_old_layout_as_success() -> None:
+    agent, cluster, gpus = make()
+    cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    original_evict = cluster.evict
+
+    def relabel_meanwhile(ref: PodRef) -> None:
+        original_evict(ref)
+        # as `repartition` does: the new layout and no state
+        cluster.patch_node(NODE, labels={CONFIG: "all-3g.40gb", STATE: None})
+
+    cluster.evict = relabel_meanwhile  # type: ignore[method-assign]
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.SUPERSEDED and result.retry_after_s == 0
+    node = cluster.nodes[NODE]
+    assert STATE not in node.labels and not gpus.calls  # nothing applied for the old layout
+    assert_clean(cluster)
+    cluster.evict = original_evict  # type: ignore[method-assign]
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "success"
+    assert node.gpu_resources() == {"nvidia.com/mig-3g.40gb": 16}
+
+
+def test_relabel_after_the_apply_is_not_reported_as_success() -> None:
+    agent, cluster, gpus = make()
+    original = gpus.create_compute_instance
+
+    def relabel_meanwhile(*args: Any, **kwargs: Any) -> int:
+        cluster.patch_node(NODE, labels={CONFIG: "all-7g.80gb", STATE: None})
+        return original(*args, **kwargs)
+
+    gpus.create_compute_instance = relabel_meanwhile  # type: ignore[method-assign]
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.SUPERSEDED
+    assert STATE not in cluster.nodes[NODE].labels
+    assert_clean(cluster)
+    gpus.create_compute_instance = original  # type: ignore[method-assign]
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].gpu_resources() == {"nvidia.com/mig-7g.80gb": 8}
+
+
+def test_relabel_before_a_failure_is_written_reports_no_failure() -> None:
+    agent, cluster, gpus = make(gpu_release_timeout_s=0.0)
+    gpus.add_process(0, 4242, None)
+    original = gpus.observe
+    calls = [0]
+
+    def relabel_meanwhile() -> Any:  # the label changes while the pass finds the GPU busy
+        calls[0] += 1
+        if calls[0] == 2:  # the re-plan after the drain
+            cluster.patch_node(NODE, labels={CONFIG: "all-disabled", STATE: None})
+        return original()
+
+    gpus.observe = relabel_meanwhile  # type: ignore[method-assign]
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.SUPERSEDED
+    assert STATE not in cluster.nodes[NODE].labels
+    assert "mig-agent.dev/reason" not in cluster.nodes[NODE].annotations
+
+
+def test_liveness_follows_the_loop_not_the_last_pass() -> None:
+    """A loop waiting for a label fix after a lasting failure is alive; only a loop that
+    stops moving is not (before: "stalled" 660 s after the last pass, restarted forever)."""
+
+    import time
+
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gbx")  # a lasting failure: no pass until the label changes
+    stop = threading.Event()
+    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 0.05})
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while cluster.nodes[NODE].labels.get(STATE) != "failed":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        first = agent.loop_alive_at
+        time.sleep(0.3)
+        assert agent.loop_alive_at > first  # the loop beats while it waits
+        # an hour after the last pass, the loop is still alive
+        agent.last_pass_at -= 3600
+        assert agent.liveness_problem() == ""
+        # a loop that stopped moving for longer than stall_s is not
+        late = agent.loop_alive_at + agent.settings.stall_s + 1
+        assert "reconcile loop stalled" in agent.liveness_problem(now=late)
+    finally:
+        stop.set()
+        agent.wake()
+        runner.join(5)
+
+
+def test_long_waits_inside_a_pass_keep_the_loop_alive() -> None:
+    """A drain blocked by a PDB for its whole timeout (fake time) beats all along."""
+    agent, cluster, gpus = make(drain_timeout_s=900.0, stall_s=60.0)
+    pod = cluster.add_pod("work", "guarded", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.blocked[pod] = "keep-one"
+    beats: list[float] = []
+    sleep = agent.clock.sleep
+
+    def watch_beats(seconds: float) -> None:
+        before = agent.loop_alive_at
+        sleep(seconds)
+        beats.append(agent.loop_alive_at - before)
+
+    agent.clock = Clock(agent.clock.now, watch_beats)
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert len(beats) > 100 and all(b >= 0 for b in beats)
+    assert agent.liveness_problem() == ""
+
+
+def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
+        tmp_path: Path) -> None:
+    from mig_agent.agent import run_reboot
+    from mig_agent.errors import GpuResetRequired
+
+    script = tmp_path / "reboot"
+    script.write_text("#!/bin/sh\necho 'reboot: permission denied' >&2\nexit 3\n")
+    script.chmod(0o755)
+    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2),
+                                reboot_command=f"{script} --now")
+    assert agent.reboot is run_reboot  # the real one: a subprocess
+
+    def stuck(gpu: int, *, enabled: bool) -> None:
+        raise GpuResetRequired("GPU 0: MIG mode change pending")
+
+    gpus.set_mig_mode = stuck  # type: ignore[method-assign]
+    label(cluster, "all-1g.5gb")
+    result = agent.reconcile_once()  # before: CalledProcessError escaped
+    assert result.outcome is Outcome.FAILED
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "failed"
+    reason = node.annotations["mig-agent.dev/reason"]
+    assert "exit status 3" in reason and "permission denied" in reason and str(script) in reason
+    assert "mig-agent.dev/reboot-attempted" not in node.annotations  # the guard is not armed
+    assert_clean(cluster)
+    # a fixed command gets its one reboot (not "did not take effect after rebooting once")
+    reboots: list[str] = []
+    agent.reboot = reboots.append
+    assert agent.reconcile_once().outcome is Outcome.REBOOTING and len(reboots) == 1
+
+
+@pytest.mark.parametrize("command, fragment", [
+    ("/nonexistent/reboot", "could not run"),
+    ("'unbalanced", "could not run"),
+])
+def test_reboot_commands_that_cannot_run_say_why(command: str, fragment: str) -> None:
+    from mig_agent.agent import run_reboot
+    from mig_agent.errors import RebootFailed
+
+    with pytest.raises(RebootFailed, match=fragment):
+        run_reboot(command)
+
+
+def test_paused_operands_without_a_device_plugin_need_no_device_plugin() -> None:
+    """Only dcgm-exporter is an operand here and no device plugin runs: the pass must not wait
+    for one (before: DevicePluginTimeout)."""
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    cluster.on_change = None
+    for p in cluster.list_pods(namespace=DP_NS):
+        cluster.pods.pop(p.ref)
+    cluster.patch_node(NODE, labels={"nvidia.com/gpu.deploy.dcgm-exporter": "true"})
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "success"
+    assert node.labels["nvidia.com/gpu.deploy.dcgm-exporter"] == "true"
+    assert_clean(cluster)
+
+
+def test_fixing_the_strategy_label_wakes_the_loop() -> None:
+    """A bad strategy label fails the pass for good; fixing only that label is a reason for a
+    new pass, as a layout change is (before: nothing until the next resync)."""
+    agent, cluster, gpus = make()
+    cluster.patch_node(NODE, labels={"nvidia.com/mig.strategy": "mixd"})
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s is None
+    cluster.patch_node(NODE, labels={"nvidia.com/mig.strategy": "mixed"})
+    stop = threading.Event()
+
+    def one_event(name: str, *, timeout_s: int) -> Any:
+        yield cluster.nodes[NODE]
+        stop.set()
+
+    cluster.watch_node = one_event  # type: ignore[method-assign]
+    agent._wake.clear()
+    agent.watch_forever(stop)
+    assert agent._wake.is_set()

@@ -359,3 +359,109 @@ def test_run_advertises_without_pod_resources_when_the_socket_cannot_be_bound(
         )
     assert cluster.nodes[NODE].gpu_resources() == {G1: 6, G4: 2, GPU: 1}
     assert any(e["event"] == "device_plugin.pod_resources_error" for e in logs)
+
+
+# -- GPU processes of GPU pods ------------------------------------------------------------------
+
+
+def _run_plugin(cluster: FakeCluster, sim_state: str, sock: str, stop: threading.Event
+                ) -> threading.Thread:
+    thread = threading.Thread(
+        target=sim_device_plugin.run,
+        args=(cluster, lambda: open_backend("simulated", sim_state=sim_state)),
+        kwargs={"node": NODE, "namespace": "gpu-operator",
+                "selector": "app=nvidia-device-plugin-daemonset", "strategy": "mixed",
+                "stop": stop, "poll_s": 0.01, "pod_resources_socket": sock,
+                "processes": sim_device_plugin.PodProcesses(sim_state)},
+    )
+    thread.start()
+    return thread
+
+
+def _nvml_processes(sim_state: str) -> dict[int, list[tuple[int | None, int | None]]]:
+    """GPU index -> (GI, CI) of each process, as NVML shows them."""
+    with open_backend("simulated", sim_state=sim_state) as gpus:
+        return {g.index: [(p.gi_id, p.ci_id) for p in g.processes]
+                for g in gpus.observe().gpus if g.processes}
+
+
+def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_running_gpu_pod_holds_a_process_on_its_device_until_it_is_gone(
+    cluster: FakeCluster, sim_state: str, tmp_path: Path
+) -> None:
+    cluster.add_pod("gpu-operator", "nvidia-device-plugin-abc", NODE,
+                    labels={"app": "nvidia-device-plugin-daemonset"})
+    whole = cluster.add_pod("ml", "whole", NODE, gpu={GPU: 1})
+    mig = cluster.add_pod("ml", "mig", NODE, gpu={G4: 1})
+    cluster.add_pod("ml", "web", NODE)
+    stop = threading.Event()
+    thread = _run_plugin(cluster, sim_state, str(tmp_path / "pr.sock"), stop)
+    try:
+        _wait(lambda: sum(map(len, _nvml_processes(sim_state).values())) == 2)
+        procs = _nvml_processes(sim_state)
+        assert procs[2] == [(None, None)]  # the A100 left whole: the process is on the GPU
+        assert len(procs[0]) == 1 and procs[0][0][0] is not None  # on GPU 0's 4g.40gb
+        # the MIG mode of a GPU with a pod's process cannot change (as on a real node)
+        with pytest.raises(simstate.SimError, match="in use"):
+            simstate.reset_gpu(sim_state, 2)
+        cluster.delete_pod(whole)
+        _wait(lambda: 2 not in _nvml_processes(sim_state))
+        assert 0 in _nvml_processes(sim_state)
+        cluster.delete_pod(mig)
+        _wait(lambda: not _nvml_processes(sim_state))
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_a_restarted_plugin_gives_running_pods_their_devices_again(
+    cluster: FakeCluster, sim_state: str, tmp_path: Path
+) -> None:
+    cluster.add_pod("gpu-operator", "nvidia-device-plugin-abc", NODE,
+                    labels={"app": "nvidia-device-plugin-daemonset"})
+    pods = [cluster.add_pod("ml", f"p{i}", NODE, gpu={G1: 1}) for i in range(3)]
+    sock = str(tmp_path / "pr.sock")
+    stop = threading.Event()
+    thread = _run_plugin(cluster, sim_state, sock, stop)
+    try:
+        before = _poll(lambda: podresources.list_pod_devices(sock), until=lambda g: len(g) == 3)
+        assert before is not None and len(before) == 3
+    finally:
+        stop.set()
+        thread.join(10)
+    cluster.delete_pod(pods[0])  # gone while no plugin ran
+    procs_before = _nvml_processes(sim_state)
+    stop = threading.Event()
+    thread = _run_plugin(cluster, sim_state, sock, stop)
+    try:
+        _wait(lambda: sum(map(len, _nvml_processes(sim_state).values())) == 2)
+        after = _poll(lambda: podresources.list_pod_devices(sock), until=lambda g: len(g) == 2)
+        assert after == {k: v for k, v in before.items() if k != ("ml", "p0")}
+        # same processes for the pods still running, none started twice
+        procs_after = _nvml_processes(sim_state)
+        assert sum(map(len, procs_after.values())) == 2
+        assert all(set(v) <= set(procs_before[g]) for g, v in procs_after.items())
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_adopted_pods_get_distinct_replicas_of_a_time_sliced_device() -> None:
+    """Two pods held replicas of one MIG device before a restart: each gets its own back."""
+    table = Allocations()
+    replicas = [Device(G1 + ".shared", f"MIG-aaaa::{i}", 0, 7, 0) for i in range(4)]
+    table.offer(replicas)
+    a, b = PodRef("ml", "a", "uid-a"), PodRef("ml", "b", "uid-b")
+    adopted = table.adopt({a: [(0, 7, 0)], b: [(0, 7, 0)]})
+    assert adopted == [a, b]
+    got = table.by_pod()
+    assert got[("ml", "a")] != got[("ml", "b")]
+    # a third pod holding the same device finds a free replica; a fourth key not offered: none
+    c, d = PodRef("ml", "c", "uid-c"), PodRef("ml", "d", "uid-d")
+    assert table.adopt({c: [(0, 7, 0)], d: [(1, 7, 0)]}) == [c]

@@ -1,0 +1,193 @@
+"""We test, end to end on the local cluster, the failures a real cluster hits that the agent's
+first tests did not see, because no simulated pod held a GPU process:
+
+* a MIG mode change (whole GPUs to MIG, MIG to whole GPUs) with GPU pods running drains them
+  (their processes end with them) and applies; a process that no pod owns is named;
+* an interrupted pass whose successor fails early (a layout typo) leaves the node clean;
+* a relabel during a pass never shows ``success`` with the old layout's resources;
+* a failing reboot command is ``failed`` with its reason, the guard not armed, the agent alive;
+* paused operands without a device plugin do not make the agent wait for one;
+* /healthz stays 200 while the agent waits for a label fix long after its last pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from kubernetes import client, watch
+
+from mig_agent.devcluster import agents
+from mig_agent.devcluster.processes import Proc
+from mig_agent.gpu import simstate
+
+from .conftest import REASON, STATE, AgentNode, NodeFactory, wait_running
+from .test_agent import applied, assert_clean, pod_exists
+
+CONFIG = "nvidia.com/mig.config"
+
+
+def pod_processes(node: AgentNode) -> list[tuple[int, simstate.SimProcess]]:
+    """(GPU, process) of every simulated process a pod holds on the node."""
+    return [gp for owned in simstate.processes_by_owner(node.sim_state).values() for gp in owned]
+
+
+def wait_for(check: Any, what: str, node: AgentNode, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}; agent log:\n{node.log_tail()}"
+        time.sleep(0.1)
+
+
+def wait_clean(node: AgentNode, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert_clean(node)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, node.log_tail()
+            time.sleep(0.1)
+
+
+def test_whole_gpus_to_mig_and_back_drain_the_pods_holding_them(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    node = agent_node("2xH100-80GB")
+    whole = gpu_pod(namespace, "whole", node=node.name, grace_period=1)
+    wait_running(core, namespace, "whole")
+    wait_for(lambda: len(pod_processes(node)) == 1, "the pod's process on its GPU", node)
+    assert pod_processes(node)[0][1].gi is None  # on the whole GPU
+    node.label("all-1g.10gb")
+    assert node.wait_state("success", "failed", timeout=90) == "success", node.log_tail()
+    assert not pod_exists(core, namespace, "whole", whole.metadata.uid)
+    assert applied(node, "all-1g.10gb") and not pod_processes(node)
+    assert_clean(node)
+
+    mig = gpu_pod(namespace, "mig", node=node.name, grace_period=1,
+                  resources={"nvidia.com/mig-1g.10gb": 1})
+    wait_running(core, namespace, "mig", timeout=60)
+    wait_for(lambda: len(pod_processes(node)) == 1, "the pod's process on its MIG device", node)
+    assert pod_processes(node)[0][1].gi is not None
+    # as `repartition` does: the new layout, the old state cleared
+    core.patch_node(node.name, {"metadata": {"labels": {CONFIG: "all-disabled", STATE: None}}})
+    assert node.wait_state("success", "failed", timeout=90) == "success", node.log_tail()
+    assert not pod_exists(core, namespace, "mig", mig.metadata.uid)
+    assert node.gpu_resources() == {"nvidia.com/gpu": 2}
+    assert_clean(node)
+
+
+def test_a_process_no_pod_owns_is_named_and_the_gpus_are_left_alone(
+        agent_node: NodeFactory) -> None:
+    node = agent_node("2xH100-80GB", settings={"MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "1"})
+    simstate.add_process(node.sim_state, 1, 4242)  # e.g. a host process outside Kubernetes
+    simstate.reset_call_counts(node.sim_state)
+    node.label("all-1g.10gb")
+    assert node.wait_state("failed", "success", timeout=60) == "failed"
+    assert "4242" in node.node().metadata.annotations[REASON]
+    assert simstate.call_counts(node.sim_state).total == 0
+    wait_clean(node)
+
+
+def test_an_interrupted_pass_then_a_typo_leaves_the_node_clean(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    node = agent_node("8xH100-80GB")
+    gpu_pod(namespace, "slow", node=node.name, grace_period=30,
+            annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "6s"})
+    wait_running(core, namespace, "slow")
+    node.label("all-2g.20gb")
+    wait_for(lambda: "drain.started" in node.log_tail(5), "the drain to start", node)
+    agents.kill_agent(node.cluster.dir, node.name)
+    assert node.node().spec.unschedulable  # the kill left our cordon and paused operands
+    node.label("all-2g.20gbx")  # and the next pass fails before any clean-up of its own
+    node.restart_agent()
+    assert node.wait_state("failed", "success", timeout=60) == "failed", node.log_tail()
+    assert "unknown layout 'all-2g.20gbx'" in node.node().metadata.annotations[REASON]
+    wait_clean(node)
+
+
+def test_a_relabel_during_the_drain_never_reports_the_old_layout(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    node = agent_node("8xH100-80GB")
+    gpu_pod(namespace, "slow", node=node.name, grace_period=30,
+            annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "4s"})
+    wait_running(core, namespace, "slow")
+    # every version of the node, from a watch: a short-lived false "success" is not missed
+    versions: list[tuple[str | None, str | None, dict[str, str]]] = []
+    stop = threading.Event()
+    w = watch.Watch()
+
+    def record() -> None:
+        try:
+            for event in w.stream(core.list_node, field_selector=f"metadata.name={node.name}",
+                                  timeout_seconds=120):
+                n = event["object"]
+                labels = n.metadata.labels or {}
+                versions.append((labels.get(CONFIG), labels.get(STATE),
+                                 {k: v for k, v in (n.status.allocatable or {}).items()
+                                  if k.startswith("nvidia.com/") and v != "0"}))
+                if stop.is_set():
+                    return
+        except Exception:  # the test cut the watch short
+            if not stop.is_set():
+                raise
+
+    watcher = threading.Thread(target=record, daemon=True)
+    watcher.start()
+    node.label("all-2g.20gb")
+    wait_for(lambda: "drain.started" in node.log_tail(5), "the drain to start", node)
+    # as `repartition` does: the new layout, the state cleared
+    core.patch_node(node.name, {"metadata": {"labels": {CONFIG: "all-3g.40gb", STATE: None}}})
+    wait_for(lambda: node.labels().get(STATE) == "success"
+             and node.gpu_resources() == {"nvidia.com/mig-3g.40gb": 16},
+             "success with the new layout's resources", node, timeout=90)
+    stop.set()
+    w.stop()
+    watcher.join(10)
+    successes = [v for v in versions if v[0] == "all-3g.40gb" and v[1] == "success"]
+    assert successes, versions
+    assert all(res == {"nvidia.com/mig-3g.40gb": "16"} for _, _, res in successes), successes
+    assert applied(node, "all-3g.40gb")
+    assert_clean(node)
+
+
+def test_a_failing_reboot_command_is_failed_with_its_reason(agent_node: NodeFactory) -> None:
+    node = agent_node("2xA100-40GB", sim={"reset_supported": False},
+                      settings={"MIG_AGENT_REBOOT_COMMAND": "/bin/false --reboot"})
+    node.label("all-1g.5gb")
+    assert node.wait_state("failed", "success", timeout=60) == "failed", node.log_tail()
+    annotations = node.node().metadata.annotations or {}
+    assert "reboot command '/bin/false --reboot' failed with exit status 1" in annotations[REASON]
+    assert "mig-agent.dev/reboot-attempted" not in annotations  # no reboot: no guard
+    wait_clean(node)
+    record = agents.running(node.cluster.dir)[node.name]["agent"]
+    assert Proc(**record).alive(), node.log_tail()  # before: the agent crashed
+
+
+def test_paused_operands_without_a_device_plugin_do_not_wait_for_one(
+        agent_node: NodeFactory, core: client.CoreV1Api) -> None:
+    node = agent_node("2xH100-80GB", settings={"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "5"})
+    # no device plugin on this node, only a DCGM exporter among the operands
+    core.patch_node(node.name, {"metadata": {"labels": {
+        "nvidia.com/gpu.deploy.device-plugin": None,
+        "nvidia.com/gpu.deploy.dcgm-exporter": "true"}}})
+    wait_for(lambda: not node.gpu_resources(), "the device plugin to go", node)
+    seen: list[str] = []
+    node.label("all-1g.10gb")
+    assert node.wait_state("success", "failed", timeout=60, seen=seen) == "success", \
+        node.log_tail()
+    assert "failed" not in seen and "DevicePluginTimeout" not in node.log_tail(200), seen
+    assert node.labels()["nvidia.com/gpu.deploy.dcgm-exporter"] == "true"
+    assert not node.node().spec.unschedulable
+
+
+def test_healthz_stays_ok_while_waiting_for_a_label_fix(agent_node: NodeFactory) -> None:
+    # the loop beats at least every 5 s (its config poll) while it waits
+    node = agent_node("2xH100-80GB", settings={"MIG_AGENT_STALL_S": "8"})
+    node.label("all-1g.10gbx")
+    assert node.wait_state("failed", "success", timeout=60) == "failed"
+    time.sleep(12)  # longer than the stall limit with no pass: the loop still beats
+    url = f"http://127.0.0.1:{node.procs.metrics_port}/healthz"
+    with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+        assert answer.status == 200 and answer.read() == b"ok\n"
