@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mig_agent.devcluster import Cluster, agents  # noqa: E402
-from mig_agent.devcluster.processes import Proc  # noqa: E402
+from migsim.cluster import Cluster, agents  # noqa: E402
+from migsim.cluster.processes import Proc  # noqa: E402
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 PHASES = ("plan", "drain", "apply", "verify", "device_plugin")

@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
+from migsim.cluster import BinariesMissing, Cluster, find_binaries  # noqa: E402
+
 from benchmarks.tables import print_table  # noqa: E402
-from mig_agent.devcluster import BinariesMissing, Cluster, find_binaries  # noqa: E402
 
 
 def build() -> tuple[float, str]:

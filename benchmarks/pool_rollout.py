@@ -34,10 +34,11 @@ from typing import Any, cast
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
+from migsim.cluster import DEFAULT_GPUS, Cluster, agents, wait_until  # noqa: E402
+
 from benchmarks.tables import print_table  # noqa: E402
 from mig_agent import ops  # noqa: E402
 from mig_agent.catalog import load_catalog  # noqa: E402
-from mig_agent.devcluster import DEFAULT_GPUS, Cluster, agents, wait_until  # noqa: E402
 from mig_agent.kube.client import KubernetesCluster  # noqa: E402
 from mig_agent.kube.cluster import Cluster as KubeApi  # noqa: E402
 from mig_agent.metrics import PHASES  # noqa: E402
@@ -242,7 +243,7 @@ def main() -> int:
 
 
 def _cpu(record: Mapping[str, Any]) -> float:
-    from mig_agent.devcluster.processes import Proc
+    from migsim.cluster.processes import Proc
 
     return Proc(**record["agent"]).cpu_seconds()
 

@@ -124,13 +124,20 @@ def _open_gpus(args: argparse.Namespace) -> Any:
 
     if args.backend == "simulated":
         state = args.sim_state or str(Path.home() / ".cache" / "mig-agent" / "sim-node.json")
-        if not Path(state).exists():
-            from mig_agent.gpu import simlib
+        return simulated_backend()(state, create_gpus=args.sim_gpus or "8xH100-80GB")
+    return open_backend()
 
-            Path(state).parent.mkdir(parents=True, exist_ok=True)
-            simlib.create_node(state, gpus=args.sim_gpus or "8xH100-80GB")
-        return open_backend("simulated", sim_state=state)
-    return open_backend("nvml", sim_state=None)
+
+def simulated_backend() -> Callable[..., Any]:
+    """The simulated GPUs' backend, from the package that registers it (the repository's
+    simulated world, not shipped with the agent)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="mig_agent.gpu_backends", name="simulated"):
+        opener: Callable[..., Any] = ep.load()
+        return opener
+    raise ConfigError("--backend simulated needs the simulated GPUs, which are not installed: "
+                      "from a checkout of mig-agent, pip install -e ./sim")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,44 +529,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_sim_device_plugin(args: argparse.Namespace) -> int:
-    """The simulated device plugin of one simulated node (local cluster only)."""
-    import signal
-    import threading
-
-    from mig_agent import sim_device_plugin
-    from mig_agent.gpu.nvml import open_backend
-    from mig_agent.kube.client import KubernetesCluster
-
-    if not args.sim_state:
-        raise ConfigError("--sim-state is required")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    cluster = KubernetesCluster.connect(args.kubeconfig or "", component="sim-device-plugin")
-    structlog.get_logger("mig_agent.sim_device_plugin").info(
-        "device_plugin.started", node=args.node
-    )
-    try:
-        sim_device_plugin.run(
-            cluster,
-            lambda: open_backend("simulated", sim_state=args.sim_state),
-            node=args.node,
-            namespace=args.namespace,
-            selector=args.selector,
-            strategy=args.mig_strategy,
-            stop=stop,
-            pod_resources_socket=args.pod_resources_socket,
-            config_file=args.config_file or "",
-            # the simulated world: GPU pods hold processes on their devices, as on a real node
-            processes=sim_device_plugin.PodProcesses(args.sim_state)
-            if args.pod_resources_socket and args.sim_state else None,
-        )
-    finally:
-        cluster.close()
-    return EXIT_OK
-
-
 # ---------------------------------------------------------------------------------------------
 # Parser
 
@@ -653,29 +622,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, layout=False)
     _add_backend_args(p)
     p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("sim-device-plugin", help="simulated device plugin of a simulated node")
-    p.add_argument("--node", required=True)
-    p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
-    p.add_argument("--namespace", default="gpu-operator")
-    p.add_argument("--selector", default="app=nvidia-device-plugin-daemonset")
-    p.add_argument("--mig-strategy", choices=["mixed", "single"], default="mixed")
-    p.add_argument(
-        "--config-file",
-        metavar="FILE",
-        default=None,
-        help="the device plugin's config file (NVIDIA's format); its sharing section (time-"
-        "slicing, MPS) multiplies and renames what is advertised",
-    )
-    p.add_argument(
-        "--pod-resources-socket",
-        metavar="PATH",
-        default=None,
-        help="also assign devices to the node's GPU pods and serve the kubelet's PodResources "
-        "API on this unix socket",
-    )
-    _add_backend_args(p)
-    p.set_defaults(func=cmd_sim_device_plugin)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -21,8 +21,7 @@ from typing import Any, Protocol
 
 import pytest
 from kubernetes import client, config
-
-from mig_agent.devcluster import (
+from migsim.cluster import (
     DEFAULT_GPUS,
     SIMULATED_IMAGE,
     BinariesMissing,

@@ -1,7 +1,7 @@
 """GpuBackend: what the executor and the agent need from this node's GPUs.
 
 Implemented by mig_agent.gpu.nvml.NvmlGpuBackend, over the real NVML library or the simulated one
-(mig_agent.gpu.simlib) placed beneath pynvml. Unit tests may use in-memory fakes of it.
+(migsim.nvml.library) placed beneath pynvml. Unit tests may use in-memory fakes of it.
 """
 
 from __future__ import annotations

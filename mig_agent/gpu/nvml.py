@@ -1,4 +1,4 @@
-"""NvmlGpuBackend: the GpuBackend over pynvml, for real GPUs and for the simulated NVML library.
+"""NvmlGpuBackend: the GpuBackend over pynvml, over the real NVML library or one it is handed.
 
 The only module that imports pynvml. It hides pynvml's traps (nvml-mig.md): GI profile *index*
 vs *id*, placement and instance arrays that NVML fills without bounds checks (sized here from the
@@ -11,10 +11,10 @@ It must not decide anything (that is the planner's and executor's job): it repor
 
 from __future__ import annotations
 
-import os
+import ctypes
 import subprocess
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from ctypes import byref, c_uint
 from types import TracebackType
@@ -24,8 +24,6 @@ import pynvml
 
 from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.gpu.simlib import SimError, SimulatedNvmlLibrary
-from mig_agent.gpu.simstate import ENV_STATE
 from mig_agent.models import (
     CI_INDEX_BY_SLICES,
     GI_INDEX_SHAPE,
@@ -91,11 +89,12 @@ class MigDevice(NamedTuple):
 
 
 class NvmlGpuBackend(GpuBackend):
-    """GpuBackend over pynvml; ``simulated`` is set when the library beneath is the simulator."""
+    """GpuBackend over pynvml and the library beneath it; ``reset`` resets a GPU where that is
+    not ``nvidia-smi -r`` (a library that is no driver)."""
 
     def __init__(self, lib: Any, previous_lib: Any,
-                 simulated: SimulatedNvmlLibrary | None = None) -> None:
-        self._lib, self._previous_lib, self.simulated = lib, previous_lib, simulated
+                 reset: Callable[[int], None] | None = None) -> None:
+        self._lib, self._previous_lib, self._reset = lib, previous_lib, reset
         self._closed = False
         self._handles: dict[int, Any] = {}
         self._models: dict[int, GpuModel] | None = None
@@ -125,7 +124,7 @@ class NvmlGpuBackend(GpuBackend):
                 self._closed = True
                 if pynvml.nvmlLib is self._lib:
                     previous = self._previous_lib
-                    if isinstance(previous, SimulatedNvmlLibrary) and not previous.initialized:
+                    if getattr(previous, "initialized", True) is False:
                         previous = None  # a backend closed before this one: nothing to restore
                     pynvml.nvmlLib = previous
                     pynvml._nvmlGetFunctionPointer_cache.clear()
@@ -372,15 +371,8 @@ class NvmlGpuBackend(GpuBackend):
     def reset_gpu(self, gpu: int) -> None:
         op = f"reset GPU {gpu}"
         with self._active():
-            if self.simulated is not None:
-                try:
-                    self.simulated.reset_gpu(gpu)
-                except SimError as exc:
-                    cls = {pynvml.NVML_ERROR_IN_USE: GpuBusy,
-                           pynvml.NVML_ERROR_NOT_SUPPORTED: GpuResetRequired,
-                           pynvml.NVML_ERROR_RESET_REQUIRED: GpuResetRequired,
-                           }.get(exc.code, GpuError)
-                    raise cls(f"{op}: {exc}", op=op, gpu=gpu, nvml_code=exc.code) from exc
+            if self._reset is not None:
+                self._reset(gpu)
                 return
             self._reset_hardware(gpu, op)
 
@@ -456,27 +448,16 @@ class NvmlGpuBackend(GpuBackend):
                 pynvml.nvmlGpuInstanceDestroy(gi)
 
 
-def open_backend(kind: str, *, sim_state: str | None = None) -> NvmlGpuBackend:
-    """Initialise NVML: ``kind`` "nvml" loads libnvidia-ml; "simulated" puts the simulated library
-    for the node in ``sim_state`` (default $MIG_AGENT_SIM_STATE) beneath pynvml."""
-    if kind not in ("nvml", "simulated"):
-        raise ValueError(f"unknown GPU backend {kind!r}: use 'nvml' or 'simulated'")
+def open_backend(library: Any | None = None, *,
+                 reset: Callable[[int], None] | None = None) -> NvmlGpuBackend:
+    """Initialise NVML: over ``library`` when given (any object pynvml can call as its
+    ``nvmlLib``, with ``reset`` for GPU resets), else over libnvidia-ml.so.1 as pynvml loads it."""
     with _LIB_LOCK:
         previous = pynvml.nvmlLib
-        simulated = None
-        if kind == "simulated":
-            path = sim_state or os.environ.get(ENV_STATE)
-            if not path:
-                raise GpuUnavailable(f"the simulated backend needs a node state file: pass "
-                                     f"--sim-state FILE or set {ENV_STATE}")
-            if not os.path.exists(path):
-                raise GpuUnavailable(f"no simulated node at {path}; create one with "
-                                     f"python -m mig_agent.gpu.simlib --state {path} create "
-                                     "--gpus 8xH100-80GB")
-            simulated = SimulatedNvmlLibrary(path)
-            pynvml.nvmlLib = simulated
-        elif isinstance(previous, SimulatedNvmlLibrary):
-            pynvml.nvmlLib = None  # let pynvml load the real library
+        if library is not None:
+            pynvml.nvmlLib = library
+        elif previous is not None and not isinstance(previous, ctypes.CDLL):
+            pynvml.nvmlLib = None  # a library handed to an earlier backend: load the real one
         pynvml._nvmlGetFunctionPointer_cache.clear()
         try:
             pynvml.nvmlInit()
@@ -493,4 +474,4 @@ def open_backend(kind: str, *, sim_state: str | None = None) -> NvmlGpuBackend:
             raise _ERROR_BY_CODE.get(code, GpuError)(
                 f"initialise NVML ({lib!r}): {exc}", op="initialise NVML",
                 nvml_code=code) from exc
-        return NvmlGpuBackend(pynvml.nvmlLib, previous, simulated)
+        return NvmlGpuBackend(pynvml.nvmlLib, previous, reset)

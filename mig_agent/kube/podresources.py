@@ -1,8 +1,8 @@
 """The kubelet PodResources API (gRPC, package ``v1``): which devices each pod on this node holds.
 
-The only module that imports grpc or protobuf. It holds a client (`list_pod_devices`,
-`list_allocatable_devices`) and a server (`serve`) that plays the kubelet for the simulated device
-plugin and for tests. Callers see plain dicts of strings and mig_agent.errors only.
+The only module of the agent that imports grpc or protobuf: the client (`list_pod_devices`,
+`list_allocatable_devices`). Callers see plain dicts of strings and mig_agent.errors only. The
+message classes and wire constants are public for the simulated kubelet's server (migsim).
 
 The message classes are built at import time from a descriptor written out below, with the
 message names and field numbers of the kubelet's ``k8s.io/kubelet/pkg/apis/podresources/v1/
@@ -16,33 +16,25 @@ failure means (the agent falls back to draining every GPU pod of the node).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent import futures
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from mig_agent.errors import KubeError, KubeUnavailable
+from mig_agent.errors import KubeUnavailable
 from mig_agent.kube.cluster import is_gpu_resource
 
 DEFAULT_SOCKET: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 PodKey = tuple[str, str]  # (namespace, pod name)
-Provider = Callable[[], Mapping[PodKey, Mapping[str, Sequence[str]]]]
-AllocatableProvider = Callable[[], Mapping[str, Sequence[str]]]
 
-_SERVICE: Final = "v1.PodResourcesLister"
+SERVICE: Final = "v1.PodResourcesLister"
 # The kubelet's own podresources client allows 16 MiB responses (gRPC's default is 4 MiB); a node
 # with many pods and devices must not fail here when the kubelet itself would answer.
-_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
-# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
-_MAX_SOCKET_PATH: Final = 107
-# The simulated kubelet allocates per pod (PodView has no containers), so it reports one container.
-SIMULATED_CONTAINER: Final = "main"
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
 # -- messages ---------------------------------------------------------------------------------
 
@@ -99,11 +91,11 @@ def _camel(name: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-_MESSAGES: Final = _message_classes()
-_ListRequest: Final = _MESSAGES["ListPodResourcesRequest"]
-_ListResponse: Final = _MESSAGES["ListPodResourcesResponse"]
-_AllocatableRequest: Final = _MESSAGES["AllocatableResourcesRequest"]
-_AllocatableResponse: Final = _MESSAGES["AllocatableResourcesResponse"]
+MESSAGES: Final = _message_classes()
+_ListRequest: Final = MESSAGES["ListPodResourcesRequest"]
+_ListResponse: Final = MESSAGES["ListPodResourcesResponse"]
+_AllocatableRequest: Final = MESSAGES["AllocatableResourcesRequest"]
+_AllocatableResponse: Final = MESSAGES["AllocatableResourcesResponse"]
 
 # -- client -----------------------------------------------------------------------------------
 
@@ -162,11 +154,11 @@ def _call(socket_path: str, method: str, request: Any, response: Any, timeout_s:
         raise KubeUnavailable(f"{what}: not a socket", socket=socket_path)
     try:
         with grpc.insecure_channel(
-            _target(socket_path), options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+            target(socket_path), options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         ) as channel:
             rpc = channel.unary_unary(
-                f"/{_SERVICE}/{method}",
-                request_serializer=_serialize,
+                f"/{SERVICE}/{method}",
+                request_serializer=serialize,
                 response_deserializer=response.FromString,
             )
             return rpc(request(), timeout=timeout_s)
@@ -178,103 +170,10 @@ def _call(socket_path: str, method: str, request: Any, response: Any, timeout_s:
         ) from exc
 
 
-def _serialize(message: Any) -> bytes:
+def serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-def _target(socket_path: str) -> str:
+def target(socket_path: str) -> str:
     # "unix:/abs/path"; a relative path would be resolved by gRPC against its own idea of cwd.
     return "unix:" + os.path.abspath(socket_path)
-
-
-# -- server -----------------------------------------------------------------------------------
-
-
-class Server:
-    """A running PodResources server on a unix socket; stop() shuts it down and removes the socket.
-
-    Also a context manager.
-    """
-
-    def __init__(self, server: Any, socket_path: str) -> None:
-        self._server = server
-        self.socket_path = socket_path
-
-    def stop(self, grace_s: float = 1.0) -> None:
-        self._server.stop(grace_s).wait()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
-
-
-def serve(
-    socket_path: str,
-    provider: Provider,
-    *,
-    allocatable: AllocatableProvider | None = None,
-) -> Server:
-    """Serve v1.PodResourcesLister on ``socket_path``, as the kubelet does.
-
-    ``List`` answers from ``provider()``: (namespace, pod) -> {resource name: device ids}, one
-    container per pod. ``GetAllocatableResources`` answers from ``allocatable()``: {resource name:
-    device ids}, or nothing when not given. Both are called on a gRPC worker thread, once per
-    request. A stale socket file is replaced. Raises KubeError when the socket cannot be bound.
-    """
-    path = os.path.abspath(socket_path)
-    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
-        raise KubeError(
-            f"pod resources socket path {path} is longer than {_MAX_SOCKET_PATH} bytes",
-            socket=path,
-        )
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)  # left by a server that did not stop cleanly, as the kubelet does
-
-    def list_(_request: Any, _context: Any) -> Any:
-        out = _ListResponse()
-        for (namespace, name), resources in provider().items():
-            pod = out.pod_resources.add(name=name, namespace=namespace)
-            container = pod.containers.add(name=SIMULATED_CONTAINER)
-            for resource, ids in resources.items():
-                container.devices.add(resource_name=resource, device_ids=list(ids))
-        return out
-
-    def allocatable_(_request: Any, _context: Any) -> Any:
-        out = _AllocatableResponse()
-        for resource, ids in (allocatable() if allocatable else {}).items():
-            out.devices.add(resource_name=resource, device_ids=list(ids))
-        return out
-
-    handler = grpc.method_handlers_generic_handler(
-        _SERVICE,
-        {
-            "List": grpc.unary_unary_rpc_method_handler(
-                list_,
-                request_deserializer=_ListRequest.FromString,
-                response_serializer=_serialize,
-            ),
-            "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
-                allocatable_,
-                request_deserializer=_AllocatableRequest.FromString,
-                response_serializer=_serialize,
-            ),
-        },
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="podresources"),
-        handlers=(handler,),
-        options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)],
-    )
-    try:
-        bound = server.add_insecure_port(_target(path))
-    except RuntimeError as exc:  # grpc >= 1.50 raises instead of returning 0
-        raise KubeError(f"bind pod resources socket {path}: {exc}", socket=path) from exc
-    if not bound:
-        raise KubeError(f"bind pod resources socket {path}: refused", socket=path)
-    server.start()
-    return Server(server, path)

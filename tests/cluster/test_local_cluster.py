@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from kubernetes import client, config
-
-from mig_agent.devcluster import DELETE_DELAY_ANNOTATION, SIMULATED_IMAGE, Cluster, wait_until
+from migsim.cluster import DELETE_DELAY_ANNOTATION, SIMULATED_IMAGE, Cluster, wait_until
 
 if TYPE_CHECKING:
     from tests.cluster.conftest import GpuNodeFactory, GpuPodFactory, SaKubeconfig
@@ -315,7 +314,7 @@ def test_up_then_down_leaves_no_process_behind(tmp_path: Path, cluster: Cluster)
     assert other.down() == []  # all stopped by SIGTERM
     assert not any(p.alive() for p in procs)
     assert cluster.healthy()  # the session's cluster was not touched
-    status = subprocess.run([sys.executable, "-m", "mig_agent.devcluster", "status",
+    status = subprocess.run([sys.executable, "-m", "migsim.cluster", "status",
                              "--dir", str(other.dir)], capture_output=True, text=True,
                             check=False, cwd=REPO)
     assert status.returncode == 3, status.stdout

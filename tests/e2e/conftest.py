@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-
-from mig_agent.devcluster import Cluster, agents
-from mig_agent.gpu import simstate
+from migsim.cluster import Cluster, agents
+from migsim.nvml import state as simstate
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client
+from migsim.cluster import agents
+from migsim.nvml import state as simstate
 
 from mig_agent import planner, snapshot
 from mig_agent.catalog import load_catalog
-from mig_agent.devcluster import agents
-from mig_agent.gpu import simstate
 
 from .conftest import REASON, AgentNode, NodeFactory, mig_counts, wait_running
 
@@ -50,11 +50,11 @@ def assert_clean(node: AgentNode) -> None:
 
 
 def applied(node: AgentNode, layout: str) -> bool:
-    from mig_agent.gpu.nvml import open_backend
+    from migsim.nvml import open_node
 
     catalog = load_catalog([agents.PROFILES])
 
-    backend = open_backend("simulated", sim_state=node.sim_state)
+    backend = open_node(node.sim_state)
     try:
         the_plan = planner.plan(catalog.get(layout), backend.observe(), backend.models(),
                                 destroy_in_use=True)

@@ -18,10 +18,9 @@ import urllib.request
 from typing import Any
 
 from kubernetes import client, watch
-
-from mig_agent.devcluster import agents
-from mig_agent.devcluster.processes import Proc
-from mig_agent.gpu import simstate
+from migsim.cluster import agents
+from migsim.cluster.processes import Proc
+from migsim.nvml import state as simstate
 
 from .conftest import REASON, STATE, AgentNode, NodeFactory, wait_running
 from .test_agent import applied, assert_clean, pod_exists
@@ -172,7 +171,12 @@ def test_paused_operands_without_a_device_plugin_do_not_wait_for_one(
     core.patch_node(node.name, {"metadata": {"labels": {
         "nvidia.com/gpu.deploy.device-plugin": None,
         "nvidia.com/gpu.deploy.dcgm-exporter": "true"}}})
-    wait_for(lambda: not node.gpu_resources(), "the device plugin to go", node)
+    def plugin_pods() -> list[Any]:
+        return [p for p in core.list_namespaced_pod(
+            agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items
+            if not p.metadata.deletion_timestamp]
+
+    wait_for(lambda: not plugin_pods(), "the device plugin pod to go", node, timeout=60)
     seen: list[str] = []
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed", timeout=60, seen=seen) == "success", \

@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 from kubernetes import client
-
-from mig_agent.devcluster import Cluster, wait_until
-from mig_agent.devcluster.api import Api, ApiError
+from migsim.cluster import Cluster, wait_until
+from migsim.cluster.api import Api, ApiError
 
 if TYPE_CHECKING:
     from tests.conftest import GpuNodeFactory

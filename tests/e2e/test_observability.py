@@ -31,9 +31,8 @@ from typing import Any
 
 import yaml
 from kubernetes import client
+from migsim.nvml import state as simstate
 from prometheus_client.parser import text_string_to_metric_families
-
-from mig_agent.gpu import simstate
 
 from .conftest import AgentNode, NodeFactory, wait_running
 

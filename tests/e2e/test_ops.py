@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client, watch
+from migsim.cluster import Cluster, agents
 
 from mig_agent.catalog import load_catalog
-from mig_agent.devcluster import Cluster, agents
 
 from .conftest import CONFIG, REPO, STATE, AgentNode, NodeFactory, wait_running
 

@@ -12,14 +12,14 @@ import shlex
 import sys
 import time
 
-from mig_agent.devcluster import Cluster, agents
-from mig_agent.gpu import simstate
+from migsim.cluster import Cluster, agents
+from migsim.nvml import state as simstate
 
 from .conftest import REASON, AgentNode, NodeFactory
 
 
 def _reboot_command(node_state: str) -> str:
-    return shlex.join([sys.executable, "-m", "mig_agent.gpu.simlib", "--state", node_state,
+    return shlex.join([sys.executable, "-m", "migsim.nvml", "--state", node_state,
                        "reboot"])
 
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import pynvml
 import pytest
+from migsim.nvml import library as simlib
+from migsim.nvml import open_node
 
-from mig_agent.gpu import simlib
-from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
+from mig_agent.gpu.nvml import NvmlGpuBackend
 
 CAPTURES = Path(__file__).resolve().parents[1] / "data" / "captures"
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def open_sim() -> Iterator[Callable[[str], NvmlGpuBackend]]:
     opened: list[NvmlGpuBackend] = []
 
     def open_(path: str) -> NvmlGpuBackend:
-        backend = open_backend("simulated", sim_state=path)
+        backend = open_node(path)
         opened.append(backend)
         return backend
 

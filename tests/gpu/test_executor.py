@@ -33,14 +33,15 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from migsim.nvml import library as simlib
+from migsim.nvml import open_node
+from migsim.nvml.state import INSUFFICIENT_RESOURCES, RESET, UNKNOWN
 
 from mig_agent import planner, snapshot
 from mig_agent.catalog import fit_report, load_catalog, load_text
 from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, PlanError
 from mig_agent.executor import apply_layout
-from mig_agent.gpu import simlib
-from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
-from mig_agent.gpu.simstate import INSUFFICIENT_RESOURCES, RESET, UNKNOWN
+from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.layout import GpuLayout, Layout
 from mig_agent.models import MODELS, GiProfile, GpuModel
 from mig_agent.placement import Placement
@@ -274,7 +275,7 @@ def test_apply_from_any_state_destroys_the_minimum_and_then_nothing(
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "node.json")
         simlib.create_node(path, f"2x{key}", mig_enabled=True)
-        gpus = open_backend("simulated", sim_state=path)
+        gpus = open_node(path)
         try:
             for gpu in (0, 1):
                 _draw_present(data, gpus, m, gpu)

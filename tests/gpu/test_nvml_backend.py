@@ -7,11 +7,12 @@ from collections.abc import Callable
 
 import pynvml
 import pytest
+from migsim.nvml import library as simlib
+from migsim.nvml import open_node
+from migsim.nvml.state import DRIVER_NOT_LOADED, INSUFFICIENT_RESOURCES, NOT_FOUND
 
 from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
-from mig_agent.gpu import simlib
 from mig_agent.gpu.nvml import MigDevice, NvmlGpuBackend, open_backend
-from mig_agent.gpu.simstate import DRIVER_NOT_LOADED, INSUFFICIENT_RESOURCES, NOT_FOUND
 from mig_agent.models import MODELS
 from mig_agent.placement import Placement
 from mig_agent.state import ComputeInstance, GpuProcess
@@ -146,15 +147,13 @@ def test_mig_mode_and_reset(make_node: MakeNode, open_sim: OpenSim) -> None:
 
 def test_open_backend_errors(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(GpuUnavailable, match="no simulated node"):
-        open_backend("simulated", sim_state="/nonexistent/node.json")
+        open_node("/nonexistent/node.json")
     monkeypatch.delenv("MIG_AGENT_SIM_STATE", raising=False)
     with pytest.raises(GpuUnavailable, match="MIG_AGENT_SIM_STATE"):
-        open_backend("simulated")
-    with pytest.raises(ValueError, match="unknown GPU backend"):
-        open_backend("cuda")
+        open_node()
     if ctypes.util.find_library("nvidia-ml") is None:
         with pytest.raises(GpuUnavailable, match="--backend simulated"):
-            open_backend("nvml")
+            open_backend()
         assert pynvml.nvmlLib is None
 
 
@@ -162,7 +161,7 @@ def test_env_state_close_and_two_nodes(make_node: MakeNode,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     a, b_path = make_node("H200", mig_enabled=True), make_node("2xA30", mig_enabled=True)
     monkeypatch.setenv("MIG_AGENT_SIM_STATE", a)
-    with open_backend("simulated") as first, open_backend("simulated", sim_state=b_path) as second:
+    with open_node() as first, open_node(b_path) as second:
         first.create_gpu_instance(0, 0, Placement(0, 8))
         second.create_gpu_instance(1, 0, Placement(0, 4))
         assert len(first.observe().gpus) == 1  # each backend sees its own node

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from migsim.nvml import library as simlib
+from migsim.nvml.state import IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED
 
-from mig_agent.gpu import simlib
-from mig_agent.gpu.simstate import IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED
 from mig_agent.models import MODELS
 from mig_agent.placement import Placement
 
@@ -448,7 +448,7 @@ def test_hopper_mode_is_immediate_and_refused_when_busy(make_node: MakeNode,
 
 _WORKER = """
 import sys, ctypes, pynvml as nv
-from mig_agent.gpu.simlib import SimulatedNvmlLibrary
+from migsim.nvml.library import SimulatedNvmlLibrary
 path, starts, rounds = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], int(sys.argv[3])
 nv.nvmlLib = SimulatedNvmlLibrary(path)
 nv.nvmlInit()
@@ -493,7 +493,7 @@ def test_other_process_sees_changes(make_node: MakeNode, nvml_on: NvmlOn) -> Non
     h = nv.nvmlDeviceGetHandleByIndex(0)
     create_gi(nv, h, 9, 4, 4)
     script = ("import sys, pynvml as nv\n"
-              "from mig_agent.gpu.simlib import SimulatedNvmlLibrary\n"
+              "from migsim.nvml.library import SimulatedNvmlLibrary\n"
               "nv.nvmlLib = SimulatedNvmlLibrary(sys.argv[1]); nv.nvmlInit()\n"
               "h = nv.nvmlDeviceGetHandleByIndex(0)\n"
               "print(nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 9))\n"
@@ -592,7 +592,7 @@ def test_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str],
     assert simlib.main(["reset", "9"]) == 1
     assert "no GPU 9" in capsys.readouterr().err
     # and as a program, state from the environment
-    out = subprocess.run([sys.executable, "-m", "mig_agent.gpu.simlib", "show"],
+    out = subprocess.run([sys.executable, "-m", "migsim.nvml", "show"],
                          capture_output=True, text=True, check=True,
                          env={**_env(), "MIG_AGENT_SIM_STATE": path}).stdout
     assert out.startswith("node cli-node: 2 GPU(s), bare metal")

@@ -80,6 +80,14 @@ def test_the_wheel_ships_the_profiles(wheel: Path) -> None:
 
 
 @pytest.mark.slow
+def test_the_wheel_holds_the_agent_only(wheel: Path) -> None:
+    """The simulated world (sim/migsim) and the tests stay out of what operators install."""
+    with zipfile.ZipFile(wheel) as z:
+        tops = {n.split("/")[0] for n in z.namelist()}
+    assert tops == {"mig_agent", wheel.name.split("-py3")[0] + ".dist-info"}, tops
+
+
+@pytest.mark.slow
 def test_the_installed_command_plans_with_its_own_profiles(venv: Path) -> None:
     where = subprocess.run(
         [venv / "bin" / "python", "-c",

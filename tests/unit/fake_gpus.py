@@ -1,7 +1,7 @@
 """An in-memory GpuBackend for unit tests of the planner and executor.
 
 It enforces what matters for them (valid placement, no overlap, instance counts, IN_USE for
-processes) and counts mutating calls. The real-behaviour simulator is mig_agent.gpu.simlib.
+processes) and counts mutating calls. The real-behaviour simulator is migsim.nvml.library.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ from mig_agent.catalog import load_catalog
 from mig_agent.drain import Clock
 from mig_agent.errors import KubeUnavailable
 from mig_agent.kube.cluster import PodRef
-from mig_agent.kube.fake import FakeCluster
 from mig_agent.labels import PAUSED
 from mig_agent.models import MODELS
 from mig_agent.resources import expected_resources
 from mig_agent.settings import Settings
+from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
 

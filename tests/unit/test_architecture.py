@@ -45,6 +45,8 @@ def test_outside_libraries_stay_at_their_boundary(path: Path) -> None:
     if rel in PURE:
         extra = _imports(path) - STDLIB_OK_IN_PURE - {"mig_agent"}
         assert not extra, f"{rel} must stay pure but imports {extra}"
+    # the simulated world is a separate package the shipped agent never imports
+    assert "migsim" not in _imports(path), f"{rel} imports the simulated world (migsim)"
 
 
 def test_importing_the_package_loads_no_hardware_or_cluster_library() -> None:

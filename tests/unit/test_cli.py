@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 import structlog
+from migsim.nvml import library as simlib
 
 from mig_agent import cli
 from mig_agent.catalog import load_catalog, load_text
-from mig_agent.gpu import simlib
 from mig_agent.layout import GpuLayout, MigProfile
 
 REPO = Path(__file__).resolve().parents[2]

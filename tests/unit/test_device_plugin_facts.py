@@ -26,20 +26,21 @@ from pathlib import Path
 
 import pytest
 import structlog.testing
+from migsim import device_plugin as sim_device_plugin
+from migsim.nvml import open_node
+from migsim.nvml import state as simstate
 
-from mig_agent import sim_device_plugin
 from mig_agent.agent import Agent, Outcome
 from mig_agent.catalog import load_catalog, load_text
 from mig_agent.drain import Clock
 from mig_agent.executor import apply_layout
-from mig_agent.gpu import simstate
-from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
-from mig_agent.kube.fake import FakeCluster
+from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.layout import Layout
 from mig_agent.models import MODELS
 from mig_agent.resources import NO_SHARING, SharedResource, Sharing
 from mig_agent.settings import Settings
 from mig_agent.state import NodeState
+from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
 
@@ -265,7 +266,7 @@ def simulated(tmp_path: Path, spec: str, layout: Layout) -> Iterator[NvmlGpuBack
     """A simulated node of ``spec`` GPUs with ``layout`` applied."""
     path = str(tmp_path / "gpu-state.json")
     simstate.create_node(path, gpus=spec, name=NODE)
-    with open_backend("simulated", sim_state=path) as gpus:
+    with open_node(path) as gpus:
         apply_layout(layout, gpus)
         yield gpus
 

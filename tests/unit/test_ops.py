@@ -27,11 +27,11 @@ from mig_agent.catalog import load_catalog
 from mig_agent.drain import Clock
 from mig_agent.errors import ConfigError, UnknownLayout
 from mig_agent.kube.cluster import NodeView
-from mig_agent.kube.fake import FakeCluster
 from mig_agent.models import MODELS
 from mig_agent.ops import Action, Result, RolloutRefused
 from mig_agent.settings import Settings
 from mig_agent.snapshot import compact, empty_node
+from tests.unit.fake_cluster import FakeCluster
 
 CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
 S = Settings()

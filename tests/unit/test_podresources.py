@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from migsim import podresources_server
 
 from mig_agent.errors import KubeError, KubeUnavailable
 from mig_agent.kube import podresources
@@ -126,7 +127,7 @@ def test_list_round_trip_returns_only_gpu_devices(sock: str) -> None:
         ("batch", "infer"): {"nvidia.com/gpu": ["GPU-2222::3"]},  # a time-slicing replica
         ("batch", "idle"): {},
     }
-    with podresources.serve(sock, lambda: pods):
+    with podresources_server.serve(sock, lambda: pods):
         got = podresources.list_pod_devices(sock)
     assert got == {
         ("ml", "train"): frozenset({"MIG-aaaa", "MIG-bbbb", "GPU-1111"}),
@@ -136,7 +137,7 @@ def test_list_round_trip_returns_only_gpu_devices(sock: str) -> None:
 
 def test_list_sees_what_the_provider_says_now(sock: str) -> None:
     now: dict[tuple[str, str], dict[str, list[str]]] = {}
-    with podresources.serve(sock, lambda: now):
+    with podresources_server.serve(sock, lambda: now):
         assert podresources.list_pod_devices(sock) == {}
         now[("ns", "p")] = {"nvidia.com/mig-1g.10gb": ["MIG-1"]}
         assert podresources.list_pod_devices(sock) == {("ns", "p"): frozenset({"MIG-1"})}
@@ -148,9 +149,9 @@ def test_allocatable_round_trip_returns_only_gpu_devices(sock: str) -> None:
         "nvidia.com/gpu": ["GPU-3"],
         "example.com/nic": ["nic0"],
     }
-    with podresources.serve(sock, dict, allocatable=lambda: allocatable):
+    with podresources_server.serve(sock, dict, allocatable=lambda: allocatable):
         assert podresources.list_allocatable_devices(sock) == {"MIG-1", "MIG-2", "GPU-3"}
-    with podresources.serve(sock, dict):
+    with podresources_server.serve(sock, dict):
         assert podresources.list_allocatable_devices(sock) == frozenset()
 
 
@@ -165,7 +166,7 @@ def test_server_sends_api_proto_bytes(sock: str) -> None:
         },
         ("ml", "web"): {},
     }
-    c = podresources.SIMULATED_CONTAINER
+    c = podresources_server.SIMULATED_CONTAINER
     expected = list_response(
         pod(
             "ml",
@@ -178,7 +179,7 @@ def test_server_sends_api_proto_bytes(sock: str) -> None:
         ),
         pod("ml", "web", container(c)),
     )
-    with podresources.serve(sock, lambda: pods):
+    with podresources_server.serve(sock, lambda: pods):
         assert raw_list(sock) == expected
 
 
@@ -244,7 +245,7 @@ def test_socket_nobody_listens_on_raises_kube_unavailable(sock: str) -> None:
 def test_serve_replaces_a_stale_socket_and_removes_it_on_stop(sock: str) -> None:
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(sock)
-    server = podresources.serve(sock, lambda: {("a", "b"): {"nvidia.com/gpu": ["GPU-1"]}})
+    server = podresources_server.serve(sock, lambda: {("a", "b"): {"nvidia.com/gpu": ["GPU-1"]}})
     assert podresources.list_pod_devices(sock) == {("a", "b"): frozenset({"GPU-1"})}
     server.stop()
     assert not Path(sock).exists()
@@ -252,4 +253,4 @@ def test_serve_replaces_a_stale_socket_and_removes_it_on_stop(sock: str) -> None
 
 def test_serve_refuses_a_socket_path_too_long_for_unix_sockets(tmp_path: Path) -> None:
     with pytest.raises(KubeError, match="longer than"):
-        podresources.serve(str(tmp_path / ("x" * 120)), dict)
+        podresources_server.serve(str(tmp_path / ("x" * 120)), dict)

@@ -22,9 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
-from mig_agent.devcluster import agents
-from mig_agent.devcluster.processes import Proc, spawn, stop
+from migsim.cluster import agents
+from migsim.cluster.processes import Proc, spawn, stop
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
 # The main thread exits (pthread_exit) and leaves a second thread running.
@@ -105,7 +104,7 @@ def test_processes_of_another_parent_are_killed_and_stopped(tmp_path: Path) -> N
     code = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from mig_agent.devcluster.processes import spawn\n"
+        "from migsim.cluster.processes import spawn\n"
         f"argv = {SLEEPER!r}\n"
         "procs = [spawn(n, argv, Path(sys.argv[1]) / f'{n}.log') for n in ('a', 'b')]\n"
         "print(json.dumps([[p.name, p.pid, p.start_ticks] for p in procs]))\n"

@@ -1,5 +1,5 @@
 """We test these aspects of the simulated device plugin's device assignment
-(mig_agent.sim_device_plugin), with FakeCluster and a simulated node of two H100 80GB (MIG: one
+(migsim.device_plugin), with FakeCluster and a simulated node of two H100 80GB (MIG: one
 4g.40gb and three 1g.10gb each) and one A100 40GB left whole:
 
 * the devices offered are those advertised: same counts per resource, GPU and MIG UUIDs;
@@ -26,19 +26,20 @@ from typing import Any
 
 import pytest
 import structlog.testing
+from migsim import device_plugin as sim_device_plugin
+from migsim.device_plugin import Allocations, Device, offered_devices
+from migsim.nvml import open_node
+from migsim.nvml import state as simstate
 
-from mig_agent import sim_device_plugin
 from mig_agent.catalog import load_catalog
 from mig_agent.errors import KubeUnavailable
 from mig_agent.executor import apply_layout
-from mig_agent.gpu import simstate
-from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
+from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.kube import podresources
 from mig_agent.kube.cluster import PodRef, PodView
-from mig_agent.kube.fake import FakeCluster
 from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
 from mig_agent.resources import expected_resources
-from mig_agent.sim_device_plugin import Allocations, Device, offered_devices
+from tests.unit.fake_cluster import FakeCluster
 
 CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
 NODE = "gpu-node-0"
@@ -49,14 +50,14 @@ G1, G4, GPU = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-4g.40gb", "nvidia.com/gp
 def sim_state(tmp_path: Path) -> str:
     path = str(tmp_path / "gpu-state.json")
     simstate.create_node(path, gpus="2xH100-80GB,1xA100-40GB", name=NODE)
-    with open_backend("simulated", sim_state=path) as gpus:
+    with open_node(path) as gpus:
         apply_layout(CATALOG.get("h100-80gb-1x4g-3x1g"), gpus)
     return path
 
 
 @pytest.fixture
 def gpus(sim_state: str) -> Iterator[NvmlGpuBackend]:
-    with open_backend("simulated", sim_state=sim_state) as backend:
+    with open_node(sim_state) as backend:
         yield backend
 
 
@@ -290,7 +291,7 @@ def test_run_serves_the_allocations_on_pod_resources(
     stop = threading.Event()
     thread = threading.Thread(
         target=sim_device_plugin.run,
-        args=(cluster, lambda: open_backend("simulated", sim_state=sim_state)),
+        args=(cluster, lambda: open_node(sim_state)),
         kwargs={
             "node": NODE,
             "namespace": plugin.namespace,
@@ -344,7 +345,7 @@ def test_run_advertises_without_pod_resources_when_the_socket_cannot_be_bound(
 
     def open_gpus_once() -> NvmlGpuBackend:
         stop.set()  # this pass advertises, then the loop ends
-        return open_backend("simulated", sim_state=sim_state)
+        return open_node(sim_state)
 
     with structlog.testing.capture_logs() as logs:
         sim_device_plugin.run(
@@ -368,7 +369,7 @@ def _run_plugin(cluster: FakeCluster, sim_state: str, sock: str, stop: threading
                 ) -> threading.Thread:
     thread = threading.Thread(
         target=sim_device_plugin.run,
-        args=(cluster, lambda: open_backend("simulated", sim_state=sim_state)),
+        args=(cluster, lambda: open_node(sim_state)),
         kwargs={"node": NODE, "namespace": "gpu-operator",
                 "selector": "app=nvidia-device-plugin-daemonset", "strategy": "mixed",
                 "stop": stop, "poll_s": 0.01, "pod_resources_socket": sock,
@@ -380,7 +381,7 @@ def _run_plugin(cluster: FakeCluster, sim_state: str, sock: str, stop: threading
 
 def _nvml_processes(sim_state: str) -> dict[int, list[tuple[int | None, int | None]]]:
     """GPU index -> (GI, CI) of each process, as NVML shows them."""
-    with open_backend("simulated", sim_state=sim_state) as gpus:
+    with open_node(sim_state) as gpus:
         return {g.index: [(p.gi_id, p.ci_id) for p in g.processes]
                 for g in gpus.observe().gpus if g.processes}
 

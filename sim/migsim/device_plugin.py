@@ -26,10 +26,8 @@ import structlog
 
 from mig_agent.catalog import load_sharing
 from mig_agent.errors import MigAgentError
-from mig_agent.gpu import simstate
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.gpu.nvml import NvmlGpuBackend
-from mig_agent.kube import podresources
 from mig_agent.kube.cluster import GPU_RESOURCE, Cluster, PodRef, PodView, is_gpu_resource
 from mig_agent.models import resource_name
 from mig_agent.resources import (
@@ -41,6 +39,8 @@ from mig_agent.resources import (
     shared_as,
     strategy_problem,
 )
+from migsim import podresources_server
+from migsim.nvml import state as simstate
 
 log = structlog.get_logger(__name__)
 
@@ -303,11 +303,11 @@ def run(
     device plugin's config (NVIDIA's format), whose sharing section applies.
     """
     table: Allocations | None = None
-    server: podresources.Server | None = None
+    server: podresources_server.Server | None = None
     if pod_resources_socket:
         table = Allocations()
         try:
-            server = podresources.serve(
+            server = podresources_server.serve(
                 pod_resources_socket, table.by_pod, allocatable=table.allocatable
             )
         except MigAgentError as exc:

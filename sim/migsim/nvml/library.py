@@ -7,9 +7,9 @@ structs and exceptions therefore run unchanged above it. Handles are pointers to
 this library owns; it decodes the handles it is given back, and treats handles of destroyed
 instances as INVALID_ARGUMENT, as the driver does.
 
-State and behaviour live in mig_agent.gpu.simstate (one JSON file per node, shared by processes).
+State and behaviour live in migsim.nvml.state (one JSON file per node, shared by processes).
 This module adds the ABI, the handle registry, fault and latency hooks, and a small CLI:
-``python -m mig_agent.gpu.simlib --state FILE create|show|reset|reboot|process|fault|counts``.
+``python -m migsim.nvml --state FILE create|show|reset|reboot|process|fault|counts``.
 
 It must not import pynvml (only mig_agent.gpu.nvml does): it works on whatever ctypes objects it is
 handed. Caller bugs that would corrupt memory under real NVML (an array too small for what NVML
@@ -28,8 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple, TypeVar
 
-from mig_agent.gpu import simstate as st
-from mig_agent.gpu.simstate import (
+from mig_agent.models import Architecture, CiProfile, GiProfile
+from mig_agent.placement import Placement
+from migsim.nvml import state as st
+from migsim.nvml.state import (
     ENV_STATE,
     ERROR_NAMES,
     ERROR_STRINGS,
@@ -54,8 +56,6 @@ from mig_agent.gpu.simstate import (
     set_latency,
     set_reset_supported,
 )
-from mig_agent.models import Architecture, CiProfile, GiProfile
-from mig_agent.placement import Placement
 
 __all__ = [
     "ENV_STATE", "CallCounts", "SimError", "SimulatedNvmlLibrary", "SimulatedNvmlMisuse",
@@ -873,7 +873,7 @@ def _show(node: SimNode) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mig_agent.gpu.simlib",
+    p = argparse.ArgumentParser(prog="python -m migsim.nvml",
                                 description="Simulated GPU node for mig-agent (no GPU needed).")
     p.add_argument("--state", default=os.environ.get(ENV_STATE),
                    help=f"node state file (default: ${ENV_STATE})")

@@ -7,7 +7,7 @@ IN_USE, MIG mode pending until reset on Ampere, ...) follows real hardware as de
 project's NVML reference; the GPU tables come from mig_agent.models, never retyped here.
 
 This module knows NVML only as return codes (ints). It must not import pynvml or ctypes: the C
-ABI lives in mig_agent.gpu.simlib, which drives these functions.
+ABI lives in migsim.nvml.library, which drives these functions.
 """
 
 from __future__ import annotations
@@ -522,7 +522,7 @@ def set_mig_mode(node: SimNode, gpu: SimGpu, mode: int) -> int:
 
 
 # -------------------------------------------------------------------------------------------------
-# Public API (also behind the CLI in mig_agent.gpu.simlib)
+# Public API (also behind the CLI in migsim.nvml.library)
 
 
 def bus_id(index: int) -> str:

@@ -73,7 +73,7 @@ def find_binaries() -> Path:
     module from growing a second copy of that knowledge. `MIG_AGENT_K8S_BIN` is honoured by the
     script, and used directly when the package runs outside the repository (no script at hand).
     """
-    script = Path(__file__).resolve().parents[2] / "scripts" / "k8s-binaries"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "k8s-binaries"
     hint = "Kubernetes binaries not built; run: scripts/k8s-binaries build"
     if script.is_file():
         res = subprocess.run([str(script), "path"], capture_output=True, text=True, check=False)

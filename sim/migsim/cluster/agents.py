@@ -19,15 +19,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mig_agent.gpu import simstate
+from mig_agent.settings import PROFILES as DEFAULT_PROFILES
+from migsim.nvml import state as simstate
 
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, free_ports, kill, spawn, stop
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DAEMONSET = REPO / "daemonset.yaml"
-PROFILES = Path(__file__).resolve().parents[1] / "profiles"  # the packaged default layouts
+PROFILES = DEFAULT_PROFILES  # the layouts shipped in the agent's package
 AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
@@ -121,7 +122,7 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
         "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
         "--metrics-port", str(port)], logs / f"agent-{node}.log", env=agent_env)
     plugin = spawn(f"device-plugin@{node}", [
-        sys.executable, "-m", "mig_agent", "--log-format", "json", "sim-device-plugin",
+        sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
         "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
         "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
         "--pod-resources-socket", str(pod_resources), *plugin_args],

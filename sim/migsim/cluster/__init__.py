@@ -1,13 +1,13 @@
 """A local Kubernetes for tests and demos: a real control plane and kwok-simulated GPU nodes.
 
-    from mig_agent.devcluster import Cluster
+    from migsim.cluster import Cluster
     cluster = Cluster.up(tmp_dir, gpu_nodes=2, gpus="8xH100-80GB")
     cluster.kubeconfig            # admin kubeconfig
     cluster.add_gpu_node("gpu-node-9", "7xA30")
     cluster.kubeconfig_for("ns", "sa", path)
     cluster.down()
 
-From a shell: `scripts/local-cluster up|down|status|env` (`python -m mig_agent.devcluster`).
+From a shell: `scripts/local-cluster up|down|status|env` (`python -m migsim.cluster`).
 The binaries come from `scripts/k8s-binaries build`. This package never imports `kubernetes`: it
 speaks to the API server through `api.Api` (urllib) and the built `kubectl`.
 """
