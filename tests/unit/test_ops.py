@@ -24,6 +24,7 @@ import pytest
 
 from mig_agent import cli, ops
 from mig_agent.catalog import load_catalog
+from mig_agent.cli import ops_commands
 from mig_agent.drain import Clock
 from mig_agent.errors import ConfigError, UnknownLayout
 from mig_agent.kube.cluster import NodeView
@@ -494,13 +495,13 @@ def test_commands_are_registered_with_the_cli() -> None:
         ["repartition", NEW, "-l", "pool=a", "-p", "2", "--dry-run"]
     )
     assert (args.func, args.selector, args.max_parallel, args.dry_run) == (
-        ops.cmd_repartition,
+        ops_commands.cmd_repartition,
         "pool=a",
         2,
         True,
     )
     args = cli.build_parser().parse_args(["status", "-o", "json"])
-    assert args.func is ops.cmd_status
+    assert args.func is ops_commands.cmd_status
 
 
 def test_kube_unavailable_while_reading_state_is_bounded_by_the_timeout() -> None:

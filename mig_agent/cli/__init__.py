@@ -1,0 +1,65 @@
+"""``mig-agent``: the command line. One engine, three ways in.
+
+``run`` is the node agent (DaemonSet); ``apply|plan|assert|export|validate|profiles`` work on one
+node by hand without Kubernetes; ``repartition|status`` are the ops commands. This module wires
+real or simulated backends and prints; the work happens elsewhere.
+
+Exit codes: 0 ok, 1 runtime failure (or assert: not applied), 2 usage or config error,
+3 changes needed (``plan --exit-code``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+import structlog
+
+from mig_agent import __version__
+from mig_agent.cli import node, ops_commands, run
+from mig_agent.cli.common import EXIT_FAILED, EXIT_USAGE, default_config, err
+from mig_agent.errors import ConfigError, MigAgentError, PlanError
+
+__all__ = ["build_parser", "default_config", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mig-agent", description="Partition NVIDIA GPUs into MIG instances from a layout."
+    )
+    parser.add_argument("--version", action="version", version=f"mig-agent {__version__}")
+    parser.add_argument(
+        "--log-format",
+        choices=["auto", "json", "console"],
+        default=os.environ.get("MIG_AGENT_LOG_FORMAT", "auto"),
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    node.register(sub)
+    run.register(sub)
+    ops_commands.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from mig_agent.logs import configure_logging
+
+    configure_logging(args.log_format, level=10 if args.verbose else 20)
+    try:
+        return int(args.func(args))
+    except (ConfigError, PlanError) as exc:
+        err(str(exc))
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
+    except MigAgentError as exc:
+        err(str(exc))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        err("interrupted")
+        return 130
+    except Exception as exc:  # the one catch-all: log with traceback, exit non-zero
+        structlog.get_logger(__name__).exception("cli.crashed", error=str(exc))
+        return EXIT_FAILED

@@ -1,0 +1,122 @@
+"""What the commands share: exit codes, output, the config, backend and layout arguments,
+and opening the GPUs (real NVML, or the simulated GPUs where that package is installed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mig_agent.errors import ConfigError
+from mig_agent.layout import Layout, LayoutCatalog
+from mig_agent.models import GpuModel, parse_gpu_spec
+from mig_agent.settings import PROFILES
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CHANGES = 0, 1, 2, 3
+
+
+def default_config() -> str:
+    """``MIG_AGENT_CONFIG``, else the profiles shipped in the package."""
+    return os.environ.get("MIG_AGENT_CONFIG", str(PROFILES))
+
+
+def out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def err(text: str) -> None:
+    sys.stderr.write(f"mig-agent: {text}\n")
+
+
+def add_config_args(p: argparse.ArgumentParser, *, layout: bool = True) -> None:
+    p.add_argument(
+        "-f",
+        "--config-file",
+        action="append",
+        metavar="FILE",
+        help="profile config file or folder (repeatable; default $MIG_AGENT_CONFIG or the "
+        "profiles shipped in the package)",
+    )
+    if layout:
+        p.add_argument(
+            "-c",
+            "--layout",
+            "--selected-config",
+            dest="layout",
+            metavar="LAYOUT",
+            default=os.environ.get("MIG_AGENT_LAYOUT"),
+            help="layout name (optional when the config holds exactly one)",
+        )
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        choices=["nvml", "simulated"],
+        default=os.environ.get("MIG_AGENT_BACKEND", "nvml"),
+        help="GPU library: the real NVML or the simulator (env MIG_AGENT_BACKEND)",
+    )
+    p.add_argument(
+        "--sim-state",
+        default=os.environ.get("MIG_AGENT_SIM_STATE"),
+        help="simulated node state file (env MIG_AGENT_SIM_STATE)",
+    )
+    p.add_argument(
+        "--sim-gpus",
+        default=os.environ.get("MIG_AGENT_SIM_GPUS"),
+        help="create the simulated node with these GPUs if the state file is new, "
+        "e.g. 8xH100-80GB (env MIG_AGENT_SIM_GPUS)",
+    )
+
+
+def add_destroy_in_use(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--destroy-in-use", action="store_true",
+                   help="allow destroying instances that processes use")
+
+
+def load_configs(args: argparse.Namespace) -> LayoutCatalog:
+    from mig_agent.catalog import load_catalog
+
+    return load_catalog(args.config_file or [default_config()])
+
+
+def select_layout(catalog: LayoutCatalog, name: str | None) -> Layout:
+    if name is None:
+        if len(catalog.layouts) == 1:
+            return next(iter(catalog.layouts.values()))
+        raise ConfigError(
+            f"choose a layout with -c; the config has {len(catalog.layouts)}: "
+            f"{', '.join(catalog.names())}"
+        )
+    return catalog.get(name)
+
+
+def open_gpus(args: argparse.Namespace) -> Any:
+    from mig_agent.gpu.nvml import open_backend
+
+    if args.backend == "simulated":
+        state = args.sim_state or str(Path.home() / ".cache" / "mig-agent" / "sim-node.json")
+        return simulated_backend()(state, create_gpus=args.sim_gpus or "8xH100-80GB")
+    return open_backend()
+
+
+def simulated_backend() -> Callable[..., Any]:
+    """The simulated GPUs' backend, from the package that registers it (the repository's
+    simulated world, not shipped with the agent)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="mig_agent.gpu_backends", name="simulated"):
+        opener: Callable[..., Any] = ep.load()
+        return opener
+    raise ConfigError("--backend simulated needs the simulated GPUs, which are not installed: "
+                      "from a checkout of mig-agent, pip install -e ./sim")
+
+
+def model_arg(key: str) -> GpuModel:
+    try:
+        return parse_gpu_spec(key)[0]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -1,0 +1,154 @@
+"""``mig-agent repartition|status`` (also ``scripts/repartition``, ``scripts/mig-status``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from mig_agent.cli.common import add_config_args, default_config
+from mig_agent.ops import (
+    EXIT_OK,
+    EXIT_USAGE,
+    Action,
+    check_layout,
+    dry_run,
+    repartition,
+    select_nodes,
+    status,
+    status_json,
+    status_table,
+)
+from mig_agent.settings import Settings
+
+
+def _write(line: str) -> None:
+    # Flushed per line: the progress must show live through a pipe too.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _connect(args: argparse.Namespace) -> Any:
+    from mig_agent.kube.client import KubernetesCluster
+
+    return KubernetesCluster.connect(args.kubeconfig or "", component="mig-agent-ops")
+
+
+def cmd_repartition(args: argparse.Namespace) -> int:
+    from mig_agent.catalog import load_catalog
+
+    catalog = load_catalog(args.config_file or [default_config()])
+    check_layout(catalog, args.layout)  # a typo is refused before even connecting
+    settings = Settings.from_env()
+    cluster = _connect(args)
+    try:
+        nodes = select_nodes(cluster, args.nodes, args.selector)
+        if args.dry_run:
+            previews = dry_run(cluster, catalog, args.layout, nodes, settings=settings, out=_write)
+            refused = any(p.action is Action.REFUSE for p in previews)
+            return EXIT_USAGE if refused and not args.force else EXIT_OK
+        summary = repartition(
+            cluster,
+            catalog,
+            args.layout,
+            nodes,
+            max_parallel=args.max_parallel,
+            failure_budget=args.failure_budget,
+            timeout_s=args.timeout_s,
+            poll_s=args.poll_s,
+            heartbeat_s=args.heartbeat_s,
+            force=args.force,
+            settings=settings,
+            out=_write,
+        )
+        return summary.exit_code
+    finally:
+        cluster.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    cluster = _connect(args)
+    try:
+        rows = status(cluster, settings=settings, selector=args.selector)
+    finally:
+        cluster.close()
+    if args.output == "json":
+        _write(json.dumps(status_json(rows), indent=2))
+    else:
+        for line in status_table(rows):
+            _write(line)
+    return EXIT_OK
+
+
+def register(sub: Any) -> None:
+    """Add ``repartition`` and ``status`` to the ``mig-agent`` subcommands."""
+
+    p = sub.add_parser(
+        "repartition",
+        help="set a layout on nodes through the label and follow each to success or failed",
+        description="Set the layout label on the nodes, at most --max-parallel at a time, and "
+        "follow each node's state label. Exit 0 when every node succeeded, 1 on a failure or "
+        "timeout, 2 when refused before any node was touched, 130 on Ctrl-C.",
+    )
+    p.add_argument("layout", metavar="LAYOUT", help="layout name from the profile configs")
+    p.add_argument("nodes", nargs="*", metavar="NODE", help="node names (or use -l)")
+    p.add_argument("-l", "--selector", default="", help="label selector of the nodes")
+    p.add_argument(
+        "-p",
+        "--max-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="nodes changing at the same time (default 1)",
+    )
+    p.add_argument(
+        "--failure-budget",
+        type=int,
+        default=0,
+        metavar="N",
+        help="failed nodes tolerated before no new node is started (default 0)",
+    )
+    p.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="per node; a node not done by then counts as a failure and is no longer "
+        "waited for, its agent carries on (default 1800)",
+    )
+    p.add_argument(
+        "--poll",
+        dest="poll_s",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often each node in progress is read (default 1)",
+    )
+    p.add_argument("--heartbeat", dest="heartbeat_s", type=float, default=30.0, metavar="SECONDS")
+    p.add_argument("--dry-run", action="store_true", help="show the plan per node, change nothing")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="go ahead on nodes where the layout does not fit by the published GPU state",
+    )
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    add_config_args(p, layout=False)
+    p.set_defaults(func=cmd_repartition)
+
+    p = sub.add_parser(
+        "status", help="GPU nodes: layout, state, reason, GPUs and advertised MIG resources"
+    )
+    p.add_argument("-l", "--selector", default="", help="label selector of the nodes")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.set_defaults(func=cmd_status)
