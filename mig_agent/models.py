@@ -105,6 +105,10 @@ class GiProfile:
         """The compute instance that spans the whole GPU instance (the default one)."""
         return next(c for c in self.ci_profiles if c.slices == self.slices)
 
+    def ci_profile_by_id(self, ci_id: int) -> CiProfile | None:
+        """The compute-instance profile with NVML id ``ci_id`` in this GI, or None."""
+        return next((c for c in self.ci_profiles if c.id == ci_id), None)
+
     def ci_name(self, ci: CiProfile) -> str:
         """MIG device name of ``ci`` in this GI: the GI name when it spans the GI, else
         ``Cc.`` + GI name."""

@@ -364,9 +364,9 @@ def _present(model: GpuModel, gpu: GpuState, gi: GpuInstance) -> _Present:
 
 
 def _ci_by_id(gi: GiProfile, ci_id: int) -> CiProfile:
-    for c in gi.ci_profiles:
-        if c.id == ci_id:
-            return c
+    found = gi.ci_profile_by_id(ci_id)
+    if found is not None:
+        return found
     raise PlanError(f"compute instance profile {ci_id} is not valid in {gi.name}")
 
 
@@ -471,7 +471,7 @@ def _destroy_steps(gpu: int, p: _Present, model: GpuModel) -> list[Step]:
     for ci in p.gi.compute_instances:
         ci_name = name
         if p.profile is not None:
-            ci_profile = next((c for c in p.profile.ci_profiles if c.id == ci.profile_id), None)
+            ci_profile = p.profile.ci_profile_by_id(ci.profile_id)
             if ci_profile is not None:
                 ci_name = p.profile.ci_name(ci_profile)
         steps.append(DestroyComputeInstance(gpu, p.gi.id, ci.id, ci_name))
@@ -519,7 +519,7 @@ def observed_devices(model: GpuModel, gpu: GpuState) -> Counter[str]:
         if profile is None:
             continue
         for ci in gi.compute_instances:
-            ci_profile = next((c for c in profile.ci_profiles if c.id == ci.profile_id), None)
+            ci_profile = profile.ci_profile_by_id(ci.profile_id)
             if ci_profile is not None:
                 out[profile.ci_name(ci_profile)] += 1
     return out

@@ -63,7 +63,7 @@ def to_json(node: NodeState, models: Mapping[int, GpuModel]) -> dict[str, Any]:
             cis = []
             for ci in gi.compute_instances:
                 ci_prof = (
-                    next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
+                    prof.ci_profile_by_id(ci.profile_id)
                     if prof
                     else None
                 )

@@ -343,7 +343,7 @@ class NvmlGpuBackend(GpuBackend):
         ci_profile_id = int(pynvml.nvmlComputeInstanceGetInfo(ci).profileId)
         if gp is None:
             return f"gi-profile-{gi_id}"
-        cp = next((c for c in gp.ci_profiles if c.id == ci_profile_id), None)
+        cp = gp.ci_profile_by_id(ci_profile_id)
         return gp.ci_name(cp) if cp else f"{gp.name}/ci-profile-{ci_profile_id}"
 
     # -- GpuBackend: changing ----------------------------------------------------------------------
@@ -420,7 +420,7 @@ class NvmlGpuBackend(GpuBackend):
             name = f"profile id {profile_id}"
             with _nvml(f"read GPU instance {gi_id} on GPU {gpu}", gpu=gpu, gi=gi_id):
                 gp = self._gi_profile(gpu, int(pynvml.nvmlGpuInstanceGetInfo(gi).profileId))
-            cp = next((c for c in gp.ci_profiles if c.id == profile_id), None) if gp else None
+            cp = gp.ci_profile_by_id(profile_id) if gp else None
             if gp is not None and cp is not None:
                 name = gp.ci_name(cp)
             op = (f"create compute instance {name} at {placement} in GPU instance {gi_id} "

@@ -78,3 +78,10 @@ def test_gpu_specs() -> None:
     assert [m.key for m in parse_gpu_spec("h200")] == ["H200"]
     with pytest.raises(ValueError, match="unknown GPU model 'B300'; known models: A100-40GB"):
         model("B300")
+
+
+def test_one_lookup_finds_a_compute_instance_profile_by_id() -> None:
+    gi = next(g for g in MODELS["H200"].gi_profiles if g.name == "3g.71gb")
+    for ci in gi.ci_profiles:
+        assert gi.ci_profile_by_id(ci.id) is ci
+    assert gi.ci_profile_by_id(99) is None

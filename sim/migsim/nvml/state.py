@@ -441,7 +441,7 @@ def destroy_gi(gpu: SimGpu, gi: SimGpuInstance) -> None:
 
 def ci_profile(gpu: SimGpu, gi: SimGpuInstance, profile_id: int) -> CiProfile:
     gp = gi_profile(gpu, gi.profile_id)
-    cp = next((c for c in gp.ci_profiles if c.id == profile_id), None)
+    cp = gp.ci_profile_by_id(profile_id)
     if cp is None:
         raise Refused(NOT_SUPPORTED if 0 <= profile_id < CI_PROFILE_INDEX_LIMIT
                       else INVALID_ARGUMENT)
