@@ -7,6 +7,7 @@ does not count as the old one still running. Knows no GPUs; time is injected.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ log = structlog.get_logger(__name__)
 class Clock:
     now: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    # wait until the event is set or the timeout passes (True if set): the agent loop's wait
+    wait: Callable[[threading.Event, float], bool] = threading.Event.wait
 
 
 def gpu_pods(cluster: Cluster, node: str, *, exclude: Iterable[PodRef] = ()) -> list[PodView]:

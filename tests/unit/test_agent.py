@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,14 @@ class FakeTime:
 
     def sleep(self, s: float) -> None:
         self.t += s
+
+    def wait(self, event: threading.Event, timeout: float) -> bool:
+        """The loop's wait in fake time: the timeout passes at once (a real moment, so that
+        other threads get a turn)."""
+        if not event.is_set():
+            self.t += timeout
+            time.sleep(0.001)
+        return event.is_set()
 
 
 class Crash(BaseException):
@@ -89,7 +98,8 @@ def make(
     device_plugin(cluster)
     t = FakeTime()
     s = Settings(node_name=NODE, **{"config": PROFILES, **settings})  # type: ignore[arg-type]
-    agent = Agent(s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep))
+    agent = Agent(s, cluster, gpus, lambda p: load_catalog([p]),
+                  clock=Clock(t.now, t.sleep, t.wait))
     agent.reload_config()
     return agent, cluster, gpus
 
@@ -377,7 +387,7 @@ def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
     stop.wait = lambda t=None: waits.append(t or 0) or original_wait(0)  # type: ignore[method-assign]
     agent.watch_forever(stop)
     assert calls[0] == 3 and waits == [1.0, 2.0]  # backed off, reconnected twice
-    assert agent._wake.is_set()
+    assert agent.wake_event.is_set()
 
 
 def test_config_change_is_picked_up_and_a_broken_one_keeps_the_last_good(tmp_path: Path) -> None:
@@ -792,6 +802,37 @@ def test_fixing_the_strategy_label_wakes_the_loop() -> None:
         stop.set()
 
     cluster.watch_node = one_event  # type: ignore[method-assign]
-    agent._wake.clear()
+    agent.wake_event.clear()
     agent.watch_forever(stop)
-    assert agent._wake.is_set()
+    assert agent.wake_event.is_set()
+
+
+def test_the_loop_runs_on_injected_time() -> None:
+    """Resync passes every resync_s of the clock's time, with no real sleeping for it."""
+    agent, cluster, gpus = make(resync_s=300.0)
+    label(cluster, "all-1g.10gb")
+    passes: list[float] = []
+    once = agent.reconcile_once
+
+    def counted() -> Any:
+        passes.append(agent.clock.now())
+        return once()
+
+    agent.reconcile_once = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 5.0})
+    started = time.monotonic()
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(passes) < 4:
+            assert time.monotonic() < deadline, passes
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        agent.wake()
+        runner.join(5)
+    assert time.monotonic() - started < 10
+    gaps = [b - a for a, b in zip(passes[1:], passes[2:], strict=False)]
+    assert all(300.0 <= g < 306.0 for g in gaps), passes  # the resync, in the clock's time
+    assert cluster.nodes[NODE].labels[STATE] == "success"

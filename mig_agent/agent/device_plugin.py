@@ -1,0 +1,145 @@
+"""The device-plugin step of a change: restart NVIDIA's device plugin (or let resuming its
+operand bring a new one), then wait until the node advertises what that plugin would for the
+layout, under the node's MIG strategy and the plugin's sharing config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import structlog
+
+from mig_agent import labels
+from mig_agent.catalog import device_plugin_sharing
+from mig_agent.drain import Clock
+from mig_agent.errors import (
+    DevicePluginTimeout,
+)
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.kube.cluster import Cluster, NodeView, PodView
+from mig_agent.models import GpuModel
+from mig_agent.resources import (
+    Sharing,
+    expected_resources,
+    format_resources,
+    node_mig_strategy,
+)
+from mig_agent.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
+    return cluster.list_pods(
+        node=s.node_name,
+        namespace=s.device_plugin_namespace,
+        label_selector=s.device_plugin_selector,
+    )
+
+
+def restart(cluster: Cluster, s: Settings, paused: list[str]) -> None:
+    if any(k.endswith(".device-plugin") for k in paused):
+        return  # resuming the operands brings a new device plugin pod
+    pods = plugin_pods(cluster, s)
+    if not pods:
+        log.warning(
+            "device_plugin.not_found",
+            namespace=s.device_plugin_namespace,
+            selector=s.device_plugin_selector,
+        )
+        return
+    for p in pods:
+        cluster.delete_pod(p.ref)
+    log.info("device_plugin.restarted", pods=[p.ref.name for p in pods])
+
+
+def plugin_rules(s: Settings, node: NodeView) -> tuple[str, Sharing]:
+    """The MIG strategy and sharing config NVIDIA's device plugin runs with on this node.
+
+    The strategy is GFD's node label, else the setting. Sharing comes from the plugin's own
+    config (``device_plugin_config``: the file, or the GPU Operator's ConfigMap folder with
+    the config the node's ``nvidia.com/device-plugin.config`` label selects): that is what
+    the plugin applies, and it is known before the change, where GFD's ``<resource>.replicas``
+    labels lag it and exist only for resources already advertised.
+    """
+    strategy = node_mig_strategy(node.labels, label=s.mig_strategy_label, fallback=s.mig_strategy)
+    sharing = device_plugin_sharing(
+        s.device_plugin_config,
+        node.labels,
+        label=s.device_plugin_config_label,
+        default=s.device_plugin_config_default,
+    )
+    return strategy, sharing
+
+
+def plugin_labels(s: Settings, node: NodeView) -> tuple[str | None, ...]:
+    return tuple(
+        node.labels.get(k) for k in (s.mig_strategy_label, s.device_plugin_config_label) if k
+    )
+
+
+def resources_ok(
+    cluster: Cluster, s: Settings, gpus: GpuBackend, node: NodeView, models: Mapping[int, GpuModel]
+) -> bool:
+    """True unless a device plugin runs here and advertises other resources than the GPUs'."""
+    if not cluster.list_pods(
+        node=s.node_name,
+        namespace=s.device_plugin_namespace,
+        label_selector=s.device_plugin_selector,
+    ):
+        return True
+    strategy, sharing = plugin_rules(s, node)
+    return node.gpu_resources() == expected_resources(gpus.observe(), models, strategy, sharing)
+
+
+def wait_resources(
+    cluster: Cluster,
+    s: Settings,
+    gpus: GpuBackend,
+    clock: Clock,
+    models: Mapping[int, GpuModel],
+    old_plugins: set[str],
+) -> None:
+    """Resume operands first if the device plugin is one of them; wait for a new, Ready
+    device plugin pod (one not there before the pass: the old one's numbers are stale), then
+    for the node to advertise the layout's resources."""
+    node = cluster.get_node(s.node_name)
+    resume = labels.resume_patch(node.labels, s.operand_labels)
+    if any(k.endswith(".device-plugin") for k in resume):
+        cluster.patch_node(s.node_name, labels=resume)
+    has_plugin = (
+        any(k.endswith(".device-plugin") for k in resume)
+        or bool(old_plugins)
+        or bool(plugin_pods(cluster, s))
+    )
+    want = expected_resources(gpus.observe(), models, *plugin_rules(s, node))
+    if not has_plugin:
+        log.warning("device_plugin.skipped_wait", expected=want)
+        return
+    deadline = clock.now() + s.device_plugin_timeout_s
+    new_pod = False
+    while True:
+        new_pod = new_pod or any(
+            p.ready and not p.terminating and p.ref.uid not in old_plugins
+            for p in plugin_pods(cluster, s)
+        )
+        have = cluster.get_node(s.node_name).gpu_resources()
+        if new_pod and have == want:
+            log.info("device_plugin.resources_match", resources=want)
+            return
+        if clock.now() >= deadline and not new_pod:
+            raise DevicePluginTimeout(
+                f"no new device plugin pod ({s.device_plugin_namespace}, "
+                f"{s.device_plugin_selector}) became Ready on the node within "
+                f"{s.device_plugin_timeout_s:.0f} s",
+                expected=want,
+                advertised=have,
+            )
+        if clock.now() >= deadline:
+            raise DevicePluginTimeout(
+                f"node resources do not match the layout after "
+                f"{s.device_plugin_timeout_s:.0f} s: expected {format_resources(want)}, node "
+                f"advertises {format_resources(have)}",
+                expected=want,
+                advertised=have,
+            )
+        clock.sleep(s.poll_s)

@@ -1,0 +1,93 @@
+"""The agent's loop: a pass on start, on a label or config change (the node watch wakes it),
+after a retryable failure's backoff, and every resync. Its time and waits come from the agent's
+clock, so it runs in tests without real sleeping; the node watch runs in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import structlog
+
+from mig_agent.agent import device_plugin
+from mig_agent.agent.outcome import Outcome, PassResult
+from mig_agent.drain import Clock
+from mig_agent.errors import MigAgentError
+from mig_agent.kube.cluster import Cluster
+from mig_agent.settings import Settings
+
+log = structlog.get_logger("mig_agent.agent")
+
+
+class Agent(Protocol):
+    """What the loop needs of the agent (mig_agent.agent.reconcile.Agent)."""
+
+    settings: Settings
+    cluster: Cluster
+    clock: Clock
+    wake_event: threading.Event
+    seen: tuple[str | None, str | None]
+    seen_plugin_labels: tuple[str | None, ...]
+    failures: int
+    loop_alive_at: float
+    watch_alive_at: float
+
+    def reconcile_once(self) -> PassResult: ...
+
+    def reload_config(self) -> bool: ...
+
+
+def watch_forever(agent: Agent, stop: threading.Event) -> None:
+    """Wake the loop when someone else changes the layout or state label; reconnects."""
+    s = agent.settings
+    delay = 1.0
+    while not stop.is_set():
+        try:
+            for node in agent.cluster.watch_node(s.node_name, timeout_s=s.watch_timeout_s):
+                agent.watch_alive_at = agent.clock.now()
+                delay = 1.0
+                seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
+                # a fixed strategy or plugin-config label is worth a pass as a layout is
+                if (
+                    seen != agent.seen
+                    or device_plugin.plugin_labels(agent.settings, node) != agent.seen_plugin_labels
+                ):
+                    agent.wake_event.set()
+                if stop.is_set():
+                    return
+            agent.watch_alive_at = agent.clock.now()
+        except MigAgentError as exc:
+            agent.watch_alive_at = agent.clock.now()  # alive, retrying: a restart won't help
+            log.warning("watch.failed", error=str(exc), retry_in_s=delay)
+            stop.wait(delay)
+            delay = min(delay * 2, 30.0)
+
+
+def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
+    """Reconcile on start, on label and config changes, after backoff, and every resync."""
+    watcher = threading.Thread(
+        target=watch_forever, args=(agent, stop), daemon=True, name="node-watch"
+    )
+    watcher.start()
+    agent.reload_config()
+    next_due = 0.0
+    while not stop.is_set():
+        now = agent.loop_alive_at = agent.clock.now()
+        if agent.wake_event.is_set() or now >= next_due:
+            agent.wake_event.clear()
+            try:
+                result = agent.reconcile_once()
+            except MigAgentError as exc:  # could not even read the node
+                log.error("reconcile.failed", error=str(exc), error_type=type(exc).__name__)
+                result = PassResult(Outcome.FAILED, agent.settings.backoff_s, str(exc))
+            if result.outcome is Outcome.FAILED and result.retry_after_s is None:
+                next_due = float("inf")  # wait for a label or config change
+            else:
+                next_due = agent.clock.now() + (result.retry_after_s or agent.settings.resync_s)
+        timeout = max(0.05, min(config_poll_s, next_due - agent.clock.now()))
+        agent.clock.wait(agent.wake_event, timeout)
+        if agent.reload_config():
+            agent.failures = 0
+            agent.wake_event.set()
+    log.info("agent.stopping")

@@ -1,0 +1,90 @@
+"""Cordon and operand pausing around a change: marks on the Node (annotations) say what this
+agent did, so that it, or a restarted agent, can always undo exactly that."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import structlog
+
+from mig_agent import labels
+from mig_agent.errors import (
+    MigAgentError,
+)
+from mig_agent.kube.cluster import Cluster, NodeView
+from mig_agent.labels import State
+from mig_agent.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+class NodeRebooting(Exception):
+    """Raised past the clean-up: the node is about to reboot and stays cordoned and paused."""
+
+
+def interrupted(s: Settings, node: NodeView) -> bool:
+    return (
+        node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING)
+        or s.cordon_annotation in node.annotations
+        or s.paused_annotation in node.annotations
+    )
+
+
+@contextlib.contextmanager
+def gpu_clients_paused(cluster: Cluster, s: Settings, node: NodeView) -> Iterator[list[str]]:
+    """Cordon (unless already cordoned by someone else) and pause operands; always undo."""
+    annotations: dict[str, str | None] = {}
+    if not node.unschedulable:
+        annotations[s.cordon_annotation] = "true"
+    pause = labels.pause_patch(node.labels, s.operand_labels)
+    already = [k for k in s.operand_labels if node.labels.get(k) == labels.PAUSED]
+    paused = sorted({*pause, *already})
+    if paused:
+        annotations[s.paused_annotation] = ",".join(paused)
+    if annotations or pause:
+        # Annotations first in the same patch: a crash right after leaves a trail to undo.
+        cluster.patch_node(
+            s.node_name,
+            labels=pause,
+            annotations=annotations,
+            unschedulable=True if not node.unschedulable else None,
+        )
+        log.info("node.paused", cordoned=not node.unschedulable, operands=paused)
+    try:
+        yield paused
+    except NodeRebooting:
+        raise
+    except Exception:  # a kill (not an exception) leaves the trail for the next agent
+        with contextlib.suppress(MigAgentError):
+            finish(cluster, s, cluster.get_node(s.node_name))
+        raise
+    finish(cluster, s, cluster.get_node(s.node_name))
+
+
+def finish(cluster: Cluster, s: Settings, node: NodeView) -> None:
+    """Resume paused operands and uncordon if this agent cordoned; idempotent."""
+    resume = labels.resume_patch(node.labels, s.operand_labels)
+    annotations: dict[str, str | None] = {}
+    uncordon = None
+    if s.cordon_annotation in node.annotations:
+        annotations[s.cordon_annotation] = None
+        uncordon = False
+    if s.paused_annotation in node.annotations:
+        annotations[s.paused_annotation] = None
+    if resume or annotations:
+        cluster.patch_node(
+            s.node_name, labels=resume, annotations=annotations, unschedulable=uncordon
+        )
+        log.info("node.resumed", uncordoned=uncordon is False, operands=sorted(resume))
+
+
+def tidy_up(cluster: Cluster, s: Settings) -> bool:
+    """Resume operands and uncordon if our marks are on the node (no pass runs now);
+    False when that failed (logged): the node may still be cordoned by us."""
+    try:
+        finish(cluster, s, cluster.get_node(s.node_name))
+    except MigAgentError as exc:
+        log.error("node.resume_failed", error=str(exc))
+        return False
+    return True

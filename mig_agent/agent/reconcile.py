@@ -1,0 +1,534 @@
+"""The agent: from the node's layout label to a repartitioned node, and back to a clean node.
+
+One reconcile pass: read the node, plan against the GPUs as they are (nothing to do: ``success``,
+nothing touched), else ``pending``, cordon, pause GPU operands, drain GPU pods, apply, restart the
+device plugin and wait for the node to advertise the layout, then resume, uncordon, ``success``.
+Every failure restores operands and uncordons (in ``finally``), writes the reason (label,
+annotation, condition, event, log) and, when the cause can pass, retries with capped backoff.
+
+All progress lives on the Node (labels and annotations), so a restarted agent finishes or undoes
+what an interrupted one started. This module sequences the pass; its steps live beside it:
+node_guard (cordon, operands), device_plugin (restart, wait for resources), reporting
+(condition, events, metrics), reboot, loop (the run loop and the node watch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import structlog
+
+from mig_agent import planner
+from mig_agent.agent import device_plugin, loop, node_guard, reporting
+from mig_agent.agent.node_guard import NodeRebooting
+from mig_agent.agent.outcome import Outcome, PassResult
+from mig_agent.agent.reboot import run_reboot
+from mig_agent.drain import Clock, drain_gpu_pods, wait_pods_gone
+from mig_agent.errors import (
+    ConfigError,
+    GpuBusy,
+    GpuResetRequired,
+    LabelsChanged,
+    MigAgentError,
+    PlanError,
+    RebootFailed,
+)
+from mig_agent.executor import execute, verify
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodView
+from mig_agent.labels import State
+from mig_agent.layout import Layout, LayoutCatalog
+from mig_agent.metrics import Metrics
+from mig_agent.models import GpuModel
+from mig_agent.resources import (
+    planned_devices,
+    strategy_problem,
+)
+from mig_agent.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def config_fingerprint(path: str) -> tuple[tuple[str, float, int], ...]:
+    """Modification times and sizes of the config files, to notice a changed ConfigMap."""
+    p = Path(path)
+    files = sorted(p.glob("*.y*ml")) if p.is_dir() else [p]
+    out = []
+    for f in files:
+        with contextlib.suppress(OSError):
+            st = f.stat()
+            out.append((str(f), st.st_mtime, st.st_size))
+    return tuple(out)
+
+
+@dataclass
+class Agent:
+    settings: Settings
+    cluster: Cluster
+    gpus: GpuBackend
+    load_catalog: Callable[[str], LayoutCatalog]
+    clock: Clock = field(default_factory=Clock)
+    metrics: Metrics = field(default_factory=Metrics)
+    reboot: Callable[[str], None] = run_reboot
+    # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
+    pod_devices: Callable[[], Mapping[tuple[str, str], frozenset[str]]] | None = None
+
+    catalog: LayoutCatalog | None = None
+    catalog_error: str = ""
+    last_pass_at: float = 0.0
+    watch_alive_at: float = 0.0
+    # time.monotonic() of the loop's last sign of life: each turn between passes, and every
+    # wait inside a pass (drain, device plugin); /healthz fails only when this stops
+    loop_alive_at: float = 0.0  # set from the clock when the agent is made
+    failures: int = 0
+    _fingerprint: tuple[tuple[str, float, int], ...] = ()
+    seen: tuple[str | None, str | None] = (None, None)
+    # the labels that choose how the device plugin advertises, as the last pass read them
+    seen_plugin_labels: tuple[str | None, ...] = ()
+    wake_event: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.loop_alive_at = self.clock.now()
+        sleep = self.clock.sleep
+
+        def sleep_alive(seconds: float) -> None:
+            self.loop_alive_at = self.clock.now()
+            sleep(seconds)
+
+        self.clock = replace(self.clock, sleep=sleep_alive)
+
+    def liveness_problem(self, now: float | None = None) -> str:
+        """Why the agent should be restarted, or "": a loop or node watch that stopped moving.
+        Never "no pass lately": a node waiting for a fixed label runs no pass for days."""
+        now = self.clock.now() if now is None else now
+        s = self.settings
+        if now - self.loop_alive_at > s.stall_s:
+            return f"reconcile loop stalled: no progress for {now - self.loop_alive_at:.0f} s"
+        if (
+            now - self.watch_alive_at > max(s.stall_s, s.watch_timeout_s * 2.0)
+            and self.watch_alive_at
+        ):
+            return f"node watch stalled: no progress for {now - self.watch_alive_at:.0f} s"
+        return ""
+
+    # -- configuration ------------------------------------------------------------------------
+
+    def reload_config(self) -> bool:
+        """Load the profile configs if they changed; True when they did (or on first load)."""
+        fp = config_fingerprint(self.settings.config)
+        if self.catalog is not None and fp == self._fingerprint:
+            return False
+        self._fingerprint = fp
+        try:
+            self.catalog = self.load_catalog(self.settings.config)
+            self.catalog_error = ""
+            log.info(
+                "config.loaded", layouts=len(self.catalog.layouts), config=self.settings.config
+            )
+        except ConfigError as exc:
+            self.catalog_error = str(exc)
+            log.error("config.invalid", error=str(exc), config=self.settings.config)
+        return True
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def reconcile_once(self) -> PassResult:
+        s = self.settings
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(node=s.node_name)
+        self.last_pass_at = time.time()
+        node = self.cluster.get_node(s.node_name)
+        desired = node.labels.get(s.config_label)
+        self.seen = (desired, node.labels.get(s.state_label))
+        self.seen_plugin_labels = device_plugin.plugin_labels(self.settings, node)
+        if not desired:
+            node_guard.finish(self.cluster, self.settings, node)
+            if s.state_label in node.labels or s.reason_annotation in node.annotations:
+                # no layout asked for: no state to report (an old "failed" would mislead)
+                node = self.cluster.patch_node(
+                    s.node_name,
+                    labels={s.state_label: None},
+                    annotations={s.reason_annotation: None},
+                )
+                self.seen = (None, None)
+            self.metrics.set_state("")
+            reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
+            return PassResult(Outcome.IDLE)
+        structlog.contextvars.bind_contextvars(layout=desired)
+        start = self.clock.now()
+        try:
+            result = self._reconcile(node, desired)
+        except NodeRebooting:
+            # Still alive after the reboot command: look again soon (the guard stops a loop).
+            return PassResult(Outcome.REBOOTING, retry_after_s=self.settings.backoff_s)
+        except LabelsChanged as exc:
+            return self._superseded(desired, exc)
+        except MigAgentError as exc:
+            tidy = node_guard.tidy_up(self.cluster, self.settings)
+            failed = self._failed(desired, exc)
+            if not tidy and failed.retry_after_s is None:  # our marks are still on the node
+                return replace(failed, retry_after_s=self.settings.backoff_s)
+            return failed
+        self.failures = 0
+        if result is Outcome.APPLIED:
+            self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
+            log.info(
+                "reconcile.finished",
+                outcome=str(result),
+                duration_s=round(self.clock.now() - start, 3),
+            )
+        return PassResult(result)
+
+    def _superseded(self, desired: str, exc: LabelsChanged) -> PassResult:
+        """The label asks for another layout now: report nothing for ``desired``, undo our
+        marks, and start over at once."""
+        log.info("reconcile.superseded", error=str(exc))
+        node_guard.tidy_up(self.cluster, self.settings)
+        self.failures = 0
+        return PassResult(Outcome.SUPERSEDED, retry_after_s=0.0)
+
+    def _still_wanted(self, desired: str) -> None:
+        """LabelsChanged if the layout label no longer names ``desired``."""
+        s = self.settings
+        now = self.cluster.get_node(s.node_name).labels.get(s.config_label)
+        if now != desired:
+            raise LabelsChanged(
+                f"layout label changed from {desired} to {now} during the pass",
+                labels={s.config_label: now},
+            )
+
+    def _reconcile(self, node: NodeView, desired: str) -> Outcome:
+        s = self.settings
+        if self.catalog is None:
+            raise ConfigError(f"profile configs not loaded: {self.catalog_error}")
+        layout = self.catalog.get(desired)
+        with self.metrics.phase("plan"):
+            models = self.gpus.models()
+            # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
+            observed = self.gpus.observe()
+            the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
+            # what NVIDIA's plugin would refuse to advertise is refused before anything changes
+            strategy, sharing = device_plugin.plugin_rules(self.settings, node)
+            problem = strategy_problem(
+                planned_devices(the_plan, observed, models), strategy, sharing
+            )
+            if problem:
+                raise PlanError(f"layout {desired}: {problem}", layout=desired)
+        interrupted = node_guard.interrupted(self.settings, node) or (
+            the_plan.is_empty
+            and node.labels.get(s.state_label) == State.FAILED
+            and not device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
+        )
+        if the_plan.is_empty and not interrupted:
+            reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
+            if (
+                node.labels.get(s.state_label) != State.SUCCESS
+                or s.reason_annotation in node.annotations
+            ):
+                self._succeed(node, desired, f"layout {desired} is applied; nothing to change")
+            self.metrics.set_state(State.SUCCESS)
+            self.metrics.last_success.set(time.time())
+            return Outcome.NOOP
+
+        changed = list(the_plan.changed_gpus)
+        log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
+        node = self._set_state(node, State.PENDING, desired)
+        reporting.condition(
+            self.cluster,
+            self.settings,
+            NodeCondition(
+                s.condition_type,
+                "False",
+                "Reconfiguring",
+                f"applying layout {desired} to GPU(s) {changed}",
+            ),
+        )
+        reporting.event(
+            self.cluster,
+            node,
+            "MIGReconfiguring",
+            f"applying layout {desired}: GPU(s) {changed} change"
+            if changed
+            else f"finishing layout {desired} after an interrupted pass",
+        )
+        # a plugin pod already on its way out is no sign that a device plugin runs here
+        old_plugins = {
+            p.ref.uid
+            for p in device_plugin.plugin_pods(self.cluster, self.settings)
+            if not p.terminating
+        }
+        with node_guard.gpu_clients_paused(self.cluster, self.settings, node) as paused:
+            if not the_plan.is_empty:
+                with reporting.phase(
+                    self.cluster,
+                    self.metrics,
+                    self.clock,
+                    node,
+                    "drain",
+                    "MIGDraining",
+                    "evicting the pods that use the GPUs that change",
+                ):
+                    self._drain(paused, the_plan)
+                self._still_wanted(desired)  # not worth applying a layout no longer asked for
+                with reporting.phase(
+                    self.cluster,
+                    self.metrics,
+                    self.clock,
+                    node,
+                    "apply",
+                    "MIGApplying",
+                    f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) {changed}",
+                ):
+                    self._apply(desired, models)
+                with reporting.phase(
+                    self.cluster,
+                    self.metrics,
+                    self.clock,
+                    node,
+                    "verify",
+                    "MIGVerifying",
+                    "re-reading the GPUs to check the layout is in place",
+                ):
+                    self._verify(desired, models)
+            with reporting.phase(
+                self.cluster,
+                self.metrics,
+                self.clock,
+                node,
+                "device_plugin",
+                "MIGDevicePluginRestart",
+                "restarting the device plugin and waiting for the node to "
+                "advertise the layout's resources",
+            ):
+                device_plugin.restart(self.cluster, self.settings, paused)
+                device_plugin.wait_resources(
+                    self.cluster, self.settings, self.gpus, self.clock, models, old_plugins
+                )
+        node = self.cluster.get_node(s.node_name)
+        self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
+        return Outcome.APPLIED
+
+    def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str] | None:
+        """Device ids (GPU and MIG UUIDs) that outlive ``the_plan``: every device of an unchanged
+        GPU and the compute instances of kept GPU instances. None when the kubelet cannot tell
+        which pod holds which device."""
+        if self.pod_devices is None:
+            return None
+        changed = {g.gpu: g for g in the_plan.gpus if not g.is_empty}
+        staying: set[str] = set()
+        for gpu in self.gpus.observe().gpus:
+            gp = changed.get(gpu.index)
+            if gp is None and not gpu.mig_current:
+                staying.add(gpu.info.uuid)
+            kept = None if gp is None else {d.gi_placement for d in gp.devices if d.kept}
+            for gi in gpu.gpu_instances:
+                if kept is None or gi.placement in kept:
+                    staying.update(ci.uuid for ci in gi.compute_instances if ci.uuid)
+        return frozenset(staying)
+
+    def _pods_that_may_stay(self, the_plan: planner.Plan) -> Callable[[PodView], bool] | None:
+        staying = self._staying_devices(the_plan)
+        if staying is None or self.pod_devices is None:  # (the second check narrows the type)
+            return None
+        try:
+            holds = self.pod_devices()
+        except MigAgentError as exc:
+            log.warning("drain.pod_resources_unavailable", error=str(exc))
+            return None  # cannot tell: every GPU pod goes
+
+        def may_stay(pod: PodView) -> bool:
+            devices = holds.get((pod.ref.namespace, pod.ref.name), frozenset())
+            return bool(devices) and devices <= staying  # pods holding nothing known are drained
+
+        return may_stay
+
+    def _drain(self, paused: list[str], the_plan: planner.Plan) -> None:
+        s = self.settings
+        operand_pods = [
+            p.ref
+            for p in self.cluster.list_pods(node=s.node_name)
+            if "DaemonSet" in p.owner_kinds and set(p.node_selector) & set(paused)
+        ]
+        if operand_pods:
+            log.info("operands.waiting", pods=len(operand_pods))
+            wait_pods_gone(
+                self.cluster,
+                operand_pods,
+                timeout_s=s.operand_timeout_s,
+                poll_s=s.poll_s,
+                what="paused operand pods",
+                clock=self.clock,
+            )
+        evicted = drain_gpu_pods(
+            self.cluster,
+            s.node_name,
+            timeout_s=s.drain_timeout_s,
+            retry_s=s.eviction_retry_s,
+            poll_s=s.poll_s,
+            clock=self.clock,
+            exclude=operand_pods,
+            may_stay=self._pods_that_may_stay(the_plan),
+        )
+        self.metrics.evictions.inc(len(evicted))
+
+    def _apply(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+        assert self.catalog is not None
+        the_plan = self._plan_after_drain(self.catalog.get(desired), models)
+        try:
+            execute(the_plan, self.gpus)
+        except GpuResetRequired as exc:
+            self._reboot_or_fail(desired, exc)
+
+    def _plan_after_drain(self, layout: Layout, models: Mapping[int, GpuModel]) -> planner.Plan:
+        """Re-plan, now refusing what is in use. An evicted pod's processes can outlive its Pod
+        object for a moment (container teardown), so a busy GPU is looked at again until
+        ``gpu_release_timeout_s``; then it is a real busy GPU (GpuBusy, naming the pids)."""
+        deadline = self.clock.now() + self.settings.gpu_release_timeout_s
+        while True:
+            try:
+                return planner.plan(layout, self.gpus.observe(), models)
+            except GpuBusy as exc:
+                if self.clock.now() >= deadline:
+                    raise
+                log.info("gpu.waiting_for_processes", error=str(exc))
+                self.clock.sleep(self.settings.poll_s)
+
+    def _verify(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+        assert self.catalog is not None
+        verify(self.catalog.get(desired), self.gpus.observe(), models)
+        reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics)
+
+    def _reboot_or_fail(self, desired: str, exc: GpuResetRequired) -> None:
+        s = self.settings
+        node = self.cluster.get_node(s.node_name)
+        if not s.reboot_command:
+            raise GpuResetRequired(
+                f"{exc}; no reboot command is configured, reboot the node to finish", **exc.context
+            ) from exc
+        if node.annotations.get(s.reboot_annotation) == desired:
+            raise GpuResetRequired(
+                f"{exc}; MIG mode change did not take effect after "
+                "rebooting once, not rebooting again",
+                **exc.context,
+            ) from exc
+        self.seen = (desired, State.REBOOTING)  # our own label: no wake-up for it
+        self.cluster.patch_node(
+            s.node_name,
+            labels={s.state_label: State.REBOOTING},
+            annotations={s.reboot_annotation: desired},
+            expect_labels={s.config_label: desired},
+        )
+        self.metrics.set_state(State.REBOOTING)
+        reporting.event(
+            self.cluster, node, "MIGRebooting", f"{exc}; rebooting the node", warning=True
+        )
+        log.warning("node.rebooting", error=str(exc))
+        try:
+            self.reboot(s.reboot_command)
+        except RebootFailed:
+            # No reboot happened: disarm the guard, so that a fixed command gets its one reboot.
+            with contextlib.suppress(MigAgentError):
+                self.cluster.patch_node(s.node_name, annotations={s.reboot_annotation: None})
+            raise
+        raise NodeRebooting()
+
+    # -- cordon and operands ------------------------------------------------------------------
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def _set_state(self, node: NodeView, state: State, desired: str) -> NodeView:
+        s = self.settings
+        self.metrics.set_state(state)
+        if node.labels.get(s.state_label) == state:
+            return node
+        log.info("labels.patched", state=str(state))
+        # before the patch: the watch must not take our own label for someone else's change
+        self.seen = (desired, str(state))
+        return self.cluster.patch_node(
+            s.node_name, labels={s.state_label: str(state)}, expect_labels={s.config_label: desired}
+        )
+
+    def _succeed(self, node: NodeView, desired: str, message: str) -> None:
+        s = self.settings
+        self.seen = (desired, State.SUCCESS)
+        # only while the label still asks for this layout: a relabel during the pass must not
+        # read as success of the new one
+        self.cluster.patch_node(
+            s.node_name,
+            labels={s.state_label: State.SUCCESS},
+            annotations={s.reason_annotation: None, s.reboot_annotation: None},
+            expect_labels={s.config_label: desired},
+        )
+        self.metrics.set_state(State.SUCCESS)
+        self.metrics.last_success.set(time.time())
+        reporting.condition(
+            self.cluster, self.settings, NodeCondition(s.condition_type, "True", "Applied", message)
+        )
+        reporting.event(self.cluster, node, "MIGConfigApplied", message)
+        log.info("reconcile.succeeded", message=message)
+
+    def _failed(self, desired: str, exc: MigAgentError) -> PassResult:
+        s = self.settings
+        reason = str(exc)
+        retry = None
+        if exc.retryable:
+            self.failures += 1
+            retry = min(s.backoff_s * 2 ** (self.failures - 1), s.backoff_max_s)
+        log.error(
+            "reconcile.failed",
+            error=reason,
+            error_type=type(exc).__name__,
+            retryable=exc.retryable,
+            retry_in_s=retry,
+            **{k: v for k, v in exc.context.items() if k not in ("node", "layout")},
+        )
+        self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
+        self.metrics.set_state(State.FAILED)
+        try:
+            # before the patch: the watch must not take our own "failed" for someone's change
+            self.seen = (desired, State.FAILED)
+            node = self.cluster.patch_node(
+                s.node_name,
+                labels={s.state_label: State.FAILED},
+                annotations={s.reason_annotation: reason[:4096]},
+                expect_labels={s.config_label: desired},
+            )
+            reporting.condition(
+                self.cluster,
+                self.settings,
+                NodeCondition(s.condition_type, "False", type(exc).__name__, reason),
+            )
+            reporting.event(
+                self.cluster,
+                node,
+                "MIGConfigFailed",
+                reason
+                + (
+                    f" (retrying in {retry:.0f} s)"
+                    if retry
+                    else " (waiting for a label or config change)"
+                ),
+                warning=True,
+            )
+        except LabelsChanged as changed:
+            return self._superseded(desired, changed)
+        except MigAgentError as report_exc:  # API down: retry the whole pass later
+            log.error("reconcile.report_failed", error=str(report_exc))
+            retry = retry or s.backoff_s
+        return PassResult(Outcome.FAILED, retry, reason)
+
+    # -- the loop (mig_agent.agent.loop) --------------------------------------------------------
+
+    def wake(self) -> None:
+        self.wake_event.set()
+
+    def watch_forever(self, stop: threading.Event) -> None:
+        loop.watch_forever(self, stop)
+
+    def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
+        loop.run(self, stop, config_poll_s=config_poll_s)

@@ -1,0 +1,73 @@
+"""What the agent tells about a change besides the state label: the node condition, Events,
+phase logs and durations, device metrics and the GPU state published on the node. Best effort:
+a failure to report never fails the pass."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import structlog
+
+from mig_agent import planner, snapshot
+from mig_agent.drain import Clock
+from mig_agent.errors import (
+    MigAgentError,
+)
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView
+from mig_agent.metrics import Metrics
+from mig_agent.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def condition(cluster: Cluster, s: Settings, condition: NodeCondition) -> None:
+    with contextlib.suppress(MigAgentError):
+        cluster.set_node_condition(s.node_name, condition)
+
+
+def event(
+    cluster: Cluster, node: NodeView, reason: str, message: str, *, warning: bool = False
+) -> None:
+    with contextlib.suppress(MigAgentError):  # events are best effort
+        cluster.emit_event(node, reason=reason, message=message, warning=warning)
+
+
+@contextlib.contextmanager
+def phase(
+    cluster: Cluster,
+    metrics: Metrics,
+    clock: Clock,
+    node: NodeView,
+    phase: str,
+    reason: str,
+    message: str,
+) -> Iterator[None]:
+    """One phase of a reconfiguration: a log line, a Node event, a duration metric."""
+    log.info("phase.started", phase=phase)
+    event(cluster, node, reason, message)
+    start = clock.now()
+    with metrics.phase(phase):
+        yield
+    log.info("phase.finished", phase=phase, duration_s=round(clock.now() - start, 3))
+
+
+def record_devices(
+    cluster: Cluster,
+    s: Settings,
+    gpus: GpuBackend,
+    metrics: Metrics,
+    node_view: NodeView | None = None,
+) -> None:
+    """Update the device metrics and publish the GPU state on the node (for ``repartition
+    --dry-run`` and ``status``, which run far from NVML) when it changed."""
+    with contextlib.suppress(MigAgentError):
+        node, models = gpus.observe(), gpus.models()
+        metrics.set_devices(
+            {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
+        )
+        text = snapshot.compact(node, models)
+        current = node_view or cluster.get_node(s.node_name)
+        if current.annotations.get(s.gpu_state_annotation) != text:
+            cluster.patch_node(s.node_name, annotations={s.gpu_state_annotation: text})
