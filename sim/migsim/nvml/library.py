@@ -270,6 +270,17 @@ class SimulatedNvmlLibrary:
         """nvmlInit was called more often than nvmlShutdown."""
         return self._init_count > 0
 
+    @staticmethod
+    def exported() -> frozenset[str]:
+        """The names of the C functions this library implements."""
+        return frozenset(_EXPORTS)
+
+    def call(self, name: str, *args: Any) -> int:
+        """Calls the C function ``name`` with ctypes arguments: its nvmlReturn_t (the face the
+        C library's simulator server uses; pynvml calls the attributes directly)."""
+        spec = _EXPORTS[name]
+        return int(self._call(name, getattr(self, spec.method), spec, args))
+
     def reset_gpu(self, index: int) -> None:
         """``nvidia-smi -r`` for the simulated node (SimError when refused)."""
         reset_gpu(self.state_file, index)

@@ -1,0 +1,353 @@
+/* The runtime of the simulated libnvidia-ml.so.1 (see nvml_sim.h and migsim/nvml/abi.py).
+ *
+ * Every NVML call the library implements is one request/reply on a unix socket to the node's
+ * simulator (path in $MIG_AGENT_SIM_NVML_SOCKET), which answers from the node's state file with
+ * the same Python code pynvml runs over in-process. Here: the connection (one per process, opened
+ * by the first nvmlInit, closed by the last nvmlShutdown, reopened in a forked child), one lock
+ * around each call (thread-safe), and handles: pointers this library owns, one per token the
+ * simulator hands out, stable for the life of the process; a pointer not handed out by this
+ * library is sent as token 0, which the simulator refuses with NVML_ERROR_INVALID_ARGUMENT. */
+#define _GNU_SOURCE
+#include "nvml_sim.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <nvml.h>
+
+#define ENV_SOCKET "MIG_AGENT_SIM_NVML_SOCKET"
+#define HANDLE_MAGIC 0x6d69677369686e64ULL
+
+struct sim_handle {
+    uint64_t magic;
+    uint64_t token;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int fd = -1;
+static unsigned int init_count;
+static struct sim_handle **handles;
+static size_t handle_count, handle_cap;
+
+static void warn(const char *what, const char *detail) {
+    fprintf(stderr, "libnvidia-ml.so.1 (simulated): %s%s%s\n", what, detail ? ": " : "",
+            detail ? detail : "");
+}
+
+/* -- handles (called with the lock held) ------------------------------------------------------- */
+
+static void *handle_for(uint64_t token) {
+    if (token == 0) return NULL;
+    for (size_t i = 0; i < handle_count; i++)
+        if (handles[i]->token == token) return handles[i];
+    if (handle_count == handle_cap) {
+        size_t cap = handle_cap ? 2 * handle_cap : 64;
+        struct sim_handle **grown = realloc(handles, cap * sizeof *grown);
+        if (!grown) return NULL;
+        handles = grown;
+        handle_cap = cap;
+    }
+    struct sim_handle *h = malloc(sizeof *h);
+    if (!h) return NULL;
+    h->magic = HANDLE_MAGIC;
+    h->token = token;
+    handles[handle_count++] = h;
+    return h;
+}
+
+static uint64_t token_of(const void *p) {
+    if (!p) return 0;
+    for (size_t i = 0; i < handle_count; i++)
+        if (handles[i] == p) return handles[i]->token;
+    return 0;
+}
+
+/* -- I/O ------------------------------------------------------------------------------------------ */
+
+static int write_all(const char *p, size_t n) {
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int read_all(char *p, size_t n) {
+    while (n) {
+        ssize_t r = recv(fd, p, n, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+static int reserve(sim_call *c, size_t more) {
+    if (c->failed) return -1;
+    if (c->len + more <= c->cap) return 0;
+    size_t cap = c->cap ? c->cap : 256;
+    while (cap < c->len + more) cap *= 2;
+    char *grown = realloc(c->buf, cap);
+    if (!grown) {
+        c->failed = 1;
+        return -1;
+    }
+    c->buf = grown;
+    c->cap = cap;
+    return 0;
+}
+
+static void begin(sim_call *c, const char *name) {
+    memset(c, 0, sizeof *c);
+    uint32_t placeholder = 0;
+    sim_put_bytes(c, &placeholder, sizeof placeholder);
+    sim_put_bytes(c, name, strlen(name) + 1);
+}
+
+/* Sends c's request and reads the reply into c; -1 when the connection failed. */
+static int exchange(sim_call *c, int *rc) {
+    if (c->failed) return -1;
+    uint32_t len = (uint32_t)(c->len - 4);
+    memcpy(c->buf, &len, 4);
+    if (fd < 0 || write_all(c->buf, c->len) < 0 || read_all((char *)&len, 4) < 0 || len < 4) {
+        warn("lost the connection to the GPU simulator", strerror(errno));
+        c->failed = 1;
+        return -1;
+    }
+    c->len = 0;
+    if (reserve(c, len) < 0 || read_all(c->buf, len) < 0) {
+        c->failed = 1;
+        return -1;
+    }
+    c->len = len;
+    int32_t code;
+    memcpy(&code, c->buf, 4);
+    c->pos = 4;
+    *rc = code;
+    return 0;
+}
+
+static int connect_server(void) {
+    const char *path = getenv(ENV_SOCKET);
+    if (!path || !*path) {
+        warn("no GPU simulator: " ENV_SOCKET " is not set (run under scripts/with-sim-gpus)", NULL);
+        return -1;
+    }
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof addr.sun_path) {
+        warn("socket path too long", path);
+        return -1;
+    }
+    strcpy(addr.sun_path, path);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return -1;
+    if (connect(s, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        warn("cannot connect to the GPU simulator", strerror(errno));
+        close(s);
+        return -1;
+    }
+    fd = s;
+    return 0;
+}
+
+/* Connects and sends an init call; NVML's code for it. Lock held. */
+static int init_locked(const char *name, int has_flags, unsigned int flags) {
+    if (fd < 0 && connect_server() < 0) return NVML_ERROR_DRIVER_NOT_LOADED;
+    sim_call c;
+    begin(&c, name);
+    if (has_flags) sim_put_u32(&c, flags);
+    int rc = NVML_ERROR_UNKNOWN;
+    if (exchange(&c, &rc) < 0) rc = NVML_ERROR_DRIVER_NOT_LOADED;
+    free(c.buf);
+    if (rc != NVML_SUCCESS) {
+        close(fd);
+        fd = -1;
+    }
+    return rc;
+}
+
+/* A forked child has its parent's socket: it reconnects on its next call. */
+static void before_fork(void) { pthread_mutex_lock(&lock); }
+static void after_fork_parent(void) { pthread_mutex_unlock(&lock); }
+static void after_fork_child(void) {
+    if (fd >= 0) close(fd);
+    fd = -1;
+    pthread_mutex_unlock(&lock);
+}
+
+__attribute__((constructor)) static void setup(void) {
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+/* -- the calls ------------------------------------------------------------------------------------ */
+
+int sim_start(sim_call *c, const char *name) {
+    pthread_mutex_lock(&lock);
+    if (init_count == 0) {
+        pthread_mutex_unlock(&lock);
+        return NVML_ERROR_UNINITIALIZED;
+    }
+    if (fd < 0) {
+        int rc = init_locked("nvmlInit_v2", 0, 0);
+        if (rc != NVML_SUCCESS) {
+            pthread_mutex_unlock(&lock);
+            return rc;
+        }
+    }
+    begin(c, name);
+    return NVML_SUCCESS;
+}
+
+int sim_send(sim_call *c) {
+    int rc = NVML_ERROR_UNKNOWN;
+    if (exchange(c, &rc) < 0) return NVML_ERROR_UNKNOWN;
+    return rc;
+}
+
+int sim_finish(sim_call *c, int rc) {
+    if (!c->failed && c->pos != c->len) {
+        warn("malformed reply from the GPU simulator", NULL);
+        c->failed = 1;
+    }
+    if (c->failed && rc == NVML_SUCCESS) rc = NVML_ERROR_UNKNOWN;
+    free(c->buf);
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+void sim_put_bytes(sim_call *c, const void *p, size_t size) {
+    if (reserve(c, size) < 0) return;
+    memcpy(c->buf + c->len, p, size);
+    c->len += size;
+}
+
+void sim_put_u8(sim_call *c, uint8_t v) { sim_put_bytes(c, &v, 1); }
+void sim_put_u32(sim_call *c, uint32_t v) { sim_put_bytes(c, &v, 4); }
+
+void sim_put_handle(sim_call *c, const void *handle) {
+    uint64_t token = token_of(handle);
+    sim_put_bytes(c, &token, 8);
+}
+
+void sim_put_text(sim_call *c, const char *text) {
+    if (!text) {
+        sim_put_u32(c, UINT32_MAX);
+        return;
+    }
+    size_t n = strlen(text);
+    sim_put_u32(c, (uint32_t)n);
+    sim_put_bytes(c, text, n);
+}
+
+size_t sim_put_ptr(sim_call *c, const void *p, size_t size) {
+    sim_put_u8(c, p != NULL);
+    if (!p) return 0;
+    size_t off = c->len;
+    sim_put_bytes(c, p, size);
+    return off;
+}
+
+void sim_tokenize(sim_call *c, size_t off) {
+    if (c->failed || off + sizeof(void *) > c->len) return;
+    void *p;
+    memcpy(&p, c->buf + off, sizeof p);
+    uint64_t token = token_of(p);
+    memcpy(c->buf + off, &token, 8);
+}
+
+static const char *take(sim_call *c, size_t n) {
+    if (c->failed || c->pos + n > c->len) {
+        c->failed = 1;
+        return NULL;
+    }
+    const char *p = c->buf + c->pos;
+    c->pos += n;
+    return p;
+}
+
+void sim_get_ptr(sim_call *c, void *p, size_t size) {
+    const char *src = take(c, size);
+    if (src) memcpy(p, src, size);
+}
+
+void sim_get_handle(sim_call *c, void **out) {
+    const char *src = take(c, 8);
+    if (!src) return;
+    uint64_t token;
+    memcpy(&token, src, 8);
+    if (token) *out = handle_for(token);
+}
+
+static size_t get_count(sim_call *c, size_t max) {
+    const char *src = take(c, 4);
+    if (!src) return 0;
+    uint32_t k;
+    memcpy(&k, src, 4);
+    if (k > max) {
+        c->failed = 1;
+        return 0;
+    }
+    return k;
+}
+
+void sim_get_array(sim_call *c, void *p, size_t elem, size_t max) {
+    size_t k = get_count(c, max);
+    const char *src = take(c, k * elem);
+    if (src && k) memcpy(p, src, k * elem);
+}
+
+void sim_get_handles(sim_call *c, void **p, size_t max) {
+    size_t k = get_count(c, max);
+    for (size_t i = 0; i < k; i++) sim_get_handle(c, &p[i]);
+}
+
+void sim_untokenize(void *p) {
+    uint64_t token;
+    memcpy(&token, p, 8);
+    void *h = handle_for(token);
+    memcpy(p, &h, sizeof h);
+}
+
+/* -- init, shutdown, error strings: the library's own ------------------------------------------- */
+
+static nvmlReturn_t init(const char *name, int has_flags, unsigned int flags) {
+    pthread_mutex_lock(&lock);
+    int rc = NVML_SUCCESS;
+    if (init_count == 0) rc = init_locked(name, has_flags, flags);
+    if (rc == NVML_SUCCESS) init_count++;
+    pthread_mutex_unlock(&lock);
+    return (nvmlReturn_t)rc;
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return init("nvmlInit_v2", 0, 0); }
+nvmlReturn_t nvmlInit(void) { return init("nvmlInit_v2", 0, 0); }
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) { return init("nvmlInitWithFlags", 1, flags); }
+
+nvmlReturn_t nvmlShutdown(void) {
+    pthread_mutex_lock(&lock);
+    int rc = NVML_SUCCESS;
+    if (init_count == 0) {
+        rc = NVML_ERROR_UNINITIALIZED;
+    } else if (--init_count == 0 && fd >= 0) {
+        sim_call c;
+        begin(&c, "nvmlShutdown");
+        if (exchange(&c, &rc) < 0) rc = NVML_SUCCESS; /* the simulator is gone: nothing to undo */
+        free(c.buf);
+        close(fd);
+        fd = -1;
+    }
+    pthread_mutex_unlock(&lock);
+    return (nvmlReturn_t)rc;
+}
+
+const char *nvmlErrorString(nvmlReturn_t result) { return sim_error_string((int)result); }
