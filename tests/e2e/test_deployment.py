@@ -8,10 +8,12 @@
   deleting nodes, writing pods, deleting pods outside gpu-operator, reading kube-system ConfigMaps
   and granting itself RBAC are refused;
 * the admission policy mig-agent-own-node: with a token bound to its pod on node A, the agent may
-  change A's MIG state label, operand labels, mig-agent.dev/* annotations, spec.unschedulable and
-  its MIGConfigApplied condition, and nothing else -- not another node, not other labels,
-  annotations, taints, conditions or resources; a token bound to no pod (no node name) may change
-  no node at all. The policy type-checks without warnings.
+  change A's MIG state label (to its four values), the operand labels the settings name (between
+  true and paused-for-mig-change), its five mig-agent.dev/ annotations (size-capped),
+  spec.unschedulable and its MIGConfigApplied condition (with its own reasons), and nothing else
+  -- not another node, not other labels, annotations, values, taints, conditions, resources or
+  managedFields; a token bound to no pod (no node name) may change no node at all. The policies
+  type-check without warnings. (Pods, Events, evictions and reads: tests/e2e/test_attack.py.)
 """
 
 from __future__ import annotations
@@ -208,6 +210,7 @@ class Call:
     content_type: str = "application/json"
     # False: authorised (any answer but 403, e.g. 404 for a pod that does not exist)
     refused: bool = True
+    policy: str = ""  # refused by this admission policy, not by RBAC
 
 
 CALLS = {
@@ -217,8 +220,9 @@ CALLS = {
                       refused=False),
     "delete-device-plugin-pod": Call("DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/nope{DRY}",
                                      refused=False),
+    # RBAC allows it, the policy mig-agent-own-events refuses it: this token names no node
     "create-node-event": Call("POST", f"/api/v1/namespaces/default/events{DRY}", EVENT,
-                              refused=False),
+                              policy="mig-agent-own-events"),
     "list-secrets-everywhere": Call("GET", "/api/v1/secrets"),
     "list-secrets-kube-system": Call("GET", "/api/v1/namespaces/kube-system/secrets"),
     "list-secrets-own-namespace": Call("GET", f"/api/v1/namespaces/{AGENT_NS}/secrets"),
@@ -241,7 +245,7 @@ def test_calls_as_agent(agent_sa: Api, call: Call) -> None:
     except ApiError as exc:
         status = exc.status
         if call.refused:
-            assert AGENT_USER in str(exc)
+            assert (call.policy or AGENT_USER) in str(exc)
     assert (status == 403) == call.refused, f"{call.method} {call.path}: HTTP {status}"
 
 
@@ -298,9 +302,10 @@ def wait_policy_active(n: Nodes) -> None:
     wait_until(refused, timeout=60, what=f"the policy {POLICY} to be enforced", interval=0.5)
 
 
-def condition(kind: str, status: str = "True") -> dict[str, str]:
+def condition(kind: str, status: str = "True", reason: str = "Applied",
+              message: str = "from the test") -> dict[str, str]:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return {"type": kind, "status": status, "reason": "DeployTest", "message": "from the test",
+    return {"type": kind, "status": status, "reason": reason, "message": message,
             "lastHeartbeatTime": now, "lastTransitionTime": now}
 
 
@@ -320,7 +325,15 @@ class Change:
 OTHER_NODE = "may change only the node it runs on ({own}), not {other}"
 NO_NODE = "may change only the node it runs on (its token names no node)"
 LABELS = "may change only the MIG state and operand labels, not: "
-ANNOTATIONS = "may change only its own annotations (mig-agent.dev/*), not: "
+ANNOTATIONS = ("may change only its own annotations (mig-agent.dev/cordoned, "
+               "mig-agent.dev/paused-operands, mig-agent.dev/reason, mig-agent.dev/gpu-state, "
+               "mig-agent.dev/reboot-attempted), not: ")
+STATE_VALUE = f"may set {STATE} only to pending, rebooting, success, failed, not "
+OPERANDS = "may move an operand label only to true or paused-for-mig-change, "
+SIZE = "annotations are capped at 4096 characters"
+MANAGED = "may not write metadata.managedFields"
+CONDITION = "may set its node condition (MIGConfigApplied) only to True or False, with one"
+PAUSED = "paused-for-mig-change"
 SPEC = "may change only spec.unschedulable of the node spec"
 STATUS = "may change only its own node condition (MIGConfigApplied) in the status"
 
@@ -335,9 +348,19 @@ CHANGES = {
                          before={"spec": {"unschedulable": None}}),
     "own-uncordon": Change("own_agent", "own", {"spec": {"unschedulable": None}},
                            before={"spec": {"unschedulable": True}}),
-    "own-device-plugin-label": Change("own_agent", "own",
-                                      {"metadata": {"labels": {DP_LABEL: "false"}}},
-                                      before={"metadata": {"labels": {DP_LABEL: "true"}}}),
+    "own-device-plugin-paused": Change("own_agent", "own",
+                                       {"metadata": {"labels": {DP_LABEL: PAUSED}}},
+                                       before={"metadata": {"labels": {DP_LABEL: "true"}}}),
+    "own-device-plugin-resumed": Change("own_agent", "own",
+                                        {"metadata": {"labels": {DP_LABEL: "true"}}},
+                                        before={"metadata": {"labels": {DP_LABEL: PAUSED}}}),
+    "own-state-failed": Change("own_agent", "own", {"metadata": {"labels": {STATE: "failed"}}}),
+    "own-all-annotations": Change("own_agent", "own", {"metadata": {"annotations": {
+        "mig-agent.dev/cordoned": "true", "mig-agent.dev/paused-operands": DP_LABEL,
+        "mig-agent.dev/reason": "r" * 4096, "mig-agent.dev/gpu-state": "{" * 30000,
+        "mig-agent.dev/reboot-attempted": "all-balanced"}}}),
+    "own-condition-failed": Change("own_agent", "own", {"status": {"conditions": [
+        condition("MIGConfigApplied", "False", "EvictionBlocked", "m" * 1024)]}}, status=True),
     "own-condition": Change("own_agent", "own",
                             {"status": {"conditions": [condition("MIGConfigApplied")]}},
                             status=True),
@@ -372,6 +395,56 @@ CHANGES = {
                         denied=SPEC),
     "own-provider-id": Change("own_agent", "own", {"spec": {"providerID": "kwok://x"}},
                               denied=SPEC),
+    # denied: inside the MIG parts, values the agent never writes
+    "own-state-made-up": Change("own_agent", "own", {"metadata": {"labels": {STATE: "x"}}},
+                                denied=STATE_VALUE + "x"),
+    "own-driver-operand-disabled": Change(
+        "own_agent", "own", {"metadata": {"labels": {"nvidia.com/gpu.deploy.driver": "false"}}},
+        denied=LABELS + "nvidia.com/gpu.deploy.driver"),
+    "own-made-up-operand": Change(
+        "own_agent", "own", {"metadata": {"labels": {"nvidia.com/gpu.deploy.x": PAUSED}}},
+        denied=LABELS + "nvidia.com/gpu.deploy.x"),
+    "own-device-plugin-false": Change("own_agent", "own",
+                                      {"metadata": {"labels": {DP_LABEL: "false"}}},
+                                      before={"metadata": {"labels": {DP_LABEL: "true"}}},
+                                      denied=OPERANDS),
+    "own-device-plugin-from-false": Change("own_agent", "own",
+                                           {"metadata": {"labels": {DP_LABEL: "true"}}},
+                                           before={"metadata": {"labels": {DP_LABEL: "false"}}},
+                                           denied=OPERANDS),
+    "own-device-plugin-removed": Change("own_agent", "own",
+                                        {"metadata": {"labels": {DP_LABEL: None}}},
+                                        before={"metadata": {"labels": {DP_LABEL: "true"}}},
+                                        denied=OPERANDS),
+    "own-operand-added": Change(
+        "own_agent", "own", {"metadata": {"labels": {"nvidia.com/gpu.deploy.dcgm": PAUSED}}},
+        denied=OPERANDS),
+    "own-made-up-annotation": Change(
+        "own_agent", "own", {"metadata": {"annotations": {"mig-agent.dev/anything": "x"}}},
+        denied=ANNOTATIONS),
+    "own-annotation-too-long": Change(
+        "own_agent", "own", {"metadata": {"annotations": {"mig-agent.dev/reason": "r" * 4097}}},
+        denied=SIZE),
+    "own-gpu-state-too-long": Change(
+        "own_agent", "own",
+        {"metadata": {"annotations": {"mig-agent.dev/gpu-state": "{" * 32769}}}, denied=SIZE),
+    "own-managed-fields-cleared": Change("own_agent", "own",
+                                         {"metadata": {"managedFields": [{}]}}, denied=MANAGED),
+    "own-managed-fields-forged": Change("own_agent", "own", {"metadata": {"managedFields": [
+        {"manager": "forged", "operation": "Apply", "apiVersion": "v1", "fieldsType": "FieldsV1",
+         "fieldsV1": {"f:spec": {"f:taints": {}}}}]}}, denied=MANAGED),
+    "own-condition-made-up-reason": Change(
+        "own_agent", "own",
+        {"status": {"conditions": [condition("MIGConfigApplied", "False", "NodeNotReady")]}},
+        status=True, denied=CONDITION),
+    "own-condition-unknown": Change(
+        "own_agent", "own",
+        {"status": {"conditions": [condition("MIGConfigApplied", "Unknown")]}},
+        status=True, denied=CONDITION),
+    "own-condition-long-message": Change(
+        "own_agent", "own",
+        {"status": {"conditions": [condition("MIGConfigApplied", message="m" * 1025)]}},
+        status=True, denied=CONDITION),
     "own-ready-condition": Change("own_agent", "own",
                                   {"status": {"conditions": [condition("Ready", "False")]}},
                                   status=True, denied=STATUS),
@@ -444,6 +517,11 @@ def test_policy(nodes: Nodes, change: Change) -> None:
     assert after["metadata"].get("labels") == before["metadata"].get("labels")
     assert after["metadata"].get("annotations") == before["metadata"].get("annotations")
     assert after["spec"] == before["spec"]
+    assert _managers(after) == _managers(before)
+
+
+def _managers(node: Mapping[str, Any]) -> set[tuple[str, str]]:
+    return {(m["manager"], m["operation"]) for m in node["metadata"].get("managedFields", [])}
 
 
 def test_status_subresource_cannot_carry_label_changes(nodes: Nodes) -> None:
@@ -459,8 +537,9 @@ def test_status_subresource_cannot_carry_label_changes(nodes: Nodes) -> None:
     assert "team" not in (_read(nodes, nodes.own)["metadata"].get("labels") or {})
 
 
-def test_policy_type_checks_without_warnings(installed: Cluster) -> None:
-    path = f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{POLICY}"
+@pytest.mark.parametrize("name", [POLICY, "mig-agent-own-device-plugin", "mig-agent-own-events"])
+def test_policy_type_checks_without_warnings(installed: Cluster, name: str) -> None:
+    path = f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{name}"
 
     def checked() -> dict[str, Any] | None:
         # the status controller writes the type-check result with observedGeneration at once;
@@ -470,7 +549,7 @@ def test_policy_type_checks_without_warnings(installed: Cluster) -> None:
         done = status.get("observedGeneration") == policy["metadata"]["generation"]
         return status if done else None
 
-    status = wait_until(checked, timeout=60, what=f"type checking of {POLICY}")
+    status = wait_until(checked, timeout=60, what=f"type checking of {name}")
     assert status is not None
     assert not status.get("typeChecking", {}).get("expressionWarnings"), status
     assert not [c for c in status.get("conditions", []) if c.get("status") == "False"], status

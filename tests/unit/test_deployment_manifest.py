@@ -10,11 +10,18 @@
 * RBAC is least privilege: no wildcards, nothing on secrets, no node deletion or creation, no pod
   writes but eviction cluster-wide, pod deletion only in gpu-operator; every binding names the
   agent's ServiceAccount and a role of this manifest;
-* the admission policy is bound, denies on failure and on violation, and matches the agent only.
+* the admission policies (own node, own device plugin pod, own Events) are bound, deny on failure
+  and on violation, and match the agent only;
+* they are rendered from the agent's settings (deploy/policies.py): the manifest names exactly the
+  default label keys, annotations, condition type and device plugin namespace and selector; other
+  settings render another policy; the condition and Event reasons the policy allows are exactly
+  those the agent's code sets (read from its source), so a new reason fails here, not in a
+  cluster.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +31,11 @@ from typing import Any
 import pytest
 import yaml
 
+from deploy import policies
+from mig_agent import errors
 from mig_agent.catalog import load_text
+from mig_agent.labels import PAUSED, State
+from mig_agent.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "daemonset.yaml"
@@ -224,14 +235,158 @@ def test_every_binding_names_the_agent_and_a_role_of_this_manifest(docs: list[Do
 # ---- admission policy ----------------------------------------------------------------------------
 
 
-def test_policy_is_bound_and_denies(docs: list[Doc]) -> None:
-    policy = one(docs, "ValidatingAdmissionPolicy", "mig-agent-own-node")["spec"]
-    binding = one(docs, "ValidatingAdmissionPolicyBinding", "mig-agent-own-node")["spec"]
-    assert binding["policyName"] == "mig-agent-own-node"
+POLICIES = ("mig-agent-own-node", "mig-agent-own-device-plugin", "mig-agent-own-events")
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_policy_is_bound_and_denies(docs: list[Doc], name: str) -> None:
+    policy = one(docs, "ValidatingAdmissionPolicy", name)["spec"]
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", name)["spec"]
+    assert binding["policyName"] == name
     assert binding["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding  # every namespace, every object
     assert policy["failurePolicy"] == "Fail"
-    rules = policy["matchConstraints"]["resourceRules"]
-    assert {r for rule in rules for r in rule["resources"]} == {"nodes", "nodes/status"}
-    assert {o for rule in rules for o in rule["operations"]} >= {"UPDATE"}
     (cond,) = policy["matchConditions"]
     assert "system:serviceaccount:mig-agent:mig-agent" in cond["expression"]
+    assert all(v.get("reason") == "Forbidden" for v in policy["validations"])
+
+
+def test_policies_cover_every_write_rbac_grants(docs: list[Doc]) -> None:
+    covered = {(r, o) for name in POLICIES
+               for rule in one(docs, "ValidatingAdmissionPolicy", name)["spec"][
+                   "matchConstraints"]["resourceRules"]
+               for r in rule["resources"] for o in rule["operations"]}
+    assert {("nodes", "UPDATE"), ("nodes/status", "UPDATE"), ("pods", "DELETE"),
+            ("events", "CREATE")} <= covered
+    # eviction is the one write no policy can scope (README, Security): an Eviction names no node
+    writes = {(r, v) for _, rule in rules_of(docs) for r in rule["resources"]
+              for v in rule["verbs"] if v not in ("get", "list", "watch")}
+    assert writes == {("nodes", "patch"), ("nodes/status", "patch"), ("pods/eviction", "create"),
+                      ("pods", "delete"), ("events", "create")}
+
+
+# ---- the policies follow the settings --------------------------------------------------------
+
+
+def _variables(docs: list[Doc], name: str) -> dict[str, str]:
+    spec = one(docs, "ValidatingAdmissionPolicy", name)["spec"]
+    return {v["name"]: v["expression"] for v in spec["variables"]}
+
+
+def _text(docs: list[Doc], name: str) -> str:
+    return yaml.safe_dump(one(docs, "ValidatingAdmissionPolicy", name), width=10**6)
+
+
+def test_own_node_policy_names_the_default_settings(docs: list[Doc]) -> None:
+    s = Settings()
+    v = _variables(docs, "mig-agent-own-node")
+    assert v["stateLabel"] == f"'{s.state_label}'"
+    assert v["states"] == "[" + ", ".join(f"'{x}'" for x in State) + "]"
+    assert v["operandLabels"] == "[" + ", ".join(f"'{k}'" for k in s.operand_labels) + "]"
+    assert v["ourAnnotations"] == "[" + ", ".join(
+        f"'{k}'" for k in (s.cordon_annotation, s.paused_annotation, s.reason_annotation,
+                           s.gpu_state_annotation, s.reboot_annotation)) + "]"
+    text = _text(docs, "mig-agent-own-node")
+    assert f"c.type != '{s.condition_type}'" in text
+    assert f"'{PAUSED}'" in text
+    assert "gpu.deploy.'" not in text and "startsWith" not in text  # no prefix: exact keys
+
+
+def test_device_plugin_policy_and_role_name_the_default_namespace(docs: list[Doc]) -> None:
+    s = Settings()
+    one(docs, "Role", "mig-agent-device-plugin", s.device_plugin_namespace)
+    text = _text(docs, "mig-agent-own-device-plugin")
+    assert f"request.namespace == '{s.device_plugin_namespace}'" in text
+    key, value = s.device_plugin_selector.split("=")
+    assert f"variables.labels['{key}'] == '{value}'" in text
+
+
+def test_other_settings_render_another_policy() -> None:
+    s = Settings(state_label="example.com/mig.state", operand_labels=("example.com/op",),
+                 annotation_prefix="mig.example.com", condition_type="MIGExample",
+                 device_plugin_namespace="plugins", device_plugin_selector="app=dp,!legacy")
+    text = policies.render(s)
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    v = _variables(docs, "mig-agent-own-node")
+    assert v["stateLabel"] == "'example.com/mig.state'"
+    assert v["operandLabels"] == "['example.com/op']"
+    assert "'mig.example.com/reason'" in v["ourAnnotations"]
+    for default in ("nvidia.com/mig.config.state", "nvidia.com/gpu.deploy.", "mig-agent.dev/",
+                    "type != 'MIGConfigApplied'", '"type":"MIGConfigApplied"', "gpu-operator",
+                    "nvidia-device-plugin-daemonset"):
+        assert default not in text, default
+    assert "c.type != 'MIGExample'" in text and '"type":"MIGExample"' in text
+    assert ("request.namespace == 'plugins' && (('app' in variables.labels && "
+            "variables.labels['app'] == 'dp') && !('legacy' in variables.labels))") in text
+
+
+@pytest.mark.parametrize("bad", [
+    Settings(state_label="x'y"), Settings(operand_labels=("a) || true || (",)),
+    Settings(device_plugin_selector="app in (a,b)"), Settings(device_plugin_selector=""),
+])
+def test_settings_the_policy_cannot_express_are_refused(bad: Settings) -> None:
+    with pytest.raises(policies.PolicyError):
+        policies.render(bad)
+
+
+AGENT_CODE = REPO / "mig_agent" / "agent"
+
+
+def _calls(name: str, module: str = "") -> Iterator[ast.Call]:
+    """Calls of `name` (of `module`.`name` if given) in the agent's code."""
+    for path in sorted(AGENT_CODE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if module:
+                if (isinstance(f, ast.Attribute) and f.attr == name
+                        and isinstance(f.value, ast.Name) and f.value.id == module):
+                    yield node
+            elif (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) == name:
+                yield node
+
+
+def _argument(call: ast.Call, position: int, keyword: str) -> ast.expr:
+    for kw in call.keywords:
+        if kw.arg == keyword:
+            return kw.value
+    return call.args[position]
+
+
+def test_condition_reasons_are_those_the_agent_sets() -> None:
+    literal: set[str] = set()
+    calls = list(_calls("NodeCondition"))
+    assert calls
+    for call in calls:
+        reason = _argument(call, 2, "reason")
+        if isinstance(reason, ast.Constant) and isinstance(reason.value, str):
+            literal.add(reason.value)
+        else:  # a failed pass: the error's class, type(exc).__name__
+            assert ast.unparse(reason) == "type(exc).__name__", ast.unparse(reason)
+    assert literal == set(policies.CONDITION_REASONS)
+    leaves = {name for name, obj in vars(errors).items()
+              if isinstance(obj, type) and issubclass(obj, errors.MigAgentError)}
+    assert leaves == set(policies.error_names())
+    assert set(policies.condition_reasons()) == literal | leaves
+
+
+def test_event_reasons_are_those_the_agent_emits() -> None:
+    emitted: set[str] = set()
+    for name, position in (("event", 2), ("phase", 5)):
+        calls = list(_calls(name, "reporting"))
+        assert calls, name
+        for call in calls:
+            reason = _argument(call, position, "reason")
+            assert isinstance(reason, ast.Constant), ast.unparse(reason)
+            emitted.add(reason.value)
+    assert emitted == set(policies.EVENT_REASONS)
+
+
+def test_event_component_is_the_clients_default() -> None:
+    import inspect
+
+    from mig_agent.kube.client import KubernetesCluster
+
+    default = inspect.signature(KubernetesCluster.__init__).parameters["component"].default
+    assert default == policies.COMPONENT
