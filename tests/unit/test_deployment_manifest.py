@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -390,3 +391,18 @@ def test_event_component_is_the_clients_default() -> None:
 
     default = inspect.signature(KubernetesCluster.__init__).parameters["component"].default
     assert default == policies.COMPONENT
+
+
+def test_sync_daemonset_renders_the_policies_for_the_environments_settings() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
+    env.update({"MIG_AGENT_STATE_LABEL": "example.com/mig.state",
+                "MIG_AGENT_OPERAND_LABELS": "example.com/op-a,example.com/op-b"})
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "sync-daemonset"), "--policies"],
+                         capture_output=True, text=True, check=False, env=env)
+    assert res.returncode == 0, res.stderr
+    docs = [d for d in yaml.safe_load_all(res.stdout) if d]
+    v = _variables(docs, "mig-agent-own-node")
+    assert v["stateLabel"] == "'example.com/mig.state'"
+    assert v["operandLabels"] == "['example.com/op-a', 'example.com/op-b']"
+    assert {d["kind"] for d in docs} == {"ValidatingAdmissionPolicy",
+                                         "ValidatingAdmissionPolicyBinding"}
