@@ -29,11 +29,17 @@ log = structlog.get_logger(__name__)
 
 
 def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
-    return cluster.list_pods(
-        node=s.node_name,
-        namespace=s.device_plugin_namespace,
-        label_selector=s.device_plugin_selector,
-    )
+    """The node's device plugin pods, but those already on their way out: a terminating pod is
+    no plugin to restart or to wait for (its DaemonSet may no longer want this node)."""
+    return [
+        p
+        for p in cluster.list_pods(
+            node=s.node_name,
+            namespace=s.device_plugin_namespace,
+            label_selector=s.device_plugin_selector,
+        )
+        if not p.terminating
+    ]
 
 
 def restart(cluster: Cluster, s: Settings, paused: list[str]) -> None:
@@ -81,11 +87,7 @@ def resources_ok(
     cluster: Cluster, s: Settings, gpus: GpuBackend, node: NodeView, models: Mapping[int, GpuModel]
 ) -> bool:
     """True unless a device plugin runs here and advertises other resources than the GPUs'."""
-    if not cluster.list_pods(
-        node=s.node_name,
-        namespace=s.device_plugin_namespace,
-        label_selector=s.device_plugin_selector,
-    ):
+    if not plugin_pods(cluster, s):
         return True
     strategy, sharing = plugin_rules(s, node)
     return node.gpu_resources() == expected_resources(gpus.observe(), models, strategy, sharing)

@@ -256,12 +256,7 @@ class Agent:
             if changed
             else f"finishing layout {desired} after an interrupted pass",
         )
-        # a plugin pod already on its way out is no sign that a device plugin runs here
-        old_plugins = {
-            p.ref.uid
-            for p in device_plugin.plugin_pods(self.cluster, self.settings)
-            if not p.terminating
-        }
+        old_plugins = {p.ref.uid for p in device_plugin.plugin_pods(self.cluster, self.settings)}
         with node_guard.gpu_clients_paused(self.cluster, self.settings, node) as paused:
             if not the_plan.is_empty:
                 with reporting.phase(

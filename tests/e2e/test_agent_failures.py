@@ -167,15 +167,19 @@ def test_a_failing_reboot_command_is_failed_with_its_reason(agent_node: NodeFact
 def test_paused_operands_without_a_device_plugin_do_not_wait_for_one(
         agent_node: NodeFactory, core: client.CoreV1Api) -> None:
     node = agent_node("2xH100-80GB", settings={"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "5"})
-    # no device plugin on this node, only a DCGM exporter among the operands
-    core.patch_node(node.name, {"metadata": {"labels": {
-        "nvidia.com/gpu.deploy.device-plugin": None,
-        "nvidia.com/gpu.deploy.dcgm-exporter": "true"}}})
+
     def plugin_pods() -> list[Any]:
         return [p for p in core.list_namespaced_pod(
             agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items
             if not p.metadata.deletion_timestamp]
 
+    # the DaemonSet has placed its plugin pod: removing the label now cannot race its creation
+    wait_for(lambda: any(p.status.phase == "Running" for p in plugin_pods()),
+             "the device plugin pod to run", node, timeout=60)
+    # no device plugin on this node, only a DCGM exporter among the operands
+    core.patch_node(node.name, {"metadata": {"labels": {
+        "nvidia.com/gpu.deploy.device-plugin": None,
+        "nvidia.com/gpu.deploy.dcgm-exporter": "true"}}})
     wait_for(lambda: not plugin_pods(), "the device plugin pod to go", node, timeout=60)
     seen: list[str] = []
     node.label("all-1g.10gb")

@@ -836,3 +836,16 @@ def test_the_loop_runs_on_injected_time() -> None:
     gaps = [b - a for a, b in zip(passes[1:], passes[2:], strict=False)]
     assert all(300.0 <= g < 306.0 for g in gaps), passes  # the resync, in the clock's time
     assert cluster.nodes[NODE].labels[STATE] == "success"
+
+
+def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -> None:
+    """Its DaemonSet no longer wants the node: no new plugin will come (before: the agent
+    deleted it and waited for a successor until DevicePluginTimeout)."""
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    cluster.on_change = None
+    (dp,) = cluster.list_pods(namespace=DP_NS)
+    cluster.pods[dp.ref] = dataclasses.replace(dp, terminating=True)
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert dp.ref in cluster.pods  # not deleted again
+    assert cluster.nodes[NODE].labels[STATE] == "success"
