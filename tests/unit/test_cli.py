@@ -397,3 +397,25 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
         cli.main([*argv, "--help"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("usage: mig-agent")
+
+
+def test_simulated_backend_without_the_simulated_world_says_how_to_install_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The agent's package does not ship the simulated GPUs: without the package that
+    registers them, --backend simulated is a usage error that names the fix."""
+    import importlib.metadata
+
+    real = importlib.metadata.entry_points
+
+    def without_sim(**kwargs: str) -> object:
+        if kwargs.get("group") == "mig_agent.gpu_backends":
+            return []
+        return real(**kwargs)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", without_sim)
+    code = cli.main(["assert", "-c", "all-1g.10gb", "--backend", "simulated",
+                     "--sim-state", str(tmp_path / "node.json")])
+    assert code == 2
+    assert "pip install -e ./sim" in capsys.readouterr().err
+    assert not (tmp_path / "node.json").exists()  # nothing was created
