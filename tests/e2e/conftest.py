@@ -8,7 +8,7 @@ import itertools
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,9 @@ from migsim.nvml import state as simstate
 REPO = Path(__file__).resolve().parents[2]
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 REASON = "mig-agent.dev/reason"
+# An agent that exits is restarted by its supervisor as a kubelet would, sooner than a kubelet's
+# 10 s doubling to 5 min: tests wait for the restart.
+RESTART_BACKOFF = (0.5, 5.0)
 _ids = itertools.count()
 
 
@@ -35,6 +38,10 @@ class AgentNode:
     cluster: Cluster
     core: client.CoreV1Api
     procs: agents.NodeAgents
+    known_agent: dict[str, Any] = field(default_factory=dict)  # the agent process last seen
+
+    def __post_init__(self) -> None:
+        self.known_agent = self.known_agent or asdict(self.procs.agent)
 
     @property
     def sim_state(self) -> str:
@@ -73,11 +80,40 @@ class AgentNode:
         log = self.cluster.dir / "logs" / f"agent-{self.name}.log"
         return "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else ""
 
+    def agent_record(self) -> dict[str, Any]:
+        """The node's agent as `agents.running` has it: `agent` (now), `state`, `restarts`."""
+        return agents.running(self.cluster.dir)[self.name]
+
+    def wait_agent_restarted(self, restarts: int, timeout: float = 30.0) -> None:
+        """Wait until the supervisor has restarted the agent `restarts` times and it runs."""
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.agent_record()
+            if record.get("restarts", 0) >= restarts and agents.agent_state(record) == "running":
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: agent not restarted {restarts} time(s) "
+                                     f"after {timeout} s: {record}")
+            time.sleep(0.05)
+
     def restart_agent(self, settings: Mapping[str, str] | None = None,
                       profiles: Path | None = None) -> None:
+        """An agent that was killed: wait for its supervisor to restart it, as a kubelet does.
+        New settings or profiles (or an agent still running): stop it and start it anew."""
+        record = self.agent_record()
+        if settings is None and profiles is None:
+            if agents.agent_state(record) == "back-off":
+                self.wait_agent_restarted(record.get("restarts", 0) + 1)
+                self.known_agent = self.agent_record()["agent"]
+                return
+            if record["agent"] != self.known_agent:  # killed, and restarted already
+                self.known_agent = record["agent"]
+                return
         agents.stop_node(self.cluster.dir, self.name)
         self.procs = agents.start_node(self.cluster, self.name, settings=settings,
-                                       profiles=profiles or agents.PROFILES)
+                                       profiles=profiles or agents.PROFILES,
+                                       restart_backoff=RESTART_BACKOFF)
+        self.known_agent = asdict(self.procs.agent)
 
 
 NodeFactory = Callable[..., AgentNode]
@@ -95,7 +131,7 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
         installed.add_gpu_node(name, gpus)
         procs = agents.start_node(installed, name, settings=settings,
                                   profiles=profiles or agents.PROFILES, sim=sim,
-                                  plugin_args=plugin_args)
+                                  plugin_args=plugin_args, restart_backoff=RESTART_BACKOFF)
         node = AgentNode(name, installed, core, procs)
         made.append(node)
         # the agent has published the GPUs' state once it is up

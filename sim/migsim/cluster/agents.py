@@ -6,6 +6,11 @@ pods on the simulated nodes; the real work is done by local processes started he
 agent (`mig-agent run`) authenticated with a token bound to that node's agent pod -- so it has the
 DaemonSet ServiceAccount's rights and the node name the admission policy checks -- and a simulated
 device plugin (`mig-agent sim-device-plugin`). Both share the node's simulated GPU state file.
+
+As a kubelet restarts a container that exits, a supervisor per node (`supervisor.py`) runs the
+agent and restarts it with the kubelet's back-off (10 s doubling to 5 min; `start_node`'s
+`restart_backoff` makes it shorter for tests): an agent that is killed comes back by itself.
+`stop_node` and `stop_all` stop the supervisor first, so what is stopped on purpose stays stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from migsim.nvml import state as simstate
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, free_ports, kill, spawn, stop
+
+KUBELET_BACKOFF = (10.0, 300.0)  # a kubelet's restart delay: first, cap (seconds)
 
 REPO = Path(__file__).resolve().parents[3]
 DAEMONSET = REPO / "daemonset.yaml"
@@ -60,6 +67,8 @@ class NodeAgents:
     metrics_port: int
     sim_state: str
     kubeconfig: str
+    supervisor: Proc | None = None  # restarts `agent` when it exits; None: not supervised
+    status_file: str = ""  # the supervisor's status (supervisor.py)
 
 
 def install(cluster: Cluster) -> None:
@@ -91,13 +100,15 @@ def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
 def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
                profiles: Path = PROFILES, timeout: float = 60.0,
                sim: Mapping[str, Any] | None = None,
-               plugin_args: Sequence[str] = ()) -> NodeAgents:
+               plugin_args: Sequence[str] = (),
+               restart_backoff: tuple[float, float] = KUBELET_BACKOFF) -> NodeAgents:
     """Start the agent and the simulated device plugin of `node`; its GPUs from nodes/<node>/gpus.
 
     `settings` are MIG_AGENT_* environment variables for the agent (e.g. a short drain timeout);
     `sim` are options of the node's simulated GPUs when they are first created (e.g.
     `{"reset_supported": False}` for a pass-through VM); `plugin_args` are more flags of the
-    simulated device plugin (e.g. `--mig-strategy single`, `--config-file FILE`).
+    simulated device plugin (e.g. `--mig-strategy single`, `--config-file FILE`);
+    `restart_backoff` is the agent's restart delay (first, cap) when it exits.
     """
     state = sim_state_path(cluster, node)
     if not state.exists():
@@ -117,10 +128,16 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
     pod_resources = cluster.node_dir(node) / "pod-resources.sock"
     env.update(settings or {})
     agent_env = {"MIG_AGENT_POD_RESOURCES_SOCKET": str(pod_resources), **env}
-    agent = spawn(f"mig-agent@{node}", [
+    status_file = cluster.node_dir(node) / "agent-supervisor.json"
+    status_file.unlink(missing_ok=True)
+    supervisor = spawn(f"supervisor@{node}", [
+        sys.executable, "-m", "migsim.cluster.supervisor", "--name", f"mig-agent@{node}",
+        "--log", str(logs / f"agent-{node}.log"), "--status", str(status_file),
+        "--backoff", str(restart_backoff[0]), "--backoff-max", str(restart_backoff[1]), "--",
         sys.executable, "-m", "mig_agent", "run", "--node", node, "--kubeconfig", str(kubeconfig),
         "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
-        "--metrics-port", str(port)], logs / f"agent-{node}.log", env=agent_env)
+        "--metrics-port", str(port)], logs / f"supervisor-{node}.log", env=agent_env)
+    agent = _first_agent(supervisor, status_file)
     plugin = spawn(f"device-plugin@{node}", [
         sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
         "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
@@ -128,37 +145,94 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
         "--pod-resources-socket", str(pod_resources), *plugin_args],
         logs / f"device-plugin-{node}.log",
         env=env)
-    started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig))
+    started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig), supervisor,
+                         str(status_file))
     _record(cluster.dir, started)
     return started
 
 
+def _first_agent(supervisor: Proc, status_file: Path, timeout: float = 30.0) -> Proc:
+    deadline = time.monotonic() + timeout
+    while True:
+        agent = supervisor_status(status_file).get("agent")
+        if agent:
+            return Proc(**agent)
+        if not supervisor.alive():
+            raise DevClusterError(f"{supervisor.name} exited; see its log")
+        if time.monotonic() > deadline:
+            stop([supervisor])
+            raise DevClusterError(f"{supervisor.name} started no agent in {timeout:g} s")
+        time.sleep(0.02)
+
+
+def supervisor_status(status_file: Path | str) -> dict[str, Any]:
+    """What the supervisor says (supervisor.py); {} when it has not said anything yet."""
+    try:
+        data: dict[str, Any] = json.loads(Path(status_file).read_text())
+        return data
+    except (OSError, ValueError):
+        return {}
+
+
+def _procs(record: Mapping[str, Any]) -> list[Proc]:
+    """The processes of a node's record, in stopping order: the supervisor before its agent."""
+    return [Proc(**record[k]) for k in ("supervisor", "agent", "device_plugin") if record.get(k)]
+
+
 def stop_node(directory: Path, node: str) -> None:
-    """Stop the agent and device plugin of `node` (SIGTERM, then SIGKILL)."""
-    records = _load(directory)
+    """Stop the agent (its supervisor first) and device plugin of `node` (SIGTERM, then SIGKILL)."""
+    records = running(directory)
     mine = records.pop(node, None)
     if mine is not None:
-        stop([Proc(**mine["agent"]), Proc(**mine["device_plugin"])])
-    _save(directory, records)
+        stop(_procs(mine))
+    _save(directory, {n: r for n, r in _load(directory).items() if n != node})
 
 
-def kill_agent(directory: Path, node: str) -> None:
-    """SIGKILL the agent of `node` at once, as a crash would: no clean-up runs."""
-    mine = _load(directory).get(node)
-    if mine is not None:
-        kill(Proc(**mine["agent"]))
+def kill_agent(directory: Path, node: str) -> Proc | None:
+    """SIGKILL the agent of `node` at once, as a crash would: no clean-up runs. Its supervisor
+    restarts it after the back-off. The killed process, or None if no agent runs."""
+    mine = running(directory).get(node)
+    if mine is None or not mine.get("agent"):
+        return None
+    agent = Proc(**mine["agent"])
+    kill(agent)
+    return agent
 
 
 def stop_all(directory: Path) -> list[str]:
-    records = _load(directory)
-    procs = [Proc(**r[k]) for r in records.values() for k in ("agent", "device_plugin")]
+    records = running(directory)
+    procs = [p for r in records.values() for p in _procs(r)]
     killed = stop(procs)
     _save(directory, {})
     return killed
 
 
 def running(directory: Path) -> dict[str, dict[str, Any]]:
-    return _load(directory)
+    """The recorded agents per node; `agent` is the process that runs now (or ran last), as
+    its supervisor reports it, with the supervisor's `state` and `restarts`."""
+    records = _load(directory)
+    for record in records.values():
+        if not record.get("status_file"):
+            continue
+        status = supervisor_status(record["status_file"])
+        if status.get("agent"):
+            record["agent"] = status["agent"]
+        record["restarts"] = int(status.get("restarts", 0))
+        record["state"] = status.get("state", "")
+        record["last_exit"] = status.get("last_exit", "")
+    return records
+
+
+def agent_state(record: Mapping[str, Any]) -> str:
+    """`running`, `back-off` (exited; the supervisor restarts it soon) or `STOPPED` (nothing will
+    restart it: the supervisor is gone)."""
+    supervisor = record.get("supervisor")
+    agent_alive = bool(record.get("agent")) and Proc(**record["agent"]).alive()
+    if supervisor is None:  # not supervised
+        return "running" if agent_alive else "STOPPED"
+    if not Proc(**supervisor).alive():
+        return "running" if agent_alive else "STOPPED"
+    return "running" if agent_alive else "back-off"
 
 
 def _record(directory: Path, started: NodeAgents) -> None:

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--pod-delete-delay", type=float, default=2.0, metavar="SECONDS",
                     help="how long a deleted pod lingers (default 2; per pod: annotation "
                          "pod-delete.stage.kwok.x-k8s.io/delay)")
+    up.add_argument("--restart-backoff", type=float, default=agents.KUBELET_BACKOFF[0],
+                    metavar="SECONDS", help="an agent that exits is restarted after this delay, "
+                    "doubled after each restart, as a kubelet does (default %(default)g)")
+    up.add_argument("--restart-backoff-max", type=float, default=agents.KUBELET_BACKOFF[1],
+                    metavar="SECONDS", help="cap of that delay (default %(default)g)")
     up.add_argument("--no-agents", action="store_true",
                     help="do not install mig-agent nor start an agent and a simulated device "
                          "plugin per GPU node")
@@ -80,14 +85,32 @@ def _up(args: argparse.Namespace) -> int:
         agents.install(cluster)
         gpu_nodes = [f"gpu-node-{i}" for i in range(args.nodes)]
         running = agents.running(cluster.dir)
+        backoff = (args.restart_backoff, args.restart_backoff_max)
         for node in gpu_nodes:
-            if node not in running:
-                agents.start_node(cluster, node)
-        print(f"mig-agent and a simulated device plugin running on {len(gpu_nodes)} node(s); "
-              f"logs in {cluster.dir / 'logs'}", file=sys.stderr)
+            record = running.get(node)
+            if record is not None and _node_up(record):
+                continue
+            if record is not None:  # recorded, but the agent or the device plugin is gone
+                print(f"{node}: restarting mig-agent and the simulated device plugin "
+                      f"(agent {agents.agent_state(record)})", file=sys.stderr)
+                agents.stop_node(cluster.dir, node)
+            agents.start_node(cluster, node, restart_backoff=backoff)
+        running = agents.running(cluster.dir)
+        up_now = [n for n in gpu_nodes if n in running and _node_up(running[n])]
+        print(f"mig-agent and a simulated device plugin running on {len(up_now)} of "
+              f"{len(gpu_nodes)} node(s); logs in {cluster.dir / 'logs'}", file=sys.stderr)
+        if len(up_now) != len(gpu_nodes):
+            return 1
     print(f"ready in {time.monotonic() - started:.1f} s; use it with:", file=sys.stderr)
     print(f"  export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}", file=sys.stderr)
     return 0
+
+
+def _node_up(record: dict[str, object]) -> bool:
+    """The node's agent runs (or is in back-off under a live supervisor) and its plugin runs."""
+    plugin = record.get("device_plugin")
+    return (agents.agent_state(record) != "STOPPED" and isinstance(plugin, dict)
+            and Proc(**plugin).alive())
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -112,18 +135,28 @@ def _status(args: argparse.Namespace) -> int:
     print(f"API server      {cluster.server}")
     print(f"kubeconfig      {cluster.kubeconfig}")
     print()
-    print(f"{'component':<26}{'pid':>8}  {'state':<10}{'RSS MiB':>8}")
+    print(f"{'component':<26}{'pid':>8}  {'state':<10}{'RSS MiB':>8}  restarts")
     for s in statuses:
         state = "healthy" if s.healthy else "UNHEALTHY" if s.running else "STOPPED"
         print(f"{s.name:<26}{s.pid:>8}  {state:<10}{s.rss_bytes / 2**20:>8.0f}")
     print(f"{'total':<26}{'':>8}  {'':<10}{sum(s.rss_bytes for s in statuses) / 2**20:>8.0f}")
+    agents_up = True
     for node, rec in sorted(agents.running(cluster.dir).items()):
         for kind in ("agent", "device_plugin"):
             proc = Proc(**rec[kind])
-            state = "running" if proc.alive() else "STOPPED"
+            if kind == "agent":
+                state = agents.agent_state(rec)
+                restarts = str(rec.get("restarts", 0))
+                if rec.get("last_exit"):
+                    restarts += f" (last: {rec['last_exit']})"
+            else:
+                state, restarts = ("running" if proc.alive() else "STOPPED"), ""
+            agents_up = agents_up and state == "running"
             label = f"{'mig-agent' if kind == 'agent' else 'device-plugin'}@{node}"
-            print(f"{label:<26}{proc.pid:>8}  {state:<10}{proc.rss_bytes() / 2**20:>8.0f}")
-    healthy = len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
+            print(f"{label:<26}{proc.pid:>8}  {state:<10}{proc.rss_bytes() / 2**20:>8.0f}  "
+                  f"{restarts}".rstrip())
+    healthy = (len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
+               and agents_up)
     if healthy:
         print()
         print(cluster.kubectl("get", "nodes", "-L",
