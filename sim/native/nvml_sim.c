@@ -17,6 +17,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <nvml.h>
@@ -351,3 +352,83 @@ nvmlReturn_t nvmlShutdown(void) {
 }
 
 const char *nvmlErrorString(nvmlReturn_t result) { return sim_error_string((int)result); }
+
+/* -- event sets: the library's own ----------------------------------------------------------------
+ * The simulated GPUs raise no events (no Xid, ECC or clock changes), so an event set only has to
+ * be valid: nvmlEventSetWait_v2 sleeps for its timeout *without the lock* (other threads of the
+ * process keep calling NVML, as with real NVML) and returns NVML_ERROR_TIMEOUT, as a quiet GPU does.
+ * nvmlDeviceRegisterEvents asks the simulator which types the device supports (which also checks
+ * the handle) and refuses any other type with NVML_ERROR_NOT_SUPPORTED, as NVML documents. */
+
+#define EVENT_SET_MAGIC 0x6d69677365767473ULL
+
+struct nvmlEventSet_st {
+    uint64_t magic;
+    unsigned long long types;
+};
+
+static int initialized(void) {
+    pthread_mutex_lock(&lock);
+    int ok = init_count > 0;
+    pthread_mutex_unlock(&lock);
+    return ok;
+}
+
+/* go-nvml's nvml.h wraps the pointer in a struct, as it does device handles. */
+static struct nvmlEventSet_st *set_of(nvmlEventSet_t set) {
+    return set.handle && set.handle->magic == EVENT_SET_MAGIC ? set.handle : NULL;
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    struct nvmlEventSet_st *s = calloc(1, sizeof *s);
+    if (!s) return NVML_ERROR_MEMORY;
+    s->magic = EVENT_SET_MAGIC;
+    set->handle = s;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlEventSet_st *s = set_of(set);
+    if (!s) return NVML_ERROR_INVALID_ARGUMENT;
+    s->magic = 0;
+    free(s);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                      nvmlEventSet_t set) {
+    unsigned long long supported = 0;
+    nvmlReturn_t rc = nvmlDeviceGetSupportedEventTypes(device, &supported);
+    if (rc != NVML_SUCCESS) return rc;
+    struct nvmlEventSet_st *s = set_of(set);
+    if (!s) return NVML_ERROR_INVALID_ARGUMENT;
+    if (eventTypes & ~supported) return NVML_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&lock);
+    s->types |= eventTypes;
+    pthread_mutex_unlock(&lock);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    if (!set_of(set) || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += timeoutms / 1000;
+    until.tv_nsec += (long)(timeoutms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    /* Signals (the Go runtime preempts with SIGURG) interrupt the sleep: sleep on to the deadline. */
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR) {
+    }
+    return NVML_ERROR_TIMEOUT;
+}
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable
 from types import ModuleType
 
@@ -114,7 +115,10 @@ def test_unimplemented_functions_are_not_supported(make_node: MakeNode, nvml_on:
     h = nv.nvmlDeviceGetHandleByIndex(0)
     temp = ctypes.c_uint(0)
     assert c_lib.nvmlDeviceGetTemperature(h, 0, ctypes.byref(temp)) == st.NOT_SUPPORTED
-    assert c_lib.nvmlEventSetCreate(ctypes.byref(ctypes.c_void_p())) == st.NOT_SUPPORTED
+    active = ctypes.c_uint(7)
+    # NvLink: a PCIe GPU has none (the device plugin's preferred allocation skips the links)
+    assert c_lib.nvmlDeviceGetNvLinkState(h, 0, ctypes.byref(active)) == st.NOT_SUPPORTED
+    assert active.value == 7
     assert temp.value == 0
     with pytest.raises(pynvml.NVMLError_NotSupported):
         nv.nvmlDeviceGetPowerUsage(h)
@@ -187,3 +191,61 @@ def test_threads_share_the_library(make_node: MakeNode, nvml_on: NvmlOn) -> None
     for t in threads:
         t.join()
     assert errors == []
+
+
+# -- what NVIDIA's device plugin and GFD need besides MIG (tests/native/test_device_plugin.py) --
+
+TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+XID_CRITICAL = 0x8
+
+
+def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
+        make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL) -> None:
+    nv = nvml_on(make_node("2xH100-80GB"))
+    gpu = nv.nvmlDeviceGetHandleByIndex(0)
+    events = ctypes.c_void_p()
+    assert c_lib.nvmlEventSetCreate(ctypes.byref(events)) == st.SUCCESS
+    supported = ctypes.c_ulonglong()
+    assert c_lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(supported)) == st.SUCCESS
+    assert supported.value & XID_CRITICAL
+    assert c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(XID_CRITICAL),
+                                          events) == st.SUCCESS
+    # a type the GPU does not report is refused, as NVML documents
+    assert c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(1 << 40),
+                                          events) == st.NOT_SUPPORTED
+    assert c_lib.nvmlDeviceRegisterEvents(None, ctypes.c_ulonglong(XID_CRITICAL),
+                                          events) == st.INVALID_ARGUMENT
+
+    data = ctypes.create_string_buffer(64)  # nvmlEventData_t
+    calls_meanwhile: list[float] = []
+
+    def other_thread() -> None:
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        nv.nvmlDeviceGetName(nv.nvmlDeviceGetHandleByIndex(1))
+        calls_meanwhile.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    start = time.monotonic()
+    code = c_lib.nvmlEventSetWait_v2(events, data, ctypes.c_uint(700))
+    waited = time.monotonic() - start
+    t.join()
+    assert code == TIMEOUT
+    assert 0.69 <= waited < 3.0
+    assert len(calls_meanwhile) == 1 and calls_meanwhile[0] < 0.5  # not queued behind the wait
+    assert c_lib.nvmlEventSetWait_v2(None, data, ctypes.c_uint(10)) == st.INVALID_ARGUMENT
+    assert c_lib.nvmlEventSetFree(events) == st.SUCCESS
+
+
+def test_cuda_capability_topology_and_versions(make_node: MakeNode, nvml_on: NvmlOn,
+                                               c_lib: ctypes.CDLL) -> None:
+    nv = nvml_on(make_node("2xA100-40GB"))
+    a, b = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+    assert nv.nvmlDeviceGetCudaComputeCapability(a) == (8, 0)
+    level = ctypes.c_uint(99)
+    assert c_lib.nvmlDeviceGetTopologyCommonAncestor(a, b, ctypes.byref(level)) == st.SUCCESS
+    assert level.value == 40  # NVML_TOPOLOGY_NODE
+    assert c_lib.nvmlDeviceGetTopologyCommonAncestor(a, a, ctypes.byref(level)) == st.SUCCESS
+    assert level.value == 0  # NVML_TOPOLOGY_INTERNAL
+    assert nv.nvmlSystemGetCudaDriverVersion_v2() == nv.nvmlSystemGetCudaDriverVersion() > 0

@@ -270,6 +270,9 @@ FUNCTIONS: tuple[Function, ...] = (
     _fn("nvmlDeviceGetMemoryInfo_v2", HANDLE, Ptr(MemoryV2)),
     _fn("nvmlDeviceGetArchitecture", HANDLE, U32_OUT),
     _fn("nvmlDeviceGetVirtualizationMode", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetCudaComputeCapability", HANDLE, I32_OUT, I32_OUT),
+    _fn("nvmlDeviceGetTopologyCommonAncestor", HANDLE, HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetSupportedEventTypes", HANDLE, U64_OUT),
     _fn("nvmlDeviceGetFieldValues", HANDLE, INT, Array(FieldValue, 1, "inout")),
     _fn("nvmlDeviceGetComputeRunningProcesses_v3", HANDLE, U32_OUT,
         Array(ProcessInfo, 1, "capacity")),
@@ -330,5 +333,9 @@ FUNCTIONS: tuple[Function, ...] = (
 BY_NAME: dict[str, Function] = {f.name: f for f in FUNCTIONS}
 
 # Implemented in C by the library itself, not forwarded.
+# Event sets are the library's own too: nvmlEventSetWait_v2 blocks (up to its timeout) without
+# holding the connection, and the simulated GPUs raise no events, so it returns
+# NVML_ERROR_TIMEOUT; nvmlDeviceRegisterEvents checks its handle with the simulator.
 LOCAL_FUNCTIONS = ("nvmlInit_v2", "nvmlInit", "nvmlInitWithFlags", "nvmlShutdown",
-                   "nvmlErrorString")
+                   "nvmlErrorString", "nvmlEventSetCreate", "nvmlEventSetFree",
+                   "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetWait")

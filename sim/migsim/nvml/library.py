@@ -66,6 +66,15 @@ __all__ = [
 
 _NO_ID = 0xFFFFFFFF  # NVML_GPU_INSTANCE_ID_ANY / "not on a MIG device" in process infos
 _ARCH_CODE = {Architecture.AMPERE: 7, Architecture.HOPPER: 9, Architecture.TURING: 6}
+# CUDA compute capability (major, minor) of the data-centre parts of each architecture
+# (A100/A30 8.0, H100/H200 9.0, T4 7.5).
+_COMPUTE_CAPABILITY = {Architecture.AMPERE: (8, 0), Architecture.HOPPER: (9, 0),
+                       Architecture.TURING: (7, 5)}
+_TOPOLOGY_INTERNAL = 0  # NVML_TOPOLOGY_INTERNAL: the same GPU
+_TOPOLOGY_NODE = 40  # NVML_TOPOLOGY_NODE: PCIe GPUs under host bridges of one NUMA node
+# nvmlEventType*: SingleBitEccError, DoubleBitEccError, PState, XidCriticalError, Clock,
+# PowerSourceChange, MigConfigChange (what a data-centre GPU's driver reports as supported).
+SUPPORTED_EVENT_TYPES = 0x1 | 0x2 | 0x4 | 0x8 | 0x10 | 0x80 | 0x100
 _FI_RESETLESS_MIG = 184  # NVML_FI_DEV_IS_RESETLESS_MIG_SUPPORTED
 _FI_MIG_QUERY_INDEPENDENT = 199  # NVML_FI_DEV_IS_MIG_MODE_INDEPENDENT_MIG_QUERY_CAPABLE
 _VALUE_TYPE_UINT = 1
@@ -501,6 +510,24 @@ class SimulatedNvmlLibrary:
     def _arch(self, node: SimNode, handle: Any, out: Any) -> None:
         gpu, _ = self._device(node, handle)
         _out(out, "nvmlDeviceGetArchitecture").value = _ARCH_CODE[gpu.model.architecture]
+
+    @_export("nvmlDeviceGetCudaComputeCapability")
+    def _compute_capability(self, node: SimNode, handle: Any, major: Any, minor: Any) -> None:
+        gpu, _ = self._device(node, handle)
+        cc = _COMPUTE_CAPABILITY[gpu.model.architecture]
+        _out(major, "nvmlDeviceGetCudaComputeCapability").value = cc[0]
+        _out(minor, "nvmlDeviceGetCudaComputeCapability").value = cc[1]
+
+    @_export("nvmlDeviceGetTopologyCommonAncestor")
+    def _common_ancestor(self, node: SimNode, first: Any, second: Any, out: Any) -> None:
+        a, b = self._parent(node, first), self._parent(node, second)
+        level = _TOPOLOGY_INTERNAL if a.index == b.index else _TOPOLOGY_NODE
+        _out(out, "nvmlDeviceGetTopologyCommonAncestor").value = level
+
+    @_export("nvmlDeviceGetSupportedEventTypes")
+    def _event_types(self, node: SimNode, handle: Any, out: Any) -> None:
+        self._parent(node, handle)
+        _out(out, "nvmlDeviceGetSupportedEventTypes").value = SUPPORTED_EVENT_TYPES
 
     @_export("nvmlDeviceGetVirtualizationMode")
     def _virt(self, node: SimNode, handle: Any, out: Any) -> None:
