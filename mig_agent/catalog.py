@@ -531,3 +531,8 @@ __all__ = [
     "load_text",
     "parse_config",
 ]
+
+
+def dump_yaml(data: object) -> str:
+    """``data`` as YAML, keys in their order (for output; this module is the yaml boundary)."""
+    return str(yaml.safe_dump(data, sort_keys=False))

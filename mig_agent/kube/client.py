@@ -23,7 +23,13 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from mig_agent.errors import EvictionBlocked, KubeError, KubeUnavailable, LabelsChanged
+from mig_agent.errors import (
+    ConfigError,
+    EvictionBlocked,
+    KubeError,
+    KubeUnavailable,
+    LabelsChanged,
+)
 from mig_agent.kube.cluster import (
     Cluster,
     NodeCondition,
@@ -114,16 +120,22 @@ class KubernetesCluster(Cluster):
         )
 
     @classmethod
-    def connect(cls, kubeconfig: str = "", **kwargs: Any) -> KubernetesCluster:
-        """In-cluster credentials when running in a pod and no kubeconfig is given."""
+    def connect(cls, kubeconfig: str = "", *, context: str = "", **kwargs: Any
+                ) -> KubernetesCluster:
+        """In-cluster credentials when running in a pod and no kubeconfig is given;
+        ``context`` picks a kubeconfig context (default: the current one)."""
         cfg = client.Configuration()
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        else:
-            try:
-                config.load_incluster_config(client_configuration=cfg)
-            except config.ConfigException:
-                config.load_kube_config(client_configuration=cfg)
+        try:
+            if kubeconfig or context:
+                config.load_kube_config(config_file=kubeconfig or None, context=context or None,
+                                        client_configuration=cfg)
+            else:
+                try:
+                    config.load_incluster_config(client_configuration=cfg)
+                except config.ConfigException:
+                    config.load_kube_config(client_configuration=cfg)
+        except (config.ConfigException, OSError) as exc:
+            raise ConfigError(f"kubeconfig: {exc}") from exc
         cfg.retries = 0  # retries happen in one place: here, with tenacity
         return cls(client.ApiClient(cfg), **kwargs)
 
