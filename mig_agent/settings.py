@@ -73,6 +73,10 @@ class Settings:
     gpu_release_timeout_s: float = 30.0
     """After the drain, how long the processes of evicted pods may take to leave the GPUs
     before the GPU counts as busy."""
+    generate_config: bool = False
+    """Add layouts generated from the GPUs' own MIG profiles (all-disabled, all-enabled,
+    all-<profile>) for GPU models no profile config covers, as MIG Manager does for new
+    hardware."""
     stall_s: float = 600.0
     """/healthz fails when the reconcile loop (or the node watch) shows no sign of life for
     this long: a blocked call or a deadlock, never merely a long wait for a label."""
@@ -151,6 +155,9 @@ def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
             return int(raw)
         if kind.startswith("tuple"):
             return tuple(x.strip() for x in raw.split(",") if x.strip())
-    except ValueError:
+        if kind == "bool":
+            truth = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+            return truth[raw.strip().lower()]
+    except (ValueError, KeyError):
         raise ConfigError(f"MIG_AGENT_{f.name.upper()}={raw!r} is not a valid {kind}") from None
     return raw

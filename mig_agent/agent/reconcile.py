@@ -39,6 +39,7 @@ from mig_agent.errors import (
     RebootFailed,
 )
 from mig_agent.executor import execute, verify
+from mig_agent.generated import with_generated
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodView
 from mig_agent.labels import State
@@ -127,6 +128,8 @@ class Agent:
         try:
             self.catalog = self.load_catalog(self.settings.config)
             self.catalog_error = ""
+            if self.settings.generate_config:
+                self.catalog = self._with_generated(self.catalog)
             log.info(
                 "config.loaded", layouts=len(self.catalog.layouts), config=self.settings.config
             )
@@ -134,6 +137,18 @@ class Agent:
             self.catalog_error = str(exc)
             log.error("config.invalid", error=str(exc), config=self.settings.config)
         return True
+
+    def _with_generated(self, catalog: LayoutCatalog) -> LayoutCatalog:
+        """``catalog`` plus generated layouts for the GPU models it does not cover."""
+        try:
+            models = list(self.gpus.models().values())
+        except MigAgentError as exc:  # no GPUs to read now: the configs as they are
+            log.warning("config.generate_skipped", error=str(exc))
+            return catalog
+        catalog, generated = with_generated(catalog, models)
+        if generated:
+            log.info("config.generated", models=sorted({m.key for m in generated}))
+        return catalog
 
     # -- one pass -----------------------------------------------------------------------------
 

@@ -170,6 +170,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_generate_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from mig_agent.generated import model_layouts, to_config
+
+    if args.gpu:
+        models = [model_arg(k) for k in args.gpu]
+    else:
+        gpus = open_gpus(args)
+        try:
+            models = list(gpus.models().values())
+        finally:
+            gpus.close()
+    unique = {m.pci_device_id: m for m in models if m.mig_capable}
+    if not unique:
+        raise ConfigError("no MIG-capable GPU model to generate layouts for")
+    layouts = [g for m in unique.values() for g in model_layouts(m)]
+    out(yaml.safe_dump(to_config(layouts), sort_keys=False).rstrip())
+    return EXIT_OK
+
+
 def register(sub: Any) -> None:
     """``validate``, ``profiles``, ``plan``, ``apply``, ``assert``, ``export``."""
     p = sub.add_parser("validate", help="check profile configs; with --gpu, which layouts fit")
@@ -230,4 +251,13 @@ def register(sub: Any) -> None:
     p.add_argument("-l", "--config-label", default="current", help="layout name in the output")
     add_backend_args(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "generate-config",
+        help="a v1 config generated from the GPUs' own MIG profiles (all-disabled, all-enabled, "
+        "all-<profile>), for models without layouts")
+    p.add_argument("--gpu", action="append", metavar="MODEL",
+                   help="a catalog model instead of the GPUs present; repeatable")
+    add_backend_args(p)
+    p.set_defaults(func=cmd_generate_config)
 
