@@ -1,0 +1,102 @@
+"""Fault matrix on the local cluster: each fault at each point of a real agent's pass, then the
+invariants of issue 15 (tests/faults/harness.py); prints the table points x faults with
+converged / failed (with the reason) / VIOLATED (with what was violated).
+
+Run: python benchmarks/fault_matrix.py [--quick] [--faults kill,relabel-typo] [--points P,...]
+     [--dir CLUSTER_DIR]
+Starts its own cluster in a temporary folder and stops it at the end (needs scripts/k8s-binaries),
+or uses the running cluster in --dir. One trial (a fresh node, set up, the fault, settled) takes
+about 10 s; the whole matrix 28 points x 4 faults about 20 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from migsim.cluster import Cluster, agents  # noqa: E402
+
+from tests.faults import harness  # noqa: E402
+
+MARK = {"converged": "converged", "failed": "failed+reason", "violated": "**VIOLATED**",
+        "not-reached": "(not reached)"}
+
+
+def print_matrix(results: Sequence[harness.Result], faults: Sequence[str]) -> None:
+    by = {(r.point, r.fault): r for r in results}
+    rows = list(dict.fromkeys(r.point for r in results))
+    w = max(len(p) for p in rows + ["point"])
+    cw = max(len(f) for f in faults) if faults else 0
+    cw = max(cw, max(len(m) for m in MARK.values()))
+    print(f"| {'point':<{w}} | " + " | ".join(f"{f:<{cw}}" for f in faults) + " |")
+    print(f"|{'-' * (w + 2)}|" + "|".join("-" * (cw + 2) for _ in faults) + "|")
+    for p in rows:
+        cells = [MARK[by[(p, f)].outcome] if (p, f) in by else "" for f in faults]
+        print(f"| {p:<{w}} | " + " | ".join(f"{c:<{cw}}" for c in cells) + " |")
+    counts = {f: collections.Counter(r.outcome for r in results if r.fault == f) for f in faults}
+    print(f"| {'total':<{w}} | " + " | ".join(
+        f"{'/'.join(str(counts[f][o]) for o in ('converged', 'failed', 'violated')):<{cw}}"
+        for f in faults) + " |")
+    print("\n(total: converged/failed+reason/violated)")
+    reasons = collections.Counter((r.fault, r.detail[:110]) for r in results
+                                  if r.outcome == "failed")
+    if reasons:
+        print("\nFailed with reason:")
+        for (fault, reason), n in sorted(reasons.items()):
+            print(f"- {fault} (x{n}): {reason}")
+    bad = [r for r in results if r.outcome in ("violated", "not-reached")]
+    if bad:
+        print("\nViolated or not reached:")
+        for r in bad:
+            print(f"- {r.fault} at {r.point}: {r.outcome}: {r.detail}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"only {harness.QUICK_POINTS}")
+    ap.add_argument("--faults", default=",".join(harness.FAULTS))
+    ap.add_argument("--points", default="", help="point names, comma-separated (default all)")
+    ap.add_argument("--dir", type=Path, help="use this running cluster instead of a new one")
+    ap.add_argument("--verbose", "-v", action="store_true", help="print each trial as it ends")
+    args = ap.parse_args()
+    faults = [f for f in args.faults.split(",") if f]
+    names = tuple(args.points.split(",")) if args.points else (
+        harness.QUICK_POINTS if args.quick else None)
+    points = harness.points(names)
+    with tempfile.TemporaryDirectory(prefix="mig-agent-faults-") as tmp:
+        own = args.dir is None
+        cluster = Cluster.up(Path(tmp), gpu_nodes=0) if own else Cluster.attach(args.dir)
+        try:
+            agents.install(cluster)
+            harness.ensure_namespace(cluster)
+            started = time.monotonic()
+            results = []
+            for fault in faults:
+                for point in points:
+                    r = harness.run_trial(cluster, point, fault)
+                    results.append(r)
+                    if args.verbose:
+                        print(f"{fault:<16} {point.name:<34} {r.outcome:<11} {r.seconds:5.1f} s  "
+                              f"{r.detail[:80]}", file=sys.stderr, flush=True)
+            wall = time.monotonic() - started
+        finally:
+            if own:
+                cluster.down()
+    print(f"\n## Fault matrix: {harness.START} -> {harness.TARGET} on {harness.GPUS}, a pod on "
+          f"three 1g.10gb devices; {len(results)} trials in {wall / 60:.1f} min\n")
+    print_matrix(results, faults)
+    print(f"\nFaults: kill = SIGKILL, restarted by the node's supervisor ({harness.BACKOFF[0]:g} s "
+          f"back-off); relabel-other = label set to {harness.OTHER}; relabel-typo = "
+          f"{harness.TYPO}; relabel-removed = label removed.")
+    return 1 if any(r.outcome in ("violated", "not-reached") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

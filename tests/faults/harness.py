@@ -1,0 +1,443 @@
+"""The fault matrix: a fault injected at each point of a real agent's pass; invariants after.
+
+A trial runs on a fresh simulated GPU node of a local cluster, with a real agent process (restarted
+by its supervisor as a kubelet would, back-off 0.5 s) and the simulated device plugin: the node is
+brought to `START` with a GPU pod on it, then labelled `TARGET`; when the agent's JSON log shows the
+trial's point (an event such as `phase.started` of `apply`, or the Nth `gpu.instance_destroyed`),
+the fault is injected at once. Then the node is left to settle and the invariants of issue 15 are
+checked:
+
+* the node ends in the state its layout label asks for (`success` with that layout in place on the
+  GPUs; no label: no state), or `failed` with a reason that names the cause;
+* it is not left cordoned nor with operands paused (unless `rebooting`);
+* no stray GPU instance (one without a compute instance);
+* `success` only when the label names the layout that is applied;
+* the agent's process is up (restarted by its supervisor when it was killed).
+
+Each trial's outcome is `converged`, `failed` (with the reason, when it names the cause) or
+`violated` (with what was violated). Used by tests/faults and benchmarks/fault_matrix.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from migsim.cluster import SIMULATED_IMAGE, Cluster, agents
+from migsim.cluster.api import ApiError
+from migsim.nvml import open_node
+from migsim.nvml import state as simstate
+
+from mig_agent import planner
+from mig_agent.catalog import load_catalog
+
+CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+REASON = "mig-agent.dev/reason"
+PAUSED = "paused-for-mig-change"
+GPUS = "1xH100-80GB"
+START, TARGET, OTHER = "all-1g.10gb", "all-balanced", "all-2g.20gb"
+TYPO = "all-balancedx"
+NAMESPACE = "fault-matrix"
+BACKOFF = (0.5, 5.0)
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """Where a fault lands: just after the `nth` log line with `event` (and `fields`)."""
+
+    name: str
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    nth: int = 1
+
+    def matches(self, line: Mapping[str, Any]) -> bool:
+        return line.get("event") == self.event and all(
+            line.get(k) == v for k, v in self.fields.items())
+
+
+def _phase(name: str, edge: str) -> Point:
+    return Point(f"phase.{edge}({name})", f"phase.{edge}", {"phase": name})
+
+
+# The agent's pass from START to TARGET on one H100 with a pod on three 1g.10gb devices (at least
+# one of which goes), in the order the agent logs them.
+POINTS: tuple[Point, ...] = (
+    Point("reconcile.started", "reconcile.started"),
+    Point("labels.patched(pending)", "labels.patched", {"state": "pending"}),
+    Point("node.paused", "node.paused"),
+    _phase("drain", "started"),
+    Point("operands.waiting", "operands.waiting"),
+    Point("drain.started", "drain.started"),
+    Point("drain.pod_evicted", "drain.pod_evicted"),
+    Point("drain.finished", "drain.finished"),
+    _phase("drain", "finished"),
+    _phase("apply", "started"),
+    Point("gpu.compute_instance_destroyed#1", "gpu.compute_instance_destroyed"),
+    Point("gpu.instance_destroyed#1", "gpu.instance_destroyed"),
+    Point("gpu.compute_instance_destroyed#3", "gpu.compute_instance_destroyed", nth=3),
+    Point("gpu.instance_destroyed#3", "gpu.instance_destroyed", nth=3),
+    Point("gpu.instance_destroyed#5", "gpu.instance_destroyed", nth=5),
+    Point("gpu.instance_created#1", "gpu.instance_created"),
+    Point("gpu.instance_created#2", "gpu.instance_created", nth=2),
+    Point("gpu.compute_instance_created#1", "gpu.compute_instance_created"),
+    Point("gpu.compute_instance_created#2", "gpu.compute_instance_created", nth=2),
+    _phase("apply", "finished"),
+    _phase("verify", "started"),
+    _phase("verify", "finished"),
+    _phase("device_plugin", "started"),
+    Point("device_plugin.resources_match", "device_plugin.resources_match"),
+    _phase("device_plugin", "finished"),
+    Point("node.resumed", "node.resumed"),
+    Point("reconcile.succeeded", "reconcile.succeeded"),
+    Point("reconcile.finished", "reconcile.finished"),
+)
+QUICK_POINTS = ("node.paused", "drain.pod_evicted", "gpu.instance_destroyed#3",
+                "gpu.compute_instance_created#1", "phase.started(device_plugin)", "node.resumed")
+
+FAULTS = ("kill", "relabel-other", "relabel-typo", "relabel-removed")
+
+
+@dataclass(slots=True)
+class Result:
+    point: str
+    fault: str
+    outcome: str  # converged | failed | violated | not-reached
+    detail: str = ""
+    seconds: float = 0.0
+    log: str = ""
+
+
+class FaultNode:
+    """One fresh GPU node with its agent, set up at START with a GPU pod, for one trial."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.name = f"fault-{next(_ids)}-{int(time.time() * 1000) % 100000}"
+        cluster.add_gpu_node(self.name, GPUS)
+        self.procs = agents.start_node(cluster, self.name, restart_backoff=BACKOFF)
+        self.log_path = cluster.dir / "logs" / f"agent-{self.name}.log"
+        self.offset = 0
+        self.lines: list[dict[str, Any]] = []  # every log line read during the trial
+        self.samples: list[tuple[float, str | None, str | None]] = []  # (time, layout, state)
+
+    # -- the API server ----------------------------------------------------------------------
+
+    def node(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.cluster.api.get(f"/api/v1/nodes/{self.name}")
+        return data
+
+    def patch_labels(self, labels: Mapping[str, str | None]) -> None:
+        self.cluster.api.request("PATCH", f"/api/v1/nodes/{self.name}",
+                                 {"metadata": {"labels": dict(labels)}},
+                                 content_type="application/merge-patch+json")
+
+    def labels(self) -> dict[str, str]:
+        return dict(self.node()["metadata"].get("labels") or {})
+
+    def wait(self, what: str, pred: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: no {what} after {timeout:g} s; log:\n"
+                                   + self.log_tail())
+            time.sleep(0.1)
+
+    # -- the agent's log ---------------------------------------------------------------------
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        """The agent's JSON log lines written since the last call."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        lines = []
+        for raw in data[:end].splitlines():
+            try:
+                lines.append(json.loads(raw))
+            except ValueError:
+                continue
+        self.lines.extend(lines)
+        return lines
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        self.wait("gpu-state annotation", lambda: "mig-agent.dev/gpu-state" in (
+            self.node()["metadata"].get("annotations") or {}), 60)
+        self.patch_labels({CONFIG: START})
+        self.wait(f"success of {START}", lambda: self.labels().get(STATE) == "success", 60)
+        self.wait("MIG resources", lambda: int(self.node()["status"].get(
+            "allocatable", {}).get("nvidia.com/mig-1g.10gb", "0")) == 7, 60)
+        # a GPU pod on three of the seven 1g.10gb devices: the drain has work to do
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": self.name, "namespace": NAMESPACE},
+               "spec": {"terminationGracePeriodSeconds": 1,
+                        "nodeSelector": {"kubernetes.io/hostname": self.name},
+                        "containers": [{"name": "cuda", "image": SIMULATED_IMAGE, "resources": {
+                            "limits": {"nvidia.com/mig-1g.10gb": "3"},
+                            "requests": {"nvidia.com/mig-1g.10gb": "3"}}}]}}
+        self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+        self.wait("the GPU pod to run", lambda: self.cluster.api.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}").get(
+            "status", {}).get("phase") == "Running", 60)
+        time.sleep(0.5)  # the agent's idle pass after success is over
+        # each mutating NVML call takes a moment, as on hardware: a fault lands near its point
+        simstate.set_latency(self.procs.sim_state, 0.02)
+        simstate.reset_call_counts(self.procs.sim_state)
+        self.log_lines()
+        self.lines = []  # from here on: the trial's lines
+
+    def close(self) -> None:
+        agents.stop_node(self.cluster.dir, self.name)
+        with contextlib.suppress(ApiError):  # gone already
+            self.cluster.api.request(
+                "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}",
+                {"gracePeriodSeconds": 0})
+        self.cluster.delete_node(self.name)
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def instance_calls(self) -> dict[str, int]:
+        """NVML calls that create or destroy GPU or compute instances since `prepare`."""
+        counts = simstate.call_counts(self.procs.sim_state).by_function
+        return {f: n for f, n in sorted(counts.items()) if "Create" in f or "Destroy" in f}
+
+    def gpus_match(self, layout: str) -> tuple[bool, list[str]]:
+        """Whether `layout` is in place on the GPUs; the stray GPU instances (no CI)."""
+        catalog = load_catalog([agents.PROFILES])
+        backend = open_node(self.procs.sim_state)
+        try:
+            observed = backend.observe()
+            stray = [f"GPU {g.index} GI {gi.id}" for g in observed.gpus for gi in g.gpu_instances
+                     if not gi.compute_instances]
+            applied = planner.plan(catalog.get(layout), observed, backend.models(),
+                                   destroy_in_use=True).is_empty if layout in catalog.layouts \
+                else False
+        finally:
+            backend.close()
+        return applied, stray
+
+
+def ensure_namespace(cluster: Cluster) -> None:
+    try:
+        cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}")
+    except ApiError:  # not there yet
+        cluster.api.request("POST", "/api/v1/namespaces",
+                            {"metadata": {"name": NAMESPACE}})
+
+
+def inject(node: FaultNode, fault: str) -> None:
+    if fault == "kill":
+        agents.kill_agent(node.cluster.dir, node.name)
+    elif fault == "relabel-other":
+        node.patch_labels({CONFIG: OTHER})
+    elif fault == "relabel-typo":
+        node.patch_labels({CONFIG: TYPO})
+    elif fault == "relabel-removed":
+        node.patch_labels({CONFIG: None})
+    else:
+        raise ValueError(fault)
+
+
+def expected_cause(fault: str) -> str:
+    """What a `failed` reason must name for a trial with `fault` to count as failed-with-reason."""
+    return {"relabel-typo": TYPO}.get(fault, "")
+
+
+_clean: dict[str, int] = {}
+
+
+def clean_calls(cluster: Cluster) -> dict[str, int]:
+    """The instance calls of START -> TARGET with no fault (measured once per process)."""
+    if not _clean:
+        node = FaultNode(cluster)
+        try:
+            node.prepare()
+            node.patch_labels({CONFIG: TARGET})
+            outcome, detail = settle_and_check(node, "none", 90)
+            if (outcome, detail) != ("converged", f"{TARGET} applied"):
+                raise RuntimeError(f"the pass without a fault: {outcome}: {detail}\n"
+                                   + node.log_tail())
+            _clean.update(node.instance_calls())
+        finally:
+            node.close()
+    return dict(_clean)
+
+
+def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0) -> Result:
+    reference = clean_calls(cluster) if fault == "kill" else None
+    started = time.monotonic()
+    node = FaultNode(cluster)
+    try:
+        node.prepare()
+        node.patch_labels({CONFIG: TARGET})
+        seen = 0
+        deadline = time.monotonic() + 60
+        reached = False
+        while time.monotonic() < deadline and not reached:
+            for line in node.log_lines():
+                if point.matches(line):
+                    seen += 1
+                    if seen == point.nth:
+                        inject(node, fault)
+                        reached = True
+                        break
+                if line.get("event") == "reconcile.finished":
+                    deadline = 0.0  # the pass ended without the point
+            time.sleep(0.005)
+        if not reached:
+            return Result(point.name, fault, "not-reached", "the pass never logged this point",
+                          time.monotonic() - started, node.log_tail())
+        outcome, detail = settle_and_check(node, fault, settle)
+        calls = node.instance_calls()
+        if reference is not None and outcome != "violated" and calls != reference:
+            # the same label throughout: a restarted agent must finish the pass, not redo it
+            outcome, detail = "violated", (f"GPU/compute instance calls {calls}, a pass without "
+                                           f"the fault makes {reference}")
+        return Result(point.name, fault, outcome, detail, time.monotonic() - started,
+                      node.log_tail() if outcome == "violated" else "")
+    except TimeoutError as e:
+        return Result(point.name, fault, "violated", str(e).splitlines()[0],
+                      time.monotonic() - started, node.log_tail())
+    finally:
+        node.close()
+
+
+def agent_reported_state(node: FaultNode) -> str | None:
+    """The state the running agent's own metric reports (`mig_agent_state`): what its last pass
+    ended in ("" when no layout is asked for); None before its first pass or when unreachable."""
+    try:
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{node.procs.metrics_port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    states = {}
+    for line in text.splitlines():
+        m = re.match(r'mig_agent_state\{state="([^"]*)"\} (\S+)', line)
+        if m:
+            states[m.group(1)] = float(m.group(2))
+    if not states:
+        return None
+    return next((k for k, v in states.items() if v == 1), "")
+
+
+def _settled(node: FaultNode, state: str | None, quiet: float) -> bool:
+    """The agent runs, its own last pass ended in `state` (the node's state label), and it has
+    been quiet for `quiet` seconds."""
+    record = agents.running(node.cluster.dir).get(node.name, {})
+    if agents.agent_state(record) != "running":
+        return False
+    if agent_reported_state(node) != (state or ""):
+        return False
+    try:
+        age = time.time() - node.log_path.stat().st_mtime
+    except OSError:
+        return False
+    return age >= quiet
+
+
+def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, str]:
+    """Wait until the agent has settled; then (outcome, detail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        labels = node.labels()
+        layout = labels.get(CONFIG)
+        state = labels.get(STATE)
+        node.samples.append((time.time(), layout, state))
+        done = state in ("success", "failed") if layout else state is None
+        if done and _settled(node, state, 2.0):
+            break
+        if time.monotonic() > deadline:
+            return "violated", (f"not settled after {timeout:g} s: layout {layout!r}, "
+                                f"state {state!r}")
+        time.sleep(0.05)
+    node.log_lines()
+    # settled: now the invariants
+    n = node.node()
+    labels = dict(n["metadata"].get("labels") or {})
+    annotations = dict(n["metadata"].get("annotations") or {})
+    layout, state = labels.get(CONFIG), labels.get(STATE)
+    problems = []
+    if n.get("spec", {}).get("unschedulable") and state != "rebooting":
+        problems.append("left cordoned")
+    paused = sorted(k for k, v in labels.items() if v == PAUSED)
+    if paused and state != "rebooting":
+        problems.append(f"operands left paused: {paused}")
+    for key in ("mig-agent.dev/cordoned", "mig-agent.dev/paused-operands"):
+        if key in annotations and state != "rebooting":
+            problems.append(f"{key} left on the node")
+    record = agents.running(node.cluster.dir).get(node.name, {})
+    if agents.agent_state(record) != "running":
+        problems.append(f"agent not running: {record.get('last_exit')}")
+    applied, stray = node.gpus_match(layout) if layout else (False, node.gpus_match(START)[1])
+    if stray:
+        problems.append(f"stray GPU instance(s) without a compute instance: {stray}")
+    if state == "success" and not applied:
+        problems.append(f"success, but layout {layout} is not what the GPUs hold")
+    false = false_success(node)
+    if false:
+        problems.append(false)
+    if layout and state == "success" and REASON in annotations:
+        problems.append(f"success with a stale reason: {annotations[REASON]}")
+    if problems:
+        return "violated", "; ".join(problems)
+    if not layout:
+        return "converged", "no layout asked for: no state, node clean"
+    if state == "success":
+        return "converged", f"{layout} applied"
+    reason = annotations.get(REASON, "")
+    cause = expected_cause(fault)
+    if not reason:
+        return "violated", "failed without a reason"
+    if cause and cause not in reason:
+        return "violated", f"failed, reason does not name {cause}: {reason}"
+    return "failed", reason
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def false_success(node: FaultNode) -> str:
+    """A `success` written for a layout the GPUs did not hold: a sample showed `success` under
+    layout L, and the agent later started a pass that had to change GPUs for L. The run of
+    `success` samples that the trial starts with is left out: a relabel keeps the old state label
+    until the agent's next pass (`repartition` clears it), which is no report of the agent's."""
+    starts = [(_epoch(line["timestamp"]), line.get("layout")) for line in node.lines
+              if line.get("event") == "reconcile.started" and line.get("changed_gpus")
+              and "timestamp" in line]
+    samples = list(node.samples)
+    while samples and samples[0][2] == "success":
+        samples.pop(0)
+    for t, layout, state in samples:
+        if state != "success":
+            continue
+        if layout is None or layout == TYPO:
+            return f"success seen with layout label {layout!r}"
+        if any(ts > t and lay == layout for ts, lay in starts):
+            return f"success seen for {layout} before {layout} was applied"
+    return ""
+
+
+def points(names: tuple[str, ...] | None = None) -> list[Point]:
+    return [p for p in POINTS if names is None or p.name in names]

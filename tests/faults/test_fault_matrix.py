@@ -1,0 +1,68 @@
+"""The fault matrix on the real local cluster (harness.py): each fault at each point of a real
+agent's pass, then the invariants. By default a quick subset (a few points per fault, about two
+minutes); `MIG_AGENT_FAULTS=full pytest tests/faults` runs every point x fault, and
+`python benchmarks/fault_matrix.py` prints the table."""
+
+from __future__ import annotations
+
+import pytest
+from migsim.cluster import Cluster, agents
+
+from . import harness
+from .conftest import full_matrix
+
+pytestmark = [pytest.mark.faults, pytest.mark.cluster]
+
+# What each fault must end in: the layout the label names at the end, or the typo's failure.
+EXPECTED = {"kill": "converged", "relabel-other": "converged", "relabel-typo": "failed",
+            "relabel-removed": "converged"}
+QUICK = {
+    "kill": ("drain.pod_evicted", "gpu.instance_destroyed#3", "phase.started(device_plugin)"),
+    "relabel-other": ("gpu.compute_instance_created#1",),
+    "relabel-typo": ("drain.pod_evicted",),
+    "relabel-removed": ("gpu.instance_destroyed#3",),
+}
+
+
+def _cases() -> list[tuple[harness.Point, str]]:
+    if full_matrix():
+        return [(p, f) for f in harness.FAULTS for p in harness.POINTS]
+    return [(p, f) for f, names in QUICK.items() for p in harness.points(names)]
+
+
+@pytest.mark.parametrize(("point", "fault"), _cases(),
+                         ids=lambda v: v.name if isinstance(v, harness.Point) else str(v))
+def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
+        fault_cluster: Cluster, point: harness.Point, fault: str) -> None:
+    result = harness.run_trial(fault_cluster, point, fault)
+    assert result.outcome == EXPECTED[fault], (
+        f"{fault} at {point.name}: {result.outcome}: {result.detail}\n{result.log}")
+    if fault == "relabel-typo":
+        assert f"unknown layout '{harness.TYPO}'" in result.detail
+    elif fault == "relabel-removed":
+        assert result.detail.startswith("no layout asked for")
+    else:
+        want = harness.OTHER if fault == "relabel-other" else harness.TARGET
+        assert result.detail == f"{want} applied"
+
+
+def test_a_killed_agent_is_restarted_by_the_cluster_and_converges(
+        fault_cluster: Cluster) -> None:
+    """No test restarts it: the node's supervisor does, as a kubelet would."""
+    node = harness.FaultNode(fault_cluster)
+    try:
+        node.prepare()
+        first = agents.running(fault_cluster.dir)[node.name]["agent"]
+        node.patch_labels({harness.CONFIG: harness.TARGET})
+        node.wait("the apply to start", lambda: any(
+            line.get("event") == "phase.started" and line.get("phase") == "apply"
+            for line in node.log_lines()), 60)
+        killed = agents.kill_agent(fault_cluster.dir, node.name)
+        assert killed is not None and not killed.alive()
+        outcome, detail = harness.settle_and_check(node, "kill", 90)
+        record = agents.running(fault_cluster.dir)[node.name]
+        assert record["restarts"] == 1 and record["last_exit"] == "killed by SIGKILL"
+        assert record["agent"] != first
+        assert (outcome, detail) == ("converged", f"{harness.TARGET} applied")
+    finally:
+        node.close()
