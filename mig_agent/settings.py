@@ -73,6 +73,9 @@ class Settings:
     gpu_release_timeout_s: float = 30.0
     """After the drain, how long the processes of evicted pods may take to leave the GPUs
     before the GPU counts as busy."""
+    agent_selector: str = "app.kubernetes.io/name=mig-agent"
+    """Label selector of the agent's own pods (to name the RuntimeClass it runs under when it
+    finds no NVML)."""
     generate_config: bool = False
     """Add layouts generated from the GPUs' own MIG profiles (all-disabled, all-enabled,
     all-<profile>) for GPU models no profile config covers, as MIG Manager does for new

@@ -37,6 +37,8 @@ class Agent(Protocol):
 
     def reload_config(self) -> bool: ...
 
+    def report_gpu_problem(self) -> None: ...
+
 
 def watch_forever(agent: Agent, stop: threading.Event) -> None:
     """Wake the loop when someone else changes the layout or state label; reconnects."""
@@ -71,6 +73,7 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
     )
     watcher.start()
     agent.reload_config()
+    agent.report_gpu_problem()
     next_due = 0.0
     while not stop.is_set():
         now = agent.loop_alive_at = agent.clock.now()

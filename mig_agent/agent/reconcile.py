@@ -33,6 +33,7 @@ from mig_agent.errors import (
     ConfigError,
     GpuBusy,
     GpuResetRequired,
+    GpuUnavailable,
     LabelsChanged,
     MigAgentError,
     PlanError,
@@ -137,6 +138,43 @@ class Agent:
             self.catalog_error = str(exc)
             log.error("config.invalid", error=str(exc), config=self.settings.config)
         return True
+
+    def gpu_problem(self) -> str:
+        """Why the GPUs cannot be read now, or "". Without NVML, it names the RuntimeClass the
+        agent's pod runs under: with the wrong runtime no libnvidia-ml.so.1 is mounted."""
+        try:
+            self.gpus.observe()
+        except GpuUnavailable as exc:
+            return f"NVML unreachable: {exc}; {self._runtime_hint()}"
+        except MigAgentError as exc:
+            return f"NVML unreachable: {exc}"
+        return ""
+
+    def report_gpu_problem(self) -> None:
+        """On start: a node without NVML says so in the log and the node condition."""
+        problem = self.gpu_problem()
+        if problem:
+            log.error("gpu.unavailable", error=problem)
+            reporting.condition(self.cluster, self.settings, NodeCondition(
+                self.settings.condition_type, "False", "GpuUnavailable", problem))
+
+    def _runtime_hint(self) -> str:
+        s = self.settings
+        try:
+            mine = [p for p in self.cluster.list_pods(node=s.node_name,
+                                                      label_selector=s.agent_selector)
+                    if not p.terminating]
+        except MigAgentError:
+            mine = []
+        if not mine:
+            return "the agent's own pod was not found, so its runtime is unknown"
+        rc = mine[0].runtime_class
+        if rc:
+            return (f"the agent's pod runs under RuntimeClass {rc!r}; that runtime did not "
+                    "provide libnvidia-ml.so.1")
+        return ("the agent's pod runs under the node's default runtime (no runtimeClassName); "
+                "set runtimeClassName: nvidia (the GPU Operator's RuntimeClass) so that the "
+                "NVIDIA runtime mounts libnvidia-ml.so.1")
 
     def _with_generated(self, catalog: LayoutCatalog) -> LayoutCatalog:
         """``catalog`` plus generated layouts for the GPU models it does not cover."""

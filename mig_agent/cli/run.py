@@ -13,7 +13,7 @@ from mig_agent.cli.common import (
     add_config_args,
     open_gpus,
 )
-from mig_agent.errors import ConfigError, MigAgentError
+from mig_agent.errors import ConfigError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -66,11 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         def readyz() -> str:
             if agent.catalog is None:
                 return f"profile configs not loaded: {agent.catalog_error}"
-            try:
-                gpus.observe()
-            except MigAgentError as exc:
-                return f"NVML unreachable: {exc}"
-            return ""
+            return agent.gpu_problem()
 
         server = HealthServer(
             settings.metrics_address,

@@ -411,4 +411,5 @@ def _pod(p: Any) -> PodView:
         owner_kinds=tuple(o.kind for o in (meta.owner_references or [])),
         node_selector=dict(spec.node_selector or {}),
         gpu_requests=requests,
+        runtime_class=spec.runtime_class_name or "",
     )

@@ -70,6 +70,7 @@ class PodView:
     owner_kinds: tuple[str, ...]
     node_selector: Mapping[str, str]
     gpu_requests: Mapping[str, int]  # GPU resources requested by any container or init container
+    runtime_class: str = ""  # spec.runtimeClassName ("" for the cluster's default runtime)
 
     @property
     def uses_gpu(self) -> bool:

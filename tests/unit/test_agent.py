@@ -849,3 +849,29 @@ def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert dp.ref in cluster.pods  # not deleted again
     assert cluster.nodes[NODE].labels[STATE] == "success"
+
+
+@pytest.mark.parametrize("runtime_class, fragment", [
+    ("", "default runtime (no runtimeClassName); set runtimeClassName: nvidia"),
+    ("runc", "RuntimeClass 'runc'"),
+    (None, "own pod was not found"),
+])
+def test_without_nvml_the_agent_names_its_runtime_class(
+        runtime_class: str | None, fragment: str) -> None:
+    from mig_agent.errors import GpuUnavailable
+
+    agent, cluster, gpus = make()
+    if runtime_class is not None:
+        ref = cluster.add_pod("mig-agent", "mig-agent-x", NODE,
+                              labels={"app.kubernetes.io/name": "mig-agent"})
+        cluster.pods[ref] = dataclasses.replace(cluster.pods[ref], runtime_class=runtime_class)
+
+    def no_library() -> Any:
+        raise GpuUnavailable("initialise NVML: Driver Not Loaded")
+
+    gpus.observe = no_library  # type: ignore[method-assign]
+    problem = agent.gpu_problem()
+    assert "Driver Not Loaded" in problem and fragment in problem
+    agent.report_gpu_problem()
+    (cond,) = [c for c in cluster.nodes[NODE].conditions if c.type == "MIGConfigApplied"]
+    assert (cond.status, cond.reason) == ("False", "GpuUnavailable") and fragment in cond.message
