@@ -13,6 +13,7 @@ fails rather than skips, so that a CI run that forgot to build them cannot pass 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,13 +50,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
+NVIDIA_RUNTIME_CLASS = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                        "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+
+
+def add_nvidia_runtime_class(cluster: Cluster) -> None:
+    """The RuntimeClass the GPU Operator creates: the agent's DaemonSet runs under it
+    (runtimeClassName: nvidia), and without it the API server admits none of its pods."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(NVIDIA_RUNTIME_CLASS))
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """The session's cluster: 2 GPU nodes (gpu-node-0, gpu-node-1, 8xH100-80GB each)."""
     named = os.environ.get("MIG_AGENT_TEST_CLUSTER_DIR")
     if named:
         try:
-            yield Cluster.attach(Path(named))  # someone else's cluster: not ours to stop
+            attached = Cluster.attach(Path(named))  # someone else's cluster: not ours to stop
+            add_nvidia_runtime_class(attached)
+            yield attached
             return
         except ClusterNotRunning:
             directory = Path(named)
@@ -69,6 +82,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if missing:  # failed outside the except block, so the report is this one line
         pytest.fail(missing, pytrace=False)
     started = Cluster.up(directory, gpu_nodes=2, gpus=DEFAULT_GPUS)
+    add_nvidia_runtime_class(started)
     try:
         yield started
     finally:

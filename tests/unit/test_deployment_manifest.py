@@ -40,7 +40,7 @@ from mig_agent.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "daemonset.yaml"
-TAIL = REPO / "deploy" / "daemonset.tail.yaml"
+TAIL = REPO / "charts" / "mig-agent" / "templates" / "daemonset.yaml"  # the DaemonSet's source
 PROFILES = REPO / "mig_agent" / "profiles"
 SA = {"kind": "ServiceAccount", "name": "mig-agent", "namespace": "mig-agent"}
 
