@@ -71,10 +71,18 @@ class NodeAgents:
     status_file: str = ""  # the supervisor's status (supervisor.py)
 
 
+# The GPU Operator creates it; daemonset.yaml runs the agent under it (runtimeClassName: nvidia),
+# and without it the API server admits none of the agent's pods.
+NVIDIA_RUNTIME_CLASS = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                        "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+
+
 def install(cluster: Cluster) -> None:
-    """Apply daemonset.yaml and the simulated device plugin's DaemonSet (idempotent)."""
+    """Apply daemonset.yaml, the simulated device plugin's DaemonSet and the nvidia RuntimeClass,
+    as the GPU Operator leaves them (idempotent)."""
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": PLUGIN_NS}}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(ns))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(NVIDIA_RUNTIME_CLASS))
     cluster.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_PLUGIN))
     cluster.kubectl("apply", "-f", str(DAEMONSET))
 
