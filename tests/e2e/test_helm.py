@@ -10,8 +10,10 @@
 * on a cluster of its own (daemonset.yaml may be installed on the session's): `helm install`, the
   agent (started for the DaemonSet's pod as on the local cluster, with the environment the chart
   gave that pod) repartitions a node; `helm upgrade` with another state label key and drain
-  timeout reaches the pod and the policy, and the agent then writes the new key; `helm uninstall`
-  leaves none of the chart's objects behind.
+  timeout reaches the pod and the policy; the agent restarted with it on the node partitioned
+  before (as by MIG Manager) reports success under the new key without a reconfiguring Event,
+  cordon or GPU change, then repartitions again; `helm uninstall` leaves none of the chart's
+  objects behind.
 """
 
 from __future__ import annotations
@@ -218,17 +220,33 @@ def agent_settings(cluster: Cluster, state_label: str) -> dict[str, str]:
         time.sleep(0.3)
 
 
-def wait_label(cluster: Cluster, node: str, key: str, value: str, timeout: float = 90) -> None:
+def wait_label(cluster: Cluster, node: str, key: str, value: str,
+               timeout: float = 90) -> list[str]:
+    """Wait for the node's label `key` to read `value`; the values it showed on the way."""
     deadline = time.monotonic() + timeout
+    seen: list[str] = []
     while True:
         labels = kube_json(cluster, "get", "node", node)["metadata"].get("labels", {})
+        if key in labels and (not seen or seen[-1] != labels[key]):
+            seen.append(labels[key])
         if labels.get(key) == value:
-            return
+            return seen
         log = cluster.dir / "logs" / f"agent-{node}.log"
         assert time.monotonic() < deadline, (
             f"{key}={labels.get(key)!r}, not {value}\n"
             + "\n".join(log.read_text().splitlines()[-20:]) if log.exists() else "")
         time.sleep(0.3)
+
+
+def mig_events(cluster: Cluster, node: str) -> dict[str, int]:
+    """The agent's Events about `node`: reason -> count."""
+    items = kube_json(cluster, "get", "events", "-n", "default", "--field-selector",
+                      f"involvedObject.name={node}")["items"]
+    counts: dict[str, int] = {}
+    for e in items:
+        if e["reason"].startswith("MIG"):
+            counts[e["reason"]] = counts.get(e["reason"], 0) + (e.get("count") or 1)
+    return counts
 
 
 def gpu_instances(cluster: Cluster, node: str) -> list[int]:
@@ -264,7 +282,20 @@ def test_install_upgrade_uninstall(helm: str, own_cluster: Cluster) -> None:
     agents.stop_node(c.dir, node)
     settings = agent_settings(c, new_key)
     assert settings["MIG_AGENT_DRAIN_TIMEOUT_S"] == "77"
+    before = kube_json(c, "get", "node", node)["metadata"]["annotations"]["mig-agent.dev/gpu-state"]
+    events = mig_events(c, node)
+    assert "MIGApplying" in events
     agents.start_node(c, node, settings=settings, restart_backoff=(0.5, 5.0))
+    # a fresh agent on a node partitioned before (as by MIG Manager) under the label's layout:
+    # success with nothing changed -- never pending, not cordoned, the same GPU instances
+    seen = wait_label(c, node, new_key, "success")
+    assert seen == ["success"], seen
+    after = kube_json(c, "get", "node", node)
+    assert not after["spec"].get("unschedulable")
+    assert after["metadata"]["annotations"]["mig-agent.dev/gpu-state"] == before
+    work = ("MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGDevicePluginRestart")
+    now = mig_events(c, node)
+    assert [now.get(r, 0) for r in work] == [events.get(r, 0) for r in work], (events, now)
     c.kubectl("label", "node", node, "--overwrite", "nvidia.com/mig.config=all-2g.20gb")
     wait_label(c, node, new_key, "success")  # the policy lets the agent write the new key
     assert gpu_instances(c, node) == [3] * 8  # 2g.20gb: three per H100
