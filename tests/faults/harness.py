@@ -100,10 +100,47 @@ POINTS: tuple[Point, ...] = (
     Point("reconcile.succeeded", "reconcile.succeeded"),
     Point("reconcile.finished", "reconcile.finished"),
 )
+# MIG mode on: an A100 (its mode change waits for a GPU reset) with a pod on the whole GPU.
+A100_POINTS: tuple[Point, ...] = (
+    Point("node.paused", "node.paused"),
+    Point("drain.pod_evicted", "drain.pod_evicted"),
+    _phase("apply", "started"),
+    Point("gpu.mig_mode_set", "gpu.mig_mode_set"),
+    Point("gpu.reset", "gpu.reset"),
+    Point("gpu.instance_created#1", "gpu.instance_created"),
+    Point("gpu.instance_created#7", "gpu.instance_created", nth=7),
+    Point("gpu.compute_instance_created#4", "gpu.compute_instance_created", nth=4),
+    _phase("verify", "finished"),
+    Point("device_plugin.resources_match", "device_plugin.resources_match"),
+    Point("node.resumed", "node.resumed"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A transition START -> TARGET on a node of `gpus` with a pod holding `pod_limits`."""
+
+    name: str
+    gpus: str
+    start: str
+    target: str
+    other: str
+    typo: str
+    pod_limits: Mapping[str, str]
+    ready: tuple[str, int]  # the resource START advertises, and how many, before the pod
+    points: tuple[Point, ...]
+
+
+H100 = Scenario("h100", GPUS, START, TARGET, OTHER, TYPO, {"nvidia.com/mig-1g.10gb": "3"},
+                ("nvidia.com/mig-1g.10gb", 7), POINTS)
+A100 = Scenario("a100-mig-on", "1xA100-40GB", "all-disabled", "all-1g.5gb", "all-2g.10gb",
+                "all-1g.5gbx", {"nvidia.com/gpu": "1"}, ("nvidia.com/gpu", 1), A100_POINTS)
+SCENARIOS = (H100, A100)
+
 QUICK_POINTS = ("node.paused", "drain.pod_evicted", "gpu.instance_destroyed#3",
                 "gpu.compute_instance_created#1", "phase.started(device_plugin)", "node.resumed")
 
-FAULTS = ("kill", "relabel-other", "relabel-typo", "relabel-removed")
+FAULTS = ("kill", "relabel-other", "relabel-typo", "relabel-removed", "repartition-other")
 
 
 @dataclass(slots=True)
@@ -114,15 +151,17 @@ class Result:
     detail: str = ""
     seconds: float = 0.0
     log: str = ""
+    scenario: str = H100.name
 
 
 class FaultNode:
     """One fresh GPU node with its agent, set up at START with a GPU pod, for one trial."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, scenario: Scenario | None = None) -> None:
         self.cluster = cluster
+        self.scenario = scenario or H100
         self.name = f"fault-{next(_ids)}-{int(time.time() * 1000) % 100000}"
-        cluster.add_gpu_node(self.name, GPUS)
+        cluster.add_gpu_node(self.name, self.scenario.gpus)
         self.procs = agents.start_node(cluster, self.name, restart_backoff=BACKOFF)
         self.log_path = cluster.dir / "logs" / f"agent-{self.name}.log"
         self.offset = 0
@@ -183,18 +222,18 @@ class FaultNode:
     def prepare(self) -> None:
         self.wait("gpu-state annotation", lambda: "mig-agent.dev/gpu-state" in (
             self.node()["metadata"].get("annotations") or {}), 60)
-        self.patch_labels({CONFIG: START})
-        self.wait(f"success of {START}", lambda: self.labels().get(STATE) == "success", 60)
-        self.wait("MIG resources", lambda: int(self.node()["status"].get(
-            "allocatable", {}).get("nvidia.com/mig-1g.10gb", "0")) == 7, 60)
+        sc = self.scenario
+        self.patch_labels({CONFIG: sc.start})
+        self.wait(f"success of {sc.start}", lambda: self.labels().get(STATE) == "success", 60)
+        self.wait("GPU resources", lambda: int(self.node()["status"].get(
+            "allocatable", {}).get(sc.ready[0], "0")) == sc.ready[1], 60)
         # a GPU pod on three of the seven 1g.10gb devices: the drain has work to do
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": self.name, "namespace": NAMESPACE},
                "spec": {"terminationGracePeriodSeconds": 1,
                         "nodeSelector": {"kubernetes.io/hostname": self.name},
                         "containers": [{"name": "cuda", "image": SIMULATED_IMAGE, "resources": {
-                            "limits": {"nvidia.com/mig-1g.10gb": "3"},
-                            "requests": {"nvidia.com/mig-1g.10gb": "3"}}}]}}
+                            "limits": dict(sc.pod_limits), "requests": dict(sc.pod_limits)}}]}}
         self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
         self.wait("the GPU pod to run", lambda: self.cluster.api.get(
             f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}").get(
@@ -246,50 +285,59 @@ def ensure_namespace(cluster: Cluster) -> None:
 
 
 def inject(node: FaultNode, fault: str) -> None:
+    sc = node.scenario
     if fault == "kill":
         agents.kill_agent(node.cluster.dir, node.name)
     elif fault == "relabel-other":
-        node.patch_labels({CONFIG: OTHER})
+        node.patch_labels({CONFIG: sc.other})
     elif fault == "relabel-typo":
-        node.patch_labels({CONFIG: TYPO})
+        node.patch_labels({CONFIG: sc.typo})
     elif fault == "relabel-removed":
         node.patch_labels({CONFIG: None})
+    elif fault == "repartition-other":  # as `mig-agent repartition` relabels: state cleared
+        node.patch_labels({CONFIG: sc.other, STATE: None})
     else:
         raise ValueError(fault)
 
 
-def expected_cause(fault: str) -> str:
+def expected_cause(fault: str, scenario: Scenario) -> str:
     """What a `failed` reason must name for a trial with `fault` to count as failed-with-reason."""
-    return {"relabel-typo": TYPO}.get(fault, "")
+    return {"relabel-typo": scenario.typo}.get(fault, "")
 
 
-_clean: dict[str, int] = {}
+_clean: dict[str, dict[str, int]] = {}
 
 
-def clean_calls(cluster: Cluster) -> dict[str, int]:
+def clean_calls(cluster: Cluster, scenario: Scenario) -> dict[str, int]:
     """The instance calls of START -> TARGET with no fault (measured once per process)."""
-    if not _clean:
-        node = FaultNode(cluster)
+    if scenario.name not in _clean:
+        node = FaultNode(cluster, scenario)
         try:
             node.prepare()
-            node.patch_labels({CONFIG: TARGET})
+            node.patch_labels({CONFIG: scenario.target})
             outcome, detail = settle_and_check(node, "none", 90)
-            if (outcome, detail) != ("converged", f"{TARGET} applied"):
+            if (outcome, detail) != ("converged", f"{scenario.target} applied"):
                 raise RuntimeError(f"the pass without a fault: {outcome}: {detail}\n"
                                    + node.log_tail())
-            _clean.update(node.instance_calls())
+            _clean[scenario.name] = node.instance_calls()
         finally:
             node.close()
-    return dict(_clean)
+    return dict(_clean[scenario.name])
 
 
-def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0) -> Result:
-    reference = clean_calls(cluster) if fault == "kill" else None
+def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0,
+              scenario: Scenario | None = None) -> Result:
+    sc = scenario or H100
+    reference = clean_calls(cluster, sc) if fault == "kill" else None
     started = time.monotonic()
-    node = FaultNode(cluster)
+    node = FaultNode(cluster, sc)
     try:
-        node.prepare()
-        node.patch_labels({CONFIG: TARGET})
+        try:
+            node.prepare()
+        except TimeoutError as e:  # the trial never started: no verdict on the agent
+            return Result(point.name, fault, "not-reached", f"set-up: {str(e).splitlines()[0]}",
+                          time.monotonic() - started, node.log_tail(), sc.name)
+        node.patch_labels({CONFIG: sc.target})
         seen = 0
         deadline = time.monotonic() + 60
         reached = False
@@ -306,7 +354,7 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
             time.sleep(0.005)
         if not reached:
             return Result(point.name, fault, "not-reached", "the pass never logged this point",
-                          time.monotonic() - started, node.log_tail())
+                          time.monotonic() - started, node.log_tail(), sc.name)
         outcome, detail = settle_and_check(node, fault, settle)
         calls = node.instance_calls()
         if reference is not None and outcome != "violated" and calls != reference:
@@ -314,10 +362,13 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
             outcome, detail = "violated", (f"GPU/compute instance calls {calls}, a pass without "
                                            f"the fault makes {reference}")
         return Result(point.name, fault, outcome, detail, time.monotonic() - started,
-                      node.log_tail() if outcome == "violated" else "")
+                      node.log_tail() if outcome == "violated" else "", sc.name)
     except TimeoutError as e:
         return Result(point.name, fault, "violated", str(e).splitlines()[0],
-                      time.monotonic() - started, node.log_tail())
+                      time.monotonic() - started, node.log_tail(), sc.name)
+    except (OSError, ApiError) as e:  # the harness's own request failed (an overloaded machine)
+        return Result(point.name, fault, "not-reached", f"harness: {e}",
+                      time.monotonic() - started, node.log_tail(), sc.name)
     finally:
         node.close()
 
@@ -389,7 +440,8 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
     record = agents.running(node.cluster.dir).get(node.name, {})
     if agents.agent_state(record) != "running":
         problems.append(f"agent not running: {record.get('last_exit')}")
-    applied, stray = node.gpus_match(layout) if layout else (False, node.gpus_match(START)[1])
+    applied, stray = (node.gpus_match(layout) if layout
+                      else (False, node.gpus_match(node.scenario.start)[1]))
     if stray:
         problems.append(f"stray GPU instance(s) without a compute instance: {stray}")
     if state == "success" and not applied:
@@ -406,7 +458,7 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
     if state == "success":
         return "converged", f"{layout} applied"
     reason = annotations.get(REASON, "")
-    cause = expected_cause(fault)
+    cause = expected_cause(fault, node.scenario)
     if not reason:
         return "violated", "failed without a reason"
     if cause and cause not in reason:
@@ -432,12 +484,13 @@ def false_success(node: FaultNode) -> str:
     for t, layout, state in samples:
         if state != "success":
             continue
-        if layout is None or layout == TYPO:
+        if layout is None or layout == node.scenario.typo:
             return f"success seen with layout label {layout!r}"
         if any(ts > t and lay == layout for ts, lay in starts):
             return f"success seen for {layout} before {layout} was applied"
     return ""
 
 
-def points(names: tuple[str, ...] | None = None) -> list[Point]:
-    return [p for p in POINTS if names is None or p.name in names]
+def points(names: tuple[str, ...] | None = None,
+           scenario: Scenario | None = None) -> list[Point]:
+    return [p for p in (scenario or H100).points if names is None or p.name in names]

@@ -15,34 +15,45 @@ pytestmark = [pytest.mark.faults, pytest.mark.cluster]
 
 # What each fault must end in: the layout the label names at the end, or the typo's failure.
 EXPECTED = {"kill": "converged", "relabel-other": "converged", "relabel-typo": "failed",
-            "relabel-removed": "converged"}
+            "relabel-removed": "converged", "repartition-other": "converged"}
 QUICK = {
     "kill": ("drain.pod_evicted", "gpu.instance_destroyed#3", "phase.started(device_plugin)"),
     "relabel-other": ("gpu.compute_instance_created#1",),
     "relabel-typo": ("drain.pod_evicted",),
     "relabel-removed": ("gpu.instance_destroyed#3",),
+    "repartition-other": ("node.resumed",),
 }
 
 
-def _cases() -> list[tuple[harness.Point, str]]:
+QUICK_A100 = {"kill": ("gpu.reset",)}
+
+
+def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
     if full_matrix():
-        return [(p, f) for f in harness.FAULTS for p in harness.POINTS]
-    return [(p, f) for f, names in QUICK.items() for p in harness.points(names)]
+        return [(sc, p, f) for sc in harness.SCENARIOS for f in harness.FAULTS
+                for p in sc.points]
+    return ([(harness.H100, p, f) for f, names in QUICK.items() for p in harness.points(names)]
+            + [(harness.A100, p, f) for f, names in QUICK_A100.items()
+               for p in harness.points(names, harness.A100)])
 
 
-@pytest.mark.parametrize(("point", "fault"), _cases(),
-                         ids=lambda v: v.name if isinstance(v, harness.Point) else str(v))
+def _id(value: object) -> str:
+    return getattr(value, "name", str(value))
+
+
+@pytest.mark.parametrize(("scenario", "point", "fault"), _cases(), ids=_id)
 def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
-        fault_cluster: Cluster, point: harness.Point, fault: str) -> None:
-    result = harness.run_trial(fault_cluster, point, fault)
+        fault_cluster: Cluster, scenario: harness.Scenario, point: harness.Point,
+        fault: str) -> None:
+    result = harness.run_trial(fault_cluster, point, fault, scenario=scenario)
     assert result.outcome == EXPECTED[fault], (
         f"{fault} at {point.name}: {result.outcome}: {result.detail}\n{result.log}")
     if fault == "relabel-typo":
-        assert f"unknown layout '{harness.TYPO}'" in result.detail
+        assert f"unknown layout '{scenario.typo}'" in result.detail
     elif fault == "relabel-removed":
         assert result.detail.startswith("no layout asked for")
     else:
-        want = harness.OTHER if fault == "relabel-other" else harness.TARGET
+        want = scenario.other if fault.endswith("-other") else scenario.target
         assert result.detail == f"{want} applied"
 
 
