@@ -113,7 +113,8 @@ def test_template_values(helm: str) -> None:
                     "--set", "rebootCommand=systemctl reboot", "--set", "timeouts.drain=42",
                     "--set", "metrics.port=9500", "--set", "nodeSelector.pool=gpu",
                     "--set", "config.existingConfigMap=default-mig-parted-config",
-                    "--set", "image.tag=9.9.9", "--set", "resources.limits.memory=1Gi")
+                    "--set", "image.tag=9.9.9", "--set", "resources.limits.memory=1Gi",
+                    "--set", "extraEnv.backoff_max_s=120")
     spec = pod_spec(docs)
     assert "runtimeClassName" not in spec
     assert spec["nodeSelector"] == {"pool": "gpu"}
@@ -121,6 +122,8 @@ def test_template_values(helm: str) -> None:
     assert (e["MIG_AGENT_MIG_STRATEGY"], e["MIG_AGENT_REBOOT_COMMAND"]) == ("single",
                                                                           "systemctl reboot")
     assert (e["MIG_AGENT_DRAIN_TIMEOUT_S"], e["MIG_AGENT_METRICS_PORT"]) == ("42", "9500")
+    assert e["MIG_AGENT_BACKOFF_MAX_S"] == "120"
+    assert Settings.from_env(e).backoff_max_s == 120.0
     (c,) = spec["containers"]
     assert c["image"].endswith(":9.9.9") and c["resources"]["limits"]["memory"] == "1Gi"
     assert c["ports"] == [{"name": "metrics", "containerPort": 9500}]
@@ -176,11 +179,13 @@ def test_policies_are_those_of_deploy_policies(helm: str, settings: Settings) ->
 
 @pytest.mark.parametrize("values", [["--set", "labels.state=a'b"],
                                     ["--set-string", "devicePlugin.selector=app in (x)"],
-                                    ["--set-string", "devicePlugin.selector=!a=b"]])
-def test_values_the_policy_cannot_express_fail(helm: str, values: list[str]) -> None:
+                                    ["--set-string", "devicePlugin.selector=!a=b"],
+                                    ["--set", "migStrategy=none"]])
+def test_values_the_agent_or_policy_cannot_take_fail(helm: str, values: list[str]) -> None:
     res = run(helm, "template", "x", str(CHART), *values, check=False)
     assert res.returncode != 0 and ("admission policy" in res.stderr
-                                    or "supported in the policy" in res.stderr), res.stderr
+                                    or "supported in the policy" in res.stderr
+                                    or "mixed or single" in res.stderr), res.stderr
 
 
 # ---- on a cluster ---------------------------------------------------------------------------
