@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -119,6 +120,8 @@ def readiness_follows_nvml(node: AgentNode) -> None:
         status, body = http_get(port, "/readyz")
         assert status == 503, body
         assert "NVML" in body and "Driver Not Loaded" in body, body
+        # and it names the runtime its pod runs under (without NVIDIA's, no libnvidia-ml)
+        assert re.search(r"RuntimeClass '[^']+'|the node's default runtime", body), body
         assert http_get(port, "/healthz") == (200, "ok\n")  # alive, just not ready
         assert scrape(node)("mig_agent_nvml_errors_total", call="observe") > errors_before
     finally:
