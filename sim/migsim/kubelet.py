@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -251,6 +252,25 @@ class DeviceManager:
                 else:
                     self.changed.wait(left)
 
+    def updates(self) -> int:
+        """ListAndWatch responses received so far, from every plugin."""
+        with self.changed:
+            return sum(p.updates for p in self.plugins.values())
+
+    def wait_for_update(self, seen: int, timeout_s: float, settle_s: float = 1.0) -> bool:
+        """Whether a ListAndWatch response beyond the first ``seen`` arrives within
+        ``timeout_s`` (then waits until nothing changed for ``settle_s``)."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while sum(p.updates for p in self.plugins.values()) <= seen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+            while self.changed.wait(settle_s):
+                pass
+        return True
+
     def allocate(self, resource: str, device_ids: Sequence[str],
                  timeout_s: float = 10.0) -> dict[str, str]:
         """The plugin's Allocate for one container holding ``device_ids``: its environment."""
@@ -299,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait at most")
     p.add_argument("--allocate", action="append", default=[], metavar="RESOURCE",
                    help="then Allocate the first device of RESOURCE (its env is reported)")
+    p.add_argument("--then", default="", metavar="COMMAND",
+                   help="once the resources are there, run COMMAND (e.g. raise an Xid: python "
+                        "-m migsim.nvml xid 0 79) and wait for the plugins' next update")
     opts = p.parse_args(args)
     if not cmd:
         p.error("a device plugin command is needed after --")
@@ -311,7 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if manager.wait_for_resources(opts.resources, min(1.0, deadline - time.monotonic())):
                 waited = True
                 break
-        report = manager.report()
+        report: dict[str, Any] = {}
+        if waited and opts.then:
+            seen = manager.updates()
+            subprocess.run(shlex.split(opts.then), check=True)  # noqa: S603 - the caller's
+            report["then_updated"] = manager.wait_for_update(
+                seen, max(1.0, deadline - time.monotonic()))
+        report.update(manager.report())
         report["allocated"] = {}
         for resource in opts.allocate:
             devices = report["plugins"].get(resource, {}).get("devices") or {}

@@ -354,17 +354,26 @@ nvmlReturn_t nvmlShutdown(void) {
 const char *nvmlErrorString(nvmlReturn_t result) { return sim_error_string((int)result); }
 
 /* -- event sets: the library's own ----------------------------------------------------------------
- * The simulated GPUs raise no events (no Xid, ECC or clock changes), so an event set only has to
- * be valid: nvmlEventSetWait_v2 sleeps for its timeout *without the lock* (other threads of the
- * process keep calling NVML, as with real NVML) and returns NVML_ERROR_TIMEOUT, as a quiet GPU does.
- * nvmlDeviceRegisterEvents asks the simulator which types the device supports (which also checks
- * the handle) and refuses any other type with NVML_ERROR_NOT_SUPPORTED, as NVML documents. */
+ * An event set is a list of (GPU, event types) registrations and a cursor: the number of the last
+ * simulator event it has seen (events raised before the set was created are not its). Events are
+ * raised in the node's state (python -m migsim.nvml xid). nvmlEventSetWait_v2 polls the simulator
+ * every sim_event_poll_ms and sleeps in between *without the lock* (other threads of the process
+ * keep calling NVML, as with real NVML) until an event or its timeout: NVML_ERROR_TIMEOUT, as a
+ * quiet GPU gives. nvmlDeviceRegisterEvents asks the simulator which types the device supports
+ * (which also checks the handle) and refuses any other type with NVML_ERROR_NOT_SUPPORTED. */
 
 #define EVENT_SET_MAGIC 0x6d69677365767473ULL
 
+struct registration {
+    uint64_t token;
+    unsigned long long types;
+};
+
 struct nvmlEventSet_st {
     uint64_t magic;
-    unsigned long long types;
+    uint64_t cursor;
+    struct registration *regs;
+    uint32_t count;
 };
 
 static int initialized(void) {
@@ -379,12 +388,59 @@ static struct nvmlEventSet_st *set_of(nvmlEventSet_t set) {
     return set.handle && set.handle->magic == EVENT_SET_MAGIC ? set.handle : NULL;
 }
 
+/* One poll: NVML_SUCCESS with *data filled, NVML_ERROR_TIMEOUT when no event is there, or an
+ * error. With data NULL it only moves the cursor to the latest event. */
+static int poll_events(struct nvmlEventSet_st *s, nvmlEventData_t *data) {
+    sim_call c;
+    int rc = sim_start(&c, sim_poll_events);
+    if (rc != NVML_SUCCESS) return rc;
+    uint64_t cursor = data ? s->cursor : UINT64_MAX; /* ~0: only the latest event number */
+    sim_put_bytes(&c, &cursor, 8);
+    sim_put_u32(&c, data ? s->count : 0);
+    for (uint32_t i = 0; data && i < s->count; i++) {
+        sim_put_bytes(&c, &s->regs[i].token, 8);
+        sim_put_bytes(&c, &s->regs[i].types, 8);
+    }
+    rc = sim_send(&c);
+    if (!c.failed && rc == NVML_SUCCESS) {
+        uint64_t after = 0;
+        uint8_t found = 0;
+        sim_get_ptr(&c, &after, 8);
+        sim_get_ptr(&c, &found, 1);
+        if (found) {
+            void *device = NULL;
+            unsigned long long type = 0, value = 0;
+            unsigned int gi = 0, ci = 0;
+            sim_get_handle(&c, &device);
+            sim_get_ptr(&c, &type, 8);
+            sim_get_ptr(&c, &value, 8);
+            sim_get_ptr(&c, &gi, 4);
+            sim_get_ptr(&c, &ci, 4);
+            if (!c.failed && data) {
+                data->device.handle = device;
+                data->eventType = type;
+                data->eventData = value;
+                data->gpuInstanceId = gi;
+                data->computeInstanceId = ci;
+            }
+        }
+        if (!c.failed) s->cursor = after;
+        rc = found ? NVML_SUCCESS : NVML_ERROR_TIMEOUT;
+    }
+    return sim_finish(&c, rc);
+}
+
 nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
     if (!initialized()) return NVML_ERROR_UNINITIALIZED;
     if (!set) return NVML_ERROR_INVALID_ARGUMENT;
     struct nvmlEventSet_st *s = calloc(1, sizeof *s);
     if (!s) return NVML_ERROR_MEMORY;
     s->magic = EVENT_SET_MAGIC;
+    int rc = poll_events(s, NULL);
+    if (rc != NVML_ERROR_TIMEOUT) {
+        free(s);
+        return (nvmlReturn_t)(rc == NVML_SUCCESS ? NVML_ERROR_UNKNOWN : rc);
+    }
     set->handle = s;
     return NVML_SUCCESS;
 }
@@ -394,6 +450,7 @@ nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
     struct nvmlEventSet_st *s = set_of(set);
     if (!s) return NVML_ERROR_INVALID_ARGUMENT;
     s->magic = 0;
+    free(s->regs);
     free(s);
     return NVML_SUCCESS;
 }
@@ -407,26 +464,49 @@ nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long ev
     if (!s) return NVML_ERROR_INVALID_ARGUMENT;
     if (eventTypes & ~supported) return NVML_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&lock);
-    s->types |= eventTypes;
+    struct registration *grown = realloc(s->regs, (s->count + 1) * sizeof *grown);
+    if (grown) {
+        s->regs = grown;
+        s->regs[s->count].token = token_of(device.handle);
+        s->regs[s->count].types = eventTypes;
+        s->count++;
+    }
     pthread_mutex_unlock(&lock);
-    return NVML_SUCCESS;
+    return grown ? NVML_SUCCESS : NVML_ERROR_MEMORY;
 }
 
-nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
-    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
-    if (!set_of(set) || !data) return NVML_ERROR_INVALID_ARGUMENT;
+static int64_t now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Sleeps ms milliseconds; signals (the Go runtime preempts with SIGURG) do not cut it short. */
+static void sleep_ms(int64_t ms) {
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += timeoutms / 1000;
-    until.tv_nsec += (long)(timeoutms % 1000) * 1000000L;
+    until.tv_sec += ms / 1000;
+    until.tv_nsec += (long)(ms % 1000) * 1000000L;
     if (until.tv_nsec >= 1000000000L) {
         until.tv_sec++;
         until.tv_nsec -= 1000000000L;
     }
-    /* Signals (the Go runtime preempts with SIGURG) interrupt the sleep: sleep on to the deadline. */
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR) {
     }
-    return NVML_ERROR_TIMEOUT;
+}
+
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    if (!initialized()) return NVML_ERROR_UNINITIALIZED;
+    struct nvmlEventSet_st *s = set_of(set);
+    if (!s || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    int64_t deadline = now_ms() + timeoutms;
+    for (;;) {
+        int rc = poll_events(s, data);
+        if (rc != NVML_ERROR_TIMEOUT) return (nvmlReturn_t)rc;
+        int64_t left = deadline - now_ms();
+        if (left <= 0) return NVML_ERROR_TIMEOUT;
+        sleep_ms(left < sim_event_poll_ms ? left : sim_event_poll_ms);
+    }
 }
 
 nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {

@@ -42,5 +42,8 @@ SIM_HIDDEN void sim_get_handles(sim_call *c, void **p, size_t max);
 SIM_HIDDEN void sim_untokenize(void *p);
 
 SIM_HIDDEN const char *sim_error_string(int code);   /* generated */
+/* The simulator's event poll (migsim.nvml.abi.POLL_EVENTS) and its interval (generated). */
+SIM_HIDDEN extern const char sim_poll_events[];
+SIM_HIDDEN extern const unsigned int sim_event_poll_ms;
 
 #endif

@@ -199,6 +199,12 @@ TIMEOUT = 10  # NVML_ERROR_TIMEOUT
 XID_CRITICAL = 0x8
 
 
+class EventData(ctypes.Structure):  # nvmlEventData_t
+    _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
+                ("eventData", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint)]
+
+
 def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
         make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL) -> None:
     nv = nvml_on(make_node("2xH100-80GB"))
@@ -216,7 +222,7 @@ def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
     assert c_lib.nvmlDeviceRegisterEvents(None, ctypes.c_ulonglong(XID_CRITICAL),
                                           events) == st.INVALID_ARGUMENT
 
-    data = ctypes.create_string_buffer(64)  # nvmlEventData_t
+    data = EventData()
     calls_meanwhile: list[float] = []
 
     def other_thread() -> None:
@@ -228,13 +234,14 @@ def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
     t = threading.Thread(target=other_thread)
     t.start()
     start = time.monotonic()
-    code = c_lib.nvmlEventSetWait_v2(events, data, ctypes.c_uint(700))
+    code = c_lib.nvmlEventSetWait_v2(events, ctypes.byref(data), ctypes.c_uint(700))
     waited = time.monotonic() - start
     t.join()
     assert code == TIMEOUT
     assert 0.69 <= waited < 3.0
     assert len(calls_meanwhile) == 1 and calls_meanwhile[0] < 0.5  # not queued behind the wait
-    assert c_lib.nvmlEventSetWait_v2(None, data, ctypes.c_uint(10)) == st.INVALID_ARGUMENT
+    assert c_lib.nvmlEventSetWait_v2(None, ctypes.byref(data),
+                                     ctypes.c_uint(10)) == st.INVALID_ARGUMENT
     assert c_lib.nvmlEventSetFree(events) == st.SUCCESS
 
 
@@ -249,3 +256,37 @@ def test_cuda_capability_topology_and_versions(make_node: MakeNode, nvml_on: Nvm
     assert c_lib.nvmlDeviceGetTopologyCommonAncestor(a, a, ctypes.byref(level)) == st.SUCCESS
     assert level.value == 0  # NVML_TOPOLOGY_INTERNAL
     assert nv.nvmlSystemGetCudaDriverVersion_v2() == nv.nvmlSystemGetCudaDriverVersion() > 0
+
+
+def test_xid_events_reach_the_sets_registered_on_their_gpu(
+        make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL) -> None:
+    path = make_node("2xH100-80GB")
+    nv = nvml_on(path)
+    gpu0, gpu1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+    on0, on1 = ctypes.c_void_p(), ctypes.c_void_p()
+    assert c_lib.nvmlEventSetCreate(ctypes.byref(on0)) == st.SUCCESS  # on a node without events
+    st.raise_xid(path, 1, 31)  # before on1 exists: not its
+    assert c_lib.nvmlEventSetCreate(ctypes.byref(on1)) == st.SUCCESS
+    for events, gpu in ((on0, gpu0), (on1, gpu1)):
+        assert c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(XID_CRITICAL),
+                                              events) == st.SUCCESS
+    data = EventData()
+    assert c_lib.nvmlEventSetWait_v2(on1, ctypes.byref(data), ctypes.c_uint(150)) == TIMEOUT
+
+    raiser = threading.Timer(0.3, lambda: (st.raise_xid(path, 1, 79),
+                                           st.raise_xid(path, 0, 48)))
+    raiser.start()
+    start = time.monotonic()
+    assert c_lib.nvmlEventSetWait_v2(on1, ctypes.byref(data), ctypes.c_uint(5000)) == st.SUCCESS
+    assert 0.25 <= time.monotonic() - start < 2.0
+    raiser.join()
+    assert (data.eventType, data.eventData) == (XID_CRITICAL, 79)
+    assert data.device == ctypes.cast(gpu1, ctypes.c_void_p).value
+    assert (data.gpuInstanceId, data.computeInstanceId) == (st.NO_INSTANCE, st.NO_INSTANCE)
+    # seen once; the other GPU's set sees its own event only (created before any event)
+    assert c_lib.nvmlEventSetWait_v2(on1, ctypes.byref(data), ctypes.c_uint(150)) == TIMEOUT
+    assert c_lib.nvmlEventSetWait_v2(on0, ctypes.byref(data), ctypes.c_uint(150)) == st.SUCCESS
+    assert data.eventData == 48 and data.device == ctypes.cast(gpu0, ctypes.c_void_p).value
+    assert c_lib.nvmlEventSetWait_v2(on0, ctypes.byref(data), ctypes.c_uint(150)) == TIMEOUT
+    for events in (on0, on1):
+        assert c_lib.nvmlEventSetFree(events) == st.SUCCESS

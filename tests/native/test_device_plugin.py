@@ -95,13 +95,15 @@ class Run:
 
 
 def run_plugin(state: str, nvidia_bin: Path, tmp_path: Path, strategy: str, resources: int,
-               *, timeout: float = 40, allocate: str = "") -> Run:
+               *, timeout: float = 40, allocate: str = "", then: str = "") -> Run:
     report = tmp_path / f"kubelet-{strategy}.json"
     cmd = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", state, "--",
            "python3", "-m", "migsim.kubelet", "--report", str(report),
            "--resources", str(resources), "--timeout", str(timeout)]
     if allocate:
         cmd += ["--allocate", allocate]
+    if then:
+        cmd += ["--then", then]
     cmd += ["--", str(nvidia_bin / "nvidia-device-plugin"), f"--mig-strategy={strategy}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                           timeout=timeout + 60)
@@ -185,6 +187,28 @@ def test_none_strategy_with_mig_off_advertises_whole_gpus(tmp_path: Path,
     assert set(run.devices["nvidia.com/gpu"]) == gpus
     assert run.report["plugins"]["nvidia.com/gpu"]["options"][
         "get_preferred_allocation_available"] is True
+
+
+def test_an_xid_makes_the_plugin_mark_that_gpus_devices_unhealthy(tmp_path: Path,
+                                                                  nvidia_bin: Path) -> None:
+    """The plugin's health check (an event set per plugin, nvmlEventSetWait_v2) sees an Xid the
+    simulated GPU 0 raises. What NVIDIA's plugin then does (internal/rm/health.go keys its devices
+    by parent GPU UUID, one per GPU and plugin): it marks *one* MIG device per resource of GPU 0
+    unhealthy, not all of them; the kubelet's allocatable drops by those."""
+    state = node(tmp_path, "2xH100-80GB", MIXED["H100-80GB"])
+    want = expected(state, "mixed")
+    run = run_plugin(state, nvidia_bin, tmp_path, "mixed", len(want),
+                     then=f"python3 -m migsim.nvml --state {state} xid 0 79")
+    assert run.report["then_updated"], run.log
+    assert run.report["capacity"] == want
+    gpus = st.load_node(state).gpus
+    on = [{ci.uuid for gi in g.gpu_instances for ci in gi.compute_instances} for g in gpus]
+    health = {i: h for d in run.devices.values() for i, h in d.items()}
+    unhealthy = {i for i, h in health.items() if h != "Healthy"}
+    assert unhealthy <= on[0], run.log
+    assert all(sum(h != "Healthy" for h in d.values()) == 1 for d in run.devices.values())
+    assert sum(run.report["allocatable"].values()) == sum(want.values()) - len(want)
+    assert "XidCriticalError: Xid=79" in run.log, run.log
 
 
 @pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB"])

@@ -332,10 +332,18 @@ FUNCTIONS: tuple[Function, ...] = (
 
 BY_NAME: dict[str, Function] = {f.name: f for f in FUNCTIONS}
 
+# Not an NVML function: what the C library's nvmlEventSetWait_v2 asks the simulator, every
+# EVENT_POLL_MS while it waits (without holding the library between polls). Request: u64 cursor
+# (the last event number seen; ~0: return no event, only the latest number), u32 n, n x (u64 GPU
+# token, u64 event type mask). Reply on NVML_SUCCESS: u64 cursor to poll after next, u8 found, if
+# found: u64 GPU token, u64 eventType, u64 eventData, u32 gpuInstanceId, u32 computeInstanceId.
+POLL_EVENTS = "migsimPollEvents"
+EVENT_POLL_MS = 100
+
 # Implemented in C by the library itself, not forwarded.
-# Event sets are the library's own too: nvmlEventSetWait_v2 blocks (up to its timeout) without
-# holding the connection, and the simulated GPUs raise no events, so it returns
-# NVML_ERROR_TIMEOUT; nvmlDeviceRegisterEvents checks its handle with the simulator.
+# Event sets are the library's own too: nvmlEventSetWait_v2 polls the simulator (POLL_EVENTS) and
+# sleeps in between without holding the connection, up to its timeout (then NVML_ERROR_TIMEOUT);
+# nvmlDeviceRegisterEvents checks its handle and types with the simulator.
 LOCAL_FUNCTIONS = ("nvmlInit_v2", "nvmlInit", "nvmlInitWithFlags", "nvmlShutdown",
                    "nvmlErrorString", "nvmlEventSetCreate", "nvmlEventSetFree",
                    "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetWait")

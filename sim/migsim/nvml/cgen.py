@@ -153,6 +153,8 @@ def calls_c(protos: dict[str, list[str]]) -> str:
         *_layout_asserts(), "",
         f"const char *sim_error_string(int code)\n{{\n    switch (code) {{\n{cases}\n"
         f'    default: return "Unknown Error";\n    }}\n}}\n',
+        f'const char sim_poll_events[] = "{abi.POLL_EVENTS}";',
+        f"const unsigned int sim_event_poll_ms = {abi.EVENT_POLL_MS};\n",
         *(_function(f, protos[f.name]) for f in abi.FUNCTIONS),
     ]
     return "\n".join(parts)

@@ -9,7 +9,7 @@ instances as INVALID_ARGUMENT, as the driver does.
 
 State and behaviour live in migsim.nvml.state (one JSON file per node, shared by processes).
 This module adds the ABI, the handle registry, fault and latency hooks, and a small CLI:
-``python -m migsim.nvml --state FILE create|show|reset|reboot|process|fault|counts``.
+``python -m migsim.nvml --state FILE create|show|reset|reboot|process|fault|xid|counts``.
 
 It must not import pynvml (only mig_agent.gpu.nvml does): it works on whatever ctypes objects it is
 handed. Caller bugs that would corrupt memory under real NVML (an array too small for what NVML
@@ -39,6 +39,7 @@ from migsim.nvml.state import (
     Refused,
     SimComputeInstance,
     SimError,
+    SimEvent,
     SimGpu,
     SimGpuInstance,
     SimNode,
@@ -49,6 +50,7 @@ from migsim.nvml.state import (
     create_node,
     inject_failure,
     load_node,
+    raise_xid,
     reboot_node,
     remove_process,
     reset_call_counts,
@@ -60,8 +62,8 @@ from migsim.nvml.state import (
 __all__ = [
     "ENV_STATE", "CallCounts", "SimError", "SimulatedNvmlLibrary", "SimulatedNvmlMisuse",
     "add_process", "call_counts", "clear_faults", "create_node", "inject_failure", "load_node",
-    "main", "reboot_node", "remove_process", "reset_call_counts", "reset_gpu", "set_latency",
-    "set_reset_supported",
+    "main", "raise_xid", "reboot_node", "remove_process", "reset_call_counts", "reset_gpu",
+    "set_latency", "set_reset_supported",
 ]
 
 _NO_ID = 0xFFFFFFFF  # NVML_GPU_INSTANCE_ID_ANY / "not on a MIG device" in process infos
@@ -289,6 +291,29 @@ class SimulatedNvmlLibrary:
         C library's simulator server uses; pynvml calls the attributes directly)."""
         spec = _EXPORTS[name]
         return int(self._call(name, getattr(self, spec.method), spec, args))
+
+    def poll_events(self, cursor: int | None, registrations: Sequence[tuple[Any, int]]
+                    ) -> tuple[int, SimEvent | None, int]:
+        """The next event after number ``cursor`` for an event set registered for
+        ``registrations`` ((GPU handle, nvmlEventType mask) each): (the number to poll after
+        next, the event or None, the GPU's handle or 0). Cursor None: no event, only the latest
+        number (an event set sees the events raised after it was created). INVALID_ARGUMENT
+        (Refused) for a handle that is not a GPU's."""
+        node = self._store.read()
+        wanted: list[tuple[int, int]] = []
+        for handle, types in registrations:
+            key = self._handles.key(handle)
+            if key is None or key.kind != "gpu":
+                raise Refused(st.INVALID_ARGUMENT)
+            wanted.append((key.gpu, types))
+        latest = node.next_event - 1
+        if cursor is None:
+            return latest, None, 0
+        for event in node.events:
+            if event.seq > cursor and any(event.gpu == g and event.event_type & t
+                                          for g, t in wanted):
+                return event.seq, event, self._gpu_handle(event.gpu)
+        return latest, None, 0
 
     def reset_gpu(self, index: int) -> None:
         """``nvidia-smi -r`` for the simulated node (SimError when refused)."""
@@ -961,6 +986,12 @@ def _parser() -> argparse.ArgumentParser:
     fr.add_argument("--gpu", type=int)
     fs.add_parser("clear", help="remove fault rules and latency")
 
+    x = sub.add_parser("xid", help="a GPU (or its MIG device) reports an Xid error event")
+    x.add_argument("gpu", type=int)
+    x.add_argument("xid", type=int, help="e.g. 79 (fallen off the bus) or 48 (DBE)")
+    x.add_argument("--gi", type=int)
+    x.add_argument("--ci", type=int)
+
     n = sub.add_parser("counts", help="mutating calls per GPU and function")
     n.add_argument("--reset", action="store_true")
     n.add_argument("--json", action="store_true")
@@ -1012,6 +1043,8 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
                     set_reset_supported(path, args.possible == "on", gpu=args.gpu)
                 case _:
                     clear_faults(path)
+        case "xid":
+            raise_xid(path, args.gpu, args.xid, gi=args.gi, ci=args.ci)
         case "counts":
             counts = call_counts(path)
             if args.json:

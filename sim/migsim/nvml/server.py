@@ -31,6 +31,7 @@ from migsim.nvml.library import SimulatedNvmlLibrary, SimulatedNvmlMisuse
 
 _INIT_FUNCTIONS = ("nvmlInit_v2", "nvmlInitWithFlags")
 _NULL_TEXT = 0xFFFFFFFF
+_LATEST_ONLY = 0xFFFFFFFFFFFFFFFF  # the event poll's cursor when an event set is created
 
 
 class _Reader:
@@ -178,6 +179,8 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
                 return st.UNINITIALIZED, b""
             inits[0] -= 1
             return lib.call("nvmlShutdown"), b""
+        if name == abi.POLL_EVENTS:
+            return self._poll_events(payload, inits)
         fn = abi.BY_NAME.get(name)
         if fn is None:
             return st.FUNCTION_NOT_FOUND, b""
@@ -187,6 +190,27 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
             raise SimulatedNvmlMisuse(f"request longer than the parameters of {name}")
         code = lib.call(fn.server_name, *args)
         return code, b"".join(reply(code) for reply in replies)
+
+    def _poll_events(self, payload: bytes, inits: list[int]) -> tuple[int, bytes]:
+        if not inits[0]:
+            return st.UNINITIALIZED, b""
+        r = _Reader(payload)
+        cursor = r.unpack("Q")
+        registrations = []
+        for _ in range(r.unpack("I")):
+            token = r.unpack("Q")
+            registrations.append((ctypes.c_void_p(token) if token else None, r.unpack("Q")))
+        if r.pos != len(payload):
+            raise SimulatedNvmlMisuse(f"request longer than the parameters of {abi.POLL_EVENTS}")
+        try:
+            after, event, gpu = self.library.poll_events(
+                None if cursor == _LATEST_ONLY else cursor, registrations)
+        except st.Refused as refused:
+            return refused.code, b""
+        if event is None:
+            return st.SUCCESS, struct.pack("=QB", after, 0)
+        return st.SUCCESS, struct.pack("=QBQQQII", after, 1, gpu, event.event_type, event.data,
+                                       event.gi, event.ci)
 
     def disconnected(self, inits: list[int]) -> None:
         with self.lock:

@@ -94,6 +94,10 @@ DRIVER_VERSION = "580.159.04"
 NVML_VERSION = "13.580.159.04"
 CUDA_VERSION = 13000
 
+XID_CRITICAL_ERROR = 0x8  # nvmlEventTypeXidCriticalError
+NO_INSTANCE = 0xFFFFFFFF  # an event's gpuInstanceId/computeInstanceId when not on a MIG device
+KEPT_EVENTS = 256  # the node keeps its last events only (an event set sees those after its start)
+
 _UUID_NAMESPACE = uuid.UUID("6f1c4a52-3b7e-4d7a-9a51-6d1b2c1e0f42")
 
 
@@ -156,6 +160,18 @@ class SimProcess:
     ci: int | None = None
     used_memory_mib: int = 0
     owner: str = ""  # who started it in the simulated world, e.g. a pod ("" for a test's own)
+
+
+@dataclass(slots=True)
+class SimEvent:
+    """An NVML event a GPU raised (nvmlEventData_t): what nvmlEventSetWait_v2 returns to the event
+    sets registered for its type on the GPU after it was raised."""
+    seq: int
+    gpu: int
+    event_type: int  # nvmlEventType*, e.g. XID_CRITICAL_ERROR
+    data: int  # the Xid for an XidCriticalError
+    gi: int = NO_INSTANCE  # the MIG device's ids, NO_INSTANCE for the whole GPU
+    ci: int = NO_INSTANCE
 
 
 @dataclass(slots=True)
@@ -231,6 +247,8 @@ class SimNode:
     latency_seconds: float = 0.0
     latency_scope: str = "mutating"  # or "all"
     counts: dict[str, dict[str, int]] = field(default_factory=dict)  # gpu -> function -> calls
+    events: list[SimEvent] = field(default_factory=list)
+    next_event: int = 1
     schema: int = SCHEMA
 
     def gpu(self, index: int) -> SimGpu:
@@ -291,8 +309,9 @@ def _node_from_json(raw: Mapping[str, Any]) -> SimNode:
         )
         for g in raw["gpus"]
     ]
-    scalars = {k: v for k, v in raw.items() if k not in ("gpus", "fail_rules")}
-    return SimNode(gpus=gpus, fail_rules=[FailRule(**r) for r in raw["fail_rules"]], **scalars)
+    scalars = {k: v for k, v in raw.items() if k not in ("gpus", "fail_rules", "events")}
+    return SimNode(gpus=gpus, fail_rules=[FailRule(**r) for r in raw["fail_rules"]],
+                   events=[SimEvent(**e) for e in raw.get("events", ())], **scalars)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -634,6 +653,27 @@ def add_process(path: str | os.PathLike[str], gpu: int, pid: int, *, gi: int | N
             if inst is None or inst.ci(ci) is None:
                 raise SimError(NOT_FOUND, f"GPU {gpu} has no MIG device gi={gi} ci={ci}")
         g.processes.append(SimProcess(pid, gi, ci, used_memory_mib))
+
+
+def raise_xid(path: str | os.PathLike[str], gpu: int, xid: int, *, gi: int | None = None,
+              ci: int | None = None) -> int:
+    """GPU ``gpu`` (its MIG device ``gi``/``ci`` if given) reports Xid ``xid``: an
+    XidCriticalError event for the event sets registered on it. Returns the event's number."""
+    if (gi is None) != (ci is None):
+        raise ValueError("give both gi and ci for an Xid on a MIG device, or neither")
+    with _mutate(path) as node:
+        g = node.gpu(gpu)
+        if gi is not None and ci is not None:
+            inst = g.gi(gi)
+            if inst is None or inst.ci(ci) is None:
+                raise SimError(NOT_FOUND, f"GPU {gpu} has no MIG device gi={gi} ci={ci}")
+        seq: int = node.next_event
+        node.next_event += 1
+        node.events.append(SimEvent(seq, gpu, XID_CRITICAL_ERROR, xid,
+                                    NO_INSTANCE if gi is None else gi,
+                                    NO_INSTANCE if ci is None else ci))
+        del node.events[:-KEPT_EVENTS]
+    return seq
 
 
 _FIRST_SIM_PID = 100_000  # above the pids tests pick by hand
