@@ -7,10 +7,12 @@ the simulated kubelet device manager (migsim.kubelet) on the kubelet's registrat
 We test these aspects: under each MIG strategy the real plugin registers exactly the resources,
 with exactly the device counts, that mig-agent's `expected_resources` predicts for the layout, and
 the device ids are the MIG UUIDs (GPU UUIDs with MIG off) NVML reports; its health checks run
-(event wait) without marking anything unhealthy; Allocate hands out the UUID; under mixed, a layout
-with MIG devices that split a GPU instance makes the plugin refuse to start (what mig-agent's
-`strategy_problem` relies on); GFD's labels (strategy, count, product, memory, MIG capability)
-against what the local cluster's simulated nodes are labelled with (`gpu_node_labels`)."""
+(event wait) without marking anything unhealthy, and an Xid the simulated GPU raises marks devices
+unhealthy; Allocate hands out the UUID; under mixed, a layout with MIG devices that split a GPU
+instance makes the plugin refuse to start (what mig-agent's `strategy_problem` relies on); GFD's
+labels (strategy, count, product, memory, compute capability, MIG capability) on every MIG model
+against what the local cluster's simulated nodes are labelled with (`gpu_node_labels`), and where
+they differ (single strategy, display GPUs)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from migsim.nvml import state as st
 from migsim.nvml.hostview import mig_minor, mig_minors
 
 from mig_agent.models import parse_gpu_spec
-from mig_agent.resources import expected_resources
+from mig_agent.resources import expected_resources, is_skipped
 
 from .conftest import REPO
 
@@ -267,23 +269,42 @@ def test_gfd_labels_match_the_simulated_nodes_labels_with_mixed(
         assert labels[f"nvidia.com/{name}.product"] == f"{m.product}-MIG-{name[4:]}"
 
 
-def test_gfd_with_mig_off_and_the_none_strategy(tmp_path: Path, nvidia_bin: Path) -> None:
-    state = node(tmp_path, "2xA100-40GB", None)
+@pytest.mark.parametrize("model", ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL",
+                                   "H200"])
+def test_gfd_with_mig_off_labels_as_the_simulated_node_is(model: str, tmp_path: Path,
+                                                          nvidia_bin: Path) -> None:
+    state = str(tmp_path / "node.json")
+    st.create_node(state, f"2x{model}")
     labels = gfd(state, nvidia_bin, tmp_path, "none")
-    ours = gpu_node_labels("n", parse_gpu_spec("2xA100-40GB"))
+    m = parse_gpu_spec(model)[0]
+    ours = gpu_node_labels("n", [m, m])
     assert {k: labels.get(k) for k in COMPARED} == {k: ours[k] for k in COMPARED}
-    assert labels["nvidia.com/gpu.compute.major"] == "8"
-    assert "nvidia.com/mig.strategy" not in labels or labels["nvidia.com/mig.strategy"] == "none"
+    assert labels["nvidia.com/gpu.memory"] == str(m.memory_total_mib)
+    major = {"ampere": "8", "hopper": "9"}[m.architecture.value]
+    assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.family"]) == (
+        major, m.architecture.value)
+    assert "nvidia.com/mig.strategy" not in labels
+
+
+def test_gfd_does_not_count_a_display_gpu(tmp_path: Path, nvidia_bin: Path) -> None:
+    """GFD (go-nvlib's VisitDevices) skips "DGX Display" GPUs as the device plugin does
+    (mig_agent.resources.is_skipped). Mismatch: the local cluster's gpu_node_labels counts every
+    GPU of the spec, 3 here."""
+    state = str(tmp_path / "node.json")
+    st.create_node(state, "2xA100-80GB,1xDGX-Display")
+    labels = gfd(state, nvidia_bin, tmp_path, "mixed")
+    models = parse_gpu_spec("2xA100-80GB,1xDGX-Display")
+    assert labels["nvidia.com/gpu.count"] == str(sum(not is_skipped(m.name) for m in models))
+    assert labels["nvidia.com/gpu.product"] == models[0].product
 
 
 def test_gfd_single_strategy_labels_the_mig_device_not_the_gpu(tmp_path: Path,
                                                                nvidia_bin: Path) -> None:
     """A mismatch with the local cluster (gpu_node_labels labels the whole GPU whatever the
-    layout): under single, GFD's product and count are the MIG device's."""
+    layout, e.g. count 2 here): under single, GFD's product and count are the MIG device's."""
     state = node(tmp_path, "2xH100-80GB", SINGLE["H100-80GB"])
     labels = gfd(state, nvidia_bin, tmp_path, "single")
     m = parse_gpu_spec("H100-80GB")[0]
     assert labels["nvidia.com/gpu.product"] == f"{m.product}-MIG-1g.10gb"
     assert labels["nvidia.com/gpu.count"] == "14"
-    assert gpu_node_labels("n", [m, m])["nvidia.com/gpu.count"] == "2"
 
