@@ -29,7 +29,7 @@ from migsim.nvml import state as st
 from migsim.nvml.hostview import mig_minor, mig_minors
 
 from mig_agent.models import parse_gpu_spec
-from mig_agent.resources import expected_resources, is_skipped
+from mig_agent.resources import NO_SHARING, Sharing, expected_resources, is_skipped, parse_sharing
 
 from .conftest import REPO
 
@@ -74,10 +74,10 @@ def node(tmp_path: Path, gpus: str, devices: dict[str, int] | None) -> str:
     return state
 
 
-def expected(state: str, strategy: str) -> dict[str, int]:
+def expected(state: str, strategy: str, sharing: Sharing = NO_SHARING) -> dict[str, int]:
     backend = open_node(state)
     try:
-        return expected_resources(backend.observe(), backend.models(), strategy)
+        return expected_resources(backend.observe(), backend.models(), strategy, sharing)
     finally:
         backend.close()
 
@@ -97,7 +97,8 @@ class Run:
 
 
 def run_plugin(state: str, nvidia_bin: Path, tmp_path: Path, strategy: str, resources: int,
-               *, timeout: float = 40, allocate: str = "", then: str = "") -> Run:
+               *, timeout: float = 40, allocate: str = "", then: str = "",
+               extra: tuple[str, ...] = ()) -> Run:
     report = tmp_path / f"kubelet-{strategy}.json"
     cmd = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", state, "--",
            "python3", "-m", "migsim.kubelet", "--report", str(report),
@@ -106,7 +107,8 @@ def run_plugin(state: str, nvidia_bin: Path, tmp_path: Path, strategy: str, reso
         cmd += ["--allocate", allocate]
     if then:
         cmd += ["--then", then]
-    cmd += ["--", str(nvidia_bin / "nvidia-device-plugin"), f"--mig-strategy={strategy}"]
+    cmd += ["--", str(nvidia_bin / "nvidia-device-plugin"), f"--mig-strategy={strategy}",
+            *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                           timeout=timeout + 60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -189,6 +191,27 @@ def test_none_strategy_with_mig_off_advertises_whole_gpus(tmp_path: Path,
     assert set(run.devices["nvidia.com/gpu"]) == gpus
     assert run.report["plugins"]["nvidia.com/gpu"]["options"][
         "get_preferred_allocation_available"] is True
+
+
+@pytest.mark.parametrize("rename", [False, True])
+def test_time_slicing_multiplies_as_mig_agent_expects(rename: bool, tmp_path: Path,
+                                                      nvidia_bin: Path) -> None:
+    state = node(tmp_path, "2xH100-80GB", MIXED["H100-80GB"])
+    config: dict[str, Any] = {"version": "v1", "sharing": {"timeSlicing": {
+        "renameByDefault": rename,
+        "resources": [{"name": "nvidia.com/mig-1g.10gb", "replicas": 4},
+                      {"name": "nvidia.com/mig-3g.40gb", "replicas": 2}]}}}
+    path = tmp_path / "plugin-config.json"
+    path.write_text(json.dumps(config))
+    want = expected(state, "mixed", parse_sharing(config, source=str(path)))
+    one_g = "nvidia.com/mig-1g.10gb" + (".shared" if rename else "")
+    assert want[one_g] == 16  # 4 devices x 4 replicas: the test means something
+    run = run_plugin(state, nvidia_bin, tmp_path, "mixed", len(want),
+                     extra=(f"--config-file={path}",))
+    assert run.counts() == want, run.log
+    mig, _ = uuids(state)
+    assert {i.split("::")[0] for d in run.devices.values() for i in d} == mig
+    assert all("::" in i for i in run.devices[one_g])
 
 
 def test_an_xid_makes_the_plugin_mark_that_gpus_devices_unhealthy(tmp_path: Path,
