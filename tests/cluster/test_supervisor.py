@@ -153,3 +153,25 @@ def test_cli_up_status_and_down_agree_on_a_killed_agent(tmp_path: Path, cluster:
     assert not any(p.alive() for p in procs)
     log = (directory / "logs" / "supervisor-gpu-node-0.log").read_text().splitlines()
     assert json.loads(log[-1])["event"] == "supervisor.stopped"
+
+
+def _record_many(directory: str, worker: int) -> None:
+    for i in range(25):
+        proc = Proc(f"agent-{worker}-{i}", 1, 1)
+        agents._record(Path(directory), agents.NodeAgents(
+            f"node-{worker}-{i}", proc, proc, metrics_port=0, sim_state="", kubeconfig=""))
+
+
+def test_nodes_started_side_by_side_all_keep_their_record(tmp_path: Path) -> None:
+    """Processes starting nodes at once (parallel tests, benchmarks) each update agents.json; a
+    record lost there leaves its node's agent running after stop_node."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_record_many, args=(str(tmp_path), w)) for w in range(6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert all(w.exitcode == 0 for w in workers)
+    assert len(agents.running(tmp_path)) == 6 * 25

@@ -15,11 +15,13 @@ agent and restarts it with the kubelet's back-off (10 s doubling to 5 min; `star
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -189,11 +191,11 @@ def _procs(record: Mapping[str, Any]) -> list[Proc]:
 
 def stop_node(directory: Path, node: str) -> None:
     """Stop the agent (its supervisor first) and device plugin of `node` (SIGTERM, then SIGKILL)."""
-    records = running(directory)
-    mine = records.pop(node, None)
+    mine = running(directory).get(node)
     if mine is not None:
         stop(_procs(mine))
-    _save(directory, {n: r for n, r in _load(directory).items() if n != node})
+    with _locked(directory):
+        _save(directory, {n: r for n, r in _load(directory).items() if n != node})
 
 
 def kill_agent(directory: Path, node: str) -> Proc | None:
@@ -208,10 +210,11 @@ def kill_agent(directory: Path, node: str) -> Proc | None:
 
 
 def stop_all(directory: Path) -> list[str]:
-    records = running(directory)
-    procs = [p for r in records.values() for p in _procs(r)]
-    killed = stop(procs)
-    _save(directory, {})
+    with _locked(directory):
+        records = running(directory)
+        procs = [p for r in records.values() for p in _procs(r)]
+        killed = stop(procs)
+        _save(directory, {})
     return killed
 
 
@@ -244,9 +247,23 @@ def agent_state(record: Mapping[str, Any]) -> str:
 
 
 def _record(directory: Path, started: NodeAgents) -> None:
-    records = _load(directory)
-    records[started.node] = asdict(started)
-    _save(directory, records)
+    with _locked(directory):
+        records = _load(directory)
+        records[started.node] = asdict(started)
+        _save(directory, records)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Serialise the read-modify-write of agents.json: processes that start and stop nodes side
+    by side (parallel tests, benchmarks) would otherwise drop each other's records, and a node
+    whose record is lost keeps its agent running after stop_node."""
+    with (directory / ".agents.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _load(directory: Path) -> dict[str, dict[str, Any]]:
