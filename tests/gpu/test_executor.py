@@ -178,16 +178,15 @@ def _place_all(gis: Sequence[GiProfile], taken: int) -> bool:
 
 
 def _keepable(m: GpuModel, gi: GpuInstance) -> bool:
-    """A present GI can serve a whole-GI demand only with no CI or exactly its full CI."""
+    """A present GI can serve a whole-GI demand only with no CI or one CI spanning it. Compared
+    by device name, as the planner does: on Hopper a 1-slice GI's REV1 CI profile makes the
+    same device as its full CI profile."""
     profile = m.gi_profile_by_id(gi.profile_id)
     if profile is None:
         return False
-    resolved = m.resolve(profile.name)
-    assert resolved is not None
-    full = resolved[1]
-    return all(c.profile_id == full.id for c in gi.compute_instances) and (
-        len(gi.compute_instances) <= 1
-    )
+    cis = [profile.ci_profile_by_id(c.profile_id) for c in gi.compute_instances]
+    return len(cis) <= 1 and all(c is not None and profile.ci_name(c) == profile.name
+                                 for c in cis)
 
 
 def _min_destroyed(m: GpuModel, gpu: GpuState, target: GpuLayout) -> int:
