@@ -121,7 +121,7 @@ def wait_resources(
     new_pod = False
     while True:
         new_pod = new_pod or any(
-            p.ready and not p.terminating and p.ref.uid not in old_plugins
+            p.ready and p.ref.uid not in old_plugins
             for p in plugin_pods(cluster, s)
         )
         have = cluster.get_node(s.node_name).gpu_resources()

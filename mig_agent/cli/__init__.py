@@ -14,12 +14,9 @@ import argparse
 import os
 from collections.abc import Sequence
 
-import structlog
-
 from mig_agent import __version__
 from mig_agent.cli import node, ops_commands, run
-from mig_agent.cli.common import EXIT_FAILED, EXIT_USAGE, default_config, err
-from mig_agent.errors import ConfigError, MigAgentError, PlanError
+from mig_agent.cli.common import default_config, dispatch
 
 __all__ = ["build_parser", "default_config", "main"]
 
@@ -49,17 +46,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mig_agent.logs import configure_logging
 
     configure_logging(args.log_format, level=10 if args.verbose else 20)
-    try:
-        return int(args.func(args))
-    except (ConfigError, PlanError) as exc:
-        err(str(exc))
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
-    except MigAgentError as exc:
-        err(str(exc))
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        err("interrupted")
-        return 130
-    except Exception as exc:  # the one catch-all: log with traceback, exit non-zero
-        structlog.get_logger(__name__).exception("cli.crashed", error=str(exc))
-        return EXIT_FAILED
+    return dispatch(args)

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mig_agent.errors import ConfigError
+import structlog
+
+from mig_agent.errors import ConfigError, MigAgentError, PlanError
 from mig_agent.layout import Layout, LayoutCatalog
 from mig_agent.models import GpuModel, parse_gpu_spec
 from mig_agent.settings import PROFILES
@@ -120,3 +122,24 @@ def model_arg(key: str) -> GpuModel:
         return parse_gpu_spec(key)[0]
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def dispatch(args: argparse.Namespace, *, say: Callable[[str], None] = err,
+             crashed: str = "cli.crashed") -> int:
+    """Run the command ``args.func`` with the exit codes of every front end: 2 for a usage or
+    config error, 1 for a failure, 130 on Ctrl-C; anything unexpected is logged with its
+    traceback (``crashed`` names the log event)."""
+    try:
+        return int(args.func(args))
+    except (ConfigError, PlanError) as exc:
+        say(str(exc))
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
+    except MigAgentError as exc:
+        say(str(exc))
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    except Exception as exc:  # the one catch-all: log with traceback, exit non-zero
+        structlog.get_logger(__name__).exception(crashed, error=str(exc))
+        return EXIT_FAILED

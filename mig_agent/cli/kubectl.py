@@ -20,10 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
-from mig_agent.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_config_args, load_configs
-from mig_agent.errors import ConfigError, MigAgentError, PlanError
+from mig_agent.catalog import dump_yaml
+from mig_agent.cli.common import EXIT_OK, EXIT_USAGE, add_config_args, dispatch, load_configs
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.kube.cluster import Cluster
 from mig_agent.ops import (
@@ -91,12 +89,6 @@ def status_lines(rows: Sequence[NodeStatus], *, wide: bool, colour: bool,
     return lines
 
 
-def _yaml(data: Any) -> str:
-    from mig_agent.catalog import dump_yaml
-
-    return dump_yaml(data)
-
-
 def _connect(args: argparse.Namespace) -> KubernetesCluster:
 
     return KubernetesCluster.connect(args.kubeconfig or "", context=args.context or "",
@@ -124,7 +116,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(status_json(rows), indent=2))
     elif args.output == "yaml":
-        print(_yaml(status_json(rows)), end="")
+        print(dump_yaml(status_json(rows)), end="")
     else:
         for line in status_lines(rows, wide=args.output == "wide", colour=colour_enabled(),
                                  agents=agents):
@@ -145,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data = {k: (list(v) if isinstance(v, tuple) else v)
                 for k, v in dataclasses.asdict(p).items()}
         data["action"] = str(p.action)
-        print(json.dumps(data, indent=2) if args.output == "json" else _yaml(data), end="")
+        print(json.dumps(data, indent=2) if args.output == "json" else dump_yaml(data), end="")
         if args.output == "json":
             print()
     else:
@@ -219,17 +211,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mig_agent.logs import configure_logging
 
     configure_logging("console", level=30)  # a kubectl plugin prints results, not logs
-    try:
-        return int(args.func(args))
-    except (ConfigError, PlanError) as exc:
-        err(str(exc))
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAILED
-    except MigAgentError as exc:
-        err(str(exc))
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        err("interrupted")
-        return 130
-    except Exception as exc:  # the one catch-all: say what broke, exit non-zero
-        structlog.get_logger(__name__).exception("kubectl_mig.crashed", error=str(exc))
-        return EXIT_FAILED
+    return dispatch(args, say=err, crashed="kubectl_mig.crashed")

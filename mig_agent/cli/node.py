@@ -160,19 +160,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.output == "json":
         out(json.dumps(snapshot.to_json(node, models), indent=2))
     else:
-        import yaml
+        from mig_agent.catalog import dump_yaml
 
-        out(
-            yaml.safe_dump(
-                snapshot.export_config(node, models, name=args.config_label), sort_keys=False
-            ).rstrip()
-        )
+        out(dump_yaml(snapshot.export_config(node, models, name=args.config_label)).rstrip())
     return EXIT_OK
 
 
 def cmd_generate_config(args: argparse.Namespace) -> int:
-    import yaml
-
+    from mig_agent.catalog import dump_yaml
     from mig_agent.generated import model_layouts, to_config
 
     if args.gpu:
@@ -187,7 +182,7 @@ def cmd_generate_config(args: argparse.Namespace) -> int:
     if not unique:
         raise ConfigError("no MIG-capable GPU model to generate layouts for")
     layouts = [g for m in unique.values() for g in model_layouts(m)]
-    out(yaml.safe_dump(to_config(layouts), sort_keys=False).rstrip())
+    out(dump_yaml(to_config(layouts)).rstrip())
     return EXIT_OK
 
 

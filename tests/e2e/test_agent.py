@@ -49,6 +49,18 @@ def assert_clean(node: AgentNode) -> None:
     assert "mig-agent.dev/paused-operands" not in annotations
 
 
+def wait_clean(node: AgentNode, timeout: float = 15.0) -> None:
+    """assert_clean, once the agent's clean-up has had ``timeout`` seconds to land."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            assert_clean(node)
+            return
+        except AssertionError:
+            assert time.monotonic() < deadline, node.log_tail()
+            time.sleep(0.1)
+
+
 def applied(node: AgentNode, layout: str) -> bool:
     from migsim.nvml import open_node
 
@@ -138,15 +150,7 @@ def test_pdb_blocks_then_agent_succeeds_on_its_own(
     reason = node.node().metadata.annotations[REASON]
     assert f"{namespace}/keep-guarded" in reason
     assert mig_counts(node.sim_state).total == 0
-    # clean-up ran before the failure was reported
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            assert_clean(node)
-            break
-        except AssertionError:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    wait_clean(node, timeout=10)  # clean-up ran before the failure was reported
     policy.patch_namespaced_pod_disruption_budget("keep-guarded", namespace,
                                                   {"spec": {"minAvailable": 0}})
     assert node.wait_state("success", timeout=90) == "success", node.log_tail()

@@ -23,7 +23,7 @@ from migsim.cluster.processes import Proc
 from migsim.nvml import state as simstate
 
 from .conftest import REASON, STATE, AgentNode, NodeFactory, wait_running
-from .test_agent import applied, assert_clean, pod_exists
+from .test_agent import applied, assert_clean, pod_exists, wait_clean
 
 CONFIG = "nvidia.com/mig.config"
 
@@ -38,17 +38,6 @@ def wait_for(check: Any, what: str, node: AgentNode, timeout: float = 30.0) -> N
     while not check():
         assert time.monotonic() < deadline, f"{what}; agent log:\n{node.log_tail()}"
         time.sleep(0.1)
-
-
-def wait_clean(node: AgentNode, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            assert_clean(node)
-            return
-        except AssertionError:
-            assert time.monotonic() < deadline, node.log_tail()
-            time.sleep(0.1)
 
 
 def test_whole_gpus_to_mig_and_back_drain_the_pods_holding_them(

@@ -17,7 +17,7 @@ ONLY_HERE = {  # third-party import -> the modules allowed to use it
     "kubernetes": {"kube/client.py"},
     "grpc": {"kube/podresources.py"},
     "google": {"kube/podresources.py"},
-    "yaml": {"catalog.py", "cli/node.py"},  # export prints a config as YAML
+    "yaml": {"catalog.py"},
     "tenacity": {"kube/client.py"},
     "prometheus_client": {"metrics.py", "health.py"},
 }
