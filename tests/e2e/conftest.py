@@ -76,9 +76,13 @@ class AgentNode:
         return {k: int(v) for k, v in alloc.items()
                 if k.startswith("nvidia.com/") and int(v) > 0}
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_tail(self, lines: int = 30, *, skip: tuple[str, ...] = ()) -> str:
+        """The agent's last `lines` log lines, leaving out those that hold any of `skip`."""
         log = self.cluster.dir / "logs" / f"agent-{self.name}.log"
-        return "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else ""
+        if not log.exists():
+            return ""
+        kept = [ln for ln in log.read_text().splitlines() if not any(s in ln for s in skip)]
+        return "\n".join(kept[-lines:])
 
     def agent_record(self) -> dict[str, Any]:
         """The node's agent as `agents.running` has it: `agent` (now), `state`, `restarts`."""

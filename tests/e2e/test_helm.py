@@ -301,7 +301,9 @@ def test_install_upgrade_uninstall(helm: str, own_cluster: Cluster) -> None:
     work = ("MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGDevicePluginRestart")
     now = mig_events(c, node)
     assert [now.get(r, 0) for r in work] == [events.get(r, 0) for r in work], (events, now)
-    c.kubectl("label", "node", node, "--overwrite", "nvidia.com/mig.config=all-2g.20gb")
+    # cleared with the relabel, as `mig-agent repartition` does: a stale `success` is no answer
+    c.kubectl("label", "node", node, "--overwrite", "nvidia.com/mig.config=all-2g.20gb",
+              f"{new_key}-")
     wait_label(c, node, new_key, "success")  # the policy lets the agent write the new key
     assert gpu_instances(c, node) == [3] * 8  # 2g.20gb: three per H100
     agents.stop_node(c.dir, node)

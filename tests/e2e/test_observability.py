@@ -144,7 +144,7 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     simstate.set_latency(node.sim_state, LATENCY_S)
     node.label(LAYOUT)
     during: list[Scrape] = []
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # generous: a loaded CI machine stretches every phase
     while True:
         s = scrape(node)
         if s("mig_agent_reconfigurations_total", result="success", layout=LAYOUT):
@@ -152,7 +152,8 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
             break
         if s("mig_agent_state", state="pending") == 1:
             during.append(s)
-        assert time.monotonic() < deadline, node.log_tail()
+        assert time.monotonic() < deadline, node.log_tail(
+            60, skip=("instance_created", "mig_mode_set"))  # the phases, not every creation
         time.sleep(0.05)
     simstate.clear_faults(node.sim_state)
     node.wait_state("success")
@@ -189,7 +190,7 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
                for (n, lbls), v in after.values.items() if n == "mig_agent_mig_devices"}
     assert devices == {(str(g), "1g.10gb"): 7 for g in range(8)}
     last = after("mig_agent_last_success_timestamp_seconds")
-    assert time.time() - 120 < last <= time.time()
+    assert time.time() - 300 < last <= time.time()
     assert after("mig_agent_api_requests_total", call="patch_node") > 0
 
     # -- a failing layout -----------------------------------------------------------------------
