@@ -1,0 +1,224 @@
+"""NVIDIA's MIG Manager on the local cluster: per GPU node, `nvidia-mig-manager` as its DaemonSet
+would run it, over the node's simulated GPUs -- a test tool for side-by-side benchmarks.
+
+Per node, `start_node` starts three processes (each in its own process group, see processes.py):
+
+* a `dbus-daemon` with a config of its own, listening at
+  `<node dir>/host/run/dbus/system_bus_socket`: MIG Manager connects to the host's systemd over
+  the system bus at `<HOST_ROOT_MOUNT>/run/dbus/system_bus_socket` before every reconfiguration,
+  and fails it without one (sim/NVML-SURVEY.md section 4.2). A plain bus is enough: it calls
+  systemd only with `--with-shutdown-host-gpu-clients` or a host state file, neither used here;
+* the simulated device plugin (the same command `agents.start_node` runs, with the kubelet's
+  PodResources socket, so GPU pods get devices and hold simulated processes on them);
+* `nvidia-mig-manager` under `scripts/with-sim-gpus --host-view <state>` (simulated
+  libnvidia-ml.so.1, /proc/modules and /sys/bus/pci/devices of the simulated GPUs, simulated
+  `nvidia-smi -r`), with `nvidia-mig-parted` on PATH, the cluster's admin kubeconfig (a test tool:
+  no RBAC story here), CONFIG_FILE = one mig-parted config file (MIG Manager reads one file: give
+  the same file to mig-agent for a fair comparison), and DEFAULT_GPU_CLIENTS_NAMESPACE = the
+  namespace of the device plugin's DaemonSet, whose pod it waits for to go once it has paused it.
+
+Needs root (the private mount namespace of --host-view) and NVIDIA's binaries
+(`scripts/nvidia-binaries build`). Records go to `<cluster dir>/mig-managers.json`, so
+`stop_node`/`stop_all` work from another process too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from migsim.nvml import state as simstate
+
+from .agents import PLUGIN_LABEL, PLUGIN_NS, REPO, sim_state_path
+from .cluster import Cluster
+from .errors import DevClusterError
+from .processes import Proc, spawn, stop
+
+WITH_SIM_GPUS = REPO / "scripts" / "with-sim-gpus"
+NVIDIA_BINARIES = REPO / "scripts" / "nvidia-binaries"
+DBUS_DAEMON = "/usr/bin/dbus-daemon"
+RECORDS = "mig-managers.json"
+
+_DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path={socket}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <allow own="*"/>
+    <allow send_type="method_call"/>
+    <allow send_destination="*"/>
+    <allow receive_sender="*"/>
+  </policy>
+</busconfig>
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMigManager:
+    node: str
+    mig_manager: Proc
+    dbus: Proc
+    device_plugin: Proc
+    sim_state: str
+    config_file: str
+    log: str
+
+
+def nvidia_bin_dir() -> Path:
+    """The folder of NVIDIA's binaries (built once by scripts/nvidia-binaries, then cached)."""
+    out = subprocess.run([str(NVIDIA_BINARIES), "build"], capture_output=True, text=True,
+                         check=False)
+    if out.returncode != 0:
+        raise DevClusterError(f"scripts/nvidia-binaries build failed:\n{out.stderr.strip()}")
+    return Path(out.stdout.strip())
+
+
+def start_node(cluster: Cluster, node: str, config_file: Path, *,
+               sim: Mapping[str, Any] | None = None, bin_dir: Path | None = None,
+               env: Mapping[str, str] | None = None) -> NodeMigManager:
+    """Start MIG Manager (with its D-Bus and the simulated device plugin) on `node`.
+
+    `config_file`: the mig-parted config (one file); `sim`: options of the node's simulated GPUs
+    when they are first created (as agents.start_node); `bin_dir`: NVIDIA's binaries (default:
+    build or find them); `env`: more environment for nvidia-mig-manager (e.g. WITH_REBOOT).
+    """
+    if os.geteuid() != 0:
+        raise DevClusterError("MIG Manager runs in a private mount namespace (with-sim-gpus "
+                              "--host-view): run as root")
+    if not Path(DBUS_DAEMON).exists():
+        raise DevClusterError(f"{DBUS_DAEMON} is missing (package dbus)")
+    bin_dir = bin_dir or nvidia_bin_dir()
+    state = sim_state_path(cluster, node)
+    if not state.exists():
+        spec = (cluster.node_dir(node) / "gpus").read_text().strip()
+        simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
+    logs = cluster.dir / "logs"
+    host = cluster.node_dir(node) / "host"
+    bus_dir = host / "run" / "dbus"
+    bus_dir.mkdir(parents=True, exist_ok=True)
+    socket = bus_dir / "system_bus_socket"
+    socket.unlink(missing_ok=True)
+    if len(str(socket)) >= 108:  # sun_path
+        raise DevClusterError(f"D-Bus socket path too long for a unix socket: {socket}")
+    dbus_config = cluster.node_dir(node) / "dbus-system.conf"
+    dbus_config.write_text(_DBUS_CONFIG.format(socket=socket))
+    started: list[Proc] = []
+    try:
+        dbus = spawn(f"dbus-daemon@{node}", [
+            DBUS_DAEMON, f"--config-file={dbus_config}", "--nofork", "--nopidfile",
+            "--nosyslog"], logs / f"dbus-{node}.log")
+        started.append(dbus)
+        _wait_for(lambda: socket.exists(), dbus, f"dbus-daemon@{node} opened no socket",
+                  logs / f"dbus-{node}.log")
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
+        base_env["MIG_AGENT_LOG_FORMAT"] = "json"
+        pod_resources = cluster.node_dir(node) / "pod-resources.sock"
+        plugin = spawn(f"device-plugin@{node}", [
+            sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
+            "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
+            "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
+            "--pod-resources-socket", str(pod_resources)],
+            logs / f"device-plugin-{node}.log", env=base_env)
+        started.append(plugin)
+        log = logs / f"mig-manager-{node}.log"
+        mm_env = {
+            **base_env,
+            "PATH": f"{bin_dir}:{base_env.get('PATH', '/usr/bin:/bin')}",
+            "KUBECONFIG": str(cluster.kubeconfig),
+            "NODE_NAME": node,
+            "CONFIG_FILE": str(Path(config_file).resolve()),
+            "HOST_ROOT_MOUNT": str(host),
+            "DEFAULT_GPU_CLIENTS_NAMESPACE": PLUGIN_NS,
+            **dict(env or {}),
+        }
+        manager = spawn(f"mig-manager@{node}", [
+            str(WITH_SIM_GPUS), "--host-view", str(state), "--",
+            str(bin_dir / "nvidia-mig-manager")], log, env=mm_env)
+        started.append(manager)
+    except BaseException:
+        stop(list(reversed(started)))
+        raise
+    record = NodeMigManager(node, manager, dbus, plugin, str(state), str(config_file), str(log))
+    with _locked(cluster.dir):
+        records = _load(cluster.dir)
+        records[node] = asdict(record)
+        _save(cluster.dir, records)
+    return record
+
+
+def _wait_for(ready: Callable[[], bool], proc: Proc, message: str, log: Path,
+              timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if not proc.alive() or time.monotonic() > deadline:
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            stop([proc])
+            raise DevClusterError(f"{message}; log:\n{tail}")
+        time.sleep(0.02)
+
+
+def _procs(record: Mapping[str, Any]) -> list[Proc]:
+    """A record's processes in stopping order: MIG Manager, the device plugin, then the bus."""
+    return [Proc(**record[k]) for k in ("mig_manager", "device_plugin", "dbus") if record.get(k)]
+
+
+def running(directory: Path) -> dict[str, dict[str, Any]]:
+    """The recorded MIG Managers per node."""
+    return _load(directory)
+
+
+def stop_node(directory: Path, node: str) -> None:
+    """Stop MIG Manager, the device plugin and the D-Bus daemon of `node`."""
+    with _locked(directory):
+        records = _load(directory)
+        mine = records.pop(node, None)
+        if mine is not None:
+            stop(_procs(mine))
+            shutil.rmtree(Path(mine["sim_state"]).parent / "host", ignore_errors=True)
+        _save(directory, records)
+
+
+def stop_all(directory: Path) -> list[str]:
+    """Stop every recorded MIG Manager node; names of the processes that needed SIGKILL."""
+    with _locked(directory):
+        records = _load(directory)
+        killed = stop([p for r in records.values() for p in _procs(r)])
+        _save(directory, {})
+    return killed
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    with (directory / f".{RECORDS}.lock").open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load(directory: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data: dict[str, dict[str, Any]] = json.loads((directory / RECORDS).read_text())
+        return data
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(directory: Path, records: Mapping[str, Any]) -> None:
+    tmp = directory / f"{RECORDS}.tmp"
+    tmp.write_text(json.dumps(records, indent=2) + "\n")
+    tmp.replace(directory / RECORDS)
