@@ -43,6 +43,10 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 _TRANSIENT: Final = frozenset({429, 500, 502, 503, 504})
+RETRY_AFTER_MAX_S: Final = 60.0  # a Retry-After beyond this is not waited for in one go
+# Every request but the node watch: a server that accepts a request and never answers (a hung
+# API server, a dead connection) must cost one timeout and a retry, not the agent's loop.
+REQUEST_TIMEOUT_S: Final = 30.0
 _PDB_CAUSE = re.compile(r"disruption budget (\S+)")
 
 
@@ -50,6 +54,31 @@ def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in _TRANSIENT or exc.status == 0
     return isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)
+
+
+def _retry_after(exc: BaseException | None) -> float | None:
+    """The seconds a 429 or 503 answer's Retry-After header asks for, if any."""
+    if not isinstance(exc, ApiException) or exc.status not in (429, 503):
+        return None
+    value = (exc.headers or {}).get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+class _WaitHonouringRetryAfter(tenacity.wait.wait_base):
+    """Jittered capped backoff, but never less than the server's Retry-After (capped)."""
+
+    def __init__(self, backoff_s: float, backoff_max_s: float) -> None:
+        self._backoff = tenacity.wait_random_exponential(multiplier=backoff_s, max=backoff_max_s)
+        self._cap = max(backoff_max_s, RETRY_AFTER_MAX_S)
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        wait = float(self._backoff(retry_state))
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        asked = _retry_after(exc)
+        return max(wait, min(asked, self._cap)) if asked is not None else wait
 
 
 def _log_retry(state: tenacity.RetryCallState) -> None:
@@ -104,15 +133,17 @@ class KubernetesCluster(Cluster):
         component: str = "mig-agent",
         sleep: Callable[[float], None] = time.sleep,
         on_request: Callable[[str], None] | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self._api = api
         self._core = client.CoreV1Api(api)
         self._component = component
         self._conflict_attempts = 10
         self._on_request = on_request or (lambda _op: None)
+        self._timeout = (min(10.0, request_timeout_s), request_timeout_s)
         self._retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_is_transient),
-            wait=tenacity.wait_random_exponential(multiplier=backoff_s, max=backoff_max_s),
+            wait=_WaitHonouringRetryAfter(backoff_s, backoff_max_s),
             stop=tenacity.stop_after_attempt(attempts),
             before_sleep=_log_retry,
             reraise=True,
@@ -145,7 +176,7 @@ class KubernetesCluster(Cluster):
     def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         def counted(*a: Any, **kw: Any) -> T:
             self._on_request(getattr(fn, "__name__", "request"))
-            return fn(*a, **kw)
+            return fn(*a, _request_timeout=self._timeout, **kw)
 
         return self._retrying(counted, *args, **kwargs)
 
@@ -306,7 +337,7 @@ class KubernetesCluster(Cluster):
                 lambda e: _is_transient(e) and not (isinstance(e, ApiException) and e.status == 429)
             )
         )
-        return retrying(fn, *args)
+        return retrying(fn, *args, _request_timeout=self._timeout)
 
     def delete_pod(self, ref: PodRef) -> None:
         opts = client.V1DeleteOptions(

@@ -1,0 +1,120 @@
+"""KubernetesCluster against API faults: real sockets through the fault-injecting proxy
+(migsim.cluster.api_faults) where the fault is on the wire, a stubbed API call where it is
+the answer's header; no API server is needed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from migsim.cluster import kubeconfig, pki
+from migsim.cluster.api_faults import ApiFaultProxy, Fault
+
+from mig_agent.errors import KubeUnavailable
+from mig_agent.kube.client import KubernetesCluster
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[tuple[ApiFaultProxy, Path]]:
+    keys = pki.generate(tmp_path / "pki")
+    # no API server behind it: every test here is answered by a fault
+    p = ApiFaultProxy("https://127.0.0.1:9", cert=keys.serving_cert, key=keys.serving_key,
+                      ca=keys.ca_cert)
+    config = kubeconfig.write(tmp_path / "kubeconfig", server=p.url, ca_cert=keys.ca_cert,
+                              user="agent", token="t")
+    try:
+        yield p, config
+    finally:
+        p.stop()
+
+
+def _node(name: str) -> Any:
+    return client.V1Node(metadata=client.V1ObjectMeta(name=name, uid="u", resource_version="1"))
+
+
+def test_a_hung_api_server_costs_a_timeout_per_attempt_not_the_agent(
+        proxy: tuple[ApiFaultProxy, Path]) -> None:
+    """Before: no request timeout, so a request the server accepted and never answered blocked
+    the agent's loop forever."""
+    p, config = proxy
+    p.add(Fault("hang"))
+    k = KubernetesCluster.connect(str(config), attempts=2, backoff_s=0.01,
+                                  request_timeout_s=0.5)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            k.get_node("n")
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    started = time.monotonic()
+    t.start()
+    t.join(timeout=20)
+    k.close()
+    assert not t.is_alive(), "get_node still blocked on a server that never answers"
+    assert isinstance(outcome[0], KubeUnavailable)
+    assert "read node" in str(outcome[0])
+    assert p.hits["hang"] == 2  # retried once, each attempt timed out
+    assert time.monotonic() - started < 10
+
+
+def test_throttling_waits_as_long_as_the_server_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a 429's Retry-After was ignored and the next attempt came after the jittered
+    backoff's fraction of a second, throttled again."""
+    slept: list[float] = []
+    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, backoff_max_s=10.0,
+                          sleep=slept.append)
+    answers: list[Any] = [ApiException(status=429, reason="Too Many Requests"), _node("n")]
+    answers[0].headers = {"Retry-After": "3"}
+
+    def read_node(name: str, **_: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(k._core, "read_node", read_node)
+    assert k.get_node("n").name == "n"
+    assert len(slept) == 1 and slept[0] >= 3.0
+
+
+def test_retry_after_is_capped_and_garbage_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, backoff_max_s=10.0,
+                          sleep=slept.append)
+    errors = [ApiException(status=429, reason="x"), ApiException(status=503, reason="y")]
+    errors[0].headers = {"Retry-After": "86400"}
+    errors[1].headers = {"Retry-After": "soon"}
+    answers: list[Any] = [*errors, _node("n")]
+
+    def read_node(name: str, **_: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(k._core, "read_node", read_node)
+    k.get_node("n")
+    assert slept[0] == 60.0  # a day is not waited for in one go
+    assert slept[1] <= 10.0
+
+
+def test_connection_resets_and_5xx_are_retried_then_named(
+        proxy: tuple[ApiFaultProxy, Path]) -> None:
+    p, config = proxy
+    p.add(Fault("reset", times=2))
+    p.add(Fault("status", status=503))
+    k = KubernetesCluster.connect(str(config), attempts=4, backoff_s=0.01)
+    with pytest.raises(KubeUnavailable, match="read node: 503"):
+        k.get_node("n")
+    k.close()
+    assert p.hits["reset"] == 2 and p.hits["status-503"] == 2
