@@ -156,6 +156,41 @@ def timing(repeats: int = 200) -> None:
               f"{samples[int(len(samples) * 0.95)]:>7.2f} |")
 
 
+def suite_timing(repeats: int = 20) -> None:
+    """Planning time of every transition between the shipped layouts (8-GPU node): per model
+    the median and p95 over all plans, and the transition with the slowest median."""
+    from mig_agent.catalog import fit_report, load_catalog
+
+    catalog = load_catalog([Path(__file__).resolve().parents[1] / "mig_agent" / "profiles"])
+    print(f"\n## Planner time over the layout suite, 8-GPU node ({repeats} runs per "
+          "transition)\n")
+    print(f"| {'model':<10} | {'transitions':>11} | {'median ms':>9} | {'p95 ms':>6} | "
+          f"{'slowest transition (median ms)':<60} |")
+    print(f"|{'-' * 12}|{'-' * 13}|{'-' * 11}|{'-' * 8}|{'-' * 62}|")
+    for m in MIG_MODELS:
+        names = [r.layout for r in fit_report(catalog, m)
+                 if r.applies and r.fits and r.by_filter]
+        every: list[float] = []
+        slowest = (0.0, "")
+        for a, b in itertools.permutations(names, 2):
+            gpus = FakeGpus([m] * 8)
+            execute(plan(catalog.get(a), gpus.observe(), gpus.models()), gpus)
+            observed, models, target = gpus.observe(), gpus.models(), catalog.get(b)
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                plan(target, observed, models)
+                samples.append((time.perf_counter() - t0) * 1000)
+            every.extend(samples)
+            median = statistics.median(samples)
+            if median > slowest[0]:
+                slowest = (median, f"{a} -> {b}")
+        every.sort()
+        worst = f"{slowest[1]} ({slowest[0]:.2f})"
+        print(f"| {m.key:<10} | {len(every) // repeats:>11} | {statistics.median(every):>9.2f} | "
+              f"{every[int(len(every) * 0.95)]:>6.2f} | {worst:<60} |")
+
+
 if __name__ == "__main__":
     import logging
 
@@ -166,3 +201,4 @@ if __name__ == "__main__":
     disruption()
     suite()
     timing()
+    suite_timing()

@@ -144,12 +144,15 @@ def plan(
     """
     plans: list[GpuPlan] = []
     untouched: list[int] = []
+    memo: _KeptMemo = {}  # the GPUs of a node are mostly alike: choose their kept set once
     for gpu in node.gpus:
         target = layout.target_for(gpu.index, gpu.info.pci_device_id, gpu.info.pci_subsystem_id)
         if target is None:
             untouched.append(gpu.index)
             continue
-        plans.append(plan_gpu(models[gpu.index], gpu, target, destroy_in_use=destroy_in_use))
+        plans.append(
+            plan_gpu(models[gpu.index], gpu, target, destroy_in_use=destroy_in_use, memo=memo)
+        )
     if not plans:
         kinds = sorted({f"{g.info.name} (0x{g.info.pci_device_id:08X})" for g in node.gpus})
         raise PlanError(
@@ -184,9 +187,17 @@ class _Present:
 
 
 def plan_gpu(
-    model: GpuModel, gpu: GpuState, desired: GpuLayout, *, destroy_in_use: bool = False
+    model: GpuModel,
+    gpu: GpuState,
+    desired: GpuLayout,
+    *,
+    destroy_in_use: bool = False,
+    memo: _KeptMemo | None = None,
 ) -> GpuPlan:
-    """The steps that turn ``gpu`` into ``desired``, keeping whatever can stay."""
+    """The steps that turn ``gpu`` into ``desired``, keeping whatever can stay.
+
+    ``memo`` carries kept-set choices between GPUs of one node (see ``plan``).
+    """
     where = f"GPU {gpu.index} ({model.key})"
     if desired.mig_enabled and not model.mig_capable:
         raise PlanError(f"{where} does not support MIG", gpu=gpu.index)
@@ -208,7 +219,13 @@ def plan_gpu(
     demands = demands_for(model, desired, where)
     check_fits(model, [d.gi for d in demands], where)
 
-    keep = _choose_kept(model, present, demands)
+    key = _kept_key(model, present, demands)
+    if memo is not None and key in memo:
+        keep = memo[key]
+    else:
+        keep = _choose_kept(model, present, demands)
+        if memo is not None:
+            memo[key] = keep
     if keep is None:  # fits from empty (checked above) so only kept instances could block
         keep = {}
     dropped = [p for i, p in enumerate(present) if i not in keep]
@@ -396,6 +413,27 @@ def _missing_cis(p: _Present, d: _Demand) -> list[tuple[CiProfile, Placement]] |
     return _place_cis(p.profile, missing, placed)
 
 
+_KeptKey = tuple[object, ...]
+_KeptMemo = dict[_KeptKey, "dict[int, int] | None"]
+
+
+def _kept_key(model: GpuModel, present: list[_Present], demands: list[_Demand]) -> _KeptKey:
+    """What ``_choose_kept`` decides on, by value: two GPUs with equal keys keep the same set."""
+    return (
+        model.key,
+        tuple(
+            (
+                p.gi.profile_id,
+                p.gi.placement,
+                tuple((c.profile_id, c.placement) for c in p.gi.compute_instances),
+                p.in_use,
+            )
+            for p in present
+        ),
+        tuple((d.gi.id, tuple(c.id for c in d.cis)) for d in demands),
+    )
+
+
 def _choose_kept(
     model: GpuModel, present: list[_Present], demands: list[_Demand]
 ) -> dict[int, int] | None:
@@ -403,13 +441,19 @@ def _choose_kept(
 
     Tries keep sets from the best down; the first whose leftovers still fit wins.
     """
-    options = {
-        i: [j for j, d in enumerate(demands) if _matches(model, p, d)]
-        for i, p in enumerate(present)
-    }
+    # Demands repeat (seven 1g.10gb): decide each distinct one once per present GI.
+    keys = [(d.gi.id, tuple(c.id for c in d.cis)) for d in demands]
+    distinct = {k: d for k, d in zip(keys, demands, strict=True)}
+    options = {}
+    for i, p in enumerate(present):
+        fits = {k: _matches(model, p, d) for k, d in distinct.items()}
+        options[i] = [j for j, k in enumerate(keys) if fits[k]]
     candidates = [i for i, js in options.items() if js]
+    # No keep set larger than a maximum matching can be assigned: skip those sizes (seven
+    # present 1g GIs for two 1g demands would otherwise try every subset of three or more).
+    largest = _max_matching(candidates, options)
     subsets: list[tuple[int, ...]] = []
-    for r in range(len(candidates), -1, -1):
+    for r in range(largest, -1, -1):
         subsets.extend(itertools.combinations(candidates, r))
     subsets.sort(key=lambda s: (-sum(present[i].in_use for i in s), -len(s)))
     for subset in subsets:
@@ -423,6 +467,22 @@ def _choose_kept(
         if place(model, rest, taken) is not None:
             return assignment
     return None
+
+
+def _max_matching(items: Sequence[int], options: Mapping[int, list[int]]) -> int:
+    """The size of a maximum matching of ``items`` to distinct demands (augmenting paths)."""
+    owner: dict[int, int] = {}
+
+    def augment(i: int, seen: set[int]) -> bool:
+        for j in options[i]:
+            if j not in seen:
+                seen.add(j)
+                if j not in owner or augment(owner[j], seen):
+                    owner[j] = i
+                    return True
+        return False
+
+    return sum(augment(i, set()) for i in items)
 
 
 def _assign(subset: Iterable[int], options: Mapping[int, list[int]]) -> dict[int, int] | None:

@@ -315,3 +315,51 @@ def test_rev1_compute_instance_serves_the_same_device_name() -> None:
     assert plan(layout_of({"1g.35gb": 1}), gpus.observe(), gpus.models()).is_empty
     p = plan(layout_of({"1g.35gb": 2}), gpus.observe(), gpus.models())
     assert p.gpus[0].destroyed_gpu_instances == 0 and p.gpus[0].created_gpu_instances == 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(MIG_MODELS), st.data())
+def test_a_node_plans_each_gpu_as_it_would_alone(model: GpuModel, data: st.DataObject) -> None:
+    """``plan`` shares kept-set choices between alike GPUs of a node; GPUs that differ (another
+    layout, a process on an instance) still get their own, the same as planned one by one."""
+    fits = sorted(fitting_multisets(model))
+    starts = [dict(data.draw(st.sampled_from(fits))) for _ in range(2)]
+    gpus = FakeGpus([model] * 4, mig_enabled=True)
+    for g in range(4):  # GPUs 0, 1 alike; 2, 3 another start
+        single = FakeGpus([model], mig_enabled=True)
+        execute(plan(layout_of(starts[g // 2]), single.observe(), single.models()), single)
+        for gi in single.observe().gpu(0).gpu_instances:
+            gpus.create_gpu_instance(g, gi.profile_id, gi.placement)
+        for gi, mine in zip(single.observe().gpu(0).gpu_instances,
+                            gpus.observe().gpu(g).gpu_instances, strict=True):
+            for ci in gi.compute_instances:
+                gpus.create_compute_instance(g, mine.id, ci.profile_id, ci.placement)
+    busy = data.draw(st.sampled_from([None, 1, 3]))
+    if busy is not None and gpus.observe().gpu(busy).gpu_instances:
+        gpus.add_process(busy, 4242, gpus.observe().gpu(busy).gpu_instances[-1].id)
+    target = layout_of(dict(data.draw(st.sampled_from(fits))))
+    node = gpus.observe()
+    try:
+        together = plan(target, node, gpus.models(), destroy_in_use=True)
+    except PlanError:
+        return  # a target the model cannot hold: nothing to compare
+    alone = tuple(plan_gpu(model, node.gpu(g), target.rules[0].gpu_layout, destroy_in_use=True)
+                  for g in range(4))
+    assert together.gpus == alone
+    assert all(p.gpu == g for g, p in enumerate(together.gpus))
+
+
+def test_a_busy_gpu_keeps_its_busy_instance_though_alike_gpus_keep_others() -> None:
+    """Eight H100s at 7 x 1g.10gb, two 1g.10gb of which stay (at slices 0-1 or 2-3, beside a
+    2g.20gb, with the 3g.40gb at 4-7): GPU 5's instance at slice 2 runs a process, so GPU 5
+    keeps that one; the idle GPUs keep their first two."""
+    model = MODELS["H100-80GB"]
+    gpus = FakeGpus([model] * 8, mig_enabled=True)
+    execute(plan(layout_of({"1g.10gb": 7}), gpus.observe(), gpus.models()), gpus)
+    busy = gpus.observe().gpu(5).gpu_instances[2]
+    gpus.add_process(5, 4242, busy.id)
+    p = plan(layout_of({"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}), gpus.observe(),
+             gpus.models())
+    kept = {g.gpu: sorted(d.gi_placement.start for d in g.devices if d.kept) for g in p.gpus}
+    assert busy.placement.start in kept[5]
+    assert all(busy.placement.start not in kept[g] for g in kept if g != 5)
