@@ -84,6 +84,7 @@ class Device:
     gpu: int
     gi_id: int = -1
     ci_id: int = -1
+    healthy: bool = True  # an unhealthy device is offered (pods keep it) but never given out
 
 
 def offered_devices(gpus: NvmlGpuBackend, strategy: str,
@@ -205,7 +206,8 @@ class Allocations:
         """The first free devices of each requested resource, or None when one is short."""
         got: list[Device] = []
         for resource, count in sorted(requests.items()):
-            free = [d for d in self._offered if d.resource == resource and d.id not in taken]
+            free = [d for d in self._offered
+                    if d.resource == resource and d.healthy and d.id not in taken]
             if len(free) < count:
                 return None
             got += free[:count]
@@ -214,6 +216,16 @@ class Allocations:
     def pods(self) -> set[PodRef]:
         with self._lock:
             return set(self._pods)
+
+    def release(self, ref: PodRef) -> None:
+        """Take back what ``ref`` holds (its allocation failed); it is tried again at the next
+        sync."""
+        with self._lock:
+            self._pods.pop(ref, None)
+
+    def held(self) -> dict[PodRef, tuple[Device, ...]]:
+        with self._lock:
+            return dict(self._pods)
 
     def by_pod(self) -> dict[tuple[str, str], dict[str, list[str]]]:
         """(namespace, pod) -> {resource: device ids}: the PodResources List answer."""
@@ -351,7 +363,7 @@ def run(
                     advertised = None
                     log.info("device_plugin.withdrawn", node=node)
                 if table:
-                    _sync_pods(node, table, processes, cluster.list_pods(node=node))
+                    sync_pods(node, table, processes, cluster.list_pods(node=node))
             except MigAgentError as exc:
                 log.warning("device_plugin.error", node=node, error=str(exc))
             stop.wait(poll_s)
@@ -360,8 +372,15 @@ def run(
             server.stop()
 
 
-def _sync_pods(node: str, table: Allocations, processes: PodProcesses | None,
-               pods: list[PodView]) -> None:
+def sync_pods(node: str, table: Allocations, processes: PodProcesses | None,
+              pods: list[PodView], *,
+              admit: Callable[[PodRef, tuple[Device, ...]], bool] | None = None) -> SyncResult:
+    """Release the devices of pods gone, give devices to new GPU pods (and start their
+    processes), end the processes of pods gone; returns what changed.
+
+    ``admit(pod, devices)``, when given, is called for each new allocation before its processes
+    start (the kubelet's Allocate call to the plugin); False takes the devices back, and the pod
+    is tried again at the next sync."""
     live = [p for p in pods if not p.finished]
     if processes:
         held = processes.held(live)
@@ -373,12 +392,18 @@ def _sync_pods(node: str, table: Allocations, processes: PodProcesses | None,
         pods = [p for p in pods if p.ref not in unadopted]
     result = table.sync(pods)
     _log_sync(node, result)
+    if admit is not None:
+        for ref, devices in list(result.allocated.items()):
+            if not admit(ref, devices):
+                table.release(ref)
+                del result.allocated[ref]
     if processes:
         for ref, devices in result.allocated.items():
             pids = processes.start(ref, devices)
             log.info("device_plugin.processes_started", node=node, pod=str(ref), pids=pids)
         if ended := processes.end_all_but(live):
             log.info("device_plugin.processes_ended", node=node, processes=ended)
+    return result
 
 
 def _log_sync(node: str, result: SyncResult) -> None:

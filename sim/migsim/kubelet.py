@@ -43,6 +43,7 @@ VERSION: Final = "v1beta1"
 DEFAULT_DIR: Final = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET: Final = "kubelet.sock"
 HEALTHY: Final = "Healthy"
+UNHEALTHY: Final = "Unhealthy"
 REGISTRATION: Final = f"{VERSION}.Registration"
 DEVICE_PLUGIN: Final = f"{VERSION}.DevicePlugin"
 
@@ -121,6 +122,7 @@ class Plugin:
     numa: dict[str, list[int]] = field(default_factory=dict)
     updates: int = 0
     error: str = ""  # why the stream ended, if it did
+    stopped_at: float | None = None  # time.monotonic() when the stream ended
 
     def report(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "version": self.version, "options": self.options,
@@ -129,10 +131,17 @@ class Plugin:
 
 
 class DeviceManager:
-    """The kubelet's device manager: Registration server and ListAndWatch consumers."""
+    """The kubelet's device manager: Registration server and ListAndWatch consumers.
 
-    def __init__(self, plugin_dir: str = DEFAULT_DIR) -> None:
+    As the kubelet does, a plugin whose ListAndWatch stream ends keeps its devices, all
+    unhealthy (capacity stays, allocatable drops to 0), until a plugin registers the resource
+    again or ``stop_grace_s`` has passed (the kubelet's endpoint stop grace period, 5 min); then
+    the resource is forgotten.
+    """
+
+    def __init__(self, plugin_dir: str = DEFAULT_DIR, *, stop_grace_s: float = 300.0) -> None:
         self.plugin_dir = plugin_dir
+        self.stop_grace_s = stop_grace_s
         self.socket_path = os.path.join(plugin_dir, KUBELET_SOCKET)
         self.plugins: dict[str, Plugin] = {}
         self.refused: list[str] = []  # registrations refused, with the reason
@@ -192,6 +201,7 @@ class DeviceManager:
             error = f"{exc.code()}: {exc.details()}"
         with self.changed:
             plugin.error = error
+            plugin.stopped_at = time.monotonic()
             self.changed.notify_all()
 
     def start(self) -> DeviceManager:
@@ -225,16 +235,34 @@ class DeviceManager:
         self.stop()
 
     # What the kubelet derives
+    def devices(self) -> dict[str, dict[str, str]]:
+        """Resource name -> {device id: health}: the latest list of each plugin; every device of
+        a plugin whose stream has ended is unhealthy. Resources whose plugin ended longer than
+        ``stop_grace_s`` ago are forgotten here."""
+        now = time.monotonic()
+        with self.changed:
+            for r in [r for r, p in self.plugins.items()
+                      if p.stopped_at is not None and now - p.stopped_at >= self.stop_grace_s]:
+                del self.plugins[r]
+            return {r: dict(p.devices) if p.stopped_at is None else dict.fromkeys(p.devices,
+                                                                                  UNHEALTHY)
+                    for r, p in self.plugins.items() if p.devices is not None}
+
+    def expires_in(self) -> float | None:
+        """Seconds until the next stopped plugin's resource is forgotten (None: none is)."""
+        now = time.monotonic()
+        with self.changed:
+            left = [p.stopped_at + self.stop_grace_s - now for p in self.plugins.values()
+                    if p.stopped_at is not None]
+        return max(0.0, min(left)) if left else None
+
     def capacity(self) -> dict[str, int]:
         """Resource name -> devices the plugin lists (the node's capacity)."""
-        with self.changed:
-            return {r: len(p.devices) for r, p in self.plugins.items() if p.devices is not None}
+        return {r: len(d) for r, d in self.devices().items()}
 
     def allocatable(self) -> dict[str, int]:
         """Resource name -> healthy devices (the node's allocatable)."""
-        with self.changed:
-            return {r: sum(h == HEALTHY for h in p.devices.values())
-                    for r, p in self.plugins.items() if p.devices is not None}
+        return {r: sum(h == HEALTHY for h in d.values()) for r, d in self.devices().items()}
 
     def wait_for_resources(self, count: int, timeout_s: float, settle_s: float = 1.0) -> bool:
         """Whether ``count`` resources have listed their devices (and nothing changed for

@@ -1,11 +1,15 @@
 """Fixtures for end-to-end tests: simulated GPU nodes of the session's cluster, each with a real
 agent process (under the DaemonSet's ServiceAccount, own-node admission policy active) and a
-simulated device plugin, as `scripts/local-cluster up` runs them."""
+device plugin, as `scripts/local-cluster up` runs them: NVIDIA's own (`nvidia`, under the node
+runtime; root only) or the home-made model of it (`simulated`). `agent_node(device_plugin=...)`
+chooses per node; the default is agents.default_device_plugin() (MIG_AGENT_DEVICE_PLUGIN)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +34,23 @@ _ids = itertools.count()
 def installed(cluster: Cluster) -> Cluster:
     agents.install(cluster)
     return cluster
+
+
+_built: list[Path] = []
+
+
+def nvidia_binaries() -> Path:
+    """NVIDIA's binaries (scripts/nvidia-binaries build: once, cached); a test that needs them
+    skips loudly when not root (the plugin runs in a private mount namespace)."""
+    if os.geteuid() != 0:
+        pytest.skip("NVIDIA's device plugin runs in a private mount namespace (unshare -m): "
+                    "run as root")
+    if not _built:
+        out = subprocess.run([str(REPO / "scripts" / "nvidia-binaries"), "build"],
+                             capture_output=True, text=True, check=False)
+        assert out.returncode == 0, f"scripts/nvidia-binaries build failed:\n{out.stderr}"
+        _built.append(Path(out.stdout.strip()))
+    return _built[0]
 
 
 @dataclass
@@ -116,7 +137,8 @@ class AgentNode:
         agents.stop_node(self.cluster.dir, self.name)
         self.procs = agents.start_node(self.cluster, self.name, settings=settings,
                                        profiles=profiles or agents.PROFILES,
-                                       restart_backoff=RESTART_BACKOFF)
+                                       restart_backoff=RESTART_BACKOFF,
+                                       device_plugin=self.procs.device_plugin_kind)
         self.known_agent = asdict(self.procs.agent)
 
 
@@ -130,12 +152,17 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
 
     def make(gpus: str = "8xH100-80GB", *, settings: Mapping[str, str] | None = None,
              profiles: Path | None = None, sim: Mapping[str, Any] | None = None,
-             name: str | None = None, plugin_args: Sequence[str] = ()) -> AgentNode:
+             name: str | None = None, plugin_args: Sequence[str] = (),
+             device_plugin: str | None = None) -> AgentNode:
+        kind = device_plugin or agents.default_device_plugin()
+        if kind == "nvidia":
+            nvidia_binaries()
         name = name or f"e2e-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         installed.add_gpu_node(name, gpus)
         procs = agents.start_node(installed, name, settings=settings,
                                   profiles=profiles or agents.PROFILES, sim=sim,
-                                  plugin_args=plugin_args, restart_backoff=RESTART_BACKOFF)
+                                  plugin_args=plugin_args, restart_backoff=RESTART_BACKOFF,
+                                  device_plugin=kind)
         node = AgentNode(name, installed, core, procs)
         made.append(node)
         # the agent has published the GPUs' state once it is up

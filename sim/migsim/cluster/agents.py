@@ -1,11 +1,19 @@
-"""mig-agent on the local cluster: one agent and one simulated device plugin per GPU node.
+"""mig-agent on the local cluster: one agent and one device plugin (with what a kubelet does for
+it) per GPU node.
 
 `install` applies daemonset.yaml (namespace, ServiceAccount, RBAC, admission policy, profile
 ConfigMap, DaemonSet) and a device-plugin DaemonSet in the GPU Operator's style. kwok "runs" their
 pods on the simulated nodes; the real work is done by local processes started here: per node, an
 agent (`mig-agent run`) authenticated with a token bound to that node's agent pod -- so it has the
 DaemonSet ServiceAccount's rights and the node name the admission policy checks -- and a simulated
-device plugin (`mig-agent sim-device-plugin`). Both share the node's simulated GPU state file.
+device plugin. Both share the node's simulated GPU state file. The device plugin is either
+
+- `nvidia`: NVIDIA's own nvidia-device-plugin and gpu-feature-discovery (scripts/nvidia-binaries)
+  over the node's simulated libnvidia-ml.so.1, under the node runtime (migsim.node_runtime, in
+  `scripts/with-sim-gpus --host-view`: root only), which plays the kubelet's device manager and
+  PodResources API and NFD; or
+- `simulated`: the home-made model of it (`python -m migsim device-plugin`), which computes what
+  NVIDIA's plugin would advertise and needs neither root nor NVIDIA's binaries.
 
 As a kubelet restarts a container that exits, a supervisor per node (`supervisor.py`) runs the
 agent and restarts it with the kubelet's back-off (10 s doubling to 5 min; `start_node`'s
@@ -19,6 +27,8 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,6 +51,9 @@ PROFILES = DEFAULT_PROFILES  # the layouts shipped in the agent's package
 AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
+DEVICE_PLUGINS = ("nvidia", "simulated")
+# The device plugin of start_node when none is named; MIG_AGENT_DEVICE_PLUGIN overrides it.
+DEFAULT_DEVICE_PLUGIN = "simulated"
 
 DEVICE_PLUGIN = {
     "apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -71,6 +84,7 @@ class NodeAgents:
     kubeconfig: str
     supervisor: Proc | None = None  # restarts `agent` when it exits; None: not supervised
     status_file: str = ""  # the supervisor's status (supervisor.py)
+    device_plugin_kind: str = "simulated"  # one of DEVICE_PLUGINS
 
 
 # The GPU Operator creates it; daemonset.yaml runs the agent under it (runtimeClassName: nvidia),
@@ -107,19 +121,47 @@ def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
         time.sleep(0.2)
 
 
+def default_device_plugin() -> str:
+    kind = os.environ.get("MIG_AGENT_DEVICE_PLUGIN") or DEFAULT_DEVICE_PLUGIN
+    if kind not in DEVICE_PLUGINS:
+        raise DevClusterError(f"MIG_AGENT_DEVICE_PLUGIN={kind!r}: expected one of "
+                              f"{', '.join(DEVICE_PLUGINS)}")
+    return kind
+
+
+def nvidia_bin() -> Path:
+    """The folder of NVIDIA's binaries, as `scripts/nvidia-binaries path` reports it (it honours
+    MIG_AGENT_NVIDIA_BIN); DevClusterError saying how to build them when they are missing."""
+    res = subprocess.run([str(REPO / "scripts" / "nvidia-binaries"), "path"],
+                         capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise DevClusterError("NVIDIA's device plugin is not built; run: scripts/nvidia-binaries "
+                              f"build ({res.stderr.strip()})")
+    return Path(res.stdout.strip())
+
+
 def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
                profiles: Path = PROFILES, timeout: float = 60.0,
                sim: Mapping[str, Any] | None = None,
                plugin_args: Sequence[str] = (),
-               restart_backoff: tuple[float, float] = KUBELET_BACKOFF) -> NodeAgents:
-    """Start the agent and the simulated device plugin of `node`; its GPUs from nodes/<node>/gpus.
+               restart_backoff: tuple[float, float] = KUBELET_BACKOFF,
+               device_plugin: str | None = None) -> NodeAgents:
+    """Start the agent and the device plugin of `node`; its GPUs from nodes/<node>/gpus.
 
     `settings` are MIG_AGENT_* environment variables for the agent (e.g. a short drain timeout);
     `sim` are options of the node's simulated GPUs when they are first created (e.g.
     `{"reset_supported": False}` for a pass-through VM); `plugin_args` are more flags of the
-    simulated device plugin (e.g. `--mig-strategy single`, `--config-file FILE`);
-    `restart_backoff` is the agent's restart delay (first, cap) when it exits.
+    device plugin (both kinds take `--mig-strategy single` and `--config-file FILE`);
+    `restart_backoff` is the agent's restart delay (first, cap) when it exits; `device_plugin`
+    is `nvidia` or `simulated` (default: default_device_plugin()).
     """
+    kind = device_plugin or default_device_plugin()
+    if kind not in DEVICE_PLUGINS:
+        raise DevClusterError(f"device plugin {kind!r}: expected one of "
+                              f"{', '.join(DEVICE_PLUGINS)}")
+    if kind == "nvidia" and os.geteuid() != 0:
+        raise DevClusterError("NVIDIA's device plugin runs in a private mount namespace "
+                              "(unshare -m): run as root, or use device_plugin='simulated'")
     state = sim_state_path(cluster, node)
     if not state.exists():
         spec = (cluster.node_dir(node) / "gpus").read_text().strip()
@@ -148,15 +190,27 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
         "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
         "--metrics-port", str(port)], logs / f"supervisor-{node}.log", env=agent_env)
     agent = _first_agent(supervisor, status_file)
-    plugin = spawn(f"device-plugin@{node}", [
-        sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
-        "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
-        "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
-        "--pod-resources-socket", str(pod_resources), *plugin_args],
-        logs / f"device-plugin-{node}.log",
-        env=env)
+    if kind == "nvidia":
+        bin_dir = nvidia_bin()
+        argv = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", str(state), "--",
+                sys.executable, "-m", "migsim.node_runtime", "--node", node,
+                "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
+                "--nvidia-bin", str(bin_dir), "--namespace", PLUGIN_NS,
+                "--selector", PLUGIN_LABEL, "--pod-resources-socket", str(pod_resources),
+                "--allocations-file", str(cluster.node_dir(node) / "allocations.json"),
+                "--gfd", *plugin_args]
+        plugin = spawn(f"node-runtime@{node}", argv, logs / f"node-runtime-{node}.log",
+                       env={**env, "PYTHON": sys.executable})
+    else:
+        plugin = spawn(f"device-plugin@{node}", [
+            sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
+            "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
+            "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
+            "--pod-resources-socket", str(pod_resources), *plugin_args],
+            logs / f"device-plugin-{node}.log",
+            env=env)
     started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig), supervisor,
-                         str(status_file))
+                         str(status_file), kind)
     _record(cluster.dir, started)
     return started
 
@@ -194,8 +248,28 @@ def stop_node(directory: Path, node: str) -> None:
     mine = running(directory).get(node)
     if mine is not None:
         stop(_procs(mine))
+        if mine.get("device_plugin"):
+            _reap_group(Proc(**mine["device_plugin"]))
     with _locked(directory):
         _save(directory, {n: r for n, r in _load(directory).items() if n != node})
+
+
+def _reap_group(leader: Proc, timeout: float = 10.0) -> None:
+    """Wait until no process of `leader`'s group (it is gone) is left, SIGKILL what stays: the
+    node runtime's children (NVIDIA's plugin, GFD, the GPU simulator) outlive the script that led
+    the group by the moment they take to stop. A group id is never reused while the group has
+    members, so this signals only processes that the node's start put there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(leader.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader.pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
 
 
 def kill_agent(directory: Path, node: str) -> Proc | None:
@@ -214,6 +288,9 @@ def stop_all(directory: Path) -> list[str]:
         records = running(directory)
         procs = [p for r in records.values() for p in _procs(r)]
         killed = stop(procs)
+        for r in records.values():
+            if r.get("device_plugin"):
+                _reap_group(Proc(**r["device_plugin"]))
         _save(directory, {})
     return killed
 
