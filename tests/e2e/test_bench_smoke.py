@@ -1,0 +1,31 @@
+"""The cluster benchmarks of issue 14 run, once each, in their quick modes (CI): they start their
+own local cluster, so these tests only check that each gets to its tables with exit code 0; the
+figures themselves are the README's, from full runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def bench(*argv: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
+                          check=False, timeout=timeout)
+
+
+@pytest.mark.native
+@pytest.mark.skipif(os.geteuid() != 0, reason="MIG Manager needs a private mount namespace: "
+                                              "run as root")
+def test_vs_mig_manager_quick_runs() -> None:
+    out = bench("benchmarks/vs_mig_manager.py", "--quick")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for system in ("| MIG Manager |", "| mig-agent |"):
+        assert system in out.stdout, out.stdout
+    assert "time ratio MM/agent" in out.stdout
