@@ -11,8 +11,8 @@ the device ids are the MIG UUIDs (GPU UUIDs with MIG off) NVML reports; its heal
 unhealthy; Allocate hands out the UUID; under mixed, a layout with MIG devices that split a GPU
 instance makes the plugin refuse to start (what mig-agent's `strategy_problem` relies on); GFD's
 labels (strategy, count, product, memory, compute capability, MIG capability) on every MIG model
-against what the local cluster's simulated nodes are labelled with (`gpu_node_labels`), and where
-they differ (single strategy, display GPUs)."""
+against what the local cluster's simulated nodes are labelled with (`gpu_node_labels`, display
+GPUs not counted), and where GFD's differ with the layout (single strategy)."""
 
 from __future__ import annotations
 
@@ -311,20 +311,22 @@ def test_gfd_with_mig_off_labels_as_the_simulated_node_is(model: str, tmp_path: 
 
 def test_gfd_does_not_count_a_display_gpu(tmp_path: Path, nvidia_bin: Path) -> None:
     """GFD (go-nvlib's VisitDevices) skips "DGX Display" GPUs as the device plugin does
-    (mig_agent.resources.is_skipped). Mismatch: the local cluster's gpu_node_labels counts every
-    GPU of the spec, 3 here."""
+    (mig_agent.resources.is_skipped), and so does the local cluster's gpu_node_labels."""
     state = str(tmp_path / "node.json")
     st.create_node(state, "2xA100-80GB,1xDGX-Display")
     labels = gfd(state, nvidia_bin, tmp_path, "mixed")
     models = parse_gpu_spec("2xA100-80GB,1xDGX-Display")
     assert labels["nvidia.com/gpu.count"] == str(sum(not is_skipped(m.name) for m in models))
     assert labels["nvidia.com/gpu.product"] == models[0].product
+    ours = gpu_node_labels("n", models)
+    assert {k: labels.get(k) for k in COMPARED} == {k: ours[k] for k in COMPARED}
 
 
 def test_gfd_single_strategy_labels_the_mig_device_not_the_gpu(tmp_path: Path,
                                                                nvidia_bin: Path) -> None:
-    """A mismatch with the local cluster (gpu_node_labels labels the whole GPU whatever the
-    layout, e.g. count 2 here): under single, GFD's product and count are the MIG device's."""
+    """Under single, GFD's product and count are the MIG device's, not the GPU's that
+    gpu_node_labels puts on a new node (MIG off); where GFD runs on the local cluster (the node
+    runtime), its labels replace those as the layout changes (tests/e2e/test_nvidia_plugin.py)."""
     state = node(tmp_path, "2xH100-80GB", SINGLE["H100-80GB"])
     labels = gfd(state, nvidia_bin, tmp_path, "single")
     m = parse_gpu_spec("H100-80GB")[0]

@@ -4,7 +4,8 @@ the same v1beta1 messages: the real plugin's side is tested in test_device_plugi
 We test these aspects: a plugin that registers is dialled back on its endpoint, its options and
 every ListAndWatch update are taken (capacity counts every device, allocatable the healthy ones);
 a re-registration replaces the plugin; another API version is refused with an error the plugin
-sees; Allocate reaches the plugin with the device ids and returns its environment; the command
+sees; Allocate reaches the plugin with the device ids and returns its environment; a plugin that
+goes keeps its devices, unhealthy, for the stop grace period, then its resource goes; the command
 line runs a plugin command and reports what it saw, also when the plugin exits at once."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import queue
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -139,3 +141,33 @@ def test_command_line_reports_a_plugin_that_exits(plugin_dir: Path, tmp_path: Pa
     seen = json.loads(report.read_text())
     assert seen["plugins"] == {} and seen["complete"] is False
     assert seen["plugin_exit"] == 3
+
+
+def test_a_stopped_plugin_keeps_its_devices_unhealthy_until_the_grace_period_ends(
+        plugin_dir: Path) -> None:
+    """As the kubelet does when a plugin goes (its stream ends): capacity stays, allocatable is 0,
+    until the plugin registers again or the stop grace period passes; then the resource goes."""
+    plugin = FakePlugin(plugin_dir, "fake.sock")
+    with DeviceManager(str(plugin_dir), stop_grace_s=1.5) as kubelet:
+        plugin.updates.put([("a", "Healthy"), ("b", "Healthy")])
+        register(plugin_dir, "example.com/thing", "fake.sock")
+        assert kubelet.wait_for_resources(1, timeout_s=10, settle_s=0.2)
+        assert kubelet.expires_in() is None
+        plugin.stop()
+        deadline = time.monotonic() + 10
+        while kubelet.allocatable() != {"example.com/thing": 0}:
+            assert time.monotonic() < deadline, kubelet.report()
+            time.sleep(0.05)
+        assert kubelet.capacity() == {"example.com/thing": 2}
+        assert kubelet.devices() == {"example.com/thing": {"a": "Unhealthy", "b": "Unhealthy"}}
+        left = kubelet.expires_in()
+        assert left is not None and 0 < left <= 1.5
+        time.sleep(left + 0.1)
+        assert kubelet.capacity() == {} and kubelet.devices() == {}
+        # a plugin that comes back is taken again
+        again = FakePlugin(plugin_dir, "again.sock")
+        again.updates.put([("c", "Healthy")])
+        register(plugin_dir, "example.com/thing", "again.sock")
+        assert kubelet.wait_for_resources(1, timeout_s=10, settle_s=0.2)
+        assert kubelet.allocatable() == {"example.com/thing": 1}
+        again.stop()

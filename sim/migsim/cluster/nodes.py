@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mig_agent.models import GpuModel, parse_gpu_spec
+from mig_agent.resources import is_skipped
 
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 # The GPU spec a simulated node was created with (`8xH100-80GB`), for that node's GPU simulator.
@@ -26,19 +27,23 @@ Manifest = dict[str, Any]
 
 
 def gpu_node_labels(name: str, gpus: Sequence[GpuModel]) -> dict[str, str]:
-    """The labels GPU Feature Discovery and the GPU Operator put on a node with these GPUs.
+    """The labels GPU Feature Discovery and the GPU Operator put on a node with these GPUs, with
+    MIG off (where GFD runs on the node, its labels replace these as the layout changes).
 
-    A node with mixed GPUs is labelled with its first GPU's product, as GFD reports one product.
+    As GFD does (checked against NVIDIA's in tests/native/test_device_plugin.py): display GPUs
+    (DGX Station) are not counted; a node with mixed GPUs is labelled with its first counted
+    GPU's product.
     """
+    counted = [g for g in gpus if not is_skipped(g.name)] or list(gpus[:1])
     return {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64",
         "type": "kwok",
         "nvidia.com/gpu.present": "true",
-        "nvidia.com/gpu.product": gpus[0].product,
-        "nvidia.com/gpu.count": str(len(gpus)),
-        "nvidia.com/mig.capable": "true" if any(g.mig_capable for g in gpus) else "false",
+        "nvidia.com/gpu.product": counted[0].product,
+        "nvidia.com/gpu.count": str(sum(not is_skipped(g.name) for g in gpus)),
+        "nvidia.com/mig.capable": "true" if any(g.mig_capable for g in counted) else "false",
         "nvidia.com/gpu.deploy.device-plugin": "true",
     }
 
@@ -71,12 +76,14 @@ def gpu_node_manifest(name: str, gpus: str = DEFAULT_GPUS, *,
                       taints: Sequence[Mapping[str, str]] = ()) -> Manifest:
     """A simulated GPU node; `gpus` as `mig_agent.models.parse_gpu_spec` reads it (`8xH100-80GB`).
 
-    It advertises `nvidia.com/gpu: <count>`, as the device plugin does before MIG is configured.
+    It advertises `nvidia.com/gpu: <count>`, as the device plugin does before MIG is configured
+    (display GPUs, which the plugin skips, not counted).
     """
     models = parse_gpu_spec(gpus)
     labels = {**gpu_node_labels(name, models), **(extra_labels or {})}
+    count = sum(not is_skipped(m.name) for m in models)
     return node_manifest(name, labels=labels, annotations={GPUS_ANNOTATION: gpus},
-                         resources={GPU_RESOURCE: str(len(models))}, taints=taints)
+                         resources={GPU_RESOURCE: str(count)}, taints=taints)
 
 
 def cpu_node_manifest(name: str, *, extra_labels: Mapping[str, str] | None = None) -> Manifest:
