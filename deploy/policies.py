@@ -14,7 +14,9 @@ What the policies allow is exactly what the agent writes:
 * the node condition ``condition_type`` with the reasons of CONDITION_REASONS plus the name of
   every mig_agent.errors.MigAgentError class (the reason of a failed pass is the error's class);
 * Events about its own Node with the reasons of EVENT_REASONS;
-* pod deletion: the device plugin's pod (namespace and selector of the settings) on its node.
+* pod deletion: the device plugin's pod (namespace and selector of the settings) on its node,
+  and with ``restart_validators`` the GPU Operator's validator pods there (their ``app`` label
+  one of mig_agent.agent.validators.APPS).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from string import Template
 
+from mig_agent.agent.validators import APPS as VALIDATOR_APPS
 from mig_agent.errors import MigAgentError
 from mig_agent.labels import PAUSED, State
 from mig_agent.settings import Settings
@@ -38,7 +41,7 @@ CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable")
 the error class names of failed passes (GpuUnavailable is both: no NVML on start)."""
 EVENT_REASONS = (
     "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying", "MIGDevicePluginRestart",
-    "MIGConfigApplied", "MIGConfigFailed", "MIGRebooting",
+    "MIGConfigApplied", "MIGConfigFailed", "MIGRebooting", "MIGPostApply",
 )
 """Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
 MESSAGE_CAP = 1024
@@ -86,7 +89,8 @@ def condition_reasons() -> list[str]:
 
 def our_annotations(s: Settings) -> list[str]:
     return [s.cordon_annotation, s.paused_annotation, s.reason_annotation,
-            s.gpu_state_annotation, s.reboot_annotation]
+            s.gpu_state_annotation, s.reboot_annotation, s.post_apply_annotation,
+            s.host_services_annotation]
 
 
 def selector_match(selector: str, labels: str) -> str:
@@ -107,6 +111,14 @@ def selector_match(selector: str, labels: str) -> str:
     if not terms:
         raise PolicyError("the device plugin selector is empty")
     return " && ".join(terms)
+
+
+def validator_match(s: Settings) -> str:
+    """CEL true when the map `variables.labels` is a GPU Operator validator pod's that the agent
+    deletes (restart_validators), else false."""
+    if not s.restart_validators:
+        return "false"
+    return f"variables.labels.?app.orValue('') in {cel_list(VALIDATOR_APPS)}"
 
 
 def _let(name: str, value: str) -> str:
@@ -165,7 +177,8 @@ def managed_fields_variables() -> dict[str, str]:
 
 CHART_VALUES = ("agent_user", "state_label", "operand_labels", "annotations",
                 "gpu_state_annotation", "condition_type", "plugin_namespace", "plugin_selector",
-                "label_fields", "annotation_fields", "condition_field", "plugin_match")
+                "label_fields", "annotation_fields", "condition_field", "plugin_match",
+                "validator_match")
 """What the chart's values decide (charts/mig-agent/templates/_helpers.tpl, mig-agent.policyValues
 renders each from the values as `values` below does from the settings)."""
 
@@ -218,5 +231,6 @@ def _values(s: Settings) -> dict[str, str]:
         "condition_field": "'k:{\"type\":\"" + cel(s.condition_type)[1:-1] + "\"}'",
         **managed_fields_variables(),
         "plugin_match": selector_match(s.device_plugin_selector, "variables.labels"),
+        "validator_match": validator_match(s),
     }
     return values

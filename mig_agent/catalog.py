@@ -536,3 +536,9 @@ __all__ = [
 def dump_yaml(data: object) -> str:
     """``data`` as YAML, keys in their order (for output; this module is the yaml boundary)."""
     return str(yaml.safe_dump(data, sort_keys=False))
+
+
+def load_yaml(path: str | Path) -> object:
+    """The plain data of one YAML file (other files the agent reads: hooks, GPU clients);
+    InvalidConfig naming the file and line if it cannot be read or parsed."""
+    return _load_yaml(_read(Path(path)), str(path))

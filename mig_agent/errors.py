@@ -17,6 +17,9 @@
   + DrainTimeout           GPU clients still present at the deadline                  (retryable)
   + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
   + RebootFailed           the configured reboot command failed or did not return
+  + HookFailed             a hook (mig-parted hooks file, pre/post-apply command) failed or
+                           did not finish in time; its output (trimmed) in the message
+  + HostServiceFailed      a host GPU client service could not be stopped or started again
 
 Leaf module: imports nothing from mig_agent.
 """
@@ -94,3 +97,11 @@ class LabelsChanged(KubeError):
 
 class RebootFailed(MigAgentError):
     pass
+
+
+class HookFailed(MigAgentError):
+    """A hook command failed: a human fixes the command, then relabels (or restarts the agent)."""
+
+
+class HostServiceFailed(MigAgentError):
+    retryable = True

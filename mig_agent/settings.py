@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -96,6 +97,32 @@ class Settings:
     """Server-side timeout of one node watch; the watch then reconnects."""
     reboot_command: str = ""
     """Command run when a MIG mode change needs a reboot (empty: never reboot)."""
+    restart_validators: bool = True
+    """The GPU Operator's validators, as MIG Manager does: while draining, delete the pods
+    ``app=nvidia-cuda-validator`` and ``app=nvidia-device-plugin-validator`` on this node, and
+    after a change ``app=nvidia-operator-validator``, so that the operator validates the new
+    devices. In device_plugin_namespace, the GPU Operator's namespace."""
+    hooks_file: str = ""
+    """mig-parted's hooks file (``version: v1``, ``hooks: {name: [{command, args, envs,
+    workdir}]}``): apply-start, pre-apply-mode, pre-apply-config and apply-exit as
+    mig-parted runs them, and post-apply (after a successful apply). Empty: none."""
+    pre_apply_command: str = ""
+    """Command run after the drain, before any GPU changes (the last of apply-start)."""
+    post_apply_command: str = ""
+    """Command run after the layout is applied and verified, before the device plugin restarts
+    (the last of post-apply); typically regenerating the management CDI spec. Its failure is
+    state failed with its output in the reason."""
+    command_timeout_s: float = 120.0
+    """How long each hook or host service command may run."""
+    host_gpu_clients_file: str = ""
+    """The host's GPU clients, in the GPU Operator's ``default-gpu-clients`` format
+    (``version: v1``, ``systemd-services: [...]``). Empty: none known."""
+    stop_host_gpu_clients: bool = False
+    """For a MIG mode change that needs a GPU reset (Ampere), stop the host GPU clients that
+    are active and start them again afterwards. Off: a reset they block fails, naming them."""
+    host_service_command: str = "chroot /host systemctl"
+    """systemctl, or a command that takes its arguments: ``is-active SERVICE``,
+    ``stop SERVICE``, ``start SERVICE`` (the host's root mounted at /host)."""
     backend: str = "nvml"
     """GPU library: nvml or simulated."""
     sim_state: str = ""
@@ -126,6 +153,16 @@ class Settings:
     def reboot_annotation(self) -> str:
         return f"{self.annotation_prefix}/reboot-attempted"
 
+    @property
+    def post_apply_annotation(self) -> str:
+        """The layout whose post-apply hooks have yet to succeed."""
+        return f"{self.annotation_prefix}/post-apply-pending"
+
+    @property
+    def host_services_annotation(self) -> str:
+        """The host services the agent stopped and has yet to start again."""
+        return f"{self.annotation_prefix}/stopped-host-services"
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from ``MIG_AGENT_*`` variables, then ``overrides`` (None values ignored)."""
@@ -143,6 +180,13 @@ class Settings:
             raise ConfigError(
                 f"mig strategy must be mixed or single, got {settings.mig_strategy!r}"
             )
+        for name in ("pre_apply_command", "post_apply_command", "host_service_command"):
+            _check_command(name, getattr(settings, name))
+        if settings.command_timeout_s <= 0:
+            raise ConfigError(f"command timeout must be positive, got {settings.command_timeout_s}")
+        if settings.stop_host_gpu_clients and not settings.host_gpu_clients_file:
+            raise ConfigError("stop_host_gpu_clients is on but no host_gpu_clients_file names "
+                              "the services to stop")
         return settings
 
     def replace(self, **changes: Any) -> Settings:
@@ -164,3 +208,12 @@ def _convert(f: dataclasses.Field[Any], raw: str) -> Any:
     except (ValueError, KeyError):
         raise ConfigError(f"MIG_AGENT_{f.name.upper()}={raw!r} is not a valid {kind}") from None
     return raw
+
+
+def _check_command(name: str, command: str) -> None:
+    """ConfigError naming the setting when ``command`` does not split as a shell would."""
+    try:
+        shlex.split(command)
+    except ValueError as exc:
+        raise ConfigError(f"MIG_AGENT_{name.upper()}={command!r} is not a valid command: "
+                          f"{exc}") from None

@@ -28,6 +28,7 @@ def interrupted(s: Settings, node: NodeView) -> bool:
         node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING)
         or s.cordon_annotation in node.annotations
         or s.paused_annotation in node.annotations
+        or s.post_apply_annotation in node.annotations
     )
 
 

@@ -23,8 +23,16 @@ from pathlib import Path
 
 import structlog
 
-from mig_agent import planner
-from mig_agent.agent import device_plugin, loop, node_guard, reporting
+from mig_agent import hooks, planner
+from mig_agent.agent import (
+    device_plugin,
+    host_clients,
+    loop,
+    node_guard,
+    reporting,
+    site_hooks,
+    validators,
+)
 from mig_agent.agent.node_guard import NodeRebooting
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.agent.reboot import run_reboot
@@ -34,6 +42,7 @@ from mig_agent.errors import (
     GpuBusy,
     GpuResetRequired,
     GpuUnavailable,
+    HookFailed,
     LabelsChanged,
     MigAgentError,
     PlanError,
@@ -77,6 +86,8 @@ class Agent:
     clock: Clock = field(default_factory=Clock)
     metrics: Metrics = field(default_factory=Metrics)
     reboot: Callable[[str], None] = run_reboot
+    # runs hook and host service commands (mig_agent.hooks.run_command)
+    run_command: hooks.Runner = hooks.run_command
     # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
     pod_devices: Callable[[], Mapping[tuple[str, str], frozenset[str]]] | None = None
 
@@ -201,12 +212,20 @@ class Agent:
         self.seen_plugin_labels = device_plugin.plugin_labels(self.settings, node)
         if not desired:
             node_guard.finish(self.cluster, self.settings, node)
-            if s.state_label in node.labels or s.reason_annotation in node.annotations:
+            try:
+                host_clients.start_leftover(self.cluster, s, self.run_command, node.annotations)
+            except MigAgentError as exc:
+                log.error("host_clients.start_failed", error=str(exc))
+            if (
+                s.state_label in node.labels
+                or s.reason_annotation in node.annotations
+                or s.post_apply_annotation in node.annotations
+            ):
                 # no layout asked for: no state to report (an old "failed" would mislead)
                 node = self.cluster.patch_node(
                     s.node_name,
                     labels={s.state_label: None},
-                    annotations={s.reason_annotation: None},
+                    annotations={s.reason_annotation: None, s.post_apply_annotation: None},
                 )
                 self.seen = (None, None)
             self.metrics.set_state("")
@@ -260,6 +279,8 @@ class Agent:
         if self.catalog is None:
             raise ConfigError(f"profile configs not loaded: {self.catalog_error}")
         layout = self.catalog.get(desired)
+        # services an earlier pass stopped for a reset run again before anything else
+        host_clients.start_leftover(self.cluster, s, self.run_command, node.annotations)
         with self.metrics.phase("plan"):
             models = self.gpus.models()
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
@@ -289,8 +310,20 @@ class Agent:
             return Outcome.NOOP
 
         changed = list(the_plan.changed_gpus)
+        # the files of the hooks and host GPU clients, read before anything changes: a
+        # malformed one fails the pass with nothing touched
+        hook_run = site_hooks.HookRunner(
+            site_hooks.load(s), self.run_command, s.command_timeout_s,
+            site_hooks.context(s, desired, the_plan, observed))
+        reset_gpus = host_clients.reset_gpus(the_plan, models)
+        if reset_gpus and s.stop_host_gpu_clients:
+            host_clients.services(s)
         log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
         node = self._set_state(node, State.PENDING, desired)
+        if hook_run.hooks.of(hooks.POST_APPLY):
+            # until the post-apply hooks succeed, a pass has work left (crash, failure)
+            node = self.cluster.patch_node(
+                s.node_name, annotations={s.post_apply_annotation: desired})
         reporting.condition(
             self.cluster,
             self.settings,
@@ -323,26 +356,40 @@ class Agent:
                 ):
                     self._drain(paused, the_plan)
                 self._still_wanted(desired)  # not worth applying a layout no longer asked for
+                with host_clients.stopped(self.cluster, s, self.run_command, reset_gpus):
+                    with reporting.phase(
+                        self.cluster,
+                        self.metrics,
+                        self.clock,
+                        node,
+                        "apply",
+                        "MIGApplying",
+                        f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) {changed}",
+                    ):
+                        self._apply(desired, models, hook_run, reset_gpus)
+                    with reporting.phase(
+                        self.cluster,
+                        self.metrics,
+                        self.clock,
+                        node,
+                        "verify",
+                        "MIGVerifying",
+                        "re-reading the GPUs to check the layout is in place",
+                    ):
+                        self._verify(desired, models)
+            if hook_run.hooks.of(hooks.POST_APPLY):
                 with reporting.phase(
                     self.cluster,
                     self.metrics,
                     self.clock,
                     node,
-                    "apply",
-                    "MIGApplying",
-                    f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) {changed}",
+                    "post_apply",
+                    "MIGPostApply",
+                    f"running the post-apply hooks ({hook_run.hooks.source})",
                 ):
-                    self._apply(desired, models)
-                with reporting.phase(
-                    self.cluster,
-                    self.metrics,
-                    self.clock,
-                    node,
-                    "verify",
-                    "MIGVerifying",
-                    "re-reading the GPUs to check the layout is in place",
-                ):
-                    self._verify(desired, models)
+                    hook_run.run(hooks.POST_APPLY)
+                    self.cluster.patch_node(s.node_name,
+                                            annotations={s.post_apply_annotation: None})
             with reporting.phase(
                 self.cluster,
                 self.metrics,
@@ -357,6 +404,10 @@ class Agent:
                 device_plugin.wait_resources(
                     self.cluster, self.settings, self.gpus, self.clock, models, old_plugins
                 )
+        try:  # the operator validates the new devices; the layout is applied either way
+            validators.delete(self.cluster, s, validators.AFTER)
+        except MigAgentError as exc:
+            log.warning("validators.delete_failed", error=str(exc))
         node = self.cluster.get_node(s.node_name)
         self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
         return Outcome.APPLIED
@@ -412,6 +463,8 @@ class Agent:
                 what="paused operand pods",
                 clock=self.clock,
             )
+        # their results are of devices about to go; the operator reruns them after the change
+        validators.delete(self.cluster, s, validators.BEFORE)
         evicted = drain_gpu_pods(
             self.cluster,
             s.node_name,
@@ -424,13 +477,65 @@ class Agent:
         )
         self.metrics.evictions.inc(len(evicted))
 
-    def _apply(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+    def _apply(self, desired: str, models: Mapping[int, GpuModel],
+               hook_run: site_hooks.HookRunner, reset_gpus: list[int]) -> None:
+        """Apply as mig-parted does with its hooks: apply-start; pre-apply-mode and the
+        mode changes (with the destroys before them); pre-apply-config and the instances;
+        apply-exit always, its failure the pass's only when nothing else failed."""
         assert self.catalog is not None
-        the_plan = self._plan_after_drain(self.catalog.get(desired), models)
         try:
-            execute(the_plan, self.gpus)
-        except GpuResetRequired as exc:
-            self._reboot_or_fail(desired, exc)
+            the_plan = self._plan_after_drain(self.catalog.get(desired), models)
+        except GpuBusy as exc:
+            raise self._blocked(exc, reset_gpus) from exc
+        hook_run.run(hooks.APPLY_START)
+        try:
+            pending = self._execute(the_plan, hook_run)
+        except Exception as exc:
+            self._apply_exit(hook_run, exc)
+            if isinstance(exc, GpuBusy):
+                raise self._blocked(exc, reset_gpus) from exc
+            raise
+        self._apply_exit(hook_run, pending)
+        if pending is not None:
+            self._reboot_or_fail(desired, pending)
+
+    def _blocked(self, exc: GpuBusy, reset_gpus: list[int]) -> GpuBusy:
+        """A busy GPU that a reset needs: the reason also says what of the host may hold it."""
+        if not reset_gpus:
+            return exc
+        hint = host_clients.blocking(self.settings, self.run_command, reset_gpus)
+        return GpuBusy(f"{exc}; {hint}", **exc.context)
+
+    def _execute(self, the_plan: planner.Plan, hook_run: site_hooks.HookRunner
+                 ) -> GpuResetRequired | None:
+        """Mode phase, then config phase; a GPU whose mode stays pending skips the second
+        (returned, for a reboot, once the other GPUs are done)."""
+        mode, config = _split(the_plan)
+        pending = None
+        if not mode.is_empty:
+            hook_run.run(hooks.PRE_APPLY_MODE)
+            try:
+                execute(mode, self.gpus)
+            except GpuResetRequired as exc:
+                pending = exc
+        waiting = set()
+        if pending is not None:  # the GPUs it names, else every GPU whose mode changes
+            waiting = _gpus_of(pending) or {g.gpu for g in mode.gpus if not g.is_empty}
+        config = replace(config, gpus=tuple(g for g in config.gpus if g.gpu not in waiting))
+        if not config.is_empty:
+            hook_run.run(hooks.PRE_APPLY_CONFIG)
+            execute(config, self.gpus)
+        return pending
+
+    @staticmethod
+    def _apply_exit(hook_run: site_hooks.HookRunner, error: Exception | None) -> None:
+        try:
+            hook_run.run(hooks.APPLY_EXIT, MIG_AGENT_RESULT="failed" if error else "success",
+                         MIG_AGENT_ERROR=str(error) if error else "")
+        except HookFailed as exc:
+            if error is None:
+                raise
+            log.error("hook.failed", hook=hooks.APPLY_EXIT, error=str(exc))
 
     def _plan_after_drain(self, layout: Layout, models: Mapping[int, GpuModel]) -> planner.Plan:
         """Re-plan, now refusing what is in use. An evicted pod's processes can outlive its Pod
@@ -509,7 +614,11 @@ class Agent:
         self.cluster.patch_node(
             s.node_name,
             labels={s.state_label: State.SUCCESS},
-            annotations={s.reason_annotation: None, s.reboot_annotation: None},
+            annotations={
+                s.reason_annotation: None,
+                s.reboot_annotation: None,
+                s.post_apply_annotation: None,
+            },
             expect_labels={s.config_label: desired},
         )
         self.metrics.set_state(State.SUCCESS)
@@ -580,3 +689,23 @@ class Agent:
 
     def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
         loop.run(self, stop, config_poll_s=config_poll_s)
+
+
+def _split(the_plan: planner.Plan) -> tuple[planner.Plan, planner.Plan]:
+    """The plan's mode phase (on each GPU whose MIG mode changes: its steps up to and with the
+    mode change) and config phase (the rest), as mig-parted applies mode, then config."""
+    mode, config = [], []
+    for g in the_plan.gpus:
+        cut = next((i + 1 for i, st in enumerate(g.steps) if isinstance(st, planner.SetMigMode)),
+                   0)
+        mode.append(replace(g, steps=g.steps[:cut]))
+        config.append(replace(g, steps=g.steps[cut:]))
+    return replace(the_plan, gpus=tuple(mode)), replace(the_plan, gpus=tuple(config))
+
+
+def _gpus_of(exc: GpuResetRequired) -> set[int]:
+    many = exc.context.get("gpus")
+    if isinstance(many, list):
+        return {g for g in many if isinstance(g, int)}
+    one = exc.context.get("gpu")
+    return {one} if isinstance(one, int) else set()

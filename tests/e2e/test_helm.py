@@ -89,7 +89,7 @@ def test_template_defaults(helm: str) -> None:
         ("ClusterRoleBinding", "mig-agent"), ("Role", "mig-agent-device-plugin"),
         ("RoleBinding", "mig-agent-device-plugin"), ("Role", "mig-agent-events"),
         ("RoleBinding", "mig-agent-events"), ("ConfigMap", "mig-agent-profiles"),
-        ("DaemonSet", "mig-agent"),
+        ("ConfigMap", "mig-agent-gpu-clients"), ("DaemonSet", "mig-agent"),
         *((k, f"mig-agent-own-{n}") for k in POLICY_KINDS
           for n in ("node", "device-plugin", "events")),
     }
@@ -101,7 +101,8 @@ def test_template_defaults(helm: str) -> None:
     assert e["MIG_AGENT_OPERAND_LABELS"] == ",".join(Settings().operand_labels)
     assert e["MIG_AGENT_MIG_STRATEGY"] == "mixed"
     assert "MIG_AGENT_REBOOT_COMMAND" not in e and "MIG_AGENT_DRAIN_TIMEOUT_S" not in e
-    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"
+             and d["metadata"]["name"] == "mig-agent-profiles"]
     assert set(cm["data"]) == {f.name for f in (REPO / "mig_agent" / "profiles").glob("*.yaml")}
     # rendered from the chart's defaults, daemonset.yaml holds the same objects (and a Namespace)
     manifest = [d for d in yaml.safe_load_all((REPO / "daemonset.yaml").read_text()) if d]
@@ -127,11 +128,50 @@ def test_template_values(helm: str) -> None:
     (c,) = spec["containers"]
     assert c["image"].endswith(":9.9.9") and c["resources"]["limits"]["memory"] == "1Gi"
     assert c["ports"] == [{"name": "metrics", "containerPort": 9500}]
-    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"] == [
+        "mig-agent-gpu-clients"]  # the profiles come from the existing ConfigMap
     (vol,) = [v for v in spec["volumes"] if v["name"] == "profiles"]
     assert vol["configMap"]["name"] == "default-mig-parted-config"
     renamed = template(helm, "--set", "runtimeClassName=nvidia-cdi")
     assert pod_spec(renamed)["runtimeClassName"] == "nvidia-cdi"
+
+
+def test_operator_duties_values(helm: str) -> None:
+    """Validators on, hooks and host GPU clients off by default; the values reach the agent's
+    settings, the hooks ConfigMap and the host's root are mounted when asked for."""
+    defaults = template(helm)
+    e = env(defaults)
+    s = Settings.from_env(e)
+    assert s.restart_validators and not s.stop_host_gpu_clients
+    assert (s.hooks_file, s.pre_apply_command, s.post_apply_command) == ("", "", "")
+    assert s.host_gpu_clients_file == "/etc/mig-agent/gpu-clients/clients.yaml"
+    (clients,) = [d for d in defaults if d["kind"] == "ConfigMap"
+                  and d["metadata"]["name"] == "mig-agent-gpu-clients"]
+    listed = yaml.safe_load(clients["data"]["clients.yaml"])
+    assert listed["version"] == "v1" and "nvidia-dcgm.service" in listed["systemd-services"]
+    assert "host-root" not in {v["name"] for v in pod_spec(defaults)["volumes"]}
+
+    cdi = ("chroot /host nvidia-ctk cdi generate --mode=management "
+           "--output=/var/run/cdi/management.nvidia.com-gpu.yaml")
+    docs = template(helm, "--set", "gpuOperator.restartValidators=false",
+                    "--set", f"hooks.postApply={cdi}", "--set", "hooks.preApply=/bin/true",
+                    "--set", "hooks.existingConfigMap=site-hooks", "--set", "hooks.timeout=30",
+                    "--set", "hostGpuClients.stop=true",
+                    "--set", "hostGpuClients.existingConfigMap=default-gpu-clients",
+                    "--set", "hostGpuClients.command=chroot /host /bin/systemctl")
+    s = Settings.from_env(env(docs))
+    assert not s.restart_validators and s.stop_host_gpu_clients
+    assert (s.post_apply_command, s.pre_apply_command) == (cdi, "/bin/true")
+    assert (s.hooks_file, s.command_timeout_s) == ("/etc/mig-agent/hooks/hooks.yaml", 30.0)
+    assert s.host_service_command == "chroot /host /bin/systemctl"
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["hooks"]["configMap"]["name"] == "site-hooks"
+    assert volumes["gpu-clients"]["configMap"]["name"] == "default-gpu-clients"
+    assert volumes["host-root"]["hostPath"]["path"] == "/"
+    (c,) = pod_spec(docs)["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert (mounts["hooks"], mounts["host-root"]) == ("/etc/mig-agent/hooks", "/host")
+    assert not [d for d in docs if d["metadata"]["name"] == "mig-agent-gpu-clients"]
 
 
 def test_service_monitor_only_with_the_prometheus_operators_api(helm: str) -> None:
@@ -150,7 +190,8 @@ def test_service_monitor_only_with_the_prometheus_operators_api(helm: str) -> No
 OTHER = Settings(state_label="example.com/mig-state", operand_labels=("example.com/a", "b"),
                  annotation_prefix="mig.example.com", condition_type="GpuLayout",
                  device_plugin_namespace="nvidia",
-                 device_plugin_selector="app = dp, !legacy, tier!=canary, release==x")
+                 device_plugin_selector="app = dp, !legacy, tier!=canary, release==x",
+                 restart_validators=False)
 
 
 def as_values(s: Settings) -> list[str]:
@@ -160,7 +201,8 @@ def as_values(s: Settings) -> list[str]:
             "--set", f"annotationPrefix={s.annotation_prefix}",
             "--set", f"conditionType={s.condition_type}",
             "--set", f"devicePlugin.namespace={s.device_plugin_namespace}",
-            "--set-string", f"devicePlugin.selector={selector}"]
+            "--set-string", f"devicePlugin.selector={selector}",
+            "--set", f"gpuOperator.restartValidators={str(s.restart_validators).lower()}"]
 
 
 @pytest.mark.parametrize("settings", [Settings(), OTHER], ids=["defaults", "other"])

@@ -62,7 +62,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("core", frozenset({"errors", "placement", "models", "state", "layout", "labels", "planner",
                         "resources", "snapshot", "generated"})),
     ("boundaries", frozenset({"settings", "catalog", "gpu", "kube", "metrics", "health",
-                              "logs"})),
+                              "logs", "hooks"})),
     ("executor/drain", frozenset({"executor", "drain"})),
     ("agent/ops", frozenset({"agent", "ops"})),
     ("cli", frozenset({"cli", "__main__"})),

@@ -286,7 +286,8 @@ def test_own_node_policy_names_the_default_settings(docs: list[Doc]) -> None:
     assert v["operandLabels"] == "[" + ", ".join(f"'{k}'" for k in s.operand_labels) + "]"
     assert v["ourAnnotations"] == "[" + ", ".join(
         f"'{k}'" for k in (s.cordon_annotation, s.paused_annotation, s.reason_annotation,
-                           s.gpu_state_annotation, s.reboot_annotation)) + "]"
+                           s.gpu_state_annotation, s.reboot_annotation, s.post_apply_annotation,
+                           s.host_services_annotation)) + "]"
     text = _text(docs, "mig-agent-own-node")
     assert f"c.type != '{s.condition_type}'" in text
     assert f"'{PAUSED}'" in text
@@ -300,6 +301,9 @@ def test_device_plugin_policy_and_role_name_the_default_namespace(docs: list[Doc
     assert f"request.namespace == '{s.device_plugin_namespace}'" in text
     key, value = s.device_plugin_selector.split("=")
     assert f"variables.labels['{key}'] == '{value}'" in text
+    # the GPU Operator's validators (restart_validators is on by default), and no other app
+    assert ("variables.labels.?app.orValue('') in ['nvidia-cuda-validator', "
+            "'nvidia-device-plugin-validator', 'nvidia-operator-validator']") in text
 
 
 def test_other_settings_render_another_policy() -> None:
@@ -317,8 +321,14 @@ def test_other_settings_render_another_policy() -> None:
                     "nvidia-device-plugin-daemonset"):
         assert default not in text, default
     assert "c.type != 'MIGExample'" in text and '"type":"MIGExample"' in text
-    assert ("request.namespace == 'plugins' && (('app' in variables.labels && "
-            "variables.labels['app'] == 'dp') && !('legacy' in variables.labels))") in text
+    assert ("request.namespace == 'plugins' && ((('app' in variables.labels && "
+            "variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || "
+            "variables.labels.?app.orValue('') in ['nvidia-cuda-validator', ") in text
+    # without restart_validators the policy allows the device plugin's pod only
+    off = policies.render(s.replace(restart_validators=False))
+    assert "nvidia-cuda-validator'" not in off
+    assert ("variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || false)"
+            in off)
 
 
 @pytest.mark.parametrize("bad", [

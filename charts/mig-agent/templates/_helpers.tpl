@@ -21,10 +21,20 @@ app.kubernetes.io/name: {{ include "mig-agent.name" . }}
 [{{ join ", " $out }}]
 {{- end -}}
 
-{{/* The agent's five annotations (mig_agent.settings.Settings). */}}
+{{/* The agent's annotations (mig_agent.settings.Settings). */}}
 {{- define "mig-agent.annotations" -}}
 {{- $p := .Values.annotationPrefix -}}
-{{- list (printf "%s/cordoned" $p) (printf "%s/paused-operands" $p) (printf "%s/reason" $p) (printf "%s/gpu-state" $p) (printf "%s/reboot-attempted" $p) | toJson -}}
+{{- list (printf "%s/cordoned" $p) (printf "%s/paused-operands" $p) (printf "%s/reason" $p) (printf "%s/gpu-state" $p) (printf "%s/reboot-attempted" $p) (printf "%s/post-apply-pending" $p) (printf "%s/stopped-host-services" $p) | toJson -}}
+{{- end -}}
+
+{{/* CEL true for the GPU Operator's validator pods the agent deletes (deploy/policies.py
+     validator_match), false with gpuOperator.restartValidators off. */}}
+{{- define "mig-agent.validatorMatch" -}}
+{{- if .Values.gpuOperator.restartValidators -}}
+variables.labels.?app.orValue('') in ['nvidia-cuda-validator', 'nvidia-device-plugin-validator', 'nvidia-operator-validator']
+{{- else -}}
+false
+{{- end -}}
 {{- end -}}
 
 {{/* CEL true when the map `variables.labels` matches the device plugin's equality-based
@@ -74,5 +84,6 @@ app.kubernetes.io/name: {{ include "mig-agent.name" . }}
   "annotation_fields" (include "mig-agent.celList" $annFields)
   "condition_field" (printf "'k:{\"type\":\"%s\"}'" $cond)
   "plugin_match" (include "mig-agent.pluginMatch" $v.devicePlugin.selector)
+  "validator_match" (include "mig-agent.validatorMatch" .)
   | toJson -}}
 {{- end -}}
