@@ -92,7 +92,7 @@ def main() -> int:
             results = []
             for sc in scenarios:
                 for fault in faults:
-                    for point in harness.points(names, sc):
+                    for point in harness.fault_points(fault, sc, names):
                         r = harness.run_trial(cluster, point, fault, scenario=sc)
                         if sc is not harness.H100:
                             r.point = f"{sc.name}: {r.point}"
@@ -102,7 +102,8 @@ def main() -> int:
                                 out.write(json.dumps(dataclasses.asdict(r)) + "\n")
                         if args.verbose:
                             print(f"{fault:<17} {r.point:<34} {r.outcome:<11} "
-                                  f"{r.seconds:5.1f} s  {r.detail[:80]}", file=sys.stderr,
+                                  f"{r.seconds:5.1f} s  {r.detail[:80]}"
+                                  + (f"  [{r.hits}]" if r.hits else ""), file=sys.stderr,
                                   flush=True)
             wall = time.monotonic() - started
         finally:

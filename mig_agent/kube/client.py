@@ -210,9 +210,22 @@ class KubernetesCluster(Cluster):
             body["spec"] = {"unschedulable": unschedulable or None}
         if expect_labels:
             return self._patch_node_if(name, body, expect_labels)
-        with _kube("patch node", node=name):
-            return _node(self._call(self._core.patch_node, name, body,
-                                    _content_type="application/merge-patch+json"))
+        return _node(self._unconditional("patch node", name, self._core.patch_node, body,
+                                         _content_type="application/merge-patch+json"))
+
+    def _unconditional(self, op: str, name: str, fn: Callable[..., T], body: Any,
+                       **kwargs: Any) -> T:
+        """A patch with no precondition: a 409 Conflict (the object changed while the server
+        applied it) is answered by sending the same patch again, which no change can spoil."""
+        for attempt in range(1, self._conflict_attempts + 1):
+            try:
+                with _kube(op, node=name):
+                    return self._call(fn, name, body, **kwargs)
+            except KubeError as exc:
+                if exc.context.get("status") != 409 or attempt == self._conflict_attempts:
+                    raise
+                log.warning("kube.conflict", op=op, node=name, attempt=attempt)
+        raise AssertionError("unreachable")
 
     def _patch_node_if(self, name: str, body: dict[str, Any],
                        expect: Mapping[str, str | None]) -> NodeView:
@@ -252,14 +265,13 @@ class KubernetesCluster(Cluster):
         if previous is None or previous.status != condition.status:
             entry["lastTransitionTime"] = now
         # strategic merge: conditions merge by type, other conditions stay untouched
-        with _kube("patch node status", node=name):
-            self._call(self._core.patch_node_status, name, {"status": {"conditions": [entry]}})
+        self._unconditional("patch node status", name, self._core.patch_node_status,
+                            {"status": {"conditions": [entry]}})
 
     def patch_node_resources(self, name: str, resources: Mapping[str, int]) -> None:
         values = {k: str(v) for k, v in resources.items()}
         body = {"status": {"capacity": values, "allocatable": values}}
-        with _kube("patch node status", node=name):
-            self._call(self._core.patch_node_status, name, body)
+        self._unconditional("patch node status", name, self._core.patch_node_status, body)
 
     def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
         self._on_request("watch_node")
@@ -269,7 +281,8 @@ class KubernetesCluster(Cluster):
                 self._core.list_node,
                 field_selector=f"metadata.name={name}",
                 timeout_seconds=timeout_s,
-                _request_timeout=(10, timeout_s + 30),
+                # the server ends the watch at timeout_s; silence beyond that is a dead connection
+                _request_timeout=(10, timeout_s + 10),
             ):
                 if event["type"] in ("ADDED", "MODIFIED"):
                     yield _node(event["object"])

@@ -21,6 +21,7 @@ Each trial's outcome is `converged`, `failed` (with the reason, when it names th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import re
@@ -33,6 +34,7 @@ from typing import Any
 
 from migsim.cluster import SIMULATED_IMAGE, Cluster, agents
 from migsim.cluster.api import ApiError
+from migsim.cluster.api_faults import ApiFaultProxy, Fault
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
@@ -140,7 +142,28 @@ SCENARIOS = (H100, A100)
 QUICK_POINTS = ("node.paused", "drain.pod_evicted", "gpu.instance_destroyed#3",
                 "gpu.compute_instance_created#1", "phase.started(device_plugin)", "node.resumed")
 
-FAULTS = ("kill", "relabel-other", "relabel-typo", "relabel-removed", "repartition-other")
+LABEL_FAULTS = ("kill", "relabel-other", "relabel-typo", "relabel-removed", "repartition-other")
+# Between the agent and the API server (migsim.cluster.api_faults): the agent's kubeconfig names
+# a proxy that answers these instead of the API server.
+API_FAULTS = {
+    "api-500x3": Fault("status", status=500, times=3, watch=False),
+    "api-503-15s": Fault("status", status=503, watch=False),  # an outage longer than retries
+    "api-429": Fault("throttle", retry_after=2, times=3, watch=False),
+    "api-hang": Fault("hang", times=1, watch=False),
+    "api-reset": Fault("reset", times=3, watch=False),
+    "api-409": Fault("conflict", method="PATCH", path=r"^/api/v1/nodes/[^/]+$", times=2),
+    "watch-end": Fault("watch-end"),
+    # the node watch's connection dies unnoticed; once the pass is over the layout is relabelled
+    "watch-silent": Fault("watch-silent"),
+}
+API_FAULT_SECONDS = {"api-503-15s": 15.0}
+# The node watch's timeout in trials with a proxy: a dead watch is noticed at its read timeout
+WATCH_TIMEOUT_S = 20
+FAULTS = LABEL_FAULTS + tuple(API_FAULTS)
+# API faults land at one point of each phase (the H100 scenario).
+API_POINTS = ("labels.patched(pending)", "node.paused", "drain.started", "drain.pod_evicted",
+              "phase.started(apply)", "gpu.instance_created#1", "phase.started(device_plugin)",
+              "device_plugin.resources_match", "node.resumed", "reconcile.succeeded")
 
 
 @dataclass(slots=True)
@@ -152,17 +175,34 @@ class Result:
     seconds: float = 0.0
     log: str = ""
     scenario: str = H100.name
+    hits: str = ""  # what an API fault answered (the proxy's counts), when there was a proxy
 
 
 class FaultNode:
     """One fresh GPU node with its agent, set up at START with a GPU pod, for one trial."""
 
-    def __init__(self, cluster: Cluster, scenario: Scenario | None = None) -> None:
+    def __init__(self, cluster: Cluster, scenario: Scenario | None = None, *,
+                 proxy: bool = False) -> None:
         self.cluster = cluster
         self.scenario = scenario or H100
         self.name = f"fault-{next(_ids)}-{int(time.time() * 1000) % 100000}"
+        self.proxy: ApiFaultProxy | None = None
+        settings: dict[str, str] = {}
+        via: Cluster = cluster
+        if proxy:
+            self.proxy = ApiFaultProxy(cluster.server, cert=cluster.dir / "pki" / "serving.crt",
+                                       key=cluster.dir / "pki" / "serving.key",
+                                       ca=cluster.ca_cert)
+            via = _ViaProxy(cluster, self.proxy.url)
+            settings["MIG_AGENT_WATCH_TIMEOUT_S"] = str(WATCH_TIMEOUT_S)
         cluster.add_gpu_node(self.name, self.scenario.gpus)
-        self.procs = agents.start_node(cluster, self.name, restart_backoff=BACKOFF)
+        try:
+            self.procs = agents.start_node(via, self.name, restart_backoff=BACKOFF,
+                                           settings=settings)
+        except BaseException:
+            if self.proxy:
+                self.proxy.stop()
+            raise
         self.log_path = cluster.dir / "logs" / f"agent-{self.name}.log"
         self.offset = 0
         self.lines: list[dict[str, Any]] = []  # every log line read during the trial
@@ -247,6 +287,8 @@ class FaultNode:
 
     def close(self) -> None:
         agents.stop_node(self.cluster.dir, self.name)
+        if self.proxy is not None:
+            self.proxy.stop()
         with contextlib.suppress(ApiError):  # gone already
             self.cluster.api.request(
                 "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}",
@@ -276,6 +318,19 @@ class FaultNode:
         return applied, stray
 
 
+class _ViaProxy(Cluster):
+    """The cluster, but the kubeconfigs it writes (the agent's) name the fault proxy."""
+
+    def __init__(self, cluster: Cluster, url: str) -> None:
+        self.dir, self.state, self.bin_dir, self.api = (cluster.dir, cluster.state,
+                                                        cluster.bin_dir, cluster.api)
+        self._url = url
+
+    @property
+    def server(self) -> str:
+        return self._url
+
+
 def ensure_namespace(cluster: Cluster) -> None:
     try:
         cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}")
@@ -296,6 +351,10 @@ def inject(node: FaultNode, fault: str) -> None:
         node.patch_labels({CONFIG: None})
     elif fault == "repartition-other":  # as `mig-agent repartition` relabels: state cleared
         node.patch_labels({CONFIG: sc.other, STATE: None})
+    elif fault in API_FAULTS:
+        assert node.proxy is not None
+        node.proxy.add(dataclasses.replace(API_FAULTS[fault]),
+                       seconds=API_FAULT_SECONDS.get(fault))
     else:
         raise ValueError(fault)
 
@@ -328,9 +387,10 @@ def clean_calls(cluster: Cluster, scenario: Scenario) -> dict[str, int]:
 def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0,
               scenario: Scenario | None = None) -> Result:
     sc = scenario or H100
-    reference = clean_calls(cluster, sc) if fault == "kill" else None
+    keeps_label = fault == "kill" or (fault in API_FAULTS and fault != "watch-silent")
+    reference = clean_calls(cluster, sc) if keeps_label else None
     started = time.monotonic()
-    node = FaultNode(cluster, sc)
+    node = FaultNode(cluster, sc, proxy=fault in API_FAULTS)
     try:
         try:
             node.prepare()
@@ -355,14 +415,29 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
         if not reached:
             return Result(point.name, fault, "not-reached", "the pass never logged this point",
                           time.monotonic() - started, node.log_tail(), sc.name)
+        if fault == "watch-silent":  # the pass ends; then a relabel only the watch would tell
+            node.wait("the pass to end", lambda: node.labels().get(STATE) in (
+                "success", "failed"), settle)
+            time.sleep(1.0)
+            node.patch_labels({CONFIG: sc.other})
+            try:  # noticed by the node watch (a new one, once the dead one's read timed out)
+                node.wait(f"a pass for {sc.other}", lambda: any(
+                    line.get("event") == "reconcile.started" and line.get("layout") == sc.other
+                    for line in node.log_lines()), WATCH_TIMEOUT_S + 30)
+            except TimeoutError as e:
+                return Result(point.name, fault, "violated",
+                              f"relabel not noticed: {str(e).splitlines()[0]}",
+                              time.monotonic() - started, node.log_tail(), sc.name)
         outcome, detail = settle_and_check(node, fault, settle)
         calls = node.instance_calls()
         if reference is not None and outcome != "violated" and calls != reference:
             # the same label throughout: a restarted agent must finish the pass, not redo it
             outcome, detail = "violated", (f"GPU/compute instance calls {calls}, a pass without "
                                            f"the fault makes {reference}")
+        hits = ", ".join(f"{k} x{v}" for k, v in sorted(node.proxy.hits.items())) \
+            if node.proxy else ""
         return Result(point.name, fault, outcome, detail, time.monotonic() - started,
-                      node.log_tail() if outcome == "violated" else "", sc.name)
+                      node.log_tail() if outcome == "violated" else "", sc.name, hits)
     except TimeoutError as e:
         return Result(point.name, fault, "violated", str(e).splitlines()[0],
                       time.monotonic() - started, node.log_tail(), sc.name)
@@ -494,3 +569,14 @@ def false_success(node: FaultNode) -> str:
 def points(names: tuple[str, ...] | None = None,
            scenario: Scenario | None = None) -> list[Point]:
     return [p for p in (scenario or H100).points if names is None or p.name in names]
+
+
+def fault_points(fault: str, scenario: Scenario,
+                 names: tuple[str, ...] | None = None) -> list[Point]:
+    """The points of the matrix where `fault` is injected: every point of the scenario for the
+    label faults, one per phase of the H100 pass for the API faults."""
+    if fault in API_FAULTS:
+        if scenario is not H100:
+            return []
+        return [p for p in points(API_POINTS, scenario) if names is None or p.name in names]
+    return points(names, scenario)

@@ -15,13 +15,18 @@ pytestmark = [pytest.mark.faults, pytest.mark.cluster]
 
 # What each fault must end in: the layout the label names at the end, or the typo's failure.
 EXPECTED = {"kill": "converged", "relabel-other": "converged", "relabel-typo": "failed",
-            "relabel-removed": "converged", "repartition-other": "converged"}
+            "relabel-removed": "converged", "repartition-other": "converged",
+            # an API fault is transient: retried, the pass ends as the label asks
+            **{f: "converged" for f in harness.API_FAULTS}}
 QUICK = {
     "kill": ("drain.pod_evicted", "gpu.instance_destroyed#3", "phase.started(device_plugin)"),
     "relabel-other": ("gpu.compute_instance_created#1",),
     "relabel-typo": ("drain.pod_evicted",),
     "relabel-removed": ("gpu.instance_destroyed#3",),
     "repartition-other": ("node.resumed",),
+    "api-409": ("drain.pod_evicted",),
+    "api-500x3": ("phase.started(apply)",),
+    "watch-silent": ("node.resumed",),
 }
 
 
@@ -31,7 +36,7 @@ QUICK_A100 = {"kill": ("gpu.reset",)}
 def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
     if full_matrix():
         return [(sc, p, f) for sc in harness.SCENARIOS for f in harness.FAULTS
-                for p in sc.points]
+                for p in harness.fault_points(f, sc)]
     return ([(harness.H100, p, f) for f, names in QUICK.items() for p in harness.points(names)]
             + [(harness.A100, p, f) for f, names in QUICK_A100.items()
                for p in harness.points(names, harness.A100)])
@@ -53,8 +58,11 @@ def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
     elif fault == "relabel-removed":
         assert result.detail.startswith("no layout asked for")
     else:
-        want = scenario.other if fault.endswith("-other") else scenario.target
+        want = scenario.other if fault.endswith("-other") or fault == "watch-silent" \
+            else scenario.target
         assert result.detail == f"{want} applied"
+    if fault in harness.API_FAULTS:  # the fault was answered to the agent, not lost
+        assert result.hits, f"{fault} at {point.name}: the proxy answered nothing"
 
 
 def test_a_killed_agent_is_restarted_by_the_cluster_and_converges(

@@ -16,7 +16,7 @@ from kubernetes.client.exceptions import ApiException
 from migsim.cluster import kubeconfig, pki
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
 
-from mig_agent.errors import KubeUnavailable
+from mig_agent.errors import KubeError, KubeUnavailable
 from mig_agent.kube.client import KubernetesCluster
 
 
@@ -118,3 +118,37 @@ def test_connection_resets_and_5xx_are_retried_then_named(
         k.get_node("n")
     k.close()
     assert p.hits["reset"] == 2 and p.hits["status-503"] == 2
+
+
+def test_a_conflict_on_a_plain_node_patch_sends_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a 409 on a merge patch without a precondition (cordon, pause, a label) failed the
+    agent's pass for good, though sending the same patch again cannot spoil anything."""
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    answers: list[Any] = [ApiException(status=409, reason="Conflict"),
+                          ApiException(status=409, reason="Conflict"), _node("n")]
+    bodies: list[Any] = []
+
+    def patch_node(name: str, body: Any, **_: Any) -> Any:
+        bodies.append(body)
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(k._core, "patch_node", patch_node)
+    assert k.patch_node("n", unschedulable=True).name == "n"
+    assert bodies == [{"metadata": {}, "spec": {"unschedulable": True}}] * 3
+
+
+def test_conflicts_without_end_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    calls: list[str] = []
+
+    def patch_node_status(name: str, body: Any, **_: Any) -> Any:
+        calls.append(name)
+        raise ApiException(status=409, reason="Conflict")
+
+    monkeypatch.setattr(k._core, "patch_node_status", patch_node_status)
+    with pytest.raises(KubeError, match="patch node status: 409"):
+        k.patch_node_resources("n", {"nvidia.com/gpu": 1})
+    assert len(calls) == 10

@@ -11,8 +11,8 @@ API server over a connection of its own, and, on command, answers instead of it:
 * ``conflict``: 409 Conflict on a node PATCH, as when the node changed since it was read;
 * ``watch-end``: every open watch ends now (a clean end of its chunked stream), as the API
   server ends a watch at its timeout or when it restarts;
-* ``watch-silent``: open watches, and those started later, get no more events while their
-  connections stay open: a dead connection that nobody closed.
+* ``watch-silent``: the watches open now get no more events, nor their end, while their
+  connections stay open: dead connections that nobody closed (later watches work).
 
 A fault matches requests by method, path (a regular expression) and whether they are watches; it
 applies ``times`` times (None: until cleared) and/or for ``seconds``. `hits` counts the requests
@@ -82,7 +82,6 @@ class ApiFaultProxy:
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
         self._stop = threading.Event()
-        self._silent = False
         self._watches: list[_Watch] = []
         self._sockets: set[socket.socket] = set()
         self.hits: Counter[str] = Counter()
@@ -105,7 +104,9 @@ class ApiFaultProxy:
                 self.hits["watch-end"] += len(self._watches)
                 return fault
             if fault.kind == "watch-silent":
-                self._silent = True
+                for w in self._watches:
+                    w.silent = True
+                self.hits["watch-silent"] += len(self._watches)
                 return fault
             self._faults.append(fault)
         return fault
@@ -113,10 +114,11 @@ class ApiFaultProxy:
     def clear(self) -> None:
         with self._lock:
             self._faults.clear()
-            self._silent = False
 
     def stop(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() under way
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
@@ -245,8 +247,7 @@ class ApiFaultProxy:
         conn.sendall(status_and_headers)
         if b"transfer-encoding: chunked" not in status_and_headers.lower():
             while chunk := reader.read1(65536):
-                if not self._silent:
-                    conn.sendall(chunk)
+                conn.sendall(chunk)
             return
         watch = _Watch(conn, up)
         with self._lock:
@@ -255,13 +256,15 @@ class ApiFaultProxy:
             while True:
                 size_line = reader.readline()
                 if not size_line:
+                    if watch.silent:  # a dead connection: nothing more, and no end either
+                        _hold(conn)
                     return
                 size = int(size_line.split(b";")[0].strip() or b"0", 16)
                 data = reader.read(size + 2) if size else reader.readline()
                 with watch.lock:
                     if watch.done:
                         return
-                    if self._silent:
+                    if watch.silent:
                         continue  # the event is lost; the connection stays open
                     conn.sendall(size_line + data)
                 if size == 0:
@@ -280,6 +283,7 @@ class _Watch:
         self.conn, self.up = conn, up
         self.lock = threading.Lock()
         self.done = False
+        self.silent = False  # the connection went dead: events and the end are dropped
 
     def end(self) -> None:
         with self.lock:
@@ -290,6 +294,13 @@ class _Watch:
                 self.conn.sendall(b"0\r\n\r\n")
         with contextlib.suppress(OSError):
             self.up.shutdown(socket.SHUT_RDWR)
+
+
+def _hold(conn: socket.socket) -> None:
+    """Keep a connection open, answering nothing, until the client closes it."""
+    with contextlib.suppress(OSError, ssl.SSLError):
+        while conn.recv(4096):
+            pass
 
 
 def _read_request(conn: socket.socket) -> tuple[bytes, bytes]:
