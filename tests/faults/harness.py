@@ -159,7 +159,9 @@ API_FAULTS = {
 API_FAULT_SECONDS = {"api-503-15s": 15.0}
 # The node watch's timeout in trials with a proxy: a dead watch is noticed at its read timeout
 WATCH_TIMEOUT_S = 20
-FAULTS = LABEL_FAULTS + tuple(API_FAULTS)
+# etcd and the API server stopped and started again (Cluster.restart), under every agent's feet
+CONTROL_PLANE_FAULTS = ("apiserver-restart",)
+FAULTS = LABEL_FAULTS + tuple(API_FAULTS) + CONTROL_PLANE_FAULTS
 # API faults land at one point of each phase (the H100 scenario).
 API_POINTS = ("labels.patched(pending)", "node.paused", "drain.started", "drain.pod_evicted",
               "phase.started(apply)", "gpu.instance_created#1", "phase.started(device_plugin)",
@@ -207,6 +209,7 @@ class FaultNode:
         self.offset = 0
         self.lines: list[dict[str, Any]] = []  # every log line read during the trial
         self.samples: list[tuple[float, str | None, str | None]] = []  # (time, layout, state)
+        self.restart_seconds = 0.0  # how long a control-plane restart took
 
     # -- the API server ----------------------------------------------------------------------
 
@@ -351,6 +354,8 @@ def inject(node: FaultNode, fault: str) -> None:
         node.patch_labels({CONFIG: None})
     elif fault == "repartition-other":  # as `mig-agent repartition` relabels: state cleared
         node.patch_labels({CONFIG: sc.other, STATE: None})
+    elif fault == "apiserver-restart":
+        node.restart_seconds = node.cluster.restart()
     elif fault in API_FAULTS:
         assert node.proxy is not None
         node.proxy.add(dataclasses.replace(API_FAULTS[fault]),
@@ -387,7 +392,8 @@ def clean_calls(cluster: Cluster, scenario: Scenario) -> dict[str, int]:
 def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0,
               scenario: Scenario | None = None) -> Result:
     sc = scenario or H100
-    keeps_label = fault == "kill" or (fault in API_FAULTS and fault != "watch-silent")
+    keeps_label = fault in ("kill", *CONTROL_PLANE_FAULTS) or (
+        fault in API_FAULTS and fault != "watch-silent")
     reference = clean_calls(cluster, sc) if keeps_label else None
     started = time.monotonic()
     node = FaultNode(cluster, sc, proxy=fault in API_FAULTS)
@@ -436,6 +442,8 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
                                            f"the fault makes {reference}")
         hits = ", ".join(f"{k} x{v}" for k, v in sorted(node.proxy.hits.items())) \
             if node.proxy else ""
+        if node.restart_seconds:
+            hits = f"API server down {node.restart_seconds:.1f} s"
         return Result(point.name, fault, outcome, detail, time.monotonic() - started,
                       node.log_tail() if outcome == "violated" else "", sc.name, hits)
     except TimeoutError as e:
@@ -574,8 +582,8 @@ def points(names: tuple[str, ...] | None = None,
 def fault_points(fault: str, scenario: Scenario,
                  names: tuple[str, ...] | None = None) -> list[Point]:
     """The points of the matrix where `fault` is injected: every point of the scenario for the
-    label faults, one per phase of the H100 pass for the API faults."""
-    if fault in API_FAULTS:
+    label faults, one per phase of the H100 pass for the API and control-plane faults."""
+    if fault in API_FAULTS or fault in CONTROL_PLANE_FAULTS:
         if scenario is not H100:
             return []
         return [p for p in points(API_POINTS, scenario) if names is None or p.name in names]

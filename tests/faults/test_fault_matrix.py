@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.cluster]
 EXPECTED = {"kill": "converged", "relabel-other": "converged", "relabel-typo": "failed",
             "relabel-removed": "converged", "repartition-other": "converged",
             # an API fault is transient: retried, the pass ends as the label asks
-            **{f: "converged" for f in harness.API_FAULTS}}
+            **{f: "converged" for f in harness.API_FAULTS}, "apiserver-restart": "converged"}
 QUICK = {
     "kill": ("drain.pod_evicted", "gpu.instance_destroyed#3", "phase.started(device_plugin)"),
     "relabel-other": ("gpu.compute_instance_created#1",),
@@ -27,6 +27,7 @@ QUICK = {
     "api-409": ("drain.pod_evicted",),
     "api-500x3": ("phase.started(apply)",),
     "watch-silent": ("node.resumed",),
+    "apiserver-restart": ("gpu.instance_created#1",),
 }
 
 
