@@ -36,17 +36,23 @@ def services(s: Settings) -> tuple[str, ...]:
     return load_gpu_clients(s.host_gpu_clients_file) if s.host_gpu_clients_file else ()
 
 
+STOPPED_STATES = frozenset({"inactive", "failed", "unknown", "dead", "deactivating"})
+"""What ``systemctl is-active`` prints (exiting non-zero) for a unit that holds no GPU now."""
+
+
 def active(s: Settings, run: Runner, names: tuple[str, ...]) -> tuple[list[str], str]:
     """Those of ``names`` that are running (``is-active`` exits 0), and why that could not be
-    told ("" when it could)."""
+    told ("" when it could): a non-zero exit counts as stopped only when the command printed
+    a unit state, as systemctl does; else (no chroot, no systemctl) nothing is known."""
     running: list[str] = []
     for name in names:
         done = run(service_command(s.host_service_command, "is-active", name), {},
                    s.command_timeout_s)
-        if done.error:  # the command itself could not run: no answer for any service
-            return running, f"{s.host_service_command!r} {done.error}"
-        if done.returncode == 0:
+        said = done.output.strip().splitlines()[-1:] if done.output.strip() else []
+        if done.returncode == 0 and not done.error:
             running.append(name)
+        elif done.error or not said or said[0].strip() not in STOPPED_STATES:
+            return running, f"`{s.host_service_command} is-active {name}` {done.failure()}"
     return running, ""
 
 

@@ -256,7 +256,7 @@ class Host:
         assert base == ["chroot", "/host", "systemctl"]
         self.calls.append(f"{action} {name}")
         if action == "is-active":
-            return Completed(0 if name in self.running else 3, "")
+            return Completed(0, "active") if name in self.running else Completed(3, "inactive")
         if action == "stop":
             if name == self.refuse:
                 return Completed(1, f"Failed to stop {name}: Access denied")
@@ -387,3 +387,30 @@ def test_a_mode_change_without_a_reset_stops_no_service(tmp_path: Path) -> None:
     label(cluster, "all-1g.10gb")  # H100: the mode changes without a reset
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert host.calls == []
+
+
+def no_chroot(command: Command, env: Mapping[str, str], timeout_s: float) -> Completed:
+    return Completed(125, "chroot: cannot change root directory to '/host': No such file or "
+                          "directory")
+
+
+def test_a_service_command_that_cannot_answer_is_said_so_not_taken_for_stopped(
+        tmp_path: Path) -> None:
+    agent, cluster, gpus = a100_node(tmp_path)
+    gpus.add_process(0, 4242, None)
+    agent.run_command = no_chroot
+    label(cluster, "all-1g.5gb")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "process(es) 4242" in reason and "none of the host GPU clients" not in reason
+    assert ("(nvsm.service, nvidia-dcgm.service, dcgm-exporter.service) may hold the GPU "
+            "(`chroot /host systemctl is-active nvsm.service` exited with status 125: chroot: "
+            "cannot change root directory to '/host'") in reason
+    # with stopping on, the pass fails before any GPU or service is touched
+    agent.settings = agent.settings.replace(stop_host_gpu_clients=True)
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert cluster.nodes[NODE].annotations[REASON].startswith(
+        "cannot tell which host GPU clients run: `chroot /host systemctl is-active "
+        "nvsm.service` exited with status 125")
+    assert not gpus.calls
+    assert_clean(cluster)
