@@ -337,9 +337,14 @@ class SimulatedNvmlLibrary:
             with self._store.mutate() as fresh:
                 if spec.mutating:
                     fresh.count(name, gpu)
-                code = fresh.consume_rule(name, gpu, spec.mutating)
-                if code is None:
+                rule = fresh.consume(name, gpu, spec.mutating)
+                if rule is None:
                     code = self._run(impl, fresh, args)
+                elif rule.after:  # done, yet reported as failed
+                    self._run(impl, fresh, args)
+                    code = rule.code
+                else:
+                    code = rule.code
         else:
             code = self._run(impl, node, args)
         if delay:

@@ -215,13 +215,15 @@ class SimGpu:
 @dataclass(slots=True)
 class FailRule:
     """Fail a matching call with ``code``: after letting ``skip`` matches pass, ``times`` times.
-    Without ``function`` it matches mutating calls only."""
+    Without ``function`` it matches mutating calls only. With ``after`` the call takes effect
+    and then reports ``code`` (a creation that half succeeds: the instance is there)."""
 
     code: int
     function: str | None = None
     gpu: int | None = None
     skip: int = 0
     times: int = 1
+    after: bool = False
 
     def matches(self, function: str, gpu: int | None, mutating: bool) -> bool:
         if self.function is None:
@@ -275,6 +277,11 @@ class SimNode:
 
     def consume_rule(self, function: str, gpu: int | None, mutating: bool) -> int | None:
         """Advance the first matching fault rule; the code to fail with, or None to proceed."""
+        rule = self.consume(function, gpu, mutating)
+        return rule.code if rule is not None else None
+
+    def consume(self, function: str, gpu: int | None, mutating: bool) -> FailRule | None:
+        """Advance the first matching fault rule; the rule that applies to this call, if any."""
         rule = self.match_rule(function, gpu, mutating)
         if rule is None:
             return None
@@ -284,7 +291,7 @@ class SimNode:
         rule.times -= 1
         if rule.times <= 0:
             self.fail_rules.remove(rule)
-        return rule.code
+        return rule
 
     def count(self, function: str, gpu: int | None) -> None:
         per = self.counts.setdefault("-" if gpu is None else str(gpu), {})
@@ -731,17 +738,19 @@ def remove_process(path: str | os.PathLike[str], pid: int, *, gpu: int | None = 
 
 
 def inject_failure(path: str | os.PathLike[str], code: int, *, function: str | None = None,
-                   nth: int = 1, times: int = 1, gpu: int | None = None) -> None:
+                   nth: int = 1, times: int = 1, gpu: int | None = None,
+                   after: bool = False) -> None:
     """Fail the ``nth`` matching call from now (and ``times - 1`` more) with NVML ``code``.
 
     Without ``function`` the rule matches mutating calls (creates, destroys, SetMigMode, reset);
     with it, calls of that C function (e.g. "nvmlDeviceGetMigMode") or "reset". ``gpu`` limits
-    the rule to calls on that GPU.
+    the rule to calls on that GPU. With ``after`` the call does what it was asked and then
+    reports ``code`` (an instance created, or destroyed, though the caller is told it failed).
     """
     if nth < 1 or times < 1:
         raise ValueError("nth and times count from 1")
     with _mutate(path) as node:
-        node.fail_rules.append(FailRule(code, function, gpu, nth - 1, times))
+        node.fail_rules.append(FailRule(code, function, gpu, nth - 1, times, after))
 
 
 def set_latency(path: str | os.PathLike[str], seconds: float, *, scope: str = "mutating") -> None:
