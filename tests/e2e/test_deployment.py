@@ -327,7 +327,8 @@ NO_NODE = "may change only the node it runs on (its token names no node)"
 LABELS = "may change only the MIG state and operand labels, not: "
 ANNOTATIONS = ("may change only its own annotations (mig-agent.dev/cordoned, "
                "mig-agent.dev/paused-operands, mig-agent.dev/reason, mig-agent.dev/gpu-state, "
-               "mig-agent.dev/reboot-attempted), not: ")
+               "mig-agent.dev/reboot-attempted, mig-agent.dev/post-apply-pending, "
+               "mig-agent.dev/stopped-host-services), not: ")
 STATE_VALUE = f"may set {STATE} only to pending, rebooting, success, failed, not "
 OPERANDS = "may move an operand label only to true or paused-for-mig-change, "
 SIZE = "annotations are capped at 4096 characters"
