@@ -42,13 +42,12 @@ from mig_agent.errors import (
     GpuBusy,
     GpuResetRequired,
     GpuUnavailable,
-    HookFailed,
     LabelsChanged,
     MigAgentError,
     PlanError,
     RebootFailed,
 )
-from mig_agent.executor import execute, verify
+from mig_agent.executor import verify
 from mig_agent.generated import with_generated
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodView
@@ -489,13 +488,13 @@ class Agent:
             raise self._blocked(exc, reset_gpus) from exc
         hook_run.run(hooks.APPLY_START)
         try:
-            pending = self._execute(the_plan, hook_run)
+            pending = site_hooks.execute_in_phases(the_plan, self.gpus, hook_run)
         except Exception as exc:
-            self._apply_exit(hook_run, exc)
+            site_hooks.apply_exit(hook_run, exc)
             if isinstance(exc, GpuBusy):
                 raise self._blocked(exc, reset_gpus) from exc
             raise
-        self._apply_exit(hook_run, pending)
+        site_hooks.apply_exit(hook_run, pending)
         if pending is not None:
             self._reboot_or_fail(desired, pending)
 
@@ -505,37 +504,6 @@ class Agent:
             return exc
         hint = host_clients.blocking(self.settings, self.run_command, reset_gpus)
         return GpuBusy(f"{exc}; {hint}", **exc.context)
-
-    def _execute(self, the_plan: planner.Plan, hook_run: site_hooks.HookRunner
-                 ) -> GpuResetRequired | None:
-        """Mode phase, then config phase; a GPU whose mode stays pending skips the second
-        (returned, for a reboot, once the other GPUs are done)."""
-        mode, config = _split(the_plan)
-        pending = None
-        if not mode.is_empty:
-            hook_run.run(hooks.PRE_APPLY_MODE)
-            try:
-                execute(mode, self.gpus)
-            except GpuResetRequired as exc:
-                pending = exc
-        waiting = set()
-        if pending is not None:  # the GPUs it names, else every GPU whose mode changes
-            waiting = _gpus_of(pending) or {g.gpu for g in mode.gpus if not g.is_empty}
-        config = replace(config, gpus=tuple(g for g in config.gpus if g.gpu not in waiting))
-        if not config.is_empty:
-            hook_run.run(hooks.PRE_APPLY_CONFIG)
-            execute(config, self.gpus)
-        return pending
-
-    @staticmethod
-    def _apply_exit(hook_run: site_hooks.HookRunner, error: Exception | None) -> None:
-        try:
-            hook_run.run(hooks.APPLY_EXIT, MIG_AGENT_RESULT="failed" if error else "success",
-                         MIG_AGENT_ERROR=str(error) if error else "")
-        except HookFailed as exc:
-            if error is None:
-                raise
-            log.error("hook.failed", hook=hooks.APPLY_EXIT, error=str(exc))
 
     def _plan_after_drain(self, layout: Layout, models: Mapping[int, GpuModel]) -> planner.Plan:
         """Re-plan, now refusing what is in use. An evicted pod's processes can outlive its Pod
@@ -689,23 +657,3 @@ class Agent:
 
     def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
         loop.run(self, stop, config_poll_s=config_poll_s)
-
-
-def _split(the_plan: planner.Plan) -> tuple[planner.Plan, planner.Plan]:
-    """The plan's mode phase (on each GPU whose MIG mode changes: its steps up to and with the
-    mode change) and config phase (the rest), as mig-parted applies mode, then config."""
-    mode, config = [], []
-    for g in the_plan.gpus:
-        cut = next((i + 1 for i, st in enumerate(g.steps) if isinstance(st, planner.SetMigMode)),
-                   0)
-        mode.append(replace(g, steps=g.steps[:cut]))
-        config.append(replace(g, steps=g.steps[cut:]))
-    return replace(the_plan, gpus=tuple(mode)), replace(the_plan, gpus=tuple(config))
-
-
-def _gpus_of(exc: GpuResetRequired) -> set[int]:
-    many = exc.context.get("gpus")
-    if isinstance(many, list):
-        return {g for g in many if isinstance(g, int)}
-    one = exc.context.get("gpu")
-    return {one} if isinstance(one, int) else set()

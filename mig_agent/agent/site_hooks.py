@@ -13,11 +13,14 @@ variables mig-parted gives its hooks and mig-agent's own:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
-from mig_agent import planner
+from mig_agent import hooks, planner
+from mig_agent.errors import GpuResetRequired, HookFailed
+from mig_agent.executor import ApplyReport, execute
+from mig_agent.gpu.backend import GpuBackend
 from mig_agent.hooks import Hooks, Runner, load_hooks, run_hook
 from mig_agent.settings import Settings
 from mig_agent.state import NodeState
@@ -65,3 +68,60 @@ class HookRunner:
         ran = run_hook(self.hooks, name, {**self.env, "MIG_AGENT_HOOK": name, **extra},
                        runner=self.run_command, timeout_s=self.timeout_s)
         log.info("hook.finished", hook=name, commands=ran)
+
+
+def execute_in_phases(the_plan: planner.Plan, gpus: GpuBackend, hook_run: HookRunner, *,
+                      report: ApplyReport | None = None, reset: bool = True
+                      ) -> GpuResetRequired | None:
+    """Apply as mig-parted does with its hooks: pre-apply-mode and the mode phase (on each GPU
+    whose MIG mode changes, its steps up to and with that change: the destroys first), then
+    pre-apply-config and the config phase (the instances). A GPU whose mode stays pending skips
+    the second; its GpuResetRequired is returned once the other GPUs are done."""
+    mode, config = split(the_plan)
+    pending = None
+    if not mode.is_empty:
+        hook_run.run(hooks.PRE_APPLY_MODE)
+        try:
+            execute(mode, gpus, report=report, reset=reset)
+        except GpuResetRequired as exc:
+            pending = exc
+    waiting: set[int] = set()
+    if pending is not None:  # the GPUs it names, else every GPU whose mode changes
+        waiting = _gpus_of(pending) or {g.gpu for g in mode.gpus if not g.is_empty}
+    config = replace(config, gpus=tuple(g for g in config.gpus if g.gpu not in waiting))
+    if not config.is_empty:
+        hook_run.run(hooks.PRE_APPLY_CONFIG)
+        execute(config, gpus, report=report, reset=reset)
+    return pending
+
+
+def apply_exit(hook_run: HookRunner, error: Exception | None) -> None:
+    """apply-exit, after a successful or failed apply (MIG_AGENT_RESULT, MIG_AGENT_ERROR): its
+    failure is the apply's only when nothing else failed, as in mig-parted."""
+    try:
+        hook_run.run(hooks.APPLY_EXIT, MIG_AGENT_RESULT="failed" if error else "success",
+                     MIG_AGENT_ERROR=str(error) if error else "")
+    except HookFailed as exc:
+        if error is None:
+            raise
+        log.error("hook.failed", hook=hooks.APPLY_EXIT, error=str(exc))
+
+
+def split(the_plan: planner.Plan) -> tuple[planner.Plan, planner.Plan]:
+    """The plan's mode phase (on each GPU whose MIG mode changes: its steps up to and with the
+    mode change) and config phase (the rest)."""
+    mode, config = [], []
+    for g in the_plan.gpus:
+        cut = next((i + 1 for i, st in enumerate(g.steps) if isinstance(st, planner.SetMigMode)),
+                   0)
+        mode.append(replace(g, steps=g.steps[:cut]))
+        config.append(replace(g, steps=g.steps[cut:]))
+    return replace(the_plan, gpus=tuple(mode)), replace(the_plan, gpus=tuple(config))
+
+
+def _gpus_of(exc: GpuResetRequired) -> set[int]:
+    many = exc.context.get("gpus")
+    if isinstance(many, list):
+        return {g for g in many if isinstance(g, int)}
+    one = exc.context.get("gpu")
+    return {one} if isinstance(one, int) else set()

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mig_agent.cli.common import (
     EXIT_CHANGES,
@@ -28,6 +29,11 @@ from mig_agent.cli.render import (
     print_profiles,
 )
 from mig_agent.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mig_agent.executor import ApplyReport
+    from mig_agent.gpu.backend import GpuBackend
+    from mig_agent.layout import Layout
 from mig_agent.models import MODELS, parse_gpu_spec
 
 
@@ -104,13 +110,16 @@ def cmd_apply(args: argparse.Namespace) -> int:
     layout = select_layout(load_configs(args), args.layout)
     gpus = open_gpus(args)
     try:
-        report = apply_layout(
-            layout,
-            gpus,
-            destroy_in_use=args.destroy_in_use,
-            reset=not args.skip_reset,
-            dry_run=args.dry_run,
-        )
+        if args.hooks_file and not args.dry_run:
+            report = _apply_with_hooks(args, layout, gpus)
+        else:
+            report = apply_layout(
+                layout,
+                gpus,
+                destroy_in_use=args.destroy_in_use,
+                reset=not args.skip_reset,
+                dry_run=args.dry_run,
+            )
     finally:
         gpus.close()
     if args.dry_run:
@@ -128,6 +137,48 @@ def cmd_apply(args: argparse.Namespace) -> int:
         )
     out(f"layout {layout.name} applied in {report.duration_s:.2f} s")
     return EXIT_OK
+
+
+def _apply_with_hooks(args: argparse.Namespace, layout: Layout, gpus: GpuBackend) -> ApplyReport:
+    """``apply -k HOOKS``, as mig-parted's apply with a hooks file: apply-start, pre-apply-mode
+    and the mode changes, pre-apply-config and the instances, apply-exit (always, also after a
+    failure or when nothing changes); post-apply only when something changed."""
+    import socket
+    import time
+
+    from mig_agent import hooks, planner
+    from mig_agent.agent import site_hooks
+    from mig_agent.executor import ApplyReport, verify
+    from mig_agent.settings import PROFILES, Settings
+
+    start = time.monotonic()
+    settings = Settings(node_name=os.environ.get("NODE_NAME") or socket.gethostname(),
+                        config=(args.config_file or [str(PROFILES)])[0],
+                        hooks_file=args.hooks_file)
+    hook_set = site_hooks.load(settings)
+    models = gpus.models()
+    observed = gpus.observe()
+    the_plan = planner.plan(layout, observed, models, destroy_in_use=args.destroy_in_use)
+    env = {**site_hooks.context(settings, layout.name, the_plan, observed),
+           "MIG_PARTED_SKIP_RESET": str(args.skip_reset).lower()}
+    hook_run = site_hooks.HookRunner(hook_set, hooks.run_command, settings.command_timeout_s, env)
+    report = ApplyReport(layout.name, the_plan)
+    hook_run.run(hooks.APPLY_START)
+    try:
+        pending = site_hooks.execute_in_phases(the_plan, gpus, hook_run, report=report,
+                                               reset=not args.skip_reset)
+        if pending is not None:
+            raise pending
+        if not the_plan.is_empty:
+            verify(layout, gpus.observe(), models)
+    except Exception as exc:
+        site_hooks.apply_exit(hook_run, exc)
+        raise
+    site_hooks.apply_exit(hook_run, None)
+    if not the_plan.is_empty:
+        hook_run.run(hooks.POST_APPLY)
+    report.duration_s = time.monotonic() - start
+    return report
 
 
 def cmd_assert(args: argparse.Namespace) -> int:
@@ -226,6 +277,14 @@ def register(sub: Any) -> None:
     add_config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     p.add_argument("--skip-reset", action="store_true", help="never reset a GPU")
+    p.add_argument(
+        "-k",
+        "--hooks-file",
+        metavar="FILE",
+        default=os.environ.get("MIG_AGENT_HOOKS_FILE") or None,
+        help="mig-parted's hooks file: apply-start, pre-apply-mode, pre-apply-config, "
+        "apply-exit (and post-apply) run around the apply (env MIG_AGENT_HOOKS_FILE)",
+    )
     add_destroy_in_use(p)
     add_backend_args(p)
     p.set_defaults(func=cmd_apply)
