@@ -485,25 +485,26 @@ class Agent:
         try:
             the_plan = self._plan_after_drain(self.catalog.get(desired), models)
         except GpuBusy as exc:
-            raise self._blocked(exc, reset_gpus) from exc
+            self._blocked(exc, reset_gpus)
+            raise
         hook_run.run(hooks.APPLY_START)
         try:
             pending = site_hooks.execute_in_phases(the_plan, self.gpus, hook_run)
         except Exception as exc:
             site_hooks.apply_exit(hook_run, exc)
             if isinstance(exc, GpuBusy):
-                raise self._blocked(exc, reset_gpus) from exc
+                self._blocked(exc, reset_gpus)
             raise
         site_hooks.apply_exit(hook_run, pending)
         if pending is not None:
             self._reboot_or_fail(desired, pending)
 
-    def _blocked(self, exc: GpuBusy, reset_gpus: list[int]) -> GpuBusy:
-        """A busy GPU that a reset needs: the reason also says what of the host may hold it."""
-        if not reset_gpus:
-            return exc
-        hint = host_clients.blocking(self.settings, self.run_command, reset_gpus)
-        return GpuBusy(f"{exc}; {hint}", **exc.context)
+    def _blocked(self, exc: GpuBusy, reset_gpus: list[int]) -> None:
+        """A busy GPU that a reset needs: raise it with what of the host may hold it added
+        to the reason; any other busy GPU is left to raise as it is."""
+        if reset_gpus:
+            hint = host_clients.blocking(self.settings, self.run_command, reset_gpus)
+            raise GpuBusy(f"{exc}; {hint}", **exc.context) from exc
 
     def _plan_after_drain(self, layout: Layout, models: Mapping[int, GpuModel]) -> planner.Plan:
         """Re-plan, now refusing what is in use. An evicted pod's processes can outlive its Pod
