@@ -2,6 +2,7 @@
 
     python benchmarks/pool_rollout.py [--nodes 12] [--parallel 4] [--layout all-1g.10gb]
                                       [--gpus 8xH100-80GB] [--idle 5] [--poll 0.2] [--verbose]
+                                      [--agent-idle 60] [--quick]
 
 Starts its own local cluster in a temporary folder (N GPU nodes `gpu-node-<i>`), installs
 mig-agent and starts one agent and one simulated device plugin per node, waits until every agent
@@ -13,7 +14,11 @@ Reported: set-up time, total wall time of the rollout, per node the time from th
 agents spent it (their `mig_agent_reconfiguration_phase_seconds` histograms, scraped from each
 agent's /metrics), the rollout's own API calls, and the API requests the API server served during
 the rollout (its `apiserver_request_total`, all clients: agents, device plugins, kwok, controllers),
-less an idle baseline measured over `--idle` seconds just before.
+less an idle baseline measured over `--idle` seconds just before; the API server's CPU seconds
+during the rollout; the agents' total and largest RSS after it; then, over `--agent-idle` seconds
+of an idle pool, the API requests each agent makes per minute (its own
+`mig_agent_api_requests_total`, so a watch that is re-opened counts). `--quick` (CI) runs 2 nodes
+of 2 GPUs with short idle windows.
 """
 
 from __future__ import annotations
@@ -157,7 +162,15 @@ def main() -> int:
     p.add_argument("--poll", type=float, default=0.2,
                    help="how often the rollout reads each node in progress (default 0.2)")
     p.add_argument("--verbose", action="store_true", help="print the rollout's progress lines")
+    p.add_argument("--agent-idle", type=float, default=60.0,
+                   help="seconds of an idle pool over which the agents' own API requests are "
+                        "counted (default 60)")
+    p.add_argument("--quick", action="store_true",
+                   help="CI: 2 nodes of 2xH100-80GB, -p 2, 1 s idle windows")
     args = p.parse_args()
+    if args.quick:
+        args.nodes, args.parallel, args.gpus, args.idle, args.agent_idle = (
+            2, 2, "2xH100-80GB", 1.0, 2.0)
     if args.nodes < 1 or args.parallel < 1:
         p.error("--nodes and --parallel must be at least 1")
 
@@ -185,14 +198,24 @@ def main() -> int:
             agent_procs = [agents.running(cluster.dir)[n] for n in names]
             cpu0 = sum(_cpu(r) for r in agent_procs)
             before = apiserver_requests(cluster)
+            apiserver = next(p for p in cluster.state.procs if p.name == "kube-apiserver")
+            apiserver_cpu0 = apiserver.cpu_seconds()
             start = time.monotonic()
             summary = ops.repartition(
                 cast(KubeApi, counting), catalog, args.layout, names,
                 max_parallel=args.parallel, poll_s=args.poll, timeout_s=600.0, out=out)
             wall = time.monotonic() - start
             during = delta(apiserver_requests(cluster), before)
+            apiserver_cpu = apiserver.cpu_seconds() - apiserver_cpu0
             agent_cpu = sum(_cpu(r) for r in agent_procs) - cpu0
             phases1 = agent_phases(ports)
+            rss = [_rss(r) for r in agents.running(cluster.dir).values()]
+            time.sleep(min(10.0, args.agent_idle))  # the last passes settle
+            idle_calls0 = agent_requests(ports)
+            idle_start = time.monotonic()
+            time.sleep(args.agent_idle)
+            idle_calls = delta(agent_requests(ports), idle_calls0)
+            idle_minutes = (time.monotonic() - idle_start) / 60
         finally:
             if api is not None:
                 api.close()
@@ -230,6 +253,14 @@ def main() -> int:
     rows += [
         ("agents' CPU during the rollout", f"{agent_cpu:.1f} s",
          f"{agent_cpu / args.nodes:.2f} s per node (agent processes only)"),
+        ("API server CPU during the rollout", f"{apiserver_cpu:.1f} s",
+         f"{apiserver_cpu / wall:.0%} of one core on average"),
+        ("agents' RSS after the rollout, total", f"{sum(rss) / 2**20:.0f} MiB",
+         f"largest {max(rss) / 2**20:.0f} MiB, mean {statistics.mean(rss) / 2**20:.0f} MiB"),
+        ("idle agent's API requests per minute",
+         f"{sum(idle_calls.values()) / args.nodes / idle_minutes:.2f}",
+         f"over {args.agent_idle:g} s of an idle pool; "
+         + (", ".join(f"{k} {v}" for k, v in idle_calls.most_common(4)) or "none")),
         ("rollout's own API calls", str(sum(counting.calls.values())), ops_calls),
         ("API requests during rollout", str(total),
          f"{total / wall:.0f}/s, all clients; top: {top}"),
@@ -240,6 +271,23 @@ def main() -> int:
     ]
     print_table(rows)
     return 0
+
+
+def agent_requests(ports: Sequence[int]) -> Counter[str]:
+    """The agents' own API requests so far (their mig_agent_api_requests_total), by labels."""
+    out: Counter[str] = Counter()
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for labels, value in samples(text, "mig_agent_api_requests_total"):
+            out[" ".join(f"{k}={v}" for k, v in sorted(labels.items()))] += int(value)
+    return out
+
+
+def _rss(record: Mapping[str, Any]) -> int:
+    from migsim.cluster.processes import Proc
+
+    return Proc(**record["agent"]).rss_bytes()
 
 
 def _cpu(record: Mapping[str, Any]) -> float:

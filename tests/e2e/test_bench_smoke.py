@@ -1,6 +1,6 @@
-"""The cluster benchmarks of issue 14 run, once each, in their quick modes (CI): they start their
-own local cluster, so these tests only check that each gets to its tables with exit code 0; the
-figures themselves are the README's, from full runs."""
+"""The cluster benchmarks vs_mig_manager and pool_rollout run, once each, in their quick modes
+(CI): each starts its own local cluster, so these tests only check that each gets to its tables
+with exit code 0; the figures themselves are the README's, from full runs."""
 
 from __future__ import annotations
 
@@ -29,3 +29,12 @@ def test_vs_mig_manager_quick_runs() -> None:
     for system in ("| MIG Manager |", "| mig-agent |"):
         assert system in out.stdout, out.stdout
     assert "time ratio MM/agent" in out.stdout
+
+
+def test_pool_rollout_quick_runs() -> None:
+    out = bench("benchmarks/pool_rollout.py", "--quick", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for measure in ("rollout wall time", "per node to success, p95",
+                    "agents' RSS after the rollout, total", "idle agent's API requests per minute",
+                    "API server CPU during the rollout"):
+        assert measure in out.stdout, out.stdout
