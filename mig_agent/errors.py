@@ -10,6 +10,7 @@
     - GpuBusy              processes or compute instances still hold the GPU         (retryable)
     - GpuResetRequired     MIG mode change pending; needs a GPU reset or a reboot
     - GpuUnavailable       no NVML library, driver not loaded                         (retryable)
+    - GpuStepFailed        an NVML call of the plan failed part-way through           (retryable)
   + KubeError              the API refused after the client's own retries
     - KubeUnavailable      5xx, throttling or connection errors, retries used up      (retryable)
     - EvictionBlocked      eviction answered 429: a PodDisruptionBudget says no       (retryable)
@@ -65,6 +66,14 @@ class GpuBusy(GpuError):
 
 class GpuResetRequired(GpuError):
     pass
+
+
+class GpuStepFailed(GpuError):
+    """An NVML call of a plan failed part-way through: the GPU may hold part of the change (an
+    instance created or destroyed though NVML said no); a later pass plans again from what NVML
+    then reports."""
+
+    retryable = True
 
 
 class GpuUnavailable(GpuError):

@@ -14,7 +14,7 @@ from typing import assert_never
 import structlog
 
 from mig_agent import planner
-from mig_agent.errors import GpuError, GpuResetRequired
+from mig_agent.errors import GpuError, GpuResetRequired, GpuStepFailed
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.layout import Layout
 from mig_agent.models import GpuModel
@@ -129,6 +129,11 @@ def execute(
                 _run(step, gpus, r, gi_ids, reset=reset)
         except GpuResetRequired as exc:
             pending.append(exc)
+        except GpuError as exc:
+            if type(exc) is not GpuError:  # busy, no NVML: already what they are
+                raise
+            # part of the change may be done (a call that half succeeded): a retry re-plans
+            raise GpuStepFailed(str(exc), **exc.context) from exc
     if len(pending) == 1:
         raise pending[0]
     if pending:

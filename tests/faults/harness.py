@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import json
 import re
+import shutil
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -35,11 +36,13 @@ from typing import Any
 from migsim.cluster import SIMULATED_IMAGE, Cluster, agents
 from migsim.cluster.api import ApiError
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
+from migsim.cluster.processes import stop
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
 from mig_agent import planner
 from mig_agent.catalog import load_catalog
+from mig_agent.errors import MigAgentError
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 REASON = "mig-agent.dev/reason"
@@ -161,7 +164,41 @@ API_FAULT_SECONDS = {"api-503-15s": 15.0}
 WATCH_TIMEOUT_S = 20
 # etcd and the API server stopped and started again (Cluster.restart), under every agent's feet
 CONTROL_PLANE_FAULTS = ("apiserver-restart",)
-FAULTS = LABEL_FAULTS + tuple(API_FAULTS) + CONTROL_PLANE_FAULTS
+# On the node: NVML, the GPUs, the device plugin, the profile config (each trial's own copy).
+NODE_FAULTS = ("nvml-error", "nvml-half", "gpu-busy", "reset-fails", "plugin-gone",
+               "plugin-wrong", "config-invalid", "config-changed")
+NODE_FAULT_SETTINGS = {  # shorter waits, so that a trial ends in a minute
+    "gpu-busy": {"MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "5"},
+    "plugin-gone": {"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "15"},
+    "plugin-wrong": {"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "15"},
+}
+# NVML faults land before each kind of mutating call; the others once per phase.
+NVML_POINTS = ("phase.started(apply)", "gpu.compute_instance_destroyed#1",
+               "gpu.instance_destroyed#1", "gpu.instance_destroyed#5", "gpu.instance_created#1",
+               "gpu.instance_created#2", "gpu.compute_instance_created#1")
+NODE_POINTS = {
+    "nvml-error": NVML_POINTS, "nvml-half": NVML_POINTS,
+    "gpu-busy": ("node.paused", "drain.pod_evicted", "phase.started(apply)",
+                 "gpu.instance_destroyed#1", "gpu.instance_created#1"),
+    "reset-fails": ("node.paused", "phase.started(apply)", "gpu.mig_mode_set"),  # A100
+    # once the GPUs are done (the simulated plugin also ends the processes of deleted pods, as
+    # the kubelet's runtime would: stopped before the drain, the GPUs would stay busy)
+    "plugin-gone": ("phase.finished(apply)", "phase.started(device_plugin)"),
+    "plugin-wrong": ("phase.finished(apply)", "phase.started(device_plugin)"),
+    "config-invalid": ("labels.patched(pending)", "drain.pod_evicted", "phase.started(apply)",
+                       "gpu.instance_created#1", "phase.started(device_plugin)",
+                       "node.resumed"),
+    "config-changed": ("labels.patched(pending)", "drain.pod_evicted", "phase.started(apply)",
+                       "gpu.instance_created#1", "phase.started(device_plugin)",
+                       "node.resumed"),
+}
+# the H100's all-balanced in the trial's copy of the profiles, before and after config-changed
+BALANCED_H100 = ('- device-filter: ["0x233010DE", "0x233110DE"]\n      devices: all\n'
+                 '      mig-enabled: true\n      mig-devices: {"1g.10gb": 2, "2g.20gb": 1, '
+                 '"3g.40gb": 1}')
+CHANGED_H100 = BALANCED_H100.replace('{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}',
+                                     '{"3g.40gb": 2}')
+FAULTS = LABEL_FAULTS + tuple(API_FAULTS) + CONTROL_PLANE_FAULTS + NODE_FAULTS
 # API faults land at one point of each phase (the H100 scenario).
 API_POINTS = ("labels.patched(pending)", "node.paused", "drain.started", "drain.pod_evicted",
               "phase.started(apply)", "gpu.instance_created#1", "phase.started(device_plugin)",
@@ -184,12 +221,17 @@ class FaultNode:
     """One fresh GPU node with its agent, set up at START with a GPU pod, for one trial."""
 
     def __init__(self, cluster: Cluster, scenario: Scenario | None = None, *,
-                 proxy: bool = False) -> None:
+                 proxy: bool = False, settings: Mapping[str, str] | None = None,
+                 own_profiles: bool = False) -> None:
         self.cluster = cluster
         self.scenario = scenario or H100
         self.name = f"fault-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         self.proxy: ApiFaultProxy | None = None
-        settings: dict[str, str] = {}
+        self.profiles = agents.PROFILES
+        if own_profiles:  # a copy of its own, for the config faults
+            self.profiles = cluster.node_dir(self.name) / "profiles"
+            shutil.copytree(agents.PROFILES, self.profiles, dirs_exist_ok=True)
+        settings = dict(settings or {})
         via: Cluster = cluster
         if proxy:
             self.proxy = ApiFaultProxy(cluster.server, cert=cluster.dir / "pki" / "serving.crt",
@@ -200,7 +242,7 @@ class FaultNode:
         cluster.add_gpu_node(self.name, self.scenario.gpus)
         try:
             self.procs = agents.start_node(via, self.name, restart_backoff=BACKOFF,
-                                           settings=settings)
+                                           settings=settings, profiles=self.profiles)
         except BaseException:
             if self.proxy:
                 self.proxy.stop()
@@ -307,7 +349,10 @@ class FaultNode:
 
     def gpus_match(self, layout: str) -> tuple[bool, list[str]]:
         """Whether `layout` is in place on the GPUs; the stray GPU instances (no CI)."""
-        catalog = load_catalog([agents.PROFILES])
+        try:
+            catalog = load_catalog([self.profiles])
+        except MigAgentError:  # made invalid by the trial: the layouts the agent had
+            catalog = load_catalog([agents.PROFILES])
         backend = open_node(self.procs.sim_state)
         try:
             observed = backend.observe()
@@ -354,6 +399,8 @@ def inject(node: FaultNode, fault: str) -> None:
         node.patch_labels({CONFIG: None})
     elif fault == "repartition-other":  # as `mig-agent repartition` relabels: state cleared
         node.patch_labels({CONFIG: sc.other, STATE: None})
+    elif fault in NODE_FAULTS:
+        inject_node_fault(node, fault)
     elif fault == "apiserver-restart":
         node.restart_seconds = node.cluster.restart()
     elif fault in API_FAULTS:
@@ -364,9 +411,42 @@ def inject(node: FaultNode, fault: str) -> None:
         raise ValueError(fault)
 
 
+def inject_node_fault(node: FaultNode, fault: str) -> None:
+    path = node.procs.sim_state
+    if fault == "nvml-error":  # the next mutating NVML call fails
+        simstate.inject_failure(path, simstate.UNKNOWN)
+    elif fault == "nvml-half":  # the next one takes effect, and reports an error all the same
+        simstate.inject_failure(path, simstate.UNKNOWN, after=True)
+    elif fault == "gpu-busy":  # a process that no pod owns on each GPU instance of GPU 0
+        for gi in simstate.load_node(path).gpus[0].gpu_instances:
+            simstate.start_process(path, 0, gi=gi.id, owner="fault-matrix")
+    elif fault == "reset-fails":
+        simstate.inject_failure(path, simstate.UNKNOWN, function=simstate.RESET, times=1000)
+    elif fault in ("plugin-gone", "plugin-wrong"):
+        stop([node.procs.device_plugin])  # and nothing restarts it
+        if fault == "plugin-wrong":  # what it advertised last time, one device short
+            res = node.scenario.ready[0]
+            value = str(node.scenario.ready[1] - 1)
+            node.cluster.api.request("PATCH", f"/api/v1/nodes/{node.name}/status", {
+                "status": {"capacity": {res: value}, "allocatable": {res: value}}},
+                content_type="application/merge-patch+json")
+    elif fault == "config-invalid":
+        (node.profiles / "all.yaml").write_text("mig-configs: [unclosed\n")
+    elif fault == "config-changed":
+        f = node.profiles / "all.yaml"
+        text = f.read_text()
+        assert text.count(BALANCED_H100) == 1, "the H100's all-balanced entry moved"
+        f.write_text(text.replace(BALANCED_H100, CHANGED_H100))
+    else:
+        raise ValueError(fault)
+
+
 def expected_cause(fault: str, scenario: Scenario) -> str:
     """What a `failed` reason must name for a trial with `fault` to count as failed-with-reason."""
-    return {"relabel-typo": scenario.typo}.get(fault, "")
+    return {"relabel-typo": scenario.typo, "gpu-busy": "in use by",
+            "plugin-gone": "node resources do not match",
+            "plugin-wrong": "node resources do not match",
+            "reset-fails": "reset"}.get(fault, "")
 
 
 _clean: dict[str, dict[str, int]] = {}
@@ -396,7 +476,9 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
         fault in API_FAULTS and fault != "watch-silent")
     reference = clean_calls(cluster, sc) if keeps_label else None
     started = time.monotonic()
-    node = FaultNode(cluster, sc, proxy=fault in API_FAULTS)
+    node = FaultNode(cluster, sc, proxy=fault in API_FAULTS,
+                     settings=NODE_FAULT_SETTINGS.get(fault),
+                     own_profiles=fault.startswith("config-"))
     try:
         try:
             node.prepare()
@@ -493,12 +575,21 @@ def _settled(node: FaultNode, state: str | None, quiet: float) -> bool:
 def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, str]:
     """Wait until the agent has settled; then (outcome, detail)."""
     deadline = time.monotonic() + timeout
+    if fault.startswith("config-"):  # the agent reads its config files between passes
+        node.wait("the agent to read the changed config", lambda: any(
+            line.get("event") in ("config.loaded", "config.invalid")
+            for line in node.log_lines()), timeout)
     while True:
         labels = node.labels()
         layout = labels.get(CONFIG)
         state = labels.get(STATE)
         node.samples.append((time.time(), layout, state))
         done = state in ("success", "failed") if layout else state is None
+        node.log_lines()
+        fails = [line for line in node.lines if line.get("event") == "reconcile.failed"]
+        if state == "failed" and fails and fails[-1].get("retry_in_s") is not None \
+                and len(fails) < 2:
+            done = False  # a retry is due: settled once the failure outlived one retry
         if done and _settled(node, state, 2.0):
             break
         if time.monotonic() > deadline:
@@ -583,6 +674,14 @@ def fault_points(fault: str, scenario: Scenario,
                  names: tuple[str, ...] | None = None) -> list[Point]:
     """The points of the matrix where `fault` is injected: every point of the scenario for the
     label faults, one per phase of the H100 pass for the API and control-plane faults."""
+    if fault == "reset-fails":  # only the A100 resets
+        return [] if scenario is H100 else [
+            p for p in points(NODE_POINTS[fault], scenario) if names is None or p.name in names]
+    if fault in NODE_POINTS:
+        if scenario is not H100:
+            return []
+        return [p for p in points(NODE_POINTS[fault], scenario)
+                if names is None or p.name in names]
     if fault in API_FAULTS or fault in CONTROL_PLANE_FAULTS:
         if scenario is not H100:
             return []
