@@ -105,6 +105,18 @@ class AgentNode:
         kept = [ln for ln in log.read_text().splitlines() if not any(s in ln for s in skip)]
         return "\n".join(kept[-lines:])
 
+    def restart_device_plugin(self, timeout: float = 60.0) -> None:
+        """Delete the node's device plugin pod (its DaemonSet makes a new one) and wait until
+        the node advertises healthy devices again: NVIDIA's plugin marks every device unhealthy
+        for good when NVML fails under its health check, until it is restarted."""
+        for pod in self.core.list_namespaced_pod(
+                agents.PLUGIN_NS, field_selector=f"spec.nodeName={self.name}").items:
+            self.core.delete_namespaced_pod(pod.metadata.name, agents.PLUGIN_NS)
+        deadline = time.monotonic() + timeout
+        while not self.gpu_resources():
+            assert time.monotonic() < deadline, f"{self.name}: no device plugin back"
+            time.sleep(0.1)
+
     def agent_record(self) -> dict[str, Any]:
         """The node's agent as `agents.running` has it: `agent` (now), `state`, `restarts`."""
         return agents.running(self.cluster.dir)[self.name]
@@ -143,6 +155,21 @@ class AgentNode:
 
 
 NodeFactory = Callable[..., AgentNode]
+NFD_ANNOTATION = "nfd.node.kubernetes.io/feature-labels"
+
+
+def wait_node_runtime(node: AgentNode, timeout: float = 60.0) -> None:
+    """Wait until NVIDIA's plugin advertises on the node (the node runtime wrote what it lists)
+    and GFD's labels are on it, so a test starts from a node as a kubelet and NFD leave it."""
+    log = node.cluster.dir / "logs" / f"node-runtime-{node.name}.log"
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log.read_text() if log.exists() else ""
+        if '"node_runtime.advertised"' in text and \
+                NFD_ANNOTATION in (node.node().metadata.annotations or {}):
+            return
+        assert time.monotonic() < deadline, f"{node.name}: node runtime not ready:\n{text[-3000:]}"
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -170,6 +197,8 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
         while "mig-agent.dev/gpu-state" not in (node.node().metadata.annotations or {}):
             assert time.monotonic() < deadline, node.log_tail()
             time.sleep(0.1)
+        if kind == "nvidia":
+            wait_node_runtime(node)
         return node
 
     yield make

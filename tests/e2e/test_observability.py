@@ -133,6 +133,8 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
         agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
     node = agent_node("8xH100-80GB")
     readiness_follows_nvml(node)
+    if node.procs.device_plugin_kind == "nvidia":  # its health check marked every GPU unhealthy
+        node.restart_device_plugin()
 
     before = scrape(node)
     assert before.get("mig_agent_reconfigurations_total", result="success", layout=LAYOUT) is None
@@ -245,7 +247,11 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     assert failure["error_type"] == "UnknownLayout"
 
     # -- events on the Node, as `kubectl describe node` shows them ------------------------------
-    ours = [e for e in node_events(core, node.name) if e.source.component == "mig-agent"]
+    def warned() -> list[Any] | None:  # the event follows the label and the log line
+        events = [e for e in node_events(core, node.name) if e.source.component == "mig-agent"]
+        return events if any(e.type == "Warning" for e in events) else None
+
+    ours = poll("the MIGConfigFailed event", warned, node)
     assert [e.reason for e in ours if e.type == "Normal"] == PHASE_EVENTS
     (warning,) = [e for e in ours if e.type == "Warning"]
     assert warning.reason == "MIGConfigFailed"
