@@ -143,7 +143,7 @@ def _parse_hooks(data: object, source: str) -> dict[str, tuple[Command, ...]]:
     if not isinstance(data, dict):
         raise InvalidConfig(f"{source}: a hooks file is a mapping with version and hooks, "
                             f"not {type(data).__name__}", file=source)
-    _only(data, ("version", "hooks"), source)
+    _only(data, ("version", "hooks"), source, source)
     if data.get("version") != "v1":
         raise InvalidConfig(f"{source}: version must be v1, got {data.get('version')!r}",
                             file=source)
@@ -170,7 +170,7 @@ def _parse_command(raw: object, where: str, source: str) -> Command:
     if not isinstance(raw, dict):
         raise InvalidConfig(f"{where}: must be a mapping with command, args, envs, workdir",
                             file=source)
-    _only(raw, ("command", "args", "envs", "workdir"), where)
+    _only(raw, ("command", "args", "envs", "workdir"), where, source)
     command, args = raw.get("command"), raw.get("args") or []
     envs, workdir = raw.get("envs") or {}, raw.get("workdir") or ""
     if not isinstance(command, str) or not command:
@@ -185,13 +185,14 @@ def _parse_command(raw: object, where: str, source: str) -> Command:
                    {k: "" if v is None else str(v) for k, v in envs.items()}, workdir)
 
 
-def _only(data: Mapping[object, object], allowed: tuple[str, ...], where: str) -> None:
+def _only(data: Mapping[object, object], allowed: tuple[str, ...], where: str,
+          source: str) -> None:
     for key in data:
         if key not in allowed:
             near = difflib.get_close_matches(str(key), allowed, n=1)
             raise InvalidConfig(f"{where}: unknown key {key!r} (keys: {', '.join(allowed)})"
                                 + (f"; did you mean {near[0]}?" if near else ""),
-                                file=where.split(":")[0], key=str(key))
+                                file=source, key=str(key))
 
 
 def run_hook(hooks: Hooks, name: str, context: Mapping[str, str], *, runner: Runner,
@@ -222,7 +223,7 @@ def load_gpu_clients(path: str) -> tuple[str, ...]:
     if not isinstance(data, dict):
         raise InvalidConfig(f"{path}: a GPU clients file is a mapping with version and "
                             f"systemd-services, not {type(data).__name__}", file=path)
-    _only(data, ("version", "systemd-services"), path)
+    _only(data, ("version", "systemd-services"), path, path)
     if data.get("version", "v1") != "v1":
         raise InvalidConfig(f"{path}: version must be v1, got {data.get('version')!r}",
                             file=path)

@@ -16,9 +16,10 @@ from collections.abc import Iterator, Mapping
 import structlog
 
 from mig_agent import planner
+from mig_agent.agent import reporting
 from mig_agent.errors import HostServiceFailed, MigAgentError
 from mig_agent.hooks import Runner, load_gpu_clients, service_command
-from mig_agent.kube.cluster import Cluster
+from mig_agent.kube.cluster import Cluster, NodeView
 from mig_agent.models import GpuModel
 from mig_agent.settings import Settings
 
@@ -57,7 +58,8 @@ def active(s: Settings, run: Runner, names: tuple[str, ...]) -> tuple[list[str],
 
 
 @contextlib.contextmanager
-def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int]) -> Iterator[list[str]]:
+def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int],
+            node: NodeView) -> Iterator[list[str]]:
     """Stop the active host GPU clients for the body, when ``gpus`` need a reset and
     stop_host_gpu_clients is on; start them again after. Yields the services stopped.
 
@@ -88,6 +90,9 @@ def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int]) -> Iter
                     f"{result.failure()}", service=name)
             done.append(name)
         log.info("host_clients.stopped", services=done, gpus=gpus)
+        reporting.event(cluster, node, "MIGHostClientsStopped",
+                        f"stopped host GPU client(s) {', '.join(done)} for the reset of "
+                        f"GPU(s) {gpus}")
         yield done
     except Exception:  # a kill (not an exception) leaves the list for the next agent
         with contextlib.suppress(MigAgentError):
@@ -99,6 +104,8 @@ def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int]) -> Iter
     if failed:
         raise HostServiceFailed("host GPU client(s) not started again after the change: "
                                 + "; ".join(failed), services=running)
+    reporting.event(cluster, node, "MIGHostClientsStarted",
+                    f"started host GPU client(s) {', '.join(running)} again")
 
 
 def start(cluster: Cluster, s: Settings, run: Runner, names: list[str]) -> list[str]:

@@ -355,7 +355,8 @@ class Agent:
                 ):
                     self._drain(paused, the_plan)
                 self._still_wanted(desired)  # not worth applying a layout no longer asked for
-                with host_clients.stopped(self.cluster, s, self.run_command, reset_gpus):
+                with host_clients.stopped(self.cluster, s, self.run_command, reset_gpus,
+                                          node):
                     with reporting.phase(
                         self.cluster,
                         self.metrics,

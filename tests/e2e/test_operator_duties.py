@@ -105,6 +105,13 @@ def test_validators_go_with_a_change_on_the_own_node_only(
     assert_clean(node)
 
 
+def event_reasons(node: AgentNode) -> set[str]:
+    """The reasons of the Events about the node (the agent's pass through the events policy)."""
+    events = node.core.list_namespaced_event(
+        "default", field_selector=f"involvedObject.name={node.name}").items
+    return {e.reason for e in events}
+
+
 def relabel(node: AgentNode, layout: str) -> None:
     """As `repartition` does: the new layout, the old state cleared (no stale success)."""
     node.core.patch_node(node.name, {"metadata": {"labels": {CONFIG: layout, STATE: None}}})
@@ -146,6 +153,7 @@ echo "devices: $MIG_AGENT_CHANGED_GPU_UUIDS" > {spec}
         "apply-start all-1g.10gb rack-7", "pre-apply true", "apply-exit success",
         f"post-apply {node.name} all-1g.10gb gpus=0,1"]
     assert spec.read_text().startswith("devices: GPU-")
+    assert "MIGPostApply" in event_reasons(node)
     assert_clean(node)
 
     broken = write_script(tmp_path / "cdi-broken", """\
@@ -226,5 +234,6 @@ def test_host_gpu_clients_block_an_a100_reset_or_are_stopped_and_started_again(
     assert simstate.call_counts(node.sim_state).by_function.get("reset", 0) >= 1
     annotations = node.node().metadata.annotations
     assert "mig-agent.dev/stopped-host-services" not in annotations
+    assert {"MIGHostClientsStopped", "MIGHostClientsStarted"} <= event_reasons(node)
     assert json.loads(annotations["mig-agent.dev/gpu-state"])["gpus"][0]["gpu_instances"]
     assert_clean(node)

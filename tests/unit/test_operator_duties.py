@@ -330,6 +330,11 @@ def test_on_the_active_host_services_stop_for_the_reset_and_start_again(tmp_path
     assert sorted(p.pid for p in gpus.gpus[0].processes) == [100, 101]  # running again
     node = cluster.nodes[NODE]
     assert node.labels[STATE] == "success" and STOPPED not in node.annotations
+    assert [(e[1], e[2]) for e in cluster.events if "HostClients" in e[1]] == [
+        ("MIGHostClientsStopped", "stopped host GPU client(s) nvsm.service, "
+                                  "nvidia-dcgm.service for the reset of GPU(s) [0, 1]"),
+        ("MIGHostClientsStarted", "started host GPU client(s) nvsm.service, "
+                                  "nvidia-dcgm.service again")]
     assert_clean(cluster)
 
 
