@@ -8,7 +8,7 @@ What the policies allow is exactly what the agent writes:
 
 * labels: the state label with the values of mig_agent.labels.State, the operand labels of the
   settings between ``true`` and mig_agent.labels.PAUSED;
-* annotations: the five keys the settings derive from ``annotation_prefix``, size-capped (the
+* annotations: the seven keys the settings derive from ``annotation_prefix``, size-capped (the
   agent cuts its reason at REASON_CAP characters; the GPU state of 16 GPUs of 7 instances each
   is about 17,000);
 * the node condition ``condition_type`` with the reasons of CONDITION_REASONS plus the name of
