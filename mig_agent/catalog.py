@@ -51,6 +51,16 @@ _LABEL_VALUE_MAX = 63
 # GPU indices fit_report tries: enough for an 8-GPU node, which is what `devices: [i]` rules use.
 FIT_INDICES = range(8)
 STDIN = "-"
+# Bounds on what a config file may make the agent do before any GPU is touched: a file larger
+# than one ConfigMap can hold, YAML nested deeper than any config needs (the YAML composer
+# recurses), more YAML nodes than the biggest real config by far (parsing is pure Python), a
+# count no GPU could hold (the planner expands counts), a GPU index no node has.
+MAX_FILE_BYTES = 1 << 20  # what one ConfigMap holds
+MAX_DEPTH = 32
+MAX_NODES = 10_000  # the GPU Operator's default config has 1,123
+MAX_COUNT = 64  # today's GPUs hold at most 7 MIG devices
+MAX_GPU_INDEX = 255
+_SHOWN_MAX = 80  # characters of a value an error message shows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,16 +82,23 @@ class _Where:
     def error(self, message: str, **extra: object) -> InvalidConfig:
         parts = []
         if self.layout is not None:
-            parts.append(f"layout {self.layout!r}")
+            parts.append(f"layout {_shown(self.layout)}")
         if self.entry is not None:
             parts.append(f"entry {self.entry}")
         if self.key is not None:
-            parts.append(f"key {self.key!r}")
+            parts.append(f"key {_shown(self.key)}")
         head = f"{self.file}: {', '.join(parts)}" if parts else self.file
         context: dict[str, object] = {"file": self.file}
         context.update((k, v) for k, v in (("layout", self.layout), ("entry", self.entry),
                                            ("key", self.key)) if v is not None)
         return InvalidConfig(f"{head}: {message}", **context, **extra)
+
+
+def _shown(text: str) -> str:
+    """``repr(text)``, but a hostile file's megabyte of text stays out of the message."""
+    if len(text) <= _SHOWN_MAX:
+        return repr(text)
+    return f"{text[:_SHOWN_MAX]!r}... ({len(text)} characters)"
 
 
 def _got(value: object) -> str:
@@ -93,7 +110,7 @@ def _got(value: object) -> str:
     if isinstance(value, int):
         return str(value)
     if isinstance(value, str):
-        return f"{value!r} (a string)"
+        return f"{_shown(value)} (a string)"
     if isinstance(value, float):
         return f"{value} (a number)"
     if isinstance(value, list):
@@ -137,7 +154,7 @@ def parse_config(data: object, *, source: str) -> list[Layout]:
         raise top.at("version").error(f"must be the string {VERSION!r}, got {_got(version)}")
     if version != VERSION:
         raise top.at("version").error(
-            f"unsupported version {version!r}; the only supported version is {VERSION!r}"
+            f"unsupported version {_shown(version)}; the only supported version is {VERSION!r}"
         )
 
     if "mig-configs" not in data:
@@ -225,6 +242,8 @@ def _parse_devices(value: object, where: _Where) -> frozenset[int] | None:
     for index in value:
         if not _is_int(index) or index < 0:
             raise where.error(f"GPU index must be an integer >= 0, got {_got(index)}")
+        if index > MAX_GPU_INDEX:
+            raise where.error(f"GPU index {index} is beyond any node (at most {MAX_GPU_INDEX})")
         if index in seen:
             raise where.error(f"GPU index {index} is listed twice")
         seen.add(index)
@@ -271,6 +290,9 @@ def _parse_mig_devices(value: object, where: _Where) -> dict[MigProfile, int]:
         try:
             profile = MigProfile.parse(name)
         except ValueError as e:
+            if len(name) > _SHOWN_MAX:  # no MIG profile name is that long
+                raise where.error(f"{_shown(name)} is not a MIG profile name",
+                                  profile=name[:_SHOWN_MAX]) from None
             raise where.error(str(e), profile=name) from None
         if profile in counts:
             raise where.error(
@@ -279,6 +301,11 @@ def _parse_mig_devices(value: object, where: _Where) -> dict[MigProfile, int]:
         if not _is_int(count) or count < 0:
             raise where.error(
                 f"count for {name!r} must be an integer >= 0, got {_got(count)}", profile=name
+            )
+        if count > MAX_COUNT:
+            raise where.error(
+                f"count for {name!r} is {count}; no GPU holds more than {MAX_COUNT} MIG devices "
+                "(today's hold at most 7)", profile=name
             )
         counts[profile] = count
         spelled[profile] = name
@@ -299,8 +326,50 @@ class _DuplicateKey(Exception):
         self.path, self.key, self.first, self.again = path, key, first, again
 
 
+class _TooBig(Exception):
+    def __init__(self, message: str, mark: Any) -> None:
+        super().__init__(message)
+        self.mark = mark
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key repeated in one mapping; plain YAML keeps the last one."""
+    """safe_load that refuses a key repeated in one mapping (plain YAML keeps the last one), and
+    a document nested deeper than MAX_DEPTH or of more than MAX_NODES nodes. Aliases are
+    references to one node, never copies: an alias "bomb" builds no more than its text says."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._nodes += 1
+        mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+        if self._nodes > MAX_NODES:
+            raise _TooBig(f"more than {MAX_NODES} YAML nodes; no profile config needs as many",
+                          mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooBig(f"nested deeper than {MAX_DEPTH} levels", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def fetch_flow_sequence_start(self) -> None:
+        self._flow_level_check()
+        super().fetch_flow_sequence_start()
+
+    def fetch_flow_mapping_start(self) -> None:
+        self._flow_level_check()
+        super().fetch_flow_mapping_start()
+
+    def _flow_level_check(self) -> None:
+        # before the composer sees them: the scanner's own work grows with the square of the
+        # number of open brackets
+        if self.flow_level >= MAX_DEPTH:
+            raise _TooBig(f"nested deeper than {MAX_DEPTH} levels",
+                          self.get_mark())
 
     def construct_document(self, node: yaml.Node) -> Any:
         _refuse_duplicate_keys(node, (), set())
@@ -351,10 +420,16 @@ def load_text(text: str, source: str) -> list[Layout]:
 
 
 def _load_yaml(text: str, source: str) -> object:
+    if len(text) > MAX_FILE_BYTES:
+        raise _too_large(source, len(text))
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: plain data only
     except _DuplicateKey as dup:
         raise _duplicate_key_error(source, dup) from None
+    except _TooBig as big:
+        line, column = big.mark.line + 1, big.mark.column + 1
+        raise InvalidConfig(f"{source}:{line}:{column}: {big}", file=source, line=line,
+                            column=column) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         what = e.problem or "syntax error"
@@ -404,9 +479,18 @@ def _read_sources(paths: Sequence[str | Path]) -> Iterator[tuple[str, str]]:
             yield str(path), _read(path)
 
 
+def _too_large(source: str, size: int) -> InvalidConfig:
+    return InvalidConfig(f"{source}: {size} bytes; a profile config may be at most "
+                         f"{MAX_FILE_BYTES} (what one ConfigMap holds)", file=source, size=size)
+
+
 def _read(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # never all of a huge file
+        if len(data) > MAX_FILE_BYTES:
+            raise _too_large(str(path), max(path.stat().st_size, len(data)))
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidConfig(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})",
                             file=str(path)) from None

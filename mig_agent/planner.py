@@ -153,6 +153,17 @@ def plan(
         plans.append(
             plan_gpu(models[gpu.index], gpu, target, destroy_in_use=destroy_in_use, memo=memo)
         )
+    present = {g.index for g in node.gpus}
+    for n, rule in enumerate(layout.rules, start=1):
+        beyond = sorted((rule.selector.indices or frozenset()) - present)
+        if beyond:  # never a GPU skipped: the layout was written for another node
+            have = (f"{len(present)} GPU(s), indices {min(present)}-{max(present)}"
+                    if len(present) > 1 else f"GPU {min(present)} only" if present else "no GPU")
+            raise PlanError(
+                f"layout {layout.name!r}, entry {n}: GPU index(es) "
+                f"{', '.join(map(str, beyond))} not on this node (it has {have})",
+                layout=layout.name, entry=n, indices=beyond,
+            )
     if not plans:
         kinds = sorted({f"{g.info.name} (0x{g.info.pci_device_id:08X})" for g in node.gpus})
         raise PlanError(
