@@ -3,10 +3,12 @@ invariants of issue 15 (tests/faults/harness.py); prints the table points x faul
 converged / failed (with the reason) / VIOLATED (with what was violated).
 
 Run: python benchmarks/fault_matrix.py [--quick] [--faults kill,relabel-typo] [--points P,...]
-     [--scenarios h100,a100-mig-on] [--dir CLUSTER_DIR] [-v]
+     [--scenarios h100,a100-mig-on] [--dir CLUSTER_DIR] [-v] [--save FILE] [--table FILE...]
 Starts its own cluster in a temporary folder and stops it at the end (needs scripts/k8s-binaries),
 or uses the running cluster in --dir. One trial (a fresh node, set up, the fault, settled) takes
-about 12 s; the whole matrix (39 points x 5 faults) about 40 minutes on 2 cores.
+12-70 s; the label faults land at every point (39 x 5), the API, control-plane and node faults at
+one point per phase or per kind of NVML call (about 120 more trials): over two hours on 2 cores,
+so runs side by side with --save and one --table are the practical way to the whole table.
 """
 
 from __future__ import annotations
@@ -26,6 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from migsim.cluster import Cluster, agents  # noqa: E402
 
 from tests.faults import harness  # noqa: E402
+
+FAULT_NOTES = f"""
+Faults: kill = SIGKILL, restarted by the node's supervisor ({harness.BACKOFF[0]:g} s back-off);
+relabel-other / -typo / -removed = the layout label set to the other layout, to a typo, removed;
+repartition-other = the other layout and the state label cleared in one patch, as `repartition`
+does. Through a proxy between the agent and the API server (migsim.cluster.api_faults):
+api-500x3 = the next 3 requests answered 500; api-503-15s = every request answered 503 for 15 s;
+api-429 = the next 3 answered 429 with Retry-After: 2; api-hang = the next request never answered;
+api-reset = the next 3 connections reset; api-409 = the next 2 node PATCHes answered 409;
+watch-end = the node watch ended cleanly; watch-silent = its connection goes dead (no events, no
+end), then once the pass is over the layout is relabelled (node watch timeout
+{harness.WATCH_TIMEOUT_S} s in these trials). apiserver-restart = etcd and the API server stopped
+and started again (Cluster.restart). On the node: nvml-error = the next mutating NVML call fails;
+nvml-half = it takes effect and reports an error all the same; gpu-busy = a process no pod owns on
+each MIG device of GPU 0; reset-fails = every GPU reset fails (A100); plugin-gone = the device
+plugin stopped for good; plugin-wrong = stopped, the node left advertising one device short;
+config-invalid = the profile config overwritten with broken YAML; config-changed = the target
+layout's H100 entry changed to 2 x 3g.40gb. Failures that are retried count once they outlived
+one retry."""
 
 MARK = {"converged": "converged", "failed": "failed+reason", "violated": "**VIOLATED**",
         "not-reached": "(not reached)"}
@@ -115,10 +136,7 @@ def main() -> int:
               f"{dict(sc.pod_limits)}; relabelled to {sc.other} or {sc.typo}")
     print()
     print_matrix(results, faults)
-    print(f"\nFaults: kill = SIGKILL, restarted by the node's supervisor ({harness.BACKOFF[0]:g} s "
-          f"back-off); relabel-other = label set to the other layout; relabel-typo = to the typo; "
-          f"relabel-removed = label removed; repartition-other = label set to the other layout "
-          f"and the state label cleared in one patch, as `repartition` does.")
+    print(FAULT_NOTES)
     return 1 if any(r.outcome in ("violated", "not-reached") for r in results) else 0
 
 

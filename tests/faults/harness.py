@@ -14,6 +14,11 @@ checked:
 * `success` only when the label names the layout that is applied;
 * the agent's process is up (restarted by its supervisor when it was killed).
 
+Faults: the agent killed; the layout label changed; API errors between the agent and the API
+server (a proxy of the trial's own, migsim.cluster.api_faults, that the agent's kubeconfig names);
+etcd and the API server restarted; NVML errors and half successes, a busy GPU, a failing reset,
+the device plugin gone or wrong, the profile config broken or changed (on the trial's copy).
+
 Each trial's outcome is `converged`, `failed` (with the reason, when it names the cause) or
 `violated` (with what was violated). Used by tests/faults and benchmarks/fault_matrix.py.
 """
@@ -417,9 +422,10 @@ def inject_node_fault(node: FaultNode, fault: str) -> None:
         simstate.inject_failure(path, simstate.UNKNOWN)
     elif fault == "nvml-half":  # the next one takes effect, and reports an error all the same
         simstate.inject_failure(path, simstate.UNKNOWN, after=True)
-    elif fault == "gpu-busy":  # a process that no pod owns on each GPU instance of GPU 0
+    elif fault == "gpu-busy":  # a process that no pod owns on each MIG device of GPU 0
         for gi in simstate.load_node(path).gpus[0].gpu_instances:
-            simstate.start_process(path, 0, gi=gi.id, owner="fault-matrix")
+            for ci in gi.compute_instances[:1]:
+                simstate.start_process(path, 0, gi=gi.id, ci=ci.id, owner="fault-matrix")
     elif fault == "reset-fails":
         simstate.inject_failure(path, simstate.UNKNOWN, function=simstate.RESET, times=1000)
     elif fault in ("plugin-gone", "plugin-wrong"):
