@@ -11,8 +11,10 @@ from migsim.cluster import Cluster, agents
 from migsim.nvml import state as simstate
 
 from . import harness
+from .conftest import full_matrix
 
 pytestmark = [pytest.mark.faults, pytest.mark.cluster]
+full_only = pytest.mark.skipif(not full_matrix(), reason="with MIG_AGENT_FAULTS=full only")
 
 PREFIX = "mig-agent.dev"
 
@@ -51,6 +53,7 @@ def test_a_config_built_to_crash_the_parser_is_refused_and_nothing_moves(
         node.close()
 
 
+@full_only
 def test_a_layout_only_in_another_file_is_refused_by_name(fault_cluster: Cluster) -> None:
     node = harness.FaultNode(fault_cluster)
     try:
@@ -66,6 +69,7 @@ def test_a_layout_only_in_another_file_is_refused_by_name(fault_cluster: Cluster
         node.close()
 
 
+@full_only
 def test_our_annotations_forged_with_garbage_move_no_gpu_and_leave_the_node_clean(
         fault_cluster: Cluster) -> None:
     # an annotation wakes no pass: the forged trail is found by the next resync (5 s here)
