@@ -15,6 +15,7 @@ from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.drain import Clock
 from mig_agent.errors import MigAgentError
 from mig_agent.kube.cluster import Cluster
+from mig_agent.labels import State
 from mig_agent.settings import Settings
 
 log = structlog.get_logger("mig_agent.agent")
@@ -50,9 +51,12 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
                 agent.watch_alive_at = agent.clock.now()
                 delay = 1.0
                 seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
+                # "pending" for the layout we saw is only ever our own patch, arriving late (a
+                # busy node's status updates can hold it back past our "failed"): no change
+                own = seen == (agent.seen[0], State.PENDING)
                 # a fixed strategy or plugin-config label is worth a pass as a layout is
                 if (
-                    seen != agent.seen
+                    (seen != agent.seen and not own)
                     or device_plugin.plugin_labels(agent.settings, node) != agent.seen_plugin_labels
                 ):
                     agent.wake_event.set()

@@ -52,8 +52,6 @@ AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
 DEVICE_PLUGINS = ("nvidia", "simulated")
-# The device plugin of start_node when none is named; MIG_AGENT_DEVICE_PLUGIN overrides it.
-DEFAULT_DEVICE_PLUGIN = "simulated"
 
 DEVICE_PLUGIN = {
     "apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -122,7 +120,10 @@ def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
 
 
 def default_device_plugin() -> str:
-    kind = os.environ.get("MIG_AGENT_DEVICE_PLUGIN") or DEFAULT_DEVICE_PLUGIN
+    """The device plugin of start_node when none is named: MIG_AGENT_DEVICE_PLUGIN if set, else
+    NVIDIA's where it can run (root: private mount namespaces), else the simulated one."""
+    kind = os.environ.get("MIG_AGENT_DEVICE_PLUGIN") or (
+        "nvidia" if os.geteuid() == 0 else "simulated")
     if kind not in DEVICE_PLUGINS:
         raise DevClusterError(f"MIG_AGENT_DEVICE_PLUGIN={kind!r}: expected one of "
                               f"{', '.join(DEVICE_PLUGINS)}")
@@ -162,36 +163,17 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
     if kind == "nvidia" and os.geteuid() != 0:
         raise DevClusterError("NVIDIA's device plugin runs in a private mount namespace "
                               "(unshare -m): run as root, or use device_plugin='simulated'")
+    bin_dir = nvidia_bin() if kind == "nvidia" else None
     state = sim_state_path(cluster, node)
     if not state.exists():
         spec = (cluster.node_dir(node) / "gpus").read_text().strip()
         simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
-    pod, uid = _agent_pod(cluster, node, timeout)
-    kubeconfig = cluster.kubeconfig_for(AGENT_NS, AGENT_SA, cluster.node_dir(node) /
-                                        "agent.kubeconfig", bound_pod=(pod, uid))
-    port = free_ports(1)[0]
+    supervisor, agent, port, kubeconfig, status_file = _start_agent(
+        cluster, node, settings, profiles, timeout, restart_backoff)
+    env = _env(settings)
     logs = cluster.dir / "logs"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
-    env.update({"MIG_AGENT_LOG_FORMAT": "json", "MIG_AGENT_BACKOFF_S": "2",
-                "MIG_AGENT_BACKOFF_MAX_S": "30", "MIG_AGENT_POLL_S": "0.2",
-                "MIG_AGENT_EVICTION_RETRY_S": "1"})
-    # The simulated device plugin plays the kubelet's PodResources API here, so the agent can
-    # drain only the pods on GPUs that change.
-    pod_resources = cluster.node_dir(node) / "pod-resources.sock"
-    env.update(settings or {})
-    agent_env = {"MIG_AGENT_POD_RESOURCES_SOCKET": str(pod_resources), **env}
-    status_file = cluster.node_dir(node) / "agent-supervisor.json"
-    status_file.unlink(missing_ok=True)
-    supervisor = spawn(f"supervisor@{node}", [
-        sys.executable, "-m", "migsim.cluster.supervisor", "--name", f"mig-agent@{node}",
-        "--log", str(logs / f"agent-{node}.log"), "--status", str(status_file),
-        "--backoff", str(restart_backoff[0]), "--backoff-max", str(restart_backoff[1]), "--",
-        sys.executable, "-m", "mig_agent", "run", "--node", node, "--kubeconfig", str(kubeconfig),
-        "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
-        "--metrics-port", str(port)], logs / f"supervisor-{node}.log", env=agent_env)
-    agent = _first_agent(supervisor, status_file)
-    if kind == "nvidia":
-        bin_dir = nvidia_bin()
+    pod_resources = _pod_resources(cluster, node)
+    if bin_dir is not None:
         argv = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", str(state), "--",
                 sys.executable, "-m", "migsim.node_runtime", "--node", node,
                 "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
@@ -213,6 +195,64 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
                          str(status_file), kind)
     _record(cluster.dir, started)
     return started
+
+
+def restart_agent(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
+                  profiles: Path = PROFILES, timeout: float = 60.0,
+                  restart_backoff: tuple[float, float] = KUBELET_BACKOFF) -> NodeAgents:
+    """Stop the agent of `node` (its supervisor first) and start it anew with these settings and
+    profiles, as a rollout of the agent's DaemonSet does: the node's device plugin (and the node
+    runtime, GFD) keeps running, as it does on a real node."""
+    record = running(cluster.dir).get(node)
+    if record is None:
+        raise DevClusterError(f"no agent recorded for {node}; start it with start_node")
+    stop([Proc(**record[k]) for k in ("supervisor", "agent") if record.get(k)])
+    supervisor, agent, port, kubeconfig, status_file = _start_agent(
+        cluster, node, settings, profiles, timeout, restart_backoff)
+    started = NodeAgents(node, agent, Proc(**record["device_plugin"]), port,
+                         str(sim_state_path(cluster, node)), str(kubeconfig), supervisor,
+                         str(status_file), record.get("device_plugin_kind", "simulated"))
+    _record(cluster.dir, started)
+    return started
+
+
+def _env(settings: Mapping[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
+    env.update({"MIG_AGENT_LOG_FORMAT": "json", "MIG_AGENT_BACKOFF_S": "2",
+                "MIG_AGENT_BACKOFF_MAX_S": "30", "MIG_AGENT_POLL_S": "0.2",
+                "MIG_AGENT_EVICTION_RETRY_S": "1"})
+    env.update(settings or {})
+    return env
+
+
+def _pod_resources(cluster: Cluster, node: str) -> Path:
+    # The device plugin's side (the node runtime, or the simulated plugin) plays the kubelet's
+    # PodResources API here, so the agent can drain only the pods on GPUs that change.
+    return cluster.node_dir(node) / "pod-resources.sock"
+
+
+def _start_agent(cluster: Cluster, node: str, settings: Mapping[str, str] | None,
+                 profiles: Path, timeout: float, restart_backoff: tuple[float, float],
+                 ) -> tuple[Proc, Proc, int, Path, Path]:
+    """(supervisor, agent, metrics port, kubeconfig, supervisor status file) of a new agent."""
+    state = sim_state_path(cluster, node)
+    pod, uid = _agent_pod(cluster, node, timeout)
+    kubeconfig = cluster.kubeconfig_for(AGENT_NS, AGENT_SA, cluster.node_dir(node) /
+                                        "agent.kubeconfig", bound_pod=(pod, uid))
+    port = free_ports(1)[0]
+    logs = cluster.dir / "logs"
+    agent_env = {"MIG_AGENT_POD_RESOURCES_SOCKET": str(_pod_resources(cluster, node)),
+                 **_env(settings)}
+    status_file = cluster.node_dir(node) / "agent-supervisor.json"
+    status_file.unlink(missing_ok=True)
+    supervisor = spawn(f"supervisor@{node}", [
+        sys.executable, "-m", "migsim.cluster.supervisor", "--name", f"mig-agent@{node}",
+        "--log", str(logs / f"agent-{node}.log"), "--status", str(status_file),
+        "--backoff", str(restart_backoff[0]), "--backoff-max", str(restart_backoff[1]), "--",
+        sys.executable, "-m", "mig_agent", "run", "--node", node, "--kubeconfig", str(kubeconfig),
+        "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
+        "--metrics-port", str(port)], logs / f"supervisor-{node}.log", env=agent_env)
+    return supervisor, _first_agent(supervisor, status_file), port, kubeconfig, status_file
 
 
 def _first_agent(supervisor: Proc, status_file: Path, timeout: float = 30.0) -> Proc:

@@ -16,6 +16,9 @@ from .errors import ClusterNotRunning, DevClusterError
 from .nodes import DEFAULT_GPUS
 from .processes import Proc
 
+PLUGIN_NAMES = {"nvidia": "NVIDIA's device plugin and GFD",
+                "simulated": "a simulated device plugin"}
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -46,8 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--restart-backoff-max", type=float, default=agents.KUBELET_BACKOFF[1],
                     metavar="SECONDS", help="cap of that delay (default %(default)g)")
     up.add_argument("--no-agents", action="store_true",
-                    help="do not install mig-agent nor start an agent and a simulated device "
-                         "plugin per GPU node")
+                    help="do not install mig-agent nor start an agent and a device plugin per "
+                         "GPU node")
+    up.add_argument("--device-plugin", choices=agents.DEVICE_PLUGINS, default=None,
+                    help="nvidia: NVIDIA's device plugin and GFD over the simulated GPUs (root; "
+                         "scripts/nvidia-binaries build); simulated: the home-made model of it "
+                         "(default: $MIG_AGENT_DEVICE_PLUGIN, else nvidia as root)")
     down_p = with_dir(sub.add_parser("down", help="stop the cluster's processes"))
     down_p.add_argument("--purge", action="store_true", help="also remove the cluster folder")
     with_dir(sub.add_parser("status", help="show processes, health, memory and nodes"))
@@ -83,6 +90,7 @@ def _up(args: argparse.Namespace) -> int:
     )
     if not args.no_agents:
         agents.install(cluster)
+        kind = args.device_plugin or agents.default_device_plugin()
         gpu_nodes = [f"gpu-node-{i}" for i in range(args.nodes)]
         running = agents.running(cluster.dir)
         backoff = (args.restart_backoff, args.restart_backoff_max)
@@ -91,13 +99,13 @@ def _up(args: argparse.Namespace) -> int:
             if record is not None and _node_up(record):
                 continue
             if record is not None:  # recorded, but the agent or the device plugin is gone
-                print(f"{node}: restarting mig-agent and the simulated device plugin "
+                print(f"{node}: restarting mig-agent and the device plugin "
                       f"(agent {agents.agent_state(record)})", file=sys.stderr)
                 agents.stop_node(cluster.dir, node)
-            agents.start_node(cluster, node, restart_backoff=backoff)
+            agents.start_node(cluster, node, restart_backoff=backoff, device_plugin=kind)
         running = agents.running(cluster.dir)
         up_now = [n for n in gpu_nodes if n in running and _node_up(running[n])]
-        print(f"mig-agent and a simulated device plugin running on {len(up_now)} of "
+        print(f"mig-agent and {PLUGIN_NAMES[kind]} running on {len(up_now)} of "
               f"{len(gpu_nodes)} node(s); logs in {cluster.dir / 'logs'}", file=sys.stderr)
         if len(up_now) != len(gpu_nodes):
             return 1
