@@ -41,6 +41,7 @@ from typing import Any
 from migsim.cluster import SIMULATED_IMAGE, Cluster, agents
 from migsim.cluster.api import ApiError
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
+from migsim.cluster.errors import DevClusterError
 from migsim.cluster.processes import stop
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
@@ -482,9 +483,13 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
         fault in API_FAULTS and fault != "watch-silent")
     reference = clean_calls(cluster, sc) if keeps_label else None
     started = time.monotonic()
-    node = FaultNode(cluster, sc, proxy=fault in API_FAULTS,
-                     settings=NODE_FAULT_SETTINGS.get(fault),
-                     own_profiles=fault.startswith("config-"))
+    try:
+        node = FaultNode(cluster, sc, proxy=fault in API_FAULTS,
+                         settings=NODE_FAULT_SETTINGS.get(fault),
+                         own_profiles=fault.startswith("config-"))
+    except (DevClusterError, ApiError, OSError) as e:  # no node, no agent: no verdict
+        return Result(point.name, fault, "not-reached", f"set-up: {str(e).splitlines()[0]}",
+                      time.monotonic() - started, "", sc.name)
     try:
         try:
             node.prepare()
