@@ -31,8 +31,9 @@ def gpu_node_labels(name: str, gpus: Sequence[GpuModel]) -> dict[str, str]:
     MIG off (where GFD runs on the node, its labels replace these as the layout changes).
 
     As GFD does (checked against NVIDIA's in tests/native/test_device_plugin.py): display GPUs
-    (DGX Station) are not counted; a node with mixed GPUs is labelled with its first counted
-    GPU's product.
+    (DGX Station) are not counted. A node with GPUs of several models is labelled here with its
+    first counted GPU's product and the count of all; GFD labels one model's product and the count
+    of that model only (4xA100-40GB,4xA30: NVIDIA-A30, 4), and replaces these where it runs.
     """
     counted = [g for g in gpus if not is_skipped(g.name)] or list(gpus[:1])
     return {
