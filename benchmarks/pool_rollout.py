@@ -200,6 +200,7 @@ def main() -> int:
             before = apiserver_requests(cluster)
             apiserver = next(p for p in cluster.state.procs if p.name == "kube-apiserver")
             apiserver_cpu0 = apiserver.cpu_seconds()
+            agent_calls0 = agent_requests(ports)
             start = time.monotonic()
             summary = ops.repartition(
                 cast(KubeApi, counting), catalog, args.layout, names,
@@ -207,6 +208,7 @@ def main() -> int:
             wall = time.monotonic() - start
             during = delta(apiserver_requests(cluster), before)
             apiserver_cpu = apiserver.cpu_seconds() - apiserver_cpu0
+            agent_calls = delta(agent_requests(ports), agent_calls0)
             agent_cpu = sum(_cpu(r) for r in agent_procs) - cpu0
             phases1 = agent_phases(ports)
             rss = [_rss(r) for r in agents.running(cluster.dir).values()]
@@ -261,13 +263,17 @@ def main() -> int:
          f"{sum(idle_calls.values()) / args.nodes / idle_minutes:.2f}",
          f"over {args.agent_idle:g} s of an idle pool; "
          + (", ".join(f"{k} {v}" for k, v in idle_calls.most_common(4)) or "none")),
+        ("agents' own API requests, per node", f"{sum(agent_calls.values()) / args.nodes:.1f}",
+         "during the rollout, from the agents' counters; top: "
+         + ", ".join(f"{k} {v}" for k, v in agent_calls.most_common(5))),
         ("rollout's own API calls", str(sum(counting.calls.values())), ops_calls),
         ("API requests during rollout", str(total),
          f"{total / wall:.0f}/s, all clients; top: {top}"),
         ("  idle baseline", f"{baseline:.0f}",
          f"{idle_rate:.0f}/s over {args.idle:g} s before (kwok, agents, plugins, controllers)"),
         ("  attributable, per node", f"{(total - baseline) / args.nodes:.0f}",
-         "(during - baseline) / nodes"),
+         "(during - baseline) / nodes; the baseline moves with the simulated device "
+         "plugins' pod polling, so this is rough"),
     ]
     print_table(rows)
     return 0

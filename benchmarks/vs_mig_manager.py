@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -75,6 +76,7 @@ class Transition:
     kind: str  # "hopper" or "ampere": which nodes of the pool
     start: str
     target: str
+    pods_on: str = ""  # only devices of this resource get a pod ("": every device)
 
 
 SUITE = (
@@ -84,6 +86,8 @@ SUITE = (
     Transition("d1", "all-balanced -> all-1g", "hopper", "all-balanced", "all-1g.10gb"),
     Transition("d2", "all-1g -> all-balanced", "hopper", "all-1g.10gb", "all-balanced"),
     Transition("e", "Ampere: whole -> MIG, reset", "ampere", "all-disabled", "all-balanced"),
+    Transition("f", "d1 with pods on the 1g devices only", "hopper", "all-balanced",
+               "all-1g.10gb", pods_on="nvidia.com/mig-1g.10gb"),
 )
 
 
@@ -180,13 +184,15 @@ def wait(what: str, ready: Callable[[], bool], timeout: float, poll: float = 0.1
         time.sleep(poll)
 
 
-def fill_with_pods(bench: Bench, name: str) -> int:
-    """A GPU pod on every device the node advertises; returns once each runs and holds its
-    device (a simulated process on it). The number of pods."""
+def fill_with_pods(bench: Bench, name: str, only: str = "") -> int:
+    """A GPU pod on every device the node advertises (of resource `only`, if given); returns
+    once each runs and holds its device (a simulated process on it). The number of pods."""
     want = devices_on(bench.sim_state(name))
     wait(f"{name} advertises {dict(want)}", lambda: bench.advertised(name) == want, 120)
     n = 0
     for resource, count in sorted(want.items()):
+        if only and resource != only:
+            continue
         for _ in range(count):
             limits = {resource: "1"}
             bench.api.request("POST", f"/api/v1/namespaces/{NS}/pods", {
@@ -298,6 +304,33 @@ class Row:
     cpu_s: float
     rss_mib: float
     pods: int
+    reason: str = ""  # why it failed: MIG Manager's last error line, mig-agent's reason
+
+
+def log_size(cluster: Cluster, pool: Pool, node: str) -> int:
+    if pool.system != MM:
+        return 0
+    return Path(mig_manager.running(cluster.dir)[node]["log"]).stat().st_size
+
+
+def failure_reason(bench: Bench, pool: Pool, node: str, offset: int) -> str:
+    """MIG Manager: the cause mig-parted logged since `offset` (the first error or fatal line
+    that names a busy GPU, else the first fatal, else the first error line); mig-agent: its
+    reason annotation."""
+    if pool.system == MA:
+        annotations = bench.node(node)["metadata"].get("annotations") or {}
+        return str(annotations.get("mig-agent.dev/reason", ""))[:200]
+    with open(mig_manager.running(bench.cluster.dir)[node]["log"], "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    lines = re.findall(r'level=(error|fatal) msg="((?:[^"\\]|\\.)*)"', text)
+    busy = [m for _, m in lines if "IN_USE" in m or "in use" in m]
+    fatal = [m for level, m in lines if level == "fatal"]
+    errors = [m for _, m in lines]
+    for found in (busy, fatal, errors):
+        if found:
+            return found[0].replace("\\n", " ")[:200]
+    return ""
 
 
 def set_layout(bench: Bench, nodes: Sequence[str], layout: str, timeout: float = 300) -> None:
@@ -330,7 +363,8 @@ def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: boo
                    with_pods: bool = True) -> Row:
     cluster = bench.cluster
     nodes = pool.nodes(t.kind)
-    pods = sum(fill_with_pods(bench, n) for n in nodes) if with_pods else 0
+    pods = sum(fill_with_pods(bench, n, t.pods_on) for n in nodes) if with_pods else 0
+    logs = {n: log_size(cluster, pool, n) for n in nodes}
     before_pods = {n: {p["metadata"]["uid"] for p in bench.pods(n)} for n in nodes}
     before_held = {n: held_devices(bench.sim_state(n)) for n in nodes}
     procs = {n: manager_proc(cluster, pool, n) for n in nodes}
@@ -379,6 +413,8 @@ def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: boo
             dead += dead_dev and not gone
             lost += gone or dead_dev
     outcomes = Counter(outcome.get(n, "timeout") for n in nodes)
+    reasons = {why for n in nodes if outcome.get(n) != "success"
+               for why in [failure_reason(bench, pool, n, logs[n])] if why}
     label = t.key + (" (pods deleted by hand, relabelled)" if manual_drain else "")
     return Row(
         label, pool.system, ", ".join(f"{k}" + (f" x{v}" if len(nodes) > 1 else "")
@@ -386,7 +422,7 @@ def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: boo
         max(to_state.values(), default=float("nan")),
         max(to_devices.values()) if len(to_devices) == len(nodes) else None,
         destroyed, created, lost, evicted, dead, api, cpu,
-        max(peak_rss_mib(p) for p in procs.values()), pods)
+        max(peak_rss_mib(p) for p in procs.values()), pods, "; ".join(sorted(reasons)))
 
 
 def run_suite(bench: Bench, pools: Sequence[Pool], suite: Sequence[Transition],
@@ -437,6 +473,14 @@ def print_rows(rows: Sequence[Row]) -> None:
             str(r.destroyed), str(r.created), f"{r.lost}/{r.pods}", str(r.evicted),
             str(r.dead_device), "n/a" if r.api is None else f"{r.api:.0f}", fmt(r.cpu_s, 2),
             fmt(r.rss_mib, 0)]) + " |")
+
+
+def print_reasons(rows: Sequence[Row]) -> None:
+    failed = [r for r in rows if r.reason]
+    if failed:
+        print("\nWhy the failed rows failed:\n")
+        for r in failed:
+            print(f"- {r.transition}, {r.system}: {r.reason}")
 
 
 def comparable(rows: Sequence[Row], key: str, system: str) -> Row | None:
@@ -542,6 +586,7 @@ def main() -> int:
     for latency, rows in all_rows.items():
         print(f"\n## Simulated hardware latency {latency:g} s per mutating NVML call and reset\n")
         print_rows(rows)
+        print_reasons(rows)
         print()
         behind = print_ratios(rows, suite)
         behind_all += [f"latency {latency:g}: {b}" for b in behind]
