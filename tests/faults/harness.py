@@ -408,7 +408,7 @@ def inject(node: FaultNode, fault: str) -> None:
     elif fault in NODE_FAULTS:
         inject_node_fault(node, fault)
     elif fault == "apiserver-restart":
-        node.restart_seconds = node.cluster.restart()
+        node.restart_seconds = node.cluster.restart(timeout=120)
     elif fault in API_FAULTS:
         assert node.proxy is not None
         node.proxy.add(dataclasses.replace(API_FAULTS[fault]),
@@ -542,7 +542,8 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
     except TimeoutError as e:
         return Result(point.name, fault, "violated", str(e).splitlines()[0],
                       time.monotonic() - started, node.log_tail(), sc.name)
-    except (OSError, ApiError) as e:  # the harness's own request failed (an overloaded machine)
+    except (OSError, ApiError, DevClusterError) as e:  # the harness's own request failed, or
+        # the restarted API server was not healthy in time (an overloaded machine)
         return Result(point.name, fault, "not-reached", f"harness: {e}",
                       time.monotonic() - started, node.log_tail(), sc.name)
     finally:
