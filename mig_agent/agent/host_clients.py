@@ -125,10 +125,19 @@ def start(cluster: Cluster, s: Settings, run: Runner, names: list[str]) -> list[
 
 def start_leftover(cluster: Cluster, s: Settings, run: Runner,
                    annotations: Mapping[str, str]) -> None:
-    """Start the services a previous pass (or agent) stopped and did not start again."""
+    """Start the services a previous pass (or agent) stopped and did not start again.
+
+    Only services of the clients list: anyone who may patch the Node can write the
+    annotation, and it must not make the agent start whatever unit it names."""
     if s.host_services_annotation not in annotations:
         return
+    listed = set(services(s))
     names = [n for n in annotations[s.host_services_annotation].split(",") if n]
+    foreign = [n for n in names if n not in listed]
+    if foreign:
+        log.warning("host_clients.not_listed", services=foreign,
+                    annotation=s.host_services_annotation)
+    names = [n for n in names if n in listed]
     failed = start(cluster, s, run, names)
     if failed:
         raise HostServiceFailed("host GPU client(s) stopped by an earlier pass do not start "

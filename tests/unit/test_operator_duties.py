@@ -419,3 +419,17 @@ def test_a_service_command_that_cannot_answer_is_said_so_not_taken_for_stopped(
         "nvsm.service` exited with status 125")
     assert not gpus.calls
     assert_clean(cluster)
+
+
+def test_a_forged_stopped_services_list_starts_only_listed_services(tmp_path: Path) -> None:
+    """The annotation is on the Node, where others may write: a unit the clients list does not
+    name is never started (nor passed to the service command), and the list is cleared."""
+    agent, cluster, gpus = a100_node(tmp_path, stop_host_gpu_clients=True)
+    host = Host(gpus, {})
+    host.stopped["nvsm.service"] = 100  # stopped by an earlier agent, on the list
+    agent.run_command = host
+    cluster.nodes[NODE].annotations[STOPPED] = "nvsm.service,evil.service,--now,sshd.service"
+    label(cluster, "all-disabled")
+    agent.reconcile_once()
+    assert [c for c in host.calls if c.startswith("start")] == ["start nvsm.service"]
+    assert STOPPED not in cluster.nodes[NODE].annotations
