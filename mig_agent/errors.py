@@ -15,6 +15,8 @@
     - KubeUnavailable      5xx, throttling or connection errors, retries used up      (retryable)
     - EvictionBlocked      eviction answered 429: a PodDisruptionBudget says no       (retryable)
     - LabelsChanged        a conditional node patch found other label values: not written
+    - KubeForbidden        401/403: credentials or RBAC refuse (for seconds after an API
+                           server restart; until an admin fixes a broken install)  (retryable)
   + DrainTimeout           GPU clients still present at the deadline                  (retryable)
   + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
   + RebootFailed           the configured reboot command failed or did not return
@@ -89,6 +91,14 @@ class KubeUnavailable(KubeError):
 
 
 class EvictionBlocked(KubeError):
+    retryable = True
+
+
+class KubeForbidden(KubeError):
+    """Retried by the agent's back-off, not within the request: a restarted API server
+    refuses a valid token until its caches fill, and a fixed RBAC must heal the node
+    without a relabel."""
+
     retryable = True
 
 

@@ -27,6 +27,7 @@ from mig_agent.errors import (
     ConfigError,
     EvictionBlocked,
     KubeError,
+    KubeForbidden,
     KubeUnavailable,
     LabelsChanged,
 )
@@ -104,7 +105,8 @@ def _kube(op: str, **context: object) -> Iterator[None]:
         yield
     except ApiException as exc:
         msg = _api_message(exc)
-        cls = KubeUnavailable if _is_transient(exc) else KubeError
+        cls = (KubeUnavailable if _is_transient(exc)
+               else KubeForbidden if exc.status in (401, 403) else KubeError)
         raise cls(f"{op}: {exc.status} {msg}", op=op, status=exc.status, **context) from exc
     except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
         raise KubeUnavailable(

@@ -875,3 +875,29 @@ def test_without_nvml_the_agent_names_its_runtime_class(
     agent.report_gpu_problem()
     (cond,) = [c for c in cluster.nodes[NODE].conditions if c.type == "MIGConfigApplied"]
     assert (cond.status, cond.reason) == ("False", "GpuUnavailable") and fragment in cond.message
+
+
+def test_a_forbidden_request_mid_pass_is_retried_with_back_off() -> None:
+    """A restarted API server refuses a valid token (403) until its caches fill; a pass that
+    meets it fails clean and is tried again, not left `failed` until someone relabels."""
+    from mig_agent.errors import KubeForbidden
+
+    agent, cluster, gpus = make()
+    pod = cluster.add_pod("work", "on-gpu", NODE, gpu={"nvidia.com/gpu": 1})
+    evict = cluster.evict
+    refusals = [KubeForbidden("evict pod work/on-gpu: 403 forbidden", status=403)]
+
+    def evict_once_forbidden(ref: Any) -> None:
+        if refusals:
+            raise refusals.pop()
+        evict(ref)
+
+    cluster.evict = evict_once_forbidden  # type: ignore[method-assign]
+    label(cluster, "all-balanced")
+    first = agent.reconcile_once()
+    assert first.outcome is Outcome.FAILED and first.retry_after_s is not None
+    assert "403" in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert not gpus.calls
+    assert_clean(cluster)
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.evicted == [pod] and cluster.nodes[NODE].labels[STATE] == "success"

@@ -152,3 +152,21 @@ def test_conflicts_without_end_are_named(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(KubeError, match="patch node status: 409"):
         k.patch_node_resources("n", {"nvidia.com/gpu": 1})
     assert len(calls) == 10
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refusal_of_the_credentials_is_retryable_by_the_agent_not_in_the_request(
+        monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    from mig_agent.errors import KubeForbidden
+
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    calls: list[str] = []
+
+    def read_node(name: str, **_: Any) -> Any:
+        calls.append(name)
+        raise ApiException(status=status, reason="Forbidden")
+
+    monkeypatch.setattr(k._core, "read_node", read_node)
+    with pytest.raises(KubeForbidden, match=f"{status}") as caught:
+        k.get_node("n")
+    assert caught.value.retryable and calls == ["n"]
