@@ -1,4 +1,7 @@
-"""A simulated NVIDIA device plugin for the local cluster: one per simulated node.
+"""A simulated NVIDIA device plugin for the local cluster: one per simulated node, where NVIDIA's
+own plugin cannot run (not root: it needs a private mount namespace; or MIG_AGENT_DEVICE_PLUGIN=
+simulated). Where it can, migsim.node_runtime runs NVIDIA's plugin and reuses this module's device
+table (Allocations), GPU processes (PodProcesses) and sync_pods as the kubelet's side.
 
 Like the real plugin it reads the node's GPUs when its pod starts and advertises their MIG
 devices as extended resources (mixed or single strategy, multiplied and renamed by the sharing

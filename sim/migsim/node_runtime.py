@@ -18,8 +18,11 @@ simulated libnvidia-ml.so.1 answers for the node in STATE. It
   calls the plugin's Allocate for them, starts a simulated GPU process on each device while the
   pod runs, and serves the kubelet's PodResources API (List, GetAllocatableResources) from those
   allocations (migsim.device_plugin's Allocations and PodProcesses);
-* with ``--gfd``, runs ``gpu-feature-discovery`` writing a features file and, as NFD does,
-  puts its labels on the Node (and takes away the ones it put there that GFD no longer writes).
+* with ``--gfd``, runs ``gpu-feature-discovery --oneshot`` writing a features file at start and
+  each time the plugin starts (after every repartition the agent restarts the plugin: the only
+  time the GPUs' labels change), and, as NFD does, puts its labels on the Node (and takes away
+  the ones it put there that GFD no longer writes). One-shot runs cost nothing between them, where
+  GFD's own loop would read every GPU every interval on every node.
 
 ``python -m migsim.node_runtime --node NAME --cluster-dir DIR --sim-state STATE --nvidia-bin DIR
 [--pod-resources-socket PATH] [--mig-strategy mixed|single] [--config-file FILE] [--gfd]``
@@ -201,7 +204,6 @@ class Options:
     mig_strategy: str = "mixed"
     config_file: str = ""
     gfd: bool = False
-    gfd_interval_s: float = 5.0
     features_file: Path | None = None
     allocations_file: Path | None = None
     plugin_dir: str = DEFAULT_DIR
@@ -232,6 +234,8 @@ class Runtime:
         self.features_text: str | None = None
         self.written: dict[str, Any] | None = None
         self.registered_at: float | None = None
+        self.gfd_due = True  # a one-shot GFD run is wanted (at start, on every plugin start)
+        self.gfd_retry_at = 0.0
 
     def _plugin_argv(self) -> list[str]:
         argv = [str(self.o.nvidia_bin / "nvidia-device-plugin"),
@@ -242,10 +246,9 @@ class Runtime:
 
     def _gfd_argv(self) -> list[str]:
         assert self.o.features_file is not None
-        argv = [str(self.o.nvidia_bin / "gpu-feature-discovery"), "--use-node-feature-api=false",
-                "--no-timestamp", f"--mig-strategy={self.o.mig_strategy}",
-                f"--output-file={self.o.features_file}",
-                f"--sleep-interval={self.o.gfd_interval_s:g}s"]
+        argv = [str(self.o.nvidia_bin / "gpu-feature-discovery"), "--oneshot",
+                "--use-node-feature-api=false", "--no-timestamp",
+                f"--mig-strategy={self.o.mig_strategy}", f"--output-file={self.o.features_file}"]
         if self.o.config_file:
             argv.append(f"--config-file={self.o.config_file}")
         return argv
@@ -274,6 +277,7 @@ class Runtime:
                 log.info("node_runtime.plugin_pod", node=self.o.node, pod=ready[0].ref.name)
                 self.plugin.start()
                 self.registered_at = None
+                self.gfd_due = True
             return
         if uid is None or self.plugin.running():
             return
@@ -343,12 +347,24 @@ class Runtime:
 
     def _gfd(self) -> None:
         assert self.gfd is not None and self.o.features_file is not None
-        if not self.gfd.running():
-            if self.gfd.proc is not None:
-                log.warning("node_runtime.gfd_exited", node=self.o.node,
-                            code=self.gfd.exit_code(), log=str(self.gfd.log_file))
-            if self.gfd.proc is None or time.monotonic() - self.gfd.started_at > 10:
-                self.gfd.start()
+        if self.gfd.running():
+            return
+        code = self.gfd.exit_code()
+        if code is not None:  # a run ended
+            self.gfd.proc = None
+            if code != 0:
+                log.warning("node_runtime.gfd_failed", node=self.o.node, code=code,
+                            log=str(self.gfd.log_file))
+                self.gfd_due, self.gfd_retry_at = True, time.monotonic() + 10
+                return
+            self._publish_features()
+        if self.gfd_due and time.monotonic() >= self.gfd_retry_at:
+            self.gfd_due = False
+            self.gfd.start()
+
+    def _publish_features(self) -> None:
+        """Put GFD's labels on the Node, as NFD does (only when the file says something new)."""
+        assert self.o.features_file is not None
         try:
             text = self.o.features_file.read_text()
         except FileNotFoundError:
@@ -424,7 +440,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mig-strategy", choices=["mixed", "single", "none"], default="mixed")
     p.add_argument("--config-file", default="", help="the device plugin's (and GFD's) config")
     p.add_argument("--gfd", action="store_true", help="run gpu-feature-discovery, label the node")
-    p.add_argument("--gfd-interval", type=float, default=5.0, help="GFD's sleep interval (s)")
     p.add_argument("--features-file", type=Path, default=None,
                    help="GFD's output (default: <log-dir>/../nodes/<node>/features.d/gfd)")
     p.add_argument("--namespace", default=PLUGIN_NS)
@@ -444,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         node=args.node, cluster_dir=local.dir, sim_state=args.sim_state,
         nvidia_bin=args.nvidia_bin, log_dir=args.log_dir or local.dir / "logs",
         pod_resources_socket=args.pod_resources_socket, mig_strategy=args.mig_strategy,
-        config_file=args.config_file, gfd=args.gfd, gfd_interval_s=args.gfd_interval,
+        config_file=args.config_file, gfd=args.gfd,
         features_file=args.features_file or node_dir / "features.d" / "gfd",
         allocations_file=args.allocations_file, namespace=args.namespace,
         selector=args.selector, stop_grace_s=args.stop_grace)

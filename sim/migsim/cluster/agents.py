@@ -15,6 +15,8 @@ device plugin. Both share the node's simulated GPU state file. The device plugin
 - `simulated`: the home-made model of it (`python -m migsim device-plugin`), which computes what
   NVIDIA's plugin would advertise and needs neither root nor NVIDIA's binaries.
 
+The default is `nvidia` as root, `simulated` otherwise (MIG_AGENT_DEVICE_PLUGIN overrides it).
+
 As a kubelet restarts a container that exits, a supervisor per node (`supervisor.py`) runs the
 agent and restarts it with the kubelet's back-off (10 s doubling to 5 min; `start_node`'s
 `restart_backoff` makes it shorter for tests): an agent that is killed comes back by itself.
