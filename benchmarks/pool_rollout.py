@@ -123,11 +123,13 @@ class CountingApi:
 # Set-up and figures
 
 
-def start_agents(cluster: Cluster, names: Sequence[str], timeout: float) -> list[int]:
+def start_agents(cluster: Cluster, names: Sequence[str], timeout: float,
+                 device_plugin: str) -> list[int]:
     """Install mig-agent, start an agent and device plugin per node, wait for published state;
     the agents' metrics ports."""
     agents.install(cluster)
-    ports = [agents.start_node(cluster, n).metrics_port for n in names]
+    ports = [agents.start_node(cluster, n, device_plugin=device_plugin).metrics_port
+             for n in names]
 
     def published() -> bool:
         return all(GPU_STATE in (cluster.api.get(f"/api/v1/nodes/{n}")["metadata"]
@@ -165,6 +167,9 @@ def main() -> int:
     p.add_argument("--agent-idle", type=float, default=60.0,
                    help="seconds of an idle pool over which the agents' own API requests are "
                         "counted (default 60)")
+    p.add_argument("--device-plugin", choices=("simulated", "nvidia"), default="simulated",
+                   help="per node: the home-made device plugin model (default: 50 nodes fit on "
+                        "a small machine) or NVIDIA's plugin and GFD (heavier)")
     p.add_argument("--quick", action="store_true",
                    help="CI: 2 nodes of 2xH100-80GB, -p 2, 1 s idle windows")
     args = p.parse_args()
@@ -184,7 +189,8 @@ def main() -> int:
         cluster = Cluster.up(Path(tmp) / "cluster", gpu_nodes=args.nodes, gpus=args.gpus)
         api: KubernetesCluster | None = None
         try:
-            ports = start_agents(cluster, names, timeout=60.0 + 10.0 * args.nodes)
+            ports = start_agents(cluster, names, timeout=60.0 + 10.0 * args.nodes,
+                                 device_plugin=args.device_plugin)
             setup_s = time.monotonic() - t0
             api = KubernetesCluster.connect(str(cluster.kubeconfig), component="pool-rollout")
             counting = CountingApi(api)

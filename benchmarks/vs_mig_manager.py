@@ -529,6 +529,10 @@ def main() -> int:
     p.add_argument("--latency", type=float, default=0.25,
                    help="seconds added to every mutating NVML call and GPU reset in the "
                         "realistic run (default 0.25)")
+    p.add_argument("--device-plugin", choices=("simulated", "nvidia"), default="simulated",
+                   help="the device plugin on every node of both pools: the home-made model "
+                        "(default; light enough for this shared machine) or NVIDIA's plugin "
+                        "and GFD")
     p.add_argument("--quick", action="store_true",
                    help="CI: 2+1 GPUs per node, zero latency only, transitions a, b and e")
     args = p.parse_args()
@@ -560,10 +564,11 @@ def main() -> int:
                     pool.ampere.append(cluster.add_gpu_node(f"{prefix}-a-{i}",
                                                             args.ampere_gpus))
             for n in pools[0].hopper + pools[0].ampere:
-                mig_manager.start_node(cluster, n, config, bin_dir=bin_dir)
+                mig_manager.start_node(cluster, n, config, bin_dir=bin_dir,
+                                       device_plugin=args.device_plugin)
             for n in pools[1].hopper + pools[1].ampere:
-                pools[1].metrics_ports[n] = agents.start_node(cluster, n,
-                                                              profiles=config).metrics_port
+                pools[1].metrics_ports[n] = agents.start_node(
+                    cluster, n, profiles=config, device_plugin=args.device_plugin).metrics_port
             bench = Bench(cluster)
             wait("every agent's published GPU state", lambda: all(
                 GPU_STATE in (bench.node(n)["metadata"].get("annotations") or {})
@@ -581,7 +586,8 @@ def main() -> int:
             cluster.down()
 
     print(f"\n# mig-agent vs NVIDIA's MIG Manager: {args.nodes} node(s) of {args.gpus} and "
-          f"{args.nodes} of {args.ampere_gpus} per system; a GPU pod on every device\n")
+          f"{args.nodes} of {args.ampere_gpus} per system; a GPU pod on every device; "
+          f"{args.device_plugin} device plugin on both\n")
     behind_all: list[str] = []
     for latency, rows in all_rows.items():
         print(f"\n## Simulated hardware latency {latency:g} s per mutating NVML call and reset\n")

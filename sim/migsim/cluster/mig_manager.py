@@ -8,8 +8,11 @@ Per node, `start_node` starts three processes (each in its own process group, se
   the system bus at `<HOST_ROOT_MOUNT>/run/dbus/system_bus_socket` before every reconfiguration,
   and fails it without one (sim/NVML-SURVEY.md section 4.2). A plain bus is enough: it calls
   systemd only with `--with-shutdown-host-gpu-clients` or a host state file, neither used here;
-* the simulated device plugin (the same command `agents.start_node` runs, with the kubelet's
-  PodResources socket, so GPU pods get devices and hold simulated processes on them);
+* the device plugin, of the kind `agents.start_node` runs: `simulated` (the home-made model,
+  `python -m migsim device-plugin`) or `nvidia` (NVIDIA's plugin and GFD under the node runtime,
+  migsim.node_runtime), each as the kubelet's side too (PodResources socket), so GPU pods get
+  devices and hold simulated processes on them. A side-by-side comparison gives both pools the
+  same kind;
 * `nvidia-mig-manager` under `scripts/with-sim-gpus --host-view <state>` (simulated
   libnvidia-ml.so.1, /proc/modules and /sys/bus/pci/devices of the simulated GPUs, simulated
   `nvidia-smi -r`), with `nvidia-mig-parted` on PATH, the cluster's admin kubeconfig (a test tool:
@@ -88,13 +91,17 @@ def nvidia_bin_dir() -> Path:
 
 def start_node(cluster: Cluster, node: str, config_file: Path, *,
                sim: Mapping[str, Any] | None = None, bin_dir: Path | None = None,
-               env: Mapping[str, str] | None = None) -> NodeMigManager:
-    """Start MIG Manager (with its D-Bus and the simulated device plugin) on `node`.
+               env: Mapping[str, str] | None = None,
+               device_plugin: str = "simulated") -> NodeMigManager:
+    """Start MIG Manager (with its D-Bus and a device plugin) on `node`.
 
     `config_file`: the mig-parted config (one file); `sim`: options of the node's simulated GPUs
     when they are first created (as agents.start_node); `bin_dir`: NVIDIA's binaries (default:
-    build or find them); `env`: more environment for nvidia-mig-manager (e.g. WITH_REBOOT).
+    build or find them); `env`: more environment for nvidia-mig-manager (e.g. WITH_REBOOT);
+    `device_plugin`: `simulated` or `nvidia` (as agents.start_node's).
     """
+    if device_plugin not in ("simulated", "nvidia"):
+        raise DevClusterError(f"device plugin {device_plugin!r}: expected simulated or nvidia")
     if os.geteuid() != 0:
         raise DevClusterError("MIG Manager runs in a private mount namespace (with-sim-gpus "
                               "--host-view): run as root")
@@ -126,12 +133,23 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
         base_env["MIG_AGENT_LOG_FORMAT"] = "json"
         pod_resources = cluster.node_dir(node) / "pod-resources.sock"
-        plugin = spawn(f"device-plugin@{node}", [
-            sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
-            "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
-            "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
-            "--pod-resources-socket", str(pod_resources)],
-            logs / f"device-plugin-{node}.log", env=base_env)
+        if device_plugin == "nvidia":
+            plugin = spawn(f"node-runtime@{node}", [
+                str(WITH_SIM_GPUS), "--host-view", str(state), "--",
+                sys.executable, "-m", "migsim.node_runtime", "--node", node,
+                "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
+                "--nvidia-bin", str(bin_dir), "--namespace", PLUGIN_NS,
+                "--selector", PLUGIN_LABEL, "--pod-resources-socket", str(pod_resources),
+                "--allocations-file", str(cluster.node_dir(node) / "allocations.json"),
+                "--gfd"], logs / f"node-runtime-{node}.log",
+                env={**base_env, "PYTHON": sys.executable})
+        else:
+            plugin = spawn(f"device-plugin@{node}", [
+                sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
+                "--node", node, "--kubeconfig", str(cluster.kubeconfig),
+                "--sim-state", str(state), "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
+                "--pod-resources-socket", str(pod_resources)],
+                logs / f"device-plugin-{node}.log", env=base_env)
         started.append(plugin)
         log = logs / f"mig-manager-{node}.log"
         mm_env = {
