@@ -172,31 +172,39 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
         simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
     supervisor, agent, port, kubeconfig, status_file = _start_agent(
         cluster, node, settings, profiles, timeout, restart_backoff)
-    env = _env(settings)
-    logs = cluster.dir / "logs"
-    pod_resources = _pod_resources(cluster, node)
-    if bin_dir is not None:
-        argv = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", str(state), "--",
-                sys.executable, "-m", "migsim.node_runtime", "--node", node,
-                "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
-                "--nvidia-bin", str(bin_dir), "--namespace", PLUGIN_NS,
-                "--selector", PLUGIN_LABEL, "--pod-resources-socket", str(pod_resources),
-                "--allocations-file", str(cluster.node_dir(node) / "allocations.json"),
-                "--gfd", *plugin_args]
-        plugin = spawn(f"node-runtime@{node}", argv, logs / f"node-runtime-{node}.log",
-                       env={**env, "PYTHON": sys.executable})
-    else:
-        plugin = spawn(f"device-plugin@{node}", [
-            sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
-            "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
-            "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
-            "--pod-resources-socket", str(pod_resources), *plugin_args],
-            logs / f"device-plugin-{node}.log",
-            env=env)
+    plugin = start_device_plugin(cluster, node, kind, state, _env(settings), plugin_args,
+                                 bin_dir=bin_dir)
     started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig), supervisor,
                          str(status_file), kind)
     _record(cluster.dir, started)
     return started
+
+
+def start_device_plugin(cluster: Cluster, node: str, kind: str, state: Path,
+                        env: Mapping[str, str], plugin_args: Sequence[str] = (), *,
+                        bin_dir: Path | None = None) -> Proc:
+    """Start the device plugin side of `node`: `nvidia`, NVIDIA's plugin and GFD under the node
+    runtime (NVIDIA's binaries from `bin_dir`, default `nvidia_bin()`), or `simulated`, the
+    project's plugin. Also used by mig_manager.py, so that both pools of a comparison run the
+    same plugin the same way."""
+    logs = cluster.dir / "logs"
+    pod_resources = _pod_resources(cluster, node)
+    if kind == "nvidia":
+        argv = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", str(state), "--",
+                sys.executable, "-m", "migsim.node_runtime", "--node", node,
+                "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
+                "--nvidia-bin", str(bin_dir or nvidia_bin()), "--namespace", PLUGIN_NS,
+                "--selector", PLUGIN_LABEL, "--pod-resources-socket", str(pod_resources),
+                "--allocations-file", str(cluster.node_dir(node) / "allocations.json"),
+                "--gfd", *plugin_args]
+        return spawn(f"node-runtime@{node}", argv, logs / f"node-runtime-{node}.log",
+                     env={**env, "PYTHON": sys.executable})
+    return spawn(f"device-plugin@{node}", [
+        sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
+        "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
+        "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
+        "--pod-resources-socket", str(pod_resources), *plugin_args],
+        logs / f"device-plugin-{node}.log", env=env)
 
 
 def restart_agent(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,

@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -42,7 +41,7 @@ from typing import Any
 
 from migsim.nvml import state as simstate
 
-from .agents import PLUGIN_LABEL, PLUGIN_NS, REPO, sim_state_path
+from .agents import PLUGIN_NS, REPO, sim_state_path, start_device_plugin
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, spawn, stop
@@ -132,24 +131,8 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
                   logs / f"dbus-{node}.log")
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
         base_env["MIG_AGENT_LOG_FORMAT"] = "json"
-        pod_resources = cluster.node_dir(node) / "pod-resources.sock"
-        if device_plugin == "nvidia":
-            plugin = spawn(f"node-runtime@{node}", [
-                str(WITH_SIM_GPUS), "--host-view", str(state), "--",
-                sys.executable, "-m", "migsim.node_runtime", "--node", node,
-                "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
-                "--nvidia-bin", str(bin_dir), "--namespace", PLUGIN_NS,
-                "--selector", PLUGIN_LABEL, "--pod-resources-socket", str(pod_resources),
-                "--allocations-file", str(cluster.node_dir(node) / "allocations.json"),
-                "--gfd"], logs / f"node-runtime-{node}.log",
-                env={**base_env, "PYTHON": sys.executable})
-        else:
-            plugin = spawn(f"device-plugin@{node}", [
-                sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
-                "--node", node, "--kubeconfig", str(cluster.kubeconfig),
-                "--sim-state", str(state), "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
-                "--pod-resources-socket", str(pod_resources)],
-                logs / f"device-plugin-{node}.log", env=base_env)
+        plugin = start_device_plugin(cluster, node, device_plugin, state, base_env,
+                                     bin_dir=bin_dir)
         started.append(plugin)
         log = logs / f"mig-manager-{node}.log"
         mm_env = {
