@@ -61,6 +61,9 @@ def main() -> int:
     ap.add_argument("--gpus", default="8xH100-80GB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle", type=float, default=60.0, help="seconds of idle measurement")
+    ap.add_argument("--device-plugin", choices=("simulated", "nvidia"), default="simulated",
+                    help="the node's device plugin: the project's simulated one (default) or "
+                         "NVIDIA's under the node runtime (root)")
     args = ap.parse_args()
     layouts = ["all-1g.10gb", "all-balanced", "all-3g.40gb"]
     with tempfile.TemporaryDirectory(prefix="mig-agent-bench-") as tmp:
@@ -68,7 +71,7 @@ def main() -> int:
         try:
             agents.install(cluster)
             node = "gpu-node-0"
-            procs = agents.start_node(cluster, node)
+            procs = agents.start_node(cluster, node, device_plugin=args.device_plugin)
             port = procs.metrics_port
             for _ in range(100):
                 try:
