@@ -10,13 +10,12 @@ nodes through scripts/with-sim-gpus --host-view:
   alike in partition, mig-agent one per model), which is also what mig-agent's own apply left.
 
 Any disagreement is a bug in the simulator or the agent until shown otherwise. mig-agent runs in
-this process (its CLI's `main`), mig-parted as NVIDIA ships it."""
+its own process, mig-parted as NVIDIA ships it."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from migsim.nvml import open_node
 from migsim.nvml import state as st
 
 from mig_agent.catalog import fit_report, load_catalog
-from mig_agent.cli import main as mig_agent_main
 from mig_agent.layout import GpuLayout
 from mig_agent.models import MODELS
 
@@ -68,10 +66,10 @@ def _gpus(file: str, layout: str, model: str) -> str:
 
 
 def agent(*args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = mig_agent_main(list(args))
-    return code, out.getvalue()
+    """`mig-agent ARGS` in its own process (its logging set-up stays out of this one)."""
+    done = subprocess.run(["mig-agent", *args], capture_output=True, text=True, check=False,
+                          timeout=120)
+    return done.returncode, done.stdout if done.returncode == 0 else done.stdout + done.stderr
 
 
 def per_gpu(export: str, state: str, tmp_path: Path) -> list[GpuLayout | None]:
