@@ -16,8 +16,12 @@ API server over a connection of its own, and, on command, answers instead of it:
 
 A fault matches requests by method, path (a regular expression) and whether they are watches; it
 applies ``times`` times (None: until cleared) and/or for ``seconds``. `hits` counts the requests
-each fault answered. One request per upstream connection (``Connection: close``), so a response is
-relayed as the bytes come, a watch chunk by chunk.
+each fault answered; `requests` counts every request, and `counts` every request by verb and
+resource as the API server's audit names them (`request_kind`: "get nodes", "watch nodes",
+"patch nodes", "create pods/eviction", ...), answered by a fault or forwarded: put the proxy
+between a client and the API server with no fault to count what the client asks. One request
+per upstream connection (``Connection: close``), so a response is relayed as the bytes come, a
+watch chunk by chunk.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class ApiFaultProxy:
         self._sockets: set[socket.socket] = set()
         self.hits: Counter[str] = Counter()
         self.requests = 0
+        self.counts: Counter[str] = Counter()  # request_kind() -> requests
         self._thread = threading.Thread(target=self._accept, daemon=True,
                                          name=f"api-fault-proxy:{self.port}")
         self._thread.start()
@@ -114,6 +119,11 @@ class ApiFaultProxy:
     def clear(self) -> None:
         with self._lock:
             self._faults.clear()
+
+    def snapshot(self) -> Counter[str]:
+        """A copy of `counts` (taken under the lock): subtract two to count a stretch of time."""
+        with self._lock:
+            return Counter(self.counts)
 
     def stop(self) -> None:
         self._stop.set()
@@ -174,6 +184,7 @@ class ApiFaultProxy:
     def _match(self, method: str, path: str, is_watch: bool) -> Fault | None:
         with self._lock:
             self.requests += 1
+            self.counts[request_kind(method, path, is_watch)] += 1
             for f in self._faults:
                 if f.matches(method, path, is_watch):
                     if f.times is not None:
@@ -274,6 +285,33 @@ class ApiFaultProxy:
         finally:
             with self._lock:
                 self._watches.remove(watch)
+
+
+def request_kind(method: str, path: str, is_watch: bool) -> str:
+    """"VERB RESOURCE" of a request as the API server's audit log names it: verbs get, list,
+    watch, create, update, patch, delete, deletecollection; the resource with its subresource
+    ("nodes/status", "pods/eviction"). A path that is no resource: "METHOD PATH"."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"] and len(parts) >= 2:
+        rest = parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) >= 3:
+        rest = parts[3:]
+    else:
+        return f"{method} {path}"
+    if rest[:1] == ["watch"]:  # the old /api/v1/watch/... paths
+        rest, is_watch = rest[1:], True
+    if rest[:1] == ["namespaces"] and len(rest) >= 3:
+        rest = rest[2:]  # a namespaced resource
+    if not rest:
+        return f"{method} {path}"
+    named = len(rest) >= 2
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) >= 3 else "")
+    verb = {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method)
+    if verb is None and method == "GET":
+        verb = "watch" if is_watch else "get" if named else "list"
+    elif verb is None and method == "DELETE":
+        verb = "delete" if named else "deletecollection"
+    return f"{verb or method} {resource}"
 
 
 class _Watch:
