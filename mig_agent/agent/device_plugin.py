@@ -58,6 +58,23 @@ def restart(cluster: Cluster, s: Settings, paused: list[str]) -> None:
     log.info("device_plugin.restarted", pods=[p.ref.name for p in pods])
 
 
+def restart_survivors(cluster: Cluster, s: Settings, old_plugins: set[str]) -> None:
+    """Delete the device plugin pods from before the pass that outlived the pause of their
+    operand. Pausing restarts the plugin only if the DaemonSet controller sees the paused label
+    before it is resumed: a pass with nothing to drain (one that finishes an interrupted pass)
+    pauses and resumes within milliseconds, the controller keeps the old pod, and no new one
+    would ever come to wait for."""
+    survivors = [p for p in plugin_pods(cluster, s) if p.ref.uid in old_plugins]
+    for p in survivors:
+        cluster.delete_pod(p.ref)
+    if survivors:
+        log.info(
+            "device_plugin.restarted",
+            pods=[p.ref.name for p in survivors],
+            reason="the pod outlived the pause of its operand",
+        )
+
+
 def plugin_rules(s: Settings, node: NodeView) -> tuple[str, Sharing]:
     """The MIG strategy and sharing config NVIDIA's device plugin runs with on this node.
 
@@ -108,6 +125,7 @@ def wait_resources(
     resume = labels.resume_patch(node.labels, s.operand_labels)
     if any(k.endswith(".device-plugin") for k in resume):
         cluster.patch_node(s.node_name, labels=resume)
+        restart_survivors(cluster, s, old_plugins)
     has_plugin = (
         any(k.endswith(".device-plugin") for k in resume)
         or bool(old_plugins)
