@@ -8,7 +8,9 @@ simulated libnvidia-ml.so.1 answers for the node in STATE. It
 * serves the kubelet's device-plugin Registration API on ``kubelet.sock`` (migsim.kubelet) and
   consumes ListAndWatch from the plugins that register;
 * watches the node's device-plugin DaemonSet pod and runs ``nvidia-device-plugin`` (with the
-  node's MIG strategy and optional config file) while a Ready one runs: a new pod (new UID)
+  node's MIG strategy and optional config file) while one runs (phase Running, not being
+  deleted; its Ready condition aside, as a kubelet runs a container whatever the API says of
+  its readiness): a new pod (new UID)
   starts it afresh, no pod stops it; a plugin that exits while its pod runs is restarted with a
   back-off, as a kubelet restarts a container;
 * writes the node's capacity and allocatable of what the plugins advertise, as the kubelet does:
@@ -265,16 +267,15 @@ class Runtime:
             self._gfd()
 
     def _plugin_lifecycle(self, pods: list[PodView]) -> None:
-        ready = [p for p in pods if p.ref.namespace == self.o.namespace
-                 and _selected(p, self.o.selector) and p.ready and not p.terminating]
-        uid = ready[0].ref.uid if ready else None
+        running = plugin_pods(pods, self.o.namespace, self.o.selector)
+        uid = running[0].ref.uid if running else None
         now = time.monotonic()
         if uid != self.pod_uid:
             if self.plugin.proc is not None:
                 self.plugin.stop()
             self.pod_uid, self.backoff, self.restart_at = uid, RESTART_BACKOFF[0], None
             if uid is not None:
-                log.info("node_runtime.plugin_pod", node=self.o.node, pod=ready[0].ref.name)
+                log.info("node_runtime.plugin_pod", node=self.o.node, pod=running[0].ref.name)
                 self.plugin.start()
                 self.registered_at = None
                 self.gfd_due = True
@@ -404,6 +405,16 @@ class Runtime:
             self.manager.stop()
             if server is not None:
                 server.stop()
+
+
+def plugin_pods(pods: Sequence[PodView], namespace: str, selector: str) -> list[PodView]:
+    """The device plugin pods whose container runs on the node, as a kubelet sees it: the pod
+    is Running and not being deleted. Its Ready condition is no part of that: it is a report in
+    the API, which the node-lifecycle controller sets False when it misses the node's heartbeats
+    (after an API server restart, say) and a kubelet sets True again; kwok plays a pod's stages
+    once and never does, so a plugin stopped on it would stay stopped for good."""
+    return [p for p in pods if p.ref.namespace == namespace and _selected(p, selector)
+            and p.phase == "Running" and not p.terminating]
 
 
 def _selected(pod: PodView, selector: str) -> bool:
