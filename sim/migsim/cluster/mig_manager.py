@@ -20,6 +20,14 @@ Per node, `start_node` starts three processes (each in its own process group, se
   the same file to mig-agent for a fair comparison), and DEFAULT_GPU_CLIENTS_NAMESPACE = the
   namespace of the device plugin's DaemonSet, whose pod it waits for to go once it has paused it.
 
+`kill_manager` SIGKILLs MIG Manager's process group (nvidia-mig-manager, the mig-parted run it
+waits for, the node's NVML simulator under it), as a container that crashes or is OOM-killed
+goes; `restart_manager` starts it again with the same settings, as its DaemonSet's kubelet
+would (nothing restarts it by itself: the caller waits the kubelet's back-off if it wants to).
+`start_node`'s `kubeconfig` lets MIG Manager reach the API server through something else (e.g.
+a counting proxy, api_faults.py; `admin_kubeconfig` writes one with the admin token for any
+server URL).
+
 Needs root (the private mount namespace of --host-view) and NVIDIA's binaries
 (`scripts/nvidia-binaries build`). Records go to `<cluster dir>/mig-managers.json`, so
 `stop_node`/`stop_all` work from another process too.
@@ -41,10 +49,11 @@ from typing import Any
 
 from migsim.nvml import state as simstate
 
+from . import kubeconfig as kubeconfig_file
 from .agents import PLUGIN_NS, REPO, sim_state_path, start_device_plugin
 from .cluster import Cluster
 from .errors import DevClusterError
-from .processes import Proc, spawn, stop
+from .processes import Proc, kill, spawn, stop
 
 WITH_SIM_GPUS = REPO / "scripts" / "with-sim-gpus"
 NVIDIA_BINARIES = REPO / "scripts" / "nvidia-binaries"
@@ -77,6 +86,8 @@ class NodeMigManager:
     sim_state: str
     config_file: str
     log: str
+    manager_env: dict[str, str] | None = None  # MIG Manager's own settings, for a restart
+    manager_argv: list[str] | None = None
 
 
 def nvidia_bin_dir() -> Path:
@@ -91,13 +102,15 @@ def nvidia_bin_dir() -> Path:
 def start_node(cluster: Cluster, node: str, config_file: Path, *,
                sim: Mapping[str, Any] | None = None, bin_dir: Path | None = None,
                env: Mapping[str, str] | None = None,
-               device_plugin: str = "simulated") -> NodeMigManager:
+               device_plugin: str = "simulated",
+               kubeconfig: Path | None = None) -> NodeMigManager:
     """Start MIG Manager (with its D-Bus and a device plugin) on `node`.
 
     `config_file`: the mig-parted config (one file); `sim`: options of the node's simulated GPUs
     when they are first created (as agents.start_node); `bin_dir`: NVIDIA's binaries (default:
     build or find them); `env`: more environment for nvidia-mig-manager (e.g. WITH_REBOOT);
-    `device_plugin`: `simulated` or `nvidia` (as agents.start_node's).
+    `device_plugin`: `simulated` or `nvidia` (as agents.start_node's); `kubeconfig`: MIG
+    Manager's (default the cluster's admin kubeconfig).
     """
     if device_plugin not in ("simulated", "nvidia"):
         raise DevClusterError(f"device plugin {device_plugin!r}: expected simulated or nvidia")
@@ -135,29 +148,69 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
                                      bin_dir=bin_dir)
         started.append(plugin)
         log = logs / f"mig-manager-{node}.log"
-        mm_env = {
-            **base_env,
+        own_env = {
             "PATH": f"{bin_dir}:{base_env.get('PATH', '/usr/bin:/bin')}",
-            "KUBECONFIG": str(cluster.kubeconfig),
+            "KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
             "NODE_NAME": node,
             "CONFIG_FILE": str(Path(config_file).resolve()),
             "HOST_ROOT_MOUNT": str(host),
             "DEFAULT_GPU_CLIENTS_NAMESPACE": PLUGIN_NS,
             **dict(env or {}),
         }
-        manager = spawn(f"mig-manager@{node}", [
-            str(WITH_SIM_GPUS), "--host-view", str(state), "--",
-            str(bin_dir / "nvidia-mig-manager")], log, env=mm_env)
+        argv = [str(WITH_SIM_GPUS), "--host-view", str(state), "--",
+                str(bin_dir / "nvidia-mig-manager")]
+        manager = spawn(f"mig-manager@{node}", argv, log, env={**base_env, **own_env})
         started.append(manager)
     except BaseException:
         stop(list(reversed(started)))
         raise
-    record = NodeMigManager(node, manager, dbus, plugin, str(state), str(config_file), str(log))
+    record = NodeMigManager(node, manager, dbus, plugin, str(state), str(config_file), str(log),
+                            own_env, argv)
     with _locked(cluster.dir):
         records = _load(cluster.dir)
         records[node] = asdict(record)
         _save(cluster.dir, records)
     return record
+
+
+def admin_kubeconfig(cluster: Cluster, path: Path, server: str) -> Path:
+    """A kubeconfig at `path` with the cluster's admin token (what MIG Manager uses here by
+    default) for API server URL `server`: one that goes through a proxy, which cannot pass the
+    admin kubeconfig's client certificate on."""
+    return kubeconfig_file.write(path, server=server, ca_cert=cluster.ca_cert, user="admin",
+                                 token=cluster.admin_token)
+
+
+def kill_manager(directory: Path, node: str) -> Proc | None:
+    """SIGKILL MIG Manager's process group on `node` at once (a crashed container: the
+    mig-parted run under way dies with it; no clean-up runs). The killed process, or None."""
+    record = running(directory).get(node)
+    if record is None or not record.get("mig_manager"):
+        return None
+    manager = Proc(**record["mig_manager"])
+    kill(manager)
+    return manager
+
+
+def restart_manager(cluster: Cluster, node: str) -> NodeMigManager:
+    """Start MIG Manager on `node` again with the settings it had (its D-Bus and device plugin
+    keep running), as the DaemonSet's kubelet restarts a container that exited; a manager
+    still running is stopped first."""
+    with _locked(cluster.dir):
+        records = _load(cluster.dir)
+        record = records.get(node)
+        if record is None or not record.get("manager_argv"):
+            raise DevClusterError(f"no MIG Manager recorded for {node}; start it with start_node")
+        stop([Proc(**record["mig_manager"])])
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
+        base_env["MIG_AGENT_LOG_FORMAT"] = "json"
+        manager = spawn(f"mig-manager@{node}", record["manager_argv"], Path(record["log"]),
+                        env={**base_env, **record["manager_env"]})
+        record["mig_manager"] = asdict(manager)
+        _save(cluster.dir, records)
+    return NodeMigManager(**{**record, "mig_manager": manager,
+                             "dbus": Proc(**record["dbus"]),
+                             "device_plugin": Proc(**record["device_plugin"])})
 
 
 def _wait_for(ready: Callable[[], bool], proc: Proc, message: str, log: Path,
