@@ -97,6 +97,9 @@ class Settings:
     """Server-side timeout of one node watch; the watch then reconnects."""
     reboot_command: str = ""
     """Command run when a MIG mode change needs a reboot (empty: never reboot)."""
+    reboot_timeout_s: float = 120.0
+    """How long the reboot command may run: one still running then is killed, and the pass is
+    failed naming the command (the node did not reboot; the reboot guard is not armed)."""
     restart_validators: bool = True
     """The GPU Operator's validators, as MIG Manager does: while draining, delete the pods
     ``app=nvidia-cuda-validator`` and ``app=nvidia-device-plugin-validator`` on this node, and
@@ -184,9 +187,13 @@ class Settings:
             _check_command(name, getattr(settings, name))
         if settings.command_timeout_s <= 0:
             raise ConfigError(f"command timeout must be positive, got {settings.command_timeout_s}")
+        if settings.reboot_timeout_s <= 0:
+            raise ConfigError(f"reboot timeout must be positive, got {settings.reboot_timeout_s}")
         if settings.stop_host_gpu_clients and not settings.host_gpu_clients_file:
-            raise ConfigError("stop_host_gpu_clients is on but no host_gpu_clients_file names "
-                              "the services to stop")
+            raise ConfigError(
+                "stop_host_gpu_clients is on but no host_gpu_clients_file names "
+                "the services to stop"
+            )
         return settings
 
     def replace(self, **changes: Any) -> Settings:
@@ -215,5 +222,6 @@ def _check_command(name: str, command: str) -> None:
     try:
         shlex.split(command)
     except ValueError as exc:
-        raise ConfigError(f"MIG_AGENT_{name.upper()}={command!r} is not a valid command: "
-                          f"{exc}") from None
+        raise ConfigError(
+            f"MIG_AGENT_{name.upper()}={command!r} is not a valid command: {exc}"
+        ) from None

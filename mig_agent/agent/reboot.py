@@ -6,17 +6,20 @@ import shlex
 import subprocess
 
 from mig_agent.errors import RebootFailed
+from mig_agent.settings import Settings
 
-REBOOT_TIMEOUT_S = 120.0
+REBOOT_TIMEOUT_S = Settings().reboot_timeout_s
+"""The default of the setting reboot_timeout_s."""
 
 
-def run_reboot(command: str) -> None:
-    """Run the reboot command; RebootFailed naming the command and how it failed."""
+def run_reboot(command: str, timeout_s: float = REBOOT_TIMEOUT_S) -> None:
+    """Run the reboot command; RebootFailed naming the command and how it failed. A command
+    still running after ``timeout_s`` (the setting reboot_timeout_s) is killed."""
     try:
         subprocess.run(
             shlex.split(command),
             check=True,
-            timeout=REBOOT_TIMEOUT_S,  # noqa: S603
+            timeout=timeout_s,  # noqa: S603
             capture_output=True,
             text=True,
         )
@@ -29,7 +32,7 @@ def run_reboot(command: str) -> None:
         ) from exc
     except subprocess.TimeoutExpired as exc:
         raise RebootFailed(
-            f"reboot command {command!r} did not return within {REBOOT_TIMEOUT_S:.0f} s",
+            f"reboot command {command!r} did not return within {timeout_s:g} s",
             command=command,
         ) from exc
     except (OSError, ValueError) as exc:  # not found, not executable, unbalanced quotes
