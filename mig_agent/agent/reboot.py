@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import signal
 import subprocess
 
 from mig_agent.errors import RebootFailed
@@ -13,29 +16,40 @@ REBOOT_TIMEOUT_S = Settings().reboot_timeout_s
 
 
 def run_reboot(command: str, timeout_s: float = REBOOT_TIMEOUT_S) -> None:
-    """Run the reboot command; RebootFailed naming the command and how it failed. A command
-    still running after ``timeout_s`` (the setting reboot_timeout_s) is killed."""
+    """Run the reboot command; RebootFailed naming the command and how it failed. The command
+    runs in a session of its own: still running after ``timeout_s`` (the setting
+    reboot_timeout_s), it is killed with whatever it started (a shell's children too)."""
     try:
-        subprocess.run(
+        proc = subprocess.Popen(  # noqa: S603  (the operator's own command, no shell)
             shlex.split(command),
-            check=True,
-            timeout=timeout_s,  # noqa: S603
-            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
+            errors="replace",
+            start_new_session=True,
         )
-    except subprocess.CalledProcessError as exc:
-        said = (exc.stderr or exc.stdout or "").strip().splitlines()[-1:]
-        raise RebootFailed(
-            f"reboot command {command!r} failed with exit status "
-            f"{exc.returncode}" + (f": {said[0][:300]}" if said else ""),
-            command=command,
-        ) from exc
-    except subprocess.TimeoutExpired as exc:
-        raise RebootFailed(
-            f"reboot command {command!r} did not return within {timeout_s:g} s",
-            command=command,
-        ) from exc
     except (OSError, ValueError) as exc:  # not found, not executable, unbalanced quotes
         raise RebootFailed(
             f"reboot command {command!r} could not run: {exc}", command=command
         ) from exc
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()  # not communicate(): something that left the session may hold the pipes
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        raise RebootFailed(
+            f"reboot command {command!r} did not return within {timeout_s:g} s (killed)",
+            command=command,
+        ) from exc
+    if proc.returncode != 0:
+        said = (err or out or "").strip().splitlines()[-1:]
+        raise RebootFailed(
+            f"reboot command {command!r} failed with exit status "
+            f"{proc.returncode}" + (f": {said[0][:300]}" if said else ""),
+            command=command,
+        )

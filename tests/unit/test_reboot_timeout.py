@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,7 @@ def test_a_reboot_command_that_never_returns_fails_at_the_timeout_naming_it() ->
     with pytest.raises(RebootFailed) as err:
         run_reboot(HANGS, timeout_s=0.5)
     assert time.monotonic() - started < 10
-    assert str(err.value) == f"reboot command {HANGS!r} did not return within 0.5 s"
+    assert str(err.value) == f"reboot command {HANGS!r} did not return within 0.5 s (killed)"
     assert err.value.context["command"] == HANGS
 
 
@@ -35,3 +37,29 @@ def test_the_reboot_timeout_is_a_setting() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             Settings.from_env({**env, "MIG_AGENT_REBOOT_TIMEOUT_S": bad})
+
+
+def _running(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if marker.encode() in cmdline and int(proc.name) != os.getpid():
+                pids.append(int(proc.name))
+    return pids
+
+
+def test_what_a_hanging_reboot_command_started_is_killed_with_it() -> None:
+    """A shell script that waits on a child: before, the shell alone was killed and its child
+    lived on (the agent's container would collect such orphans at every failed reboot)."""
+    marker = f"{os.getpid()}.{time.monotonic_ns() % 1000}"
+    command = f"sh -c 'sleep {marker}; echo never'"
+    with pytest.raises(RebootFailed, match="did not return within 0.5 s"):
+        run_reboot(command, timeout_s=0.5)
+    deadline = time.monotonic() + 5
+    while _running(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(f"sleep {marker}") == []
