@@ -10,7 +10,7 @@ import structlog
 
 from mig_agent import labels
 from mig_agent.catalog import device_plugin_sharing
-from mig_agent.drain import Clock
+from mig_agent.drain import Clock, poll_delays
 from mig_agent.errors import (
     DevicePluginTimeout,
 )
@@ -137,10 +137,10 @@ def wait_resources(
         return
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = False
+    delays = poll_delays(s.poll_s)
     while True:
         new_pod = new_pod or any(
-            p.ready and p.ref.uid not in old_plugins
-            for p in plugin_pods(cluster, s)
+            p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s)
         )
         have = cluster.get_node(s.node_name).gpu_resources()
         if new_pod and have == want:
@@ -162,4 +162,4 @@ def wait_resources(
                 expected=want,
                 advertised=have,
             )
-        clock.sleep(s.poll_s)
+        clock.sleep(next(delays))

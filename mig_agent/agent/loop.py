@@ -14,7 +14,7 @@ from mig_agent.agent import device_plugin
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.drain import Clock
 from mig_agent.errors import MigAgentError
-from mig_agent.kube.cluster import Cluster
+from mig_agent.kube.cluster import Cluster, NodeView
 from mig_agent.labels import State
 from mig_agent.settings import Settings
 
@@ -33,8 +33,10 @@ class Agent(Protocol):
     failures: int
     loop_alive_at: float
     watch_alive_at: float
+    # the node as the open watch last delivered it; None while the watch is not open
+    watched_node: NodeView | None
 
-    def reconcile_once(self) -> PassResult: ...
+    def reconcile_once(self, *, node: NodeView | None = None) -> PassResult: ...
 
     def reload_config(self) -> bool: ...
 
@@ -49,6 +51,7 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
         try:
             for node in agent.cluster.watch_node(s.node_name, timeout_s=s.watch_timeout_s):
                 agent.watch_alive_at = agent.clock.now()
+                agent.watched_node = node
                 delay = 1.0
                 seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
                 # "pending" for the layout we saw is only ever our own patch, arriving late (a
@@ -62,8 +65,10 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
                     agent.wake_event.set()
                 if stop.is_set():
                     return
+            agent.watched_node = None  # closed: re-opened at once
             agent.watch_alive_at = agent.clock.now()
         except MigAgentError as exc:
+            agent.watched_node = None
             agent.watch_alive_at = agent.clock.now()  # alive, retrying: a restart won't help
             log.warning("watch.failed", error=str(exc), retry_in_s=delay)
             stop.wait(delay)
@@ -78,16 +83,20 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
     watcher.start()
     agent.reload_config()
     agent.report_gpu_problem()
-    next_due = 0.0
+    next_due, resync_due = 0.0, False
     while not stop.is_set():
         now = agent.loop_alive_at = agent.clock.now()
         if agent.wake_event.is_set() or now >= next_due:
+            # a resync with the watch open reads the node from the watch: an idle agent makes
+            # no request but the watch (a wake-up or a retry reads it afresh)
+            cached = agent.watched_node if resync_due and not agent.wake_event.is_set() else None
             agent.wake_event.clear()
             try:
-                result = agent.reconcile_once()
+                result = agent.reconcile_once(node=cached)
             except MigAgentError as exc:  # could not even read the node
                 log.error("reconcile.failed", error=str(exc), error_type=type(exc).__name__)
                 result = PassResult(Outcome.FAILED, agent.settings.backoff_s, str(exc))
+            resync_due = result.retry_after_s is None
             if result.outcome is Outcome.FAILED and result.retry_after_s is None:
                 next_due = float("inf")  # wait for a label or config change
             else:

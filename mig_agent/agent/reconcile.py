@@ -36,7 +36,7 @@ from mig_agent.agent import (
 from mig_agent.agent.node_guard import NodeRebooting
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.agent.reboot import run_reboot
-from mig_agent.drain import Clock, drain_gpu_pods, wait_pods_gone
+from mig_agent.drain import Clock, drain_gpu_pods, poll_delays, wait_pods_gone
 from mig_agent.errors import (
     ConfigError,
     GpuBusy,
@@ -94,6 +94,7 @@ class Agent:
     catalog_error: str = ""
     last_pass_at: float = 0.0
     watch_alive_at: float = 0.0
+    watched_node: NodeView | None = None  # the node as the open watch last delivered it
     # time.monotonic() of the loop's last sign of life: each turn between passes, and every
     # wait inside a pass (drain, device plugin); /healthz fails only when this stops
     loop_alive_at: float = 0.0  # set from the clock when the agent is made
@@ -200,12 +201,14 @@ class Agent:
 
     # -- one pass -----------------------------------------------------------------------------
 
-    def reconcile_once(self) -> PassResult:
+    def reconcile_once(self, *, node: NodeView | None = None) -> PassResult:
+        """One pass; ``node`` is the node as the open watch delivered it (a resync), else it is
+        read."""
         s = self.settings
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(node=s.node_name)
         self.last_pass_at = time.time()
-        node = self.cluster.get_node(s.node_name)
+        node = node or self.cluster.get_node(s.node_name)
         desired = node.labels.get(s.config_label)
         self.seen = (desired, node.labels.get(s.state_label))
         self.seen_plugin_labels = device_plugin.plugin_labels(self.settings, node)
@@ -453,18 +456,10 @@ class Agent:
             for p in self.cluster.list_pods(node=s.node_name)
             if "DaemonSet" in p.owner_kinds and set(p.node_selector) & set(paused)
         ]
-        if operand_pods:
-            log.info("operands.waiting", pods=len(operand_pods))
-            wait_pods_gone(
-                self.cluster,
-                operand_pods,
-                timeout_s=s.operand_timeout_s,
-                poll_s=s.poll_s,
-                what="paused operand pods",
-                clock=self.clock,
-            )
         # their results are of devices about to go; the operator reruns them after the change
         validators.delete(self.cluster, s, validators.BEFORE)
+        # the paused operands terminate while the GPU pods do: one termination to wait for,
+        # not two in a row
         evicted = drain_gpu_pods(
             self.cluster,
             s.node_name,
@@ -476,6 +471,17 @@ class Agent:
             may_stay=self._pods_that_may_stay(the_plan),
         )
         self.metrics.evictions.inc(len(evicted))
+        if operand_pods:
+            log.info("operands.waiting", pods=len(operand_pods))
+            wait_pods_gone(
+                self.cluster,
+                s.node_name,
+                operand_pods,
+                timeout_s=s.operand_timeout_s,
+                poll_s=s.poll_s,
+                what="paused operand pods",
+                clock=self.clock,
+            )
 
     def _apply(self, desired: str, models: Mapping[int, GpuModel],
                hook_run: site_hooks.HookRunner, reset_gpus: list[int]) -> None:
@@ -512,6 +518,7 @@ class Agent:
         object for a moment (container teardown), so a busy GPU is looked at again until
         ``gpu_release_timeout_s``; then it is a real busy GPU (GpuBusy, naming the pids)."""
         deadline = self.clock.now() + self.settings.gpu_release_timeout_s
+        delays = poll_delays(self.settings.poll_s)
         while True:
             try:
                 return planner.plan(layout, self.gpus.observe(), models)
@@ -519,7 +526,7 @@ class Agent:
                 if self.clock.now() >= deadline:
                     raise
                 log.info("gpu.waiting_for_processes", error=str(exc))
-                self.clock.sleep(self.settings.poll_s)
+                self.clock.sleep(next(delays))
 
     def _verify(self, desired: str, models: Mapping[int, GpuModel]) -> None:
         assert self.catalog is not None

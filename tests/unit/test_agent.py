@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import queue
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from mig_agent.agent import Agent, Outcome
 from mig_agent.catalog import load_catalog
 from mig_agent.drain import Clock
 from mig_agent.errors import KubeUnavailable
-from mig_agent.kube.cluster import PodRef
+from mig_agent.kube.cluster import NodeView, PodRef
 from mig_agent.labels import PAUSED
 from mig_agent.models import MODELS
 from mig_agent.resources import expected_resources
@@ -65,10 +67,14 @@ class Crash(BaseException):
 
 
 def make(
-    gpus: FakeGpus | None = None, *, operands: bool = True, **settings: object
+    gpus: FakeGpus | None = None,
+    *,
+    operands: bool = True,
+    cluster: FakeCluster | None = None,
+    **settings: object,
 ) -> tuple[Agent, FakeCluster, FakeGpus]:
     gpus = gpus or FakeGpus([MODELS["H100-80GB"]] * 8)
-    cluster = FakeCluster()
+    cluster = cluster or FakeCluster()
     labels = {DP_LABEL: "true"} if operands else {}
     cluster.add_node(NODE, labels, {"nvidia.com/gpu": "8"})
 
@@ -814,9 +820,9 @@ def test_the_loop_runs_on_injected_time() -> None:
     passes: list[float] = []
     once = agent.reconcile_once
 
-    def counted() -> Any:
+    def counted(**kw: Any) -> Any:
         passes.append(agent.clock.now())
-        return once()
+        return once(**kw)
 
     agent.reconcile_once = counted  # type: ignore[method-assign]
     stop = threading.Event()
@@ -836,6 +842,65 @@ def test_the_loop_runs_on_injected_time() -> None:
     gaps = [b - a for a, b in zip(passes[1:], passes[2:], strict=False)]
     assert all(300.0 <= g < 306.0 for g in gaps), passes  # the resync, in the clock's time
     assert cluster.nodes[NODE].labels[STATE] == "success"
+
+
+class OpenWatch(FakeCluster):
+    """A node watch that stays open and delivers every change of the node; counts reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes: queue.Queue[NodeView | None] = queue.Queue()
+        self.reads = 0
+
+    def get_node(self, name: str) -> NodeView:
+        self.reads += 1
+        return super().get_node(name)
+
+    def patch_node(self, name: str, **kw: Any) -> NodeView:
+        node = super().patch_node(name, **kw)
+        self.changes.put(node)
+        return node
+
+    def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
+        yield self.nodes[name]
+        while (node := self.changes.get()) is not None:
+            yield node
+
+
+def test_an_idle_agent_reads_nothing_but_its_watch() -> None:
+    """Resync passes take the node from the open watch: an idle agent makes no request (before:
+    a read of the node every resync)."""
+    agent, cluster, gpus = make(cluster=OpenWatch(), resync_s=300.0)
+    assert isinstance(cluster, OpenWatch)
+    label(cluster, "all-1g.10gb")
+    passes: list[float] = []
+    once = agent.reconcile_once
+
+    def counted(**kw: Any) -> Any:
+        passes.append(agent.clock.now())
+        return once(**kw)
+
+    agent.reconcile_once = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 5.0})
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(passes) < 2:  # the first pass applies, then the resyncs begin
+            assert time.monotonic() < deadline, passes
+            time.sleep(0.01)
+        reads, writes = cluster.reads, cluster.nodes[NODE].resource_version
+        while len(passes) < 6:
+            assert time.monotonic() < deadline, passes
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        agent.wake()
+        cluster.changes.put(None)
+        runner.join(5)
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert cluster.reads == reads, "a resync read the node"
+    assert cluster.nodes[NODE].resource_version == writes
 
 
 def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -> None:

@@ -1,0 +1,132 @@
+"""The drain's waits and evictions: how soon it notices, how many requests it makes, and that
+the operands and the GPU pods terminate side by side (tests/unit/test_agent.py has the pass)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter
+
+import pytest
+
+from mig_agent.drain import Clock, drain_gpu_pods, poll_delays, wait_pods_gone
+from mig_agent.errors import DrainTimeout
+from mig_agent.kube.cluster import PodRef
+from tests.unit.fake_cluster import FakeCluster
+
+from .test_agent import DP_LABEL, DP_NS, DP_SEL, NODE, FakeTime, label, make
+
+
+def test_poll_delays_look_often_at_first_then_back_off_to_the_poll_interval() -> None:
+    first = list(itertools.islice(poll_delays(1.0), 36))
+    assert first[:30] == [0.1] * 30  # three seconds at 0.1 s: most waits end in that time
+    assert first[30:] == [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert list(itertools.islice(poll_delays(0.05), 3)) == [0.05] * 3  # never above poll_s
+
+
+class LingeringPods(FakeCluster):
+    """Evicted pods terminate for a few looks, as a kubelet stops containers; counts calls."""
+
+    def __init__(self, looks: int) -> None:
+        super().__init__()
+        self.looks, self.terminating = looks, dict[PodRef, int]()
+        self.calls: Counter[str] = Counter()
+
+    def evict(self, ref: PodRef) -> None:
+        self.calls["evict"] += 1
+        self.terminating[ref] = self.looks
+        self.evicted.append(ref)
+
+    def list_pods(self, **kw: object) -> list:  # type: ignore[override]
+        self.calls["list_pods"] += 1
+        for ref, left in list(self.terminating.items()):
+            if left <= 0:
+                self.pods.pop(ref, None)
+                del self.terminating[ref]
+            else:
+                self.terminating[ref] = left - 1
+        return super().list_pods(**kw)  # type: ignore[arg-type]
+
+    def get_pod(self, ref: PodRef) -> None:  # type: ignore[override]
+        raise AssertionError("the drain reads the node's pods in one list, not pod by pod")
+
+
+def test_drain_waits_with_one_list_of_the_nodes_pods_per_look() -> None:
+    cluster = LingeringPods(looks=3)
+    for i in range(20):
+        cluster.add_pod("work", f"p{i}", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    t = FakeTime()
+    evicted = drain_gpu_pods(
+        cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0, clock=Clock(t.now, t.sleep)
+    )
+    assert len(evicted) == 20 and not cluster.pods
+    assert cluster.calls["evict"] == 20
+    # one list to find the pods, then one per look until the last is gone: not 20 per look
+    assert cluster.calls["list_pods"] <= 6
+    assert t.t == pytest.approx(0.3)  # noticed at the first look after they went, 0.1 s apart
+
+
+def test_wait_pods_gone_names_what_stays() -> None:
+    cluster = FakeCluster()
+    ref = cluster.add_pod(DP_NS, "dp", NODE, labels=DP_SEL, owner="DaemonSet")
+    t = FakeTime()
+    with pytest.raises(
+        DrainTimeout, match="paused operand pods still present after 10 s: gpu-operator/dp"
+    ):
+        wait_pods_gone(
+            cluster,
+            NODE,
+            [ref],
+            timeout_s=10,
+            poll_s=1.0,
+            what="paused operand pods",
+            clock=Clock(t.now, t.sleep),
+        )
+    replaced = PodRef(ref.namespace, ref.name, "another-uid")
+    wait_pods_gone(
+        cluster, NODE, [replaced], timeout_s=10, poll_s=1.0, what="x", clock=Clock(t.now, t.sleep)
+    )  # a pod of the same name but another UID: gone
+
+
+class TogetherOnly(FakeCluster):
+    """Each eviction returns only once four are in flight: evictions one after another never
+    get there (the barrier breaks after 5 s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(4, timeout=5)
+
+    def evict(self, ref: PodRef) -> None:
+        self.barrier.wait()
+        super().evict(ref)
+
+
+def test_evictions_go_side_by_side() -> None:
+    cluster = TogetherOnly()
+    for i in range(8):
+        cluster.add_pod("work", f"p{i}", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    evicted = drain_gpu_pods(cluster, NODE, timeout_s=60, retry_s=5, poll_s=0.01)
+    assert len(evicted) == 8 and not cluster.pods
+
+
+def test_gpu_pods_are_evicted_while_the_paused_operands_terminate() -> None:
+    """The device plugin's pod (paused operand) goes only after the GPU pods were asked to go:
+    waiting for it first, as the drain once did, would wait out the operand timeout."""
+    agent, cluster, _ = make(operand_timeout_s=30.0)
+    gpu_pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    plugin_play = cluster.on_change
+    assert plugin_play is not None
+
+    def operands_go_after_an_eviction(c: FakeCluster) -> None:
+        dp = c.list_pods(
+            node=NODE, namespace=DP_NS, label_selector="app=nvidia-device-plugin-daemonset"
+        )
+        if dp and c.nodes[NODE].labels.get(DP_LABEL) != "true" and not c.evicted:
+            return  # the DaemonSet's pod is still terminating
+        plugin_play(c)
+
+    cluster.on_change = operands_go_after_an_eviction
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome.name == "APPLIED", result
+    assert cluster.evicted == [gpu_pod]
