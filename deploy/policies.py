@@ -42,7 +42,7 @@ the error class names of failed passes (GpuUnavailable is both: no NVML on start
 EVENT_REASONS = (
     "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying", "MIGDevicePluginRestart",
     "MIGConfigApplied", "MIGConfigFailed", "MIGRebooting", "MIGPostApply",
-    "MIGHostClientsStopped", "MIGHostClientsStarted",
+    "MIGHostClientsStopped", "MIGHostClientsStarted", "MIGConfigInvalid",
 )
 """Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
 MESSAGE_CAP = 1024

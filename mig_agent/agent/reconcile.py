@@ -148,7 +148,26 @@ class Agent:
         except ConfigError as exc:
             self.catalog_error = str(exc)
             log.error("config.invalid", error=str(exc), config=self.settings.config)
+            self._report_invalid_config(str(exc))
         return True
+
+    def _report_invalid_config(self, error: str) -> None:
+        """An operator who edits the profile ConfigMap sees the mistake on the node (kubectl
+        describe node), not only in the agent's log, and what the agent goes on with."""
+        kept = (
+            f"the agent goes on with the last good config ({len(self.catalog.layouts)} layouts)"
+            if self.catalog is not None
+            else "no layout can be applied until it is fixed"
+        )
+        try:
+            node = self.cluster.get_node(self.settings.node_name)
+        except MigAgentError as exc:
+            log.warning("config.invalid_not_reported", error=str(exc))
+            return
+        reporting.event(
+            self.cluster, node, "MIGConfigInvalid", f"profile config invalid: {error}; {kept}",
+            warning=True,
+        )
 
     def gpu_problem(self) -> str:
         """Why the GPUs cannot be read now, or "". Without NVML, it names the RuntimeClass the

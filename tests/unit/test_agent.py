@@ -415,6 +415,10 @@ def test_config_change_is_picked_up_and_a_broken_one_keeps_the_last_good(tmp_pat
     assert agent.reload_config() is True
     assert "unknown version" in agent.catalog_error or "v1" in agent.catalog_error
     assert agent.catalog is not None and "late-layout" in agent.catalog
+    # the operator sees it on the node, with what the agent goes on with
+    (warning,) = [e for e in cluster.events if e[1] == "MIGConfigInvalid"]
+    assert warning[3] is True and "extra.yaml" in warning[2]
+    assert f"last good config ({len(agent.catalog.layouts)} layouts)" in warning[2]
 
 
 def _holding(gpus: FakeGpus, gpu: int, n: int = 1) -> frozenset[str]:
