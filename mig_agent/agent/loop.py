@@ -35,6 +35,7 @@ class Agent(Protocol):
     watch_alive_at: float
     # the node as the open watch last delivered it; None while the watch is not open
     watched_node: NodeView | None
+    pass_running: bool
 
     def reconcile_once(self, *, node: NodeView | None = None) -> PassResult: ...
 
@@ -47,11 +48,16 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
     """Wake the loop when someone else changes the layout or state label; reconnects."""
     s = agent.settings
     delay = 1.0
+    marks: dict[str, str] | None = None
     while not stop.is_set():
         try:
             for node in agent.cluster.watch_node(s.node_name, timeout_s=s.watch_timeout_s):
                 agent.watch_alive_at = agent.clock.now()
                 agent.watched_node = node
+                # our annotations changed while no pass runs: someone else wrote them (a pass
+                # corrects them now, not at the next resync)
+                before, marks = marks, own_marks(s, node)
+                forged = before is not None and marks != before and not agent.pass_running
                 delay = 1.0
                 seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
                 # "pending" for the layout we saw is only ever our own patch, arriving late (a
@@ -61,6 +67,7 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
                 if (
                     (seen != agent.seen and not own)
                     or device_plugin.plugin_labels(agent.settings, node) != agent.seen_plugin_labels
+                    or forged
                 ):
                     agent.wake_event.set()
                 if stop.is_set():
@@ -73,6 +80,12 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
             log.warning("watch.failed", error=str(exc), retry_in_s=delay)
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
+
+
+def own_marks(s: Settings, node: NodeView) -> dict[str, str]:
+    """The agent's own annotations on ``node`` (every key under its prefix)."""
+    prefix = s.annotation_prefix + "/"
+    return {k: v for k, v in node.annotations.items() if k.startswith(prefix)}
 
 
 def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:

@@ -95,6 +95,7 @@ class Agent:
     last_pass_at: float = 0.0
     watch_alive_at: float = 0.0
     watched_node: NodeView | None = None  # the node as the open watch last delivered it
+    pass_running: bool = False  # the watch tells our own writes from someone else's by it
     # time.monotonic() of the loop's last sign of life: each turn between passes, and every
     # wait inside a pass (drain, device plugin); /healthz fails only when this stops
     loop_alive_at: float = 0.0  # set from the clock when the agent is made
@@ -223,6 +224,13 @@ class Agent:
     def reconcile_once(self, *, node: NodeView | None = None) -> PassResult:
         """One pass; ``node`` is the node as the open watch delivered it (a resync), else it is
         read."""
+        self.pass_running = True
+        try:
+            return self._pass(node)
+        finally:
+            self.pass_running = False
+
+    def _pass(self, node: NodeView | None) -> PassResult:
         s = self.settings
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(node=s.node_name)

@@ -907,6 +907,49 @@ def test_an_idle_agent_reads_nothing_but_its_watch() -> None:
     assert cluster.nodes[NODE].resource_version == writes
 
 
+def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
+    """Garbage written into the agent's own annotations is corrected at once, not at the next
+    resync (before: up to resync_s later)."""
+    agent, cluster, gpus = make(cluster=OpenWatch(), resync_s=300.0)
+    assert isinstance(cluster, OpenWatch)
+    label(cluster, "all-1g.10gb")
+    passes: list[float] = []
+    once = agent.reconcile_once
+
+    def counted(**kw: Any) -> Any:
+        passes.append(agent.clock.now())
+        return once(**kw)
+
+    agent.reconcile_once = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    # the loop's waits take 0.05 s of fake time for about 1 ms of real time
+    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 0.05})
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while cluster.nodes[NODE].labels.get(STATE) != "success":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # the pass has ended and our own writes have come in through the watch
+        first = len(passes)
+        forged_at = agent.clock.now()
+        cluster.patch_node(NODE, annotations={"mig-agent.dev/reason": "garbage",
+                                              "mig-agent.dev/gpu-state": "{not json"})
+        while "mig-agent.dev/reason" in cluster.nodes[NODE].annotations:
+            assert time.monotonic() < deadline, passes
+            time.sleep(0.005)
+    finally:
+        stop.set()
+        agent.wake()
+        cluster.changes.put(None)
+        runner.join(5)
+    corrected = [t for t in passes[first:] if t >= forged_at]
+    assert corrected and corrected[0] - forged_at < 60, (forged_at, passes)
+    assert cluster.nodes[NODE].annotations["mig-agent.dev/gpu-state"].startswith("{")
+    assert cluster.nodes[NODE].annotations["mig-agent.dev/gpu-state"] != "{not json"
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+
+
 def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -> None:
     """Its DaemonSet no longer wants the node: no new plugin will come (before: the agent
     deleted it and waited for a successor until DevicePluginTimeout)."""
