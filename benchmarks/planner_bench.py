@@ -17,18 +17,22 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mig_agent.catalog import load_catalog  # noqa: E402
 from mig_agent.executor import execute  # noqa: E402
 from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule  # noqa: E402
 from mig_agent.models import MODELS, GpuModel  # noqa: E402
 from mig_agent.planner import plan, plan_gpu  # noqa: E402
+from mig_agent.state import NodeState  # noqa: E402
 from tests.oracle import fitting_multisets  # noqa: E402
 from tests.unit.fake_gpus import FakeGpus  # noqa: E402
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
+CATALOG = load_catalog([Path(__file__).resolve().parents[1] / "mig_agent" / "profiles"])
 
 
 def fitting(model: GpuModel) -> list[dict[str, int]]:
@@ -83,26 +87,30 @@ def disruption(transitions: int = 300, seed: int = 7) -> None:
               f"{theirs / changed:>16.2f} | {saved:>6.1%} | {kept / changed:>14.2f} |")
 
 
+def suite_transitions(m: GpuModel) -> Iterator[tuple[str, str, Layout, NodeState, FakeGpus]]:
+    """Every ordered pair of the shipped layouts that fit ``m``, as (from, to, the target layout,
+    the 8-GPU node at ``from``, its fake GPUs)."""
+    from mig_agent.catalog import fit_report
+
+    names = [r.layout for r in fit_report(CATALOG, m) if r.applies and r.fits and r.by_filter]
+    for a, b in itertools.permutations(names, 2):
+        gpus = FakeGpus([m] * 8)
+        execute(plan(CATALOG.get(a), gpus.observe(), gpus.models()), gpus)
+        yield a, b, CATALOG.get(b), gpus.observe(), gpus
+
+
 def suite() -> None:
     """Every transition between the shipped layouts of each model on an 8-GPU node, one pod per
     MIG device; plus changing 2 of the 8 GPUs of a node."""
-    from mig_agent.catalog import fit_report, load_catalog
-
-    catalog = load_catalog([Path(__file__).resolve().parents[1] / "mig_agent" / "profiles"])
     print("\n## Layout suite: transitions between the layouts in mig_agent/profiles/, 8-GPU "
           "node, one pod per MIG device\n")
     print(f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
           f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |")
     print(f"|{'-' * 12}|{'-' * 13}|{'-' * 21}|{'-' * 18}|{'-' * 14}|{'-' * 17}|")
     for m in MIG_MODELS:
-        names = [r.layout for r in fit_report(catalog, m)
-                 if r.applies and r.fits and r.by_filter]
         ours = theirs = pods = node_wide = n = 0
-        for a, b in itertools.permutations(names, 2):
-            gpus = FakeGpus([m] * 8)
-            execute(plan(catalog.get(a), gpus.observe(), gpus.models()), gpus)
-            before = gpus.observe()
-            p = plan(catalog.get(b), before, gpus.models())
+        for _a, _b, target, before, gpus in suite_transitions(m):
+            p = plan(target, before, gpus.models())
             if p.is_empty:
                 continue
             n += 1
@@ -159,23 +167,16 @@ def timing(repeats: int = 200) -> None:
 def suite_timing(repeats: int = 20) -> None:
     """Planning time of every transition between the shipped layouts (8-GPU node): per model
     the median and p95 over all plans, and the transition with the slowest median."""
-    from mig_agent.catalog import fit_report, load_catalog
-
-    catalog = load_catalog([Path(__file__).resolve().parents[1] / "mig_agent" / "profiles"])
     print(f"\n## Planner time over the layout suite, 8-GPU node ({repeats} runs per "
           "transition)\n")
     print(f"| {'model':<10} | {'transitions':>11} | {'median ms':>9} | {'p95 ms':>6} | "
           f"{'slowest transition (median ms)':<60} |")
     print(f"|{'-' * 12}|{'-' * 13}|{'-' * 11}|{'-' * 8}|{'-' * 62}|")
     for m in MIG_MODELS:
-        names = [r.layout for r in fit_report(catalog, m)
-                 if r.applies and r.fits and r.by_filter]
         every: list[float] = []
         slowest = (0.0, "")
-        for a, b in itertools.permutations(names, 2):
-            gpus = FakeGpus([m] * 8)
-            execute(plan(catalog.get(a), gpus.observe(), gpus.models()), gpus)
-            observed, models, target = gpus.observe(), gpus.models(), catalog.get(b)
+        for a, b, target, observed, gpus in suite_transitions(m):
+            models = gpus.models()
             samples = []
             for _ in range(repeats):
                 t0 = time.perf_counter()

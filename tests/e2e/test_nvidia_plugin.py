@@ -31,17 +31,10 @@ from mig_agent.kube.podresources import list_pod_devices
 from mig_agent.models import parse_gpu_spec
 
 from .conftest import CONFIG, REASON, STATE, AgentNode, NodeFactory, wait_running
+from .test_device_plugin_facts import TIME_SLICING
 
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 H100 = parse_gpu_spec("H100-80GB")[0]
-TIME_SLICING = """version: v1
-sharing:
-  timeSlicing:
-    renameByDefault: true
-    resources:
-    - name: nvidia.com/mig-1g.10gb
-      replicas: 4
-"""
 
 
 def nvidia_node(agent_node: NodeFactory, gpus: str = "2xH100-80GB", **kw: Any) -> AgentNode:

@@ -413,6 +413,19 @@ def counted(path: str) -> Counter[tuple[int, str]]:
     )
 
 
+def prepared(
+    make_node: MakeNode, open_sim: OpenSim, spec: str, start: str | None
+) -> tuple[str, NvmlGpuBackend]:
+    """A new simulated node of ``spec`` at layout ``start`` (None: as created), its NVML call
+    counters reset."""
+    path = make_node(spec)
+    gpus = open_sim(path)
+    if start is not None:
+        apply_layout(OPERATOR.get(start), gpus)
+    simlib.reset_call_counts(path)
+    return path, gpus
+
+
 @pytest.mark.parametrize("code", [UNKNOWN, INSUFFICIENT_RESOURCES], ids=["UNKNOWN", "INSUF"])
 @pytest.mark.parametrize(("spec", "start", "target"), FAULT_CASES, ids=["H200", "A100"])
 def test_a_failed_step_stops_the_apply_and_the_next_apply_converges(
@@ -420,21 +433,13 @@ def test_a_failed_step_stops_the_apply_and_the_next_apply_converges(
 ) -> None:
     layout = OPERATOR.get(target)
 
-    def prepared() -> tuple[str, NvmlGpuBackend]:
-        path = make_node(spec)
-        gpus = open_sim(path)
-        if start is not None:
-            apply_layout(OPERATOR.get(start), gpus)
-        simlib.reset_call_counts(path)
-        return path, gpus
-
-    path, gpus = prepared()
+    path, gpus = prepared(make_node, open_sim, spec, start)
     reference = apply_layout(layout, gpus)
     calls = expected_calls(reference.plan, gpus.models())
     assert counted(path) == Counter(calls)  # the plan's steps are exactly the calls made
     assert len(calls) >= 16
     for n, (gpu, _function) in enumerate(calls, start=1):
-        path, gpus = prepared()
+        path, gpus = prepared(make_node, open_sim, spec, start)
         simlib.inject_failure(path, code, nth=n)
         with pytest.raises(GpuError, match=f"GPU {gpu}") as failed:
             apply_layout(layout, gpus)

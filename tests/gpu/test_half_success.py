@@ -20,6 +20,7 @@ from .test_executor import (
     assert_reached,
     counted,
     expected_calls,
+    prepared,
 )
 
 
@@ -29,18 +30,10 @@ def test_a_call_that_half_succeeds_stops_the_apply_and_the_next_apply_converges(
 ) -> None:
     layout = OPERATOR.get(target)
 
-    def prepared() -> tuple[str, object]:
-        path = make_node(spec)
-        gpus = open_sim(path)
-        if start is not None:
-            apply_layout(OPERATOR.get(start), gpus)
-        simlib.reset_call_counts(path)
-        return path, gpus
-
-    path, gpus = prepared()
+    path, gpus = prepared(make_node, open_sim, spec, start)
     calls = expected_calls(apply_layout(layout, gpus).plan, gpus.models())
     for n, (gpu, _function) in enumerate(calls, start=1):
-        path, gpus = prepared()
+        path, gpus = prepared(make_node, open_sim, spec, start)
         simlib.inject_failure(path, UNKNOWN, nth=n, after=True)
         with pytest.raises(GpuError, match=f"GPU {gpu}") as failed:
             apply_layout(layout, gpus)
