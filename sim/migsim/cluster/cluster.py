@@ -47,6 +47,14 @@ _PORT_NAMES = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager",
 # Controllers the tests and the agent rely on, and nothing heavier: no volume, CSR, cloud, IPAM,
 # HPA or endpoint controllers. clusterrole-aggregation fills the built-in admin/edit/view roles;
 # taint-eviction-controller and podgc clean up after nodes that die, as in a real cluster.
+# The components that run with leader election in a real control plane (kubeadm's default,
+# and every HA set-up): an API server gone longer than their renew deadline makes them lose
+# their lease and exit, and the kubelet starts them again, with fresh informers. Here each runs
+# alone with --leader-elect=false and would ride the outage out instead, its informers and work
+# queues backing off (client-go) for up to a minute and more after the API server is back.
+LEADER_ELECTED = ("kube-controller-manager", "kube-scheduler")
+RENEW_DEADLINE_S = 10.0  # --leader-elect-renew-deadline's default
+
 KCM_CONTROLLERS = (
     "clusterrole-aggregation-controller", "daemonset-controller", "deployment-controller",
     "disruption-controller", "garbage-collector-controller", "job-controller",
@@ -385,28 +393,46 @@ class Cluster:
         return len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
 
     def restart(self, names: Sequence[str] = ("etcd", "kube-apiserver"), *, down_s: float = 0.0,
-                timeout: float = 60.0) -> float:
+                timeout: float = 60.0, leader_election: bool = True) -> float:
         """Stop `names` (default: etcd and the API server; etcd keeps its data), wait `down_s`
         seconds, start them again in start order and wait until each is healthy: a control-plane
-        restart as its clients see it. The seconds from the stop until all were healthy."""
+        restart as its clients see it. The seconds from the stop until all were healthy.
+
+        With `leader_election`, as in a real control plane: when the API server was down longer
+        than the renew deadline of the leader-elected components (LEADER_ELECTED, 10 s), those
+        lost their lease and were restarted; here they are restarted once the API server is
+        back (not counted in the seconds returned)."""
         if unknown := set(names) - set(COMPONENTS):
             raise ValueError(f"no component {sorted(unknown)}; one of {COMPONENTS}")
         ordered = [n for n in COMPONENTS if n in names]
         started = time.monotonic()
         stop([p for p in reversed(self.state.procs) if p.name in ordered])
         time.sleep(down_s)
+        keys = self._keys()
+        for name in ordered:
+            self._respawn(name, keys, timeout)
+        seconds = time.monotonic() - started
+        if leader_election and "kube-apiserver" in ordered and seconds > RENEW_DEADLINE_S:
+            lost = [n for n in LEADER_ELECTED if n not in ordered]
+            stop([p for p in reversed(self.state.procs) if p.name in lost])
+            for name in lost:
+                self._respawn(name, keys, timeout)
+        return seconds
+
+    def _keys(self) -> pki.Pki:
         d = self.dir / "pki"
-        keys = pki.Pki(ca_cert=d / "ca.crt", serving_cert=d / "serving.crt",
+        return pki.Pki(ca_cert=d / "ca.crt", serving_cert=d / "serving.crt",
                        serving_key=d / "serving.key", sa_private_key=d / "sa.key",
                        sa_public_key=d / "sa.pub")
-        for name in ordered:
-            proc = spawn(name, [self._bin(name), *self._args(name, keys)],
-                         self.dir / "logs" / f"{name}.log")
-            at = next(i for i, p in enumerate(self.state.processes) if p["name"] == name)
-            self.state.processes[at] = asdict(proc)
-            _save_state(self.dir, self.state)
-            self._wait_healthy(name, timeout)
-        return time.monotonic() - started
+
+    def _respawn(self, name: str, keys: pki.Pki, timeout: float) -> None:
+        """Start component `name` again in place of its stopped process; wait until healthy."""
+        proc = spawn(name, [self._bin(name), *self._args(name, keys)],
+                     self.dir / "logs" / f"{name}.log")
+        at = next(i for i, p in enumerate(self.state.processes) if p["name"] == name)
+        self.state.processes[at] = asdict(proc)
+        _save_state(self.dir, self.state)
+        self._wait_healthy(name, timeout)
 
     def rss_bytes(self) -> int:
         """Resident memory of all the cluster's processes together."""
