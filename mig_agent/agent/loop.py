@@ -10,7 +10,7 @@ from typing import Protocol
 
 import structlog
 
-from mig_agent.agent import device_plugin
+from mig_agent.agent import device_plugin, node_guard
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.drain import Clock
 from mig_agent.errors import MigAgentError
@@ -48,21 +48,25 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
     """Wake the loop when someone else changes the layout or state label; reconnects."""
     s = agent.settings
     delay = 1.0
-    marks: dict[str, str] | None = None
+    woken_for: dict[str, str] = {}
     while not stop.is_set():
         try:
             for node in agent.cluster.watch_node(s.node_name, timeout_s=s.watch_timeout_s):
                 agent.watch_alive_at = agent.clock.now()
                 agent.watched_node = node
-                # our annotations changed while no pass runs: someone else wrote them (a pass
-                # corrects them now, not at the next resync)
-                before, marks = marks, own_marks(s, node)
-                forged = before is not None and marks != before and not agent.pass_running
+                # our annotations holding what we never write there: someone else wrote them,
+                # and a pass corrects them now rather than at the next resync (once per forgery)
+                odd = node_guard.foreign_marks(s, node)
+                forged = bool(odd) and odd != woken_for and not agent.pass_running
+                if forged:
+                    log.warning("node.foreign_marks", annotations=sorted(odd))
+                    woken_for = odd
                 delay = 1.0
                 seen = (node.labels.get(s.config_label), node.labels.get(s.state_label))
-                # "pending" for the layout we saw is only ever our own patch, arriving late (a
-                # busy node's status updates can hold it back past our "failed"): no change
-                own = seen == (agent.seen[0], State.PENDING)
+                # "pending" or "rebooting" for the layout we saw is only ever our own patch,
+                # arriving late (a busy node's status updates can hold it back past our
+                # "failed"; a failed reboot's clean-up is written under "rebooting"): no change
+                own = seen[0] == agent.seen[0] and seen[1] in (State.PENDING, State.REBOOTING)
                 # a fixed strategy or plugin-config label is worth a pass as a layout is
                 if (
                     (seen != agent.seen and not own)
@@ -80,12 +84,6 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
             log.warning("watch.failed", error=str(exc), retry_in_s=delay)
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
-
-
-def own_marks(s: Settings, node: NodeView) -> dict[str, str]:
-    """The agent's own annotations on ``node`` (every key under its prefix)."""
-    prefix = s.annotation_prefix + "/"
-    return {k: v for k, v in node.annotations.items() if k.startswith(prefix)}
 
 
 def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:

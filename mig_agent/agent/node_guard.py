@@ -4,6 +4,8 @@ agent did, so that it, or a restarted agent, can always undo exactly that."""
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 from collections.abc import Iterator
 
 import structlog
@@ -21,6 +23,44 @@ log = structlog.get_logger(__name__)
 
 class NodeRebooting(Exception):
     """Raised past the clean-up: the node is about to reboot and stays cordoned and paused."""
+
+
+_LAYOUT = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_SERVICES = re.compile(r"^[A-Za-z0-9@._:-]+(,[A-Za-z0-9@._:-]+)*$")
+
+
+def foreign_marks(s: Settings, node: NodeView) -> dict[str, str]:
+    """The agent's own annotations on ``node`` holding what the agent never writes there:
+    someone else wrote them (a pass rewrites or clears them). Pure."""
+    prefix = s.annotation_prefix + "/"
+    ours = {k: v for k, v in node.annotations.items() if k.startswith(prefix)}
+    odd = {}
+    for key, value in ours.items():
+        if key == s.cordon_annotation:
+            ok = value == "true"
+        elif key == s.paused_annotation:
+            ok = bool(value) and set(value.split(",")) <= set(s.operand_labels)
+        elif key == s.reason_annotation:  # written only with the failed state
+            ok = node.labels.get(s.state_label) == State.FAILED
+        elif key == s.gpu_state_annotation:
+            ok = _is_gpu_state(value)
+        elif key in (s.reboot_annotation, s.post_apply_annotation):
+            ok = bool(_LAYOUT.match(value))
+        elif key == s.host_services_annotation:
+            ok = bool(_SERVICES.match(value))
+        else:
+            ok = False
+        if not ok:
+            odd[key] = value
+    return odd
+
+
+def _is_gpu_state(text: str) -> bool:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("gpus"), list)
 
 
 def interrupted(s: Settings, node: NodeView) -> bool:

@@ -434,6 +434,8 @@ class Agent:
                 device_plugin.wait_resources(
                     self.cluster, self.settings, self.gpus, self.clock, models, old_plugins
                 )
+        if the_plan.is_empty:  # no verify ran: publish the GPU state (it may have been forged)
+            reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics)
         try:  # the operator validates the new devices; the layout is applied either way
             validators.delete(self.cluster, s, validators.AFTER)
         except MigAgentError as exc:

@@ -933,9 +933,13 @@ def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
         time.sleep(0.2)  # the pass has ended and our own writes have come in through the watch
         first = len(passes)
         forged_at = agent.clock.now()
+        # a forged cordon mark reads as an interrupted pass: the pass finishes it
         cluster.patch_node(NODE, annotations={"mig-agent.dev/reason": "garbage",
+                                              "mig-agent.dev/cordoned": "garbage",
                                               "mig-agent.dev/gpu-state": "{not json"})
-        while "mig-agent.dev/reason" in cluster.nodes[NODE].annotations:
+        while {"mig-agent.dev/reason", "mig-agent.dev/cordoned"} & set(
+            cluster.nodes[NODE].annotations
+        ) or agent.pass_running:
             assert time.monotonic() < deadline, passes
             time.sleep(0.005)
     finally:
@@ -948,6 +952,38 @@ def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
     assert cluster.nodes[NODE].annotations["mig-agent.dev/gpu-state"].startswith("{")
     assert cluster.nodes[NODE].annotations["mig-agent.dev/gpu-state"] != "{not json"
     assert cluster.nodes[NODE].labels[STATE] == "success"
+
+
+def test_foreign_marks_are_what_the_agent_never_writes() -> None:
+    from mig_agent.agent.node_guard import foreign_marks
+
+    s = Settings(node_name=NODE, config=PROFILES)
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    ours = {
+        "mig-agent.dev/cordoned": "true",
+        "mig-agent.dev/paused-operands": DP_LABEL,
+        "mig-agent.dev/reboot-attempted": "all-1g.10gb",
+        "mig-agent.dev/post-apply-pending": "all-1g.10gb",
+        "mig-agent.dev/stopped-host-services": "nvidia-dcgm.service,nvsm",
+    }
+    node = cluster.patch_node(NODE, annotations=ours)
+    assert foreign_marks(s, node) == {}  # the GPU state the pass published is ours too
+    forged = {
+        "mig-agent.dev/cordoned": "yes",
+        "mig-agent.dev/paused-operands": "nvidia.com/gpu.deploy.driver",
+        "mig-agent.dev/reboot-attempted": "; rm -rf /",
+        "mig-agent.dev/stopped-host-services": "a b",
+        "mig-agent.dev/gpu-state": "[]",
+        "mig-agent.dev/reason": "not failed",
+        "mig-agent.dev/made-up": "x",
+    }
+    node = cluster.patch_node(NODE, annotations=forged)
+    assert foreign_marks(s, node) == {k: v for k, v in forged.items()}
+    node = cluster.patch_node(NODE, labels={STATE: "failed"}, annotations={
+        **dict.fromkeys(forged), "mig-agent.dev/reason": "why"})
+    assert foreign_marks(s, node) == {}  # a reason beside the failed state is ours
 
 
 def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -> None:

@@ -16,8 +16,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 from mig_agent.agent import Outcome
 from mig_agent.errors import GpuResetRequired, RebootFailed
 from mig_agent.kube.cluster import NodeView
@@ -28,7 +26,6 @@ from tests.unit.test_agent import CONFIG, NODE, STATE, assert_clean, make
 COMMAND = "/sbin/reboot --now"
 
 
-@pytest.mark.xfail(strict=True, reason="needs the loop.py change (own 'rebooting' echoes)")
 def test_the_own_rebooting_echoes_of_a_failed_reboot_start_no_new_pass() -> None:
     agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), reboot_command=COMMAND)
 
