@@ -42,7 +42,9 @@ end), then once the pass is over the layout is relabelled (node watch timeout
 {harness.WATCH_TIMEOUT_S} s in these trials). apiserver-restart = etcd and the API server stopped
 and started again (Cluster.restart). On the node: nvml-error = the next mutating NVML call fails;
 nvml-half = it takes effect and reports an error all the same; gpu-busy = a process no pod owns on
-each MIG device of GPU 0; reset-fails = every GPU reset fails (A100); plugin-gone = the device
+each MIG device of GPU 0; reset-fails = every GPU reset fails (A100); reboot-hangs = the GPU
+cannot be reset (A100, as in a pass-through VM) and the reboot command never returns (time limit
+{harness.REBOOT_TIMEOUT_S:g} s in these trials); plugin-gone = the device
 plugin stopped for good; plugin-wrong = stopped, the node left advertising one device short;
 config-invalid = the profile config overwritten with broken YAML; config-changed = the target
 layout's H100 entry changed to 2 x 3g.40gb. Failures that are retried count once they outlived

@@ -17,7 +17,8 @@ checked:
 Faults: the agent killed; the layout label changed; API errors between the agent and the API
 server (a proxy of the trial's own, migsim.cluster.api_faults, that the agent's kubeconfig names);
 etcd and the API server restarted; NVML errors and half successes, a busy GPU, a failing reset,
-the device plugin gone or wrong, the profile config broken or changed (on the trial's copy).
+a GPU that cannot be reset with a reboot command that never returns, the device plugin gone or
+wrong, the profile config broken or changed (on the trial's copy).
 
 Each trial's outcome is `converged`, `failed` (with the reason, when it names the cause) or
 `violated` (with what was violated). Used by tests/faults and benchmarks/fault_matrix.py.
@@ -29,8 +30,11 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import re
+import shlex
 import shutil
+import signal
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -171,13 +175,27 @@ WATCH_TIMEOUT_S = 20
 # etcd and the API server stopped and started again (Cluster.restart), under every agent's feet
 CONTROL_PLANE_FAULTS = ("apiserver-restart",)
 # On the node: NVML, the GPUs, the device plugin, the profile config (each trial's own copy).
-NODE_FAULTS = ("nvml-error", "nvml-half", "gpu-busy", "reset-fails", "plugin-gone",
-               "plugin-wrong", "config-invalid", "config-changed")
+NODE_FAULTS = ("nvml-error", "nvml-half", "gpu-busy", "reset-fails", "reboot-hangs",
+               "plugin-gone", "plugin-wrong", "config-invalid", "config-changed")
+# reboot-hangs: the node's reboot command, a shell whose child never returns (the marker is in
+# the command line of both, none of which may outlive the agent's time limit)
+REBOOT_MARKER = "sleep 3599.25"
+REBOOT_HANGS = shlex.join(["sh", "-c", f"{REBOOT_MARKER}; :"])
+REBOOT_TIMEOUT_S = 10.0
 NODE_FAULT_SETTINGS = {  # shorter waits, so that a trial ends in a minute
     "gpu-busy": {"MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "5"},
     "plugin-gone": {"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "15"},
     "plugin-wrong": {"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "15"},
+    "reboot-hangs": {"MIG_AGENT_REBOOT_COMMAND": REBOOT_HANGS,
+                     "MIG_AGENT_REBOOT_TIMEOUT_S": f"{REBOOT_TIMEOUT_S:g}"},
 }
+# How long a trial may take to settle after its fault, where a wait that is not the agent's
+# outlasts the default 90 s: an agent that does not read MIG_AGENT_REBOOT_TIMEOUT_S waits 120 s
+# for the hanging reboot command.
+FAULT_SETTLE = {"reboot-hangs": 120.0 + 60.0}
+# How long a new node's agent pod and its first pass may take (on a loaded machine, the
+# DaemonSet controller is slow to place the agent's and the device plugin's pods)
+SETUP_TIMEOUT_S = 120.0
 # NVML faults land before each kind of mutating call; the others once per phase.
 NVML_POINTS = ("phase.started(apply)", "gpu.compute_instance_destroyed#1",
                "gpu.instance_destroyed#1", "gpu.instance_destroyed#5", "gpu.instance_created#1",
@@ -187,6 +205,9 @@ NODE_POINTS = {
     "gpu-busy": ("node.paused", "drain.pod_evicted", "phase.started(apply)",
                  "gpu.instance_destroyed#1", "gpu.instance_created#1"),
     "reset-fails": ("node.paused", "phase.started(apply)", "gpu.mig_mode_set"),  # A100
+    # A100: its mode change needs a reset, made impossible before the agent gets to it
+    # (later, the injection could race the agent's reset)
+    "reboot-hangs": ("node.paused", "drain.pod_evicted"),
     # once the GPUs are done (the simulated plugin also ends the processes of deleted pods, as
     # the kubelet's runtime would: stopped before the drain, the GPUs would stay busy)
     "plugin-gone": ("phase.finished(apply)", "phase.started(device_plugin)"),
@@ -248,7 +269,8 @@ class FaultNode:
         cluster.add_gpu_node(self.name, self.scenario.gpus)
         try:
             self.procs = agents.start_node(via, self.name, restart_backoff=BACKOFF,
-                                           settings=settings, profiles=self.profiles)
+                                           settings=settings, profiles=self.profiles,
+                                           timeout=SETUP_TIMEOUT_S)
         except BaseException:
             if self.proxy:
                 self.proxy.stop()
@@ -312,12 +334,13 @@ class FaultNode:
 
     def prepare(self) -> None:
         self.wait("gpu-state annotation", lambda: "mig-agent.dev/gpu-state" in (
-            self.node()["metadata"].get("annotations") or {}), 60)
+            self.node()["metadata"].get("annotations") or {}), SETUP_TIMEOUT_S)
         sc = self.scenario
         self.patch_labels({CONFIG: sc.start})
-        self.wait(f"success of {sc.start}", lambda: self.labels().get(STATE) == "success", 60)
+        self.wait(f"success of {sc.start}", lambda: self.labels().get(STATE) == "success",
+                  SETUP_TIMEOUT_S)
         self.wait("GPU resources", lambda: int(self.node()["status"].get(
-            "allocatable", {}).get(sc.ready[0], "0")) == sc.ready[1], 60)
+            "allocatable", {}).get(sc.ready[0], "0")) == sc.ready[1], SETUP_TIMEOUT_S)
         # a GPU pod on three of the seven 1g.10gb devices: the drain has work to do
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": self.name, "namespace": NAMESPACE},
@@ -328,7 +351,7 @@ class FaultNode:
         self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
         self.wait("the GPU pod to run", lambda: self.cluster.api.get(
             f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}").get(
-            "status", {}).get("phase") == "Running", 60)
+            "status", {}).get("phase") == "Running", SETUP_TIMEOUT_S)
         time.sleep(0.5)  # the agent's idle pass after success is over
         # each mutating NVML call takes a moment, as on hardware: a fault lands near its point
         simstate.set_latency(self.procs.sim_state, 0.02)
@@ -338,6 +361,11 @@ class FaultNode:
 
     def close(self) -> None:
         agents.stop_node(self.cluster.dir, self.name)
+        # a reboot command runs in a session of its own: stopping the agent (its process group)
+        # leaves it running, where a pod's end would take it along
+        for pid in _processes_of(REBOOT_MARKER):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         if self.proxy is not None:
             self.proxy.stop()
         with contextlib.suppress(ApiError):  # gone already
@@ -429,6 +457,8 @@ def inject_node_fault(node: FaultNode, fault: str) -> None:
                 simstate.start_process(path, 0, gi=gi.id, ci=ci.id, owner="fault-matrix")
     elif fault == "reset-fails":
         simstate.inject_failure(path, simstate.UNKNOWN, function=simstate.RESET, times=1000)
+    elif fault == "reboot-hangs":  # as in a pass-through VM: only a reboot can finish the change
+        simstate.set_reset_supported(path, False)
     elif fault in ("plugin-gone", "plugin-wrong"):
         stop([node.procs.device_plugin])  # and nothing restarts it
         if fault == "plugin-wrong":  # what it advertised last time, one device short
@@ -453,7 +483,8 @@ def expected_cause(fault: str, scenario: Scenario) -> str:
     return {"relabel-typo": scenario.typo, "gpu-busy": "in use by",
             "plugin-gone": "node resources do not match",
             "plugin-wrong": "node resources do not match",
-            "reset-fails": "reset"}.get(fault, "")
+            "reset-fails": "reset",
+            "reboot-hangs": f"reboot command {REBOOT_HANGS!r} did not return within"}.get(fault, "")
 
 
 _clean: dict[str, dict[str, int]] = {}
@@ -479,6 +510,7 @@ def clean_calls(cluster: Cluster, scenario: Scenario) -> dict[str, int]:
 def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0,
               scenario: Scenario | None = None) -> Result:
     sc = scenario or H100
+    settle = max(settle, FAULT_SETTLE.get(fault, 0.0))
     keeps_label = fault in ("kill", *CONTROL_PLANE_FAULTS) or (
         fault in API_FAULTS and fault != "watch-silent")
     reference = clean_calls(cluster, sc) if keeps_label else None
@@ -637,6 +669,8 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
         problems.append(false)
     if layout and state == "success" and REASON in annotations:
         problems.append(f"success with a stale reason: {annotations[REASON]}")
+    if fault == "reboot-hangs":
+        problems += reboot_problems(node, annotations)
     if problems:
         return "violated", "; ".join(problems)
     if not layout:
@@ -650,6 +684,41 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
     if cause and cause not in reason:
         return "violated", f"failed, reason does not name {cause}: {reason}"
     return "failed", reason
+
+
+REBOOT_GUARD = "mig-agent.dev/reboot-attempted"
+
+
+def reboot_problems(node: FaultNode, annotations: Mapping[str, str]) -> list[str]:
+    """What a reboot command that never returned must not leave: the reboot guard armed (no
+    reboot happened, so a fixed command must get its one reboot), processes of the command, or
+    GPU state the command would have changed (no reboot: MIG mode still pending)."""
+    out = []
+    if REBOOT_GUARD in annotations:
+        out.append(f"reboot guard armed though no reboot happened: {annotations[REBOOT_GUARD]}")
+    left = _processes_of(REBOOT_MARKER)
+    if left:
+        out.append(f"the reboot command's processes outlived its time limit: pids {left}")
+    if not any(line.get("event") == "node.rebooting" for line in node.lines):
+        out.append("the agent never ran the reboot command")
+    gpus = simstate.load_node(node.procs.sim_state).gpus
+    if any(g.mig_current for g in gpus):
+        out.append("MIG mode took effect without a reset or a reboot")
+    return out
+
+
+def _processes_of(marker: str) -> list[int]:
+    pids = []
+    for proc in os.scandir("/proc"):
+        if proc.name.isdigit():
+            try:
+                with open(os.path.join(proc.path, "cmdline"), "rb") as f:
+                    cmdline = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            if marker.encode() in cmdline and int(proc.name) != os.getpid():
+                pids.append(int(proc.name))
+    return pids
 
 
 def _epoch(stamp: str) -> float:
@@ -686,7 +755,7 @@ def fault_points(fault: str, scenario: Scenario,
                  names: tuple[str, ...] | None = None) -> list[Point]:
     """The points of the matrix where `fault` is injected: every point of the scenario for the
     label faults, one per phase of the H100 pass for the API and control-plane faults."""
-    if fault == "reset-fails":  # only the A100 resets
+    if fault in ("reset-fails", "reboot-hangs"):  # only the A100 resets
         return [] if scenario is H100 else [
             p for p in points(NODE_POINTS[fault], scenario) if names is None or p.name in names]
     if fault in NODE_POINTS:

@@ -28,6 +28,9 @@ EXPECTED: dict[str, set[str]] = {
     # is no obstacle once what it holds is no longer to be destroyed
     "gpu-busy": {"failed", "converged"}, "reset-fails": {"failed"}, "plugin-gone": {"failed"},
     "plugin-wrong": {"failed"},
+    # a reboot command that never returns: killed at its time limit, failed naming it (the
+    # harness checks the guard is not armed and nothing of the command is left)
+    "reboot-hangs": {"failed"},
 }
 QUICK = {
     "kill": ("drain.pod_evicted", "gpu.instance_destroyed#3", "phase.started(device_plugin)"),
@@ -42,7 +45,7 @@ QUICK = {
 }
 
 
-QUICK_A100 = {"kill": ("gpu.reset",)}
+QUICK_A100 = {"kill": ("gpu.reset",), "reboot-hangs": ("node.paused",)}
 
 
 def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
