@@ -29,6 +29,17 @@ def test_vs_mig_manager_quick_runs() -> None:
     for system in ("| MIG Manager |", "| mig-agent |"):
         assert system in out.stdout, out.stdout
     assert "time ratio MM/agent" in out.stdout
+    # the API requests column, counted by a proxy in front of each manager, is filled for both
+    head = next(line for line in out.stdout.splitlines() if line.startswith("| transition |"))
+    column = [c.strip() for c in head.strip("|").split("|")].index("API req")
+    api = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > column and cells[1] in ("MIG Manager", "mig-agent"):
+            api.setdefault(cells[1], []).append(cells[column])
+    assert set(api) == {"MIG Manager", "mig-agent"}, out.stdout
+    for system, counts in api.items():
+        assert all(c.isdigit() and int(c) > 0 for c in counts), (system, counts)
 
 
 def test_pool_rollout_quick_runs() -> None:

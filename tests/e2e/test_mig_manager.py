@@ -6,7 +6,9 @@ We test these aspects: a label change takes MIG Manager through `pending` to `su
 simulated GPUs then hold the layout (read from the state file, not from MIG Manager's word), with
 the device plugin's pod paused and brought back so the node advertises the MIG devices; a MIG mode
 change on Ampere goes through the simulated GPU reset; an unknown layout ends in `failed` with no
-GPU touched; stop_node leaves none of the node's processes running."""
+GPU touched; stop_node leaves none of the node's processes running; kill_manager ends MIG
+Manager's whole process group mid-pass (as a crashed container) and restart_manager starts it
+again, which finishes the layout (observed: it re-applies from what it finds)."""
 
 from __future__ import annotations
 
@@ -142,4 +144,29 @@ def test_unknown_layout_fails_and_touches_no_gpu(managed_node: MakeNode) -> None
     assert state == "failed", seen
     assert simstate.call_counts(node.record.sim_state).total == 0
     assert layout_of(node.record.sim_state) == before
+    assert node.labels()[DP_LABEL] == "true"
+
+
+def test_killed_mid_pass_and_restarted_it_finishes_the_layout(managed_node: MakeNode) -> None:
+    make = managed_node
+    node = make("2xH100-80GB")
+    node.label("all-balanced")
+    assert node.wait_state("success", "failed")[0] == "success"
+    simstate.set_latency(node.record.sim_state, 0.2)
+    simstate.reset_call_counts(node.record.sim_state)
+    node.label("all-1g.10gb")
+    deadline = time.monotonic() + 60
+    while simstate.call_counts(node.record.sim_state).total < 3:
+        assert time.monotonic() < deadline, "MIG Manager made no NVML change"
+        time.sleep(0.02)
+    killed = mig_manager.kill_manager(node.cluster.dir, node.name)
+    assert killed is not None and not killed.alive()
+    assert node.labels()[STATE] == "pending"  # nobody says anything while it is down
+    half = layout_of(node.record.sim_state)
+    assert half != [(True, {"1g.10gb": 7})] * 2, "the kill came after the pass"
+    restarted = mig_manager.restart_manager(node.cluster, node.name)
+    assert restarted.mig_manager.alive() and restarted.mig_manager != killed
+    state, seen = node.wait_state("success", "failed")
+    assert state == "success", seen
+    assert layout_of(node.record.sim_state) == [(True, {"1g.10gb": 7})] * 2
     assert node.labels()[DP_LABEL] == "true"
