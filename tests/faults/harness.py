@@ -47,6 +47,7 @@ from migsim.cluster.api import ApiError
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
 from migsim.cluster.errors import DevClusterError
 from migsim.cluster.processes import stop
+from migsim.node_runtime import FEATURE_LABELS_ANNOTATION
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
@@ -341,6 +342,12 @@ class FaultNode:
                   SETUP_TIMEOUT_S)
         self.wait("GPU resources", lambda: int(self.node()["status"].get(
             "allocatable", {}).get(sc.ready[0], "0")) == sc.ready[1], SETUP_TIMEOUT_S)
+        if self.procs.device_plugin_kind == "nvidia":
+            # GFD's labels are on the node (the node's own nvidia.com/gpu may be there before
+            # the node runtime runs): none lands mid-pass, where its MIG strategy label would
+            # rightly wake the agent for a second pass
+            self.wait("GFD's labels", lambda: FEATURE_LABELS_ANNOTATION in (
+                self.node()["metadata"].get("annotations") or {}), SETUP_TIMEOUT_S)
         # a GPU pod on three of the seven 1g.10gb devices: the drain has work to do
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": self.name, "namespace": NAMESPACE},
