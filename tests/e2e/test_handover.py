@@ -33,14 +33,21 @@ GPU_STATE = "mig-agent.dev/gpu-state"
 NS = "handover"
 POD_LABEL = "handover.mig-agent.dev/node"
 BALANCED = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
-RECONFIGURING = {"MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying",
-                 "MIGDevicePluginRestart"}
+RECONFIGURING = {
+    "MIGReconfiguring",
+    "MIGDraining",
+    "MIGApplying",
+    "MIGVerifying",
+    "MIGDevicePluginRestart",
+}
 
 pytestmark = pytest.mark.native
 
 if os.geteuid() != 0:  # said out loud in the summary (-ra), never a silent pass
-    pytest.skip("nvidia-mig-manager runs in a private mount namespace (unshare -m): run as root",
-                allow_module_level=True)
+    pytest.skip(
+        "nvidia-mig-manager runs in a private mount namespace (unshare -m): run as root",
+        allow_module_level=True,
+    )
 
 
 def wait(what: str, ready: Callable[[], bool], timeout: float = 120.0) -> None:
@@ -62,28 +69,41 @@ class Node:
         self.core.patch_node(self.name, {"metadata": {"labels": {CONFIG: layout}}})
 
     def wait_state(self, state: str, timeout: float = 120.0) -> None:
-        wait(f"{self.name} {state} (log: {self.logs()})",
-             lambda: self.labels().get(STATE) == state, timeout)
+        wait(
+            f"{self.name} {state} (log: {self.logs()})",
+            lambda: self.labels().get(STATE) == state,
+            timeout,
+        )
 
     def logs(self) -> str:
         return ", ".join(str(p) for p in (self.cluster.dir / "logs").glob(f"*{self.name}*"))
 
     def advertised(self) -> Counter[str]:
         alloc = self.core.read_node(self.name).status.allocatable or {}
-        return Counter({k: int(v) for k, v in alloc.items()
-                        if k.startswith("nvidia.com/mig-") and int(v)})
+        return Counter(
+            {k: int(v) for k, v in alloc.items() if k.startswith("nvidia.com/mig-") and int(v)}
+        )
 
     def layout(self) -> list[dict[str, int]]:
         """Per GPU: its GPU instances by profile name."""
-        return [dict(Counter(g.model.gi_profile_by_id(gi.profile_id).name  # type: ignore[union-attr]
-                             for gi in g.gpu_instances))
-                for g in simstate.load_node(self.sim_state).gpus]
+        return [
+            dict(
+                Counter(
+                    g.model.gi_profile_by_id(gi.profile_id).name  # type: ignore[union-attr]
+                    for gi in g.gpu_instances
+                )
+            )
+            for g in simstate.load_node(self.sim_state).gpus
+        ]
 
     def instances(self, profile: str) -> set[tuple[int, int, int]]:
         """(GPU, GI id, placement start) of the instances of `profile`."""
-        return {(g.index, gi.id, gi.placement.start)
-                for g in simstate.load_node(self.sim_state).gpus for gi in g.gpu_instances
-                if g.model.gi_profile_by_id(gi.profile_id).name == profile}  # type: ignore[union-attr]
+        return {
+            (g.index, gi.id, gi.placement.start)
+            for g in simstate.load_node(self.sim_state).gpus
+            for gi in g.gpu_instances
+            if g.model.gi_profile_by_id(gi.profile_id).name == profile
+        }  # type: ignore[union-attr]
 
     def fill_with_pods(self) -> dict[str, str]:
         """A GPU pod on every MIG device the node advertises; pod UID -> its resource, once
@@ -93,36 +113,71 @@ class Node:
         for resource, count in sorted(want.items()):
             for _ in range(count):
                 limits = {resource: "1"}
-                pod = self.core.create_namespaced_pod(NS, {
-                    "apiVersion": "v1", "kind": "Pod",
-                    "metadata": {"generateName": f"{self.name}-",
-                                 "labels": {POD_LABEL: self.name}},
-                    "spec": {"nodeSelector": {"kubernetes.io/hostname": self.name},
-                             "tolerations": [{"operator": "Exists"}],
-                             "terminationGracePeriodSeconds": 1,
-                             "containers": [{"name": "cuda", "image": "registry.invalid/sim:1",
-                                             "resources": {"limits": limits,
-                                                           "requests": limits}}]}})
+                pod = self.core.create_namespaced_pod(
+                    NS,
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {
+                            "generateName": f"{self.name}-",
+                            "labels": {POD_LABEL: self.name},
+                        },
+                        "spec": {
+                            "nodeSelector": {"kubernetes.io/hostname": self.name},
+                            "tolerations": [{"operator": "Exists"}],
+                            "terminationGracePeriodSeconds": 1,
+                            "containers": [
+                                {
+                                    "name": "cuda",
+                                    "image": "registry.invalid/sim:1",
+                                    "resources": {"limits": limits, "requests": limits},
+                                }
+                            ],
+                        },
+                    },
+                )
                 made[pod.metadata.uid] = resource
-        wait("every pod holds its device", lambda: set(made) <= {
-            o[4:] for o in simstate.processes_by_owner(self.sim_state) if o.startswith("pod/")})
+        wait(
+            "every pod holds its device",
+            lambda: (
+                set(made)
+                <= {
+                    o[4:]
+                    for o in simstate.processes_by_owner(self.sim_state)
+                    if o.startswith("pod/")
+                }
+            ),
+        )
         return made
 
     def live_pods(self) -> set[str]:
         """UIDs of the node's pods that are neither gone nor being deleted."""
-        return {p.metadata.uid for p in self.core.list_namespaced_pod(
-            NS, label_selector=f"{POD_LABEL}={self.name}").items
-            if not p.metadata.deletion_timestamp}
+        return {
+            p.metadata.uid
+            for p in self.core.list_namespaced_pod(
+                NS, label_selector=f"{POD_LABEL}={self.name}"
+            ).items
+            if not p.metadata.deletion_timestamp
+        }
 
     def delete_pods(self) -> None:
         self.core.delete_collection_namespaced_pod(
-            NS, label_selector=f"{POD_LABEL}={self.name}", grace_period_seconds=0)
-        wait("pods gone", lambda: not self.live_pods() and not any(
-            o.startswith("pod/") for o in simstate.processes_by_owner(self.sim_state)))
+            NS, label_selector=f"{POD_LABEL}={self.name}", grace_period_seconds=0
+        )
+        wait(
+            "pods gone",
+            lambda: (
+                not self.live_pods()
+                and not any(
+                    o.startswith("pod/") for o in simstate.processes_by_owner(self.sim_state)
+                )
+            ),
+        )
 
     def event_reasons(self) -> set[str]:
         events = self.core.list_event_for_all_namespaces(
-            field_selector=f"involvedObject.name={self.name}").items
+            field_selector=f"involvedObject.name={self.name}"
+        ).items
         return {e.reason for e in events}
 
     def mutations(self) -> dict[str, int]:
@@ -145,34 +200,51 @@ def handover_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[Node]:
     finally:
         mig_manager.stop_node(cluster.dir, name)
         agents.stop_node(cluster.dir, name)
-        core.delete_collection_namespaced_pod(NS, label_selector=f"{POD_LABEL}={name}",
-                                              grace_period_seconds=0)
+        core.delete_collection_namespaced_pod(
+            NS, label_selector=f"{POD_LABEL}={name}", grace_period_seconds=0
+        )
         cluster.delete_node(name)
 
 
 def start_agent(node: Node) -> None:
-    agents.start_node(node.cluster, node.name, profiles=LAYOUTS, device_plugin="simulated",
-                      restart_backoff=RESTART_BACKOFF)
+    agents.start_node(
+        node.cluster,
+        node.name,
+        profiles=LAYOUTS,
+        device_plugin="simulated",
+        restart_backoff=RESTART_BACKOFF,
+    )
 
 
-def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(
-        handover_node: Node) -> None:
+def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(handover_node: Node) -> None:
     node = handover_node
     mig_manager.start_node(node.cluster, node.name, LAYOUTS)
     node.label("all-balanced")
     node.wait_state("success")
     assert node.layout() == [BALANCED, BALANCED]
-    wait("MIG devices advertised", lambda: node.advertised() == Counter(
-        {"nvidia.com/mig-1g.10gb": 4, "nvidia.com/mig-2g.20gb": 2,
-         "nvidia.com/mig-3g.40gb": 2}))
+    wait(
+        "MIG devices advertised",
+        lambda: (
+            node.advertised()
+            == Counter(
+                {
+                    "nvidia.com/mig-1g.10gb": 4,
+                    "nvidia.com/mig-2g.20gb": 2,
+                    "nvidia.com/mig-3g.40gb": 2,
+                }
+            )
+        ),
+    )
     pods = node.fill_with_pods()
     kept_1g = node.instances("1g.10gb")
 
     mig_manager.stop_node(node.cluster.dir, node.name)  # MIG Manager removed from the node
     simstate.reset_call_counts(node.sim_state)
     start_agent(node)
-    wait("mig-agent's first pass (its GPU state published)", lambda: GPU_STATE in (
-        node.core.read_node(node.name).metadata.annotations or {}))
+    wait(
+        "mig-agent's first pass (its GPU state published)",
+        lambda: GPU_STATE in (node.core.read_node(node.name).metadata.annotations or {}),
+    )
     time.sleep(3)  # anything the agent would do after its first look is under way by now
     assert node.mutations() == {}, "mig-agent changed GPUs that already held the layout"
     assert node.labels().get(STATE) == "success"
@@ -183,16 +255,20 @@ def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(
 
     # a new layout: the 1g.10gb instances (and the pods on them) stay
     node.label("all-1g.10gb")
-    wait("success at all-1g.10gb", lambda: node.labels().get(STATE) == "success"
-         and node.layout() == [{"1g.10gb": 7}, {"1g.10gb": 7}])
+    wait(
+        "success at all-1g.10gb",
+        lambda: (
+            node.labels().get(STATE) == "success"
+            and node.layout() == [{"1g.10gb": 7}, {"1g.10gb": 7}]
+        ),
+    )
     assert kept_1g <= node.instances("1g.10gb"), "a 1g.10gb instance was not kept"
     assert node.mutations().get("nvmlGpuInstanceDestroy") == 4  # the 2g and 3g of each GPU
     on_1g = {uid for uid, resource in pods.items() if resource == "nvidia.com/mig-1g.10gb"}
     assert node.live_pods() == on_1g, "pods on kept devices must stay; the others go"
 
 
-def test_mig_agent_to_mig_manager_is_left_as_it_is_then_reconfigured(
-        handover_node: Node) -> None:
+def test_mig_agent_to_mig_manager_is_left_as_it_is_then_reconfigured(handover_node: Node) -> None:
     node = handover_node
     start_agent(node)
     node.label("all-balanced")
@@ -206,20 +282,34 @@ def test_mig_agent_to_mig_manager_is_left_as_it_is_then_reconfigured(
     simstate.reset_call_counts(node.sim_state)
     record = mig_manager.start_node(node.cluster, node.name, LAYOUTS)
     log = Path(record.log)
-    wait("MIG Manager's first pass", lambda: "Waiting for change to 'nvidia.com/mig.config' "
-         "label" in log.read_text().split("Updating to MIG config: all-balanced", 1)[-1]
-         if "Updating to MIG config: all-balanced" in log.read_text() else False)
+    wait(
+        "MIG Manager's first pass",
+        lambda: (
+            "Waiting for change to 'nvidia.com/mig.config' "
+            "label" in log.read_text().split("Updating to MIG config: all-balanced", 1)[-1]
+            if "Updating to MIG config: all-balanced" in log.read_text()
+            else False
+        ),
+    )
     # observed: it asserts the layout, finds it applied and says success, touching nothing
     assert node.labels().get(STATE) == "success"
     assert node.mutations() == {}, f"MIG Manager's NVML mutations: {node.mutations()}"
     assert node.live_pods() == set(pods)
-    assert before == (node.instances("1g.10gb") | node.instances("2g.20gb")
-                      | node.instances("3g.40gb"))
+    assert before == (
+        node.instances("1g.10gb") | node.instances("2g.20gb") | node.instances("3g.40gb")
+    )
 
     # a new layout by MIG Manager: it does not drain, so the pods go by hand first
     node.delete_pods()
     node.label("all-1g.10gb")
-    wait("success at all-1g.10gb", lambda: node.labels().get(STATE) == "success"
-         and node.layout() == [{"1g.10gb": 7}, {"1g.10gb": 7}])
-    wait("1g devices advertised", lambda: node.advertised() == Counter(
-        {"nvidia.com/mig-1g.10gb": 14}))
+    wait(
+        "success at all-1g.10gb",
+        lambda: (
+            node.labels().get(STATE) == "success"
+            and node.layout() == [{"1g.10gb": 7}, {"1g.10gb": 7}]
+        ),
+    )
+    wait(
+        "1g devices advertised",
+        lambda: node.advertised() == Counter({"nvidia.com/mig-1g.10gb": 14}),
+    )
