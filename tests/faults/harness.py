@@ -723,7 +723,8 @@ def _processes_of(marker: str) -> list[int]:
                     cmdline = f.read()
             except OSError:  # gone meanwhile
                 continue
-            if marker.encode() in cmdline and int(proc.name) != os.getpid():
+            # the arguments are NUL-separated: `sleep 3599.25` reads sleep\03599.25\0
+            if marker.encode() in cmdline.replace(b"\0", b" ") and int(proc.name) != os.getpid():
                 pids.append(int(proc.name))
     return pids
 

@@ -47,7 +47,8 @@ def _running(marker: str) -> list[int]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:  # gone meanwhile
                 continue
-            if marker.encode() in cmdline and int(proc.name) != os.getpid():
+            # the arguments are NUL-separated
+            if marker.encode() in cmdline.replace(b"\0", b" ") and int(proc.name) != os.getpid():
                 pids.append(int(proc.name))
     return pids
 
