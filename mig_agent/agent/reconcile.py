@@ -84,7 +84,8 @@ class Agent:
     load_catalog: Callable[[str], LayoutCatalog]
     clock: Clock = field(default_factory=Clock)
     metrics: Metrics = field(default_factory=Metrics)
-    reboot: Callable[[str], None] = run_reboot
+    # runs the reboot command; None: run_reboot with the reboot_timeout_s setting
+    reboot: Callable[[str], None] | None = None
     # runs hook and host service commands (mig_agent.hooks.run_command)
     run_command: hooks.Runner = hooks.run_command
     # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
@@ -588,7 +589,10 @@ class Agent:
         )
         log.warning("node.rebooting", error=str(exc))
         try:
-            self.reboot(s.reboot_command)
+            if self.reboot is not None:
+                self.reboot(s.reboot_command)
+            else:
+                run_reboot(s.reboot_command, s.reboot_timeout_s)
         except RebootFailed:
             # No reboot happened: disarm the guard, so that a fixed command gets its one reboot.
             with contextlib.suppress(MigAgentError):

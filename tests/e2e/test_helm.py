@@ -112,7 +112,8 @@ def test_template_defaults(helm: str) -> None:
 def test_template_values(helm: str) -> None:
     docs = template(helm, "--set", "runtimeClassName=", "--set", "migStrategy=single",
                     "--set", "rebootCommand=systemctl reboot", "--set", "timeouts.drain=42",
-                    "--set", "metrics.port=9500", "--set", "nodeSelector.pool=gpu",
+                    "--set", "timeouts.reboot=600", "--set", "metrics.port=9500",
+                    "--set", "nodeSelector.pool=gpu",
                     "--set", "config.existingConfigMap=default-mig-parted-config",
                     "--set", "image.tag=9.9.9", "--set", "resources.limits.memory=1Gi",
                     "--set", "extraEnv.backoff_max_s=120")
@@ -125,6 +126,7 @@ def test_template_values(helm: str) -> None:
     assert (e["MIG_AGENT_DRAIN_TIMEOUT_S"], e["MIG_AGENT_METRICS_PORT"]) == ("42", "9500")
     assert e["MIG_AGENT_BACKOFF_MAX_S"] == "120"
     assert Settings.from_env(e).backoff_max_s == 120.0
+    assert Settings.from_env(e).reboot_timeout_s == 600.0
     (c,) = spec["containers"]
     assert c["image"].endswith(":9.9.9") and c["resources"]["limits"]["memory"] == "1Gi"
     assert c["ports"] == [{"name": "metrics", "containerPort": 9500}]

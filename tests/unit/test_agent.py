@@ -739,7 +739,6 @@ def test_long_waits_inside_a_pass_keep_the_loop_alive() -> None:
 
 def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
         tmp_path: Path) -> None:
-    from mig_agent.agent import run_reboot
     from mig_agent.errors import GpuResetRequired
 
     script = tmp_path / "reboot"
@@ -747,7 +746,7 @@ def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
     script.chmod(0o755)
     agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2),
                                 reboot_command=f"{script} --now")
-    assert agent.reboot is run_reboot  # the real one: a subprocess
+    assert agent.reboot is None  # the real one: a subprocess
 
     def stuck(gpu: int, *, enabled: bool) -> None:
         raise GpuResetRequired("GPU 0: MIG mode change pending")
@@ -766,6 +765,25 @@ def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
     reboots: list[str] = []
     agent.reboot = reboots.append
     assert agent.reconcile_once().outcome is Outcome.REBOOTING and len(reboots) == 1
+
+
+def test_the_reboot_command_is_killed_at_the_reboot_timeout_setting(tmp_path: Path) -> None:
+    from mig_agent.errors import GpuResetRequired
+
+    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2),
+                                reboot_command="sleep 30", reboot_timeout_s=0.5)
+
+    def stuck(gpu: int, *, enabled: bool) -> None:
+        raise GpuResetRequired("GPU 0: MIG mode change pending")
+
+    gpus.set_mig_mode = stuck  # type: ignore[method-assign]
+    label(cluster, "all-1g.5gb")
+    started = time.monotonic()
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert time.monotonic() - started < 10  # not the 120 s default
+    reason = cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert "sleep 30" in reason and "0.5 s" in reason, reason
+    assert_clean(cluster)
 
 
 @pytest.mark.parametrize("command, fragment", [
