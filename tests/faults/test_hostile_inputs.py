@@ -69,11 +69,10 @@ def test_a_layout_only_in_another_file_is_refused_by_name(fault_cluster: Cluster
         node.close()
 
 
-@full_only
 def test_our_annotations_forged_with_garbage_move_no_gpu_and_leave_the_node_clean(
         fault_cluster: Cluster) -> None:
-    # an annotation wakes no pass: the forged trail is found by the next resync (5 s here)
-    node = harness.FaultNode(fault_cluster, settings={"MIG_AGENT_RESYNC_S": "5"})
+    # no resync comes to the rescue within the test: the forged values themselves wake a pass
+    node = harness.FaultNode(fault_cluster, settings={"MIG_AGENT_RESYNC_S": "3600"})
     try:
         node.prepare()
         garbage = "\u202e;rm -rf /;" + "x" * 300
@@ -84,7 +83,7 @@ def test_our_annotations_forged_with_garbage_move_no_gpu_and_leave_the_node_clea
                                   content_type="application/merge-patch+json")
         node.wait("the agent to clear the forged trail", lambda: not any(
             f"{PREFIX}/{k}" in (node.node()["metadata"].get("annotations") or {})
-            for k in ("cordoned", "paused-operands")), 60)
+            for k in ("cordoned", "paused-operands")), 30)
         outcome, detail = harness.settle_and_check(node, "forged-annotations", 90)
         assert (outcome, detail) == ("converged", f"{harness.START} applied")
         assert _mutations(node) == 0
