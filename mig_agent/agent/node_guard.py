@@ -64,9 +64,13 @@ def _is_gpu_state(text: str) -> bool:
 
 
 def interrupted(s: Settings, node: NodeView) -> bool:
+    return node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING) or marked(s, node)
+
+
+def marked(s: Settings, node: NodeView) -> bool:
+    """A pass left its marks: cordon, paused operands or post-apply hooks still to run."""
     return (
-        node.labels.get(s.state_label) in (State.PENDING, State.REBOOTING)
-        or s.cordon_annotation in node.annotations
+        s.cordon_annotation in node.annotations
         or s.paused_annotation in node.annotations
         or s.post_apply_annotation in node.annotations
     )

@@ -328,6 +328,15 @@ class Agent:
             and node.labels.get(s.state_label) == State.FAILED
             and not device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
         )
+        if (
+            interrupted
+            and the_plan.is_empty
+            and not node_guard.marked(self.settings, node)
+            and device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
+        ):
+            # only the last write was lost (an API server gone just before "success"): the
+            # layout and its devices are in place, nothing to pause or restart
+            interrupted = False
         if the_plan.is_empty and not interrupted:
             reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
             if (

@@ -1004,6 +1004,34 @@ def test_foreign_marks_are_what_the_agent_never_writes() -> None:
     assert foreign_marks(s, node) == {}  # a reason beside the failed state is ours
 
 
+def test_a_lost_success_is_written_without_pausing_or_restarting_anything() -> None:
+    """The layout was applied and the node resumed, then the API server went away before
+    "success": the node says pending with none of our marks. The next pass writes success and
+    leaves the device plugin alone (before: it paused the plugin's operand and waited for a
+    new plugin pod)."""
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    (plugin,) = cluster.list_pods(namespace=DP_NS)
+    cluster.patch_node(NODE, labels={STATE: "pending"})
+    patches: list[dict[str, Any]] = []
+    patch = cluster.patch_node
+
+    def recorded(name: str, **kw: Any) -> NodeView:
+        patches.append(kw)
+        return patch(name, **kw)
+
+    cluster.patch_node = recorded  # type: ignore[method-assign]
+    calls = sum(gpus.calls.values())
+    assert agent.reconcile_once().outcome is Outcome.NOOP
+    assert sum(gpus.calls.values()) == calls
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert [p.ref.uid for p in cluster.list_pods(namespace=DP_NS)] == [plugin.ref.uid]
+    assert not any((p.get("labels") or {}).get(DP_LABEL) == PAUSED for p in patches), patches
+    assert not any(p.get("unschedulable") for p in patches)
+    assert_clean(cluster)
+
+
 def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -> None:
     """Its DaemonSet no longer wants the node: no new plugin will come (before: the agent
     deleted it and waited for a successor until DevicePluginTimeout)."""
