@@ -58,7 +58,7 @@ def _api_lost_after_the_resume(cluster: FakeCluster) -> None:
     cluster.patch_node = patch_then_lose  # type: ignore[method-assign]
 
 
-def test_a_pass_finishing_an_interrupted_one_restarts_the_plugin_the_pause_left() -> None:
+def test_a_lost_success_is_written_and_the_plugin_left_alone() -> None:
     agent, cluster, gpus = make()
     _lagging_daemonset(agent, cluster)
     cluster.patch_node(NODE, labels={CONFIG: "all-balanced"})
@@ -69,6 +69,33 @@ def test_a_pass_finishing_an_interrupted_one_restarts_the_plugin_the_pause_left(
     assert first.outcome is Outcome.FAILED and first.retry_after_s is not None
     cluster.down = False
     assert cluster.nodes[NODE].labels[STATE] == "pending"
+    before = _plugin_uids(cluster)
+    calls = sum(gpus.calls.values())
+
+    second = agent.reconcile_once()
+
+    assert second.outcome is Outcome.NOOP, cluster.nodes[NODE].annotations
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert sum(gpus.calls.values()) == calls
+    assert _plugin_uids(cluster) == before  # the plugin advertising the layout stays
+    assert_clean(cluster)
+
+
+def test_a_pass_finishing_an_interrupted_one_restarts_the_plugin_the_pause_left() -> None:
+    """A pass killed while it waited for the device plugin leaves its marks (cordon, paused
+    operands) with the plugin's operand already resumed; the next pass, with nothing to change
+    on the GPUs, pauses and resumes the operand within milliseconds."""
+    agent, cluster, gpus = make()
+    _lagging_daemonset(agent, cluster)
+    cluster.patch_node(NODE, labels={CONFIG: "all-balanced"})
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    cluster.patch_node(
+        NODE,
+        labels={STATE: "pending"},
+        annotations={"mig-agent.dev/cordoned": "true",
+                     "mig-agent.dev/paused-operands": "nvidia.com/gpu.deploy.device-plugin"},
+        unschedulable=True,
+    )
     before = _plugin_uids(cluster)
     assert len(before) == 1
     calls = sum(gpus.calls.values())
