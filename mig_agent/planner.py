@@ -135,9 +135,17 @@ class Plan:
 
 
 def plan(
-    layout: Layout, node: NodeState, models: Mapping[int, GpuModel], *, destroy_in_use: bool = False
+    layout: Layout,
+    node: NodeState,
+    models: Mapping[int, GpuModel],
+    *,
+    destroy_in_use: bool = False,
+    prefer: Plan | None = None,
 ) -> Plan:
     """Plan ``layout`` for every GPU of ``node``; ``models`` gives each GPU's MIG geometry.
+
+    ``prefer``: an earlier plan whose kept instances are kept again where they still can be
+    (after the drain: the pods it spared hold them, those it evicted held the others).
 
     Raises PlanError (layout unknown to these models, does not fit) or GpuBusy (an instance in
     use would have to go) for the first GPU where that happens; nothing is planned then.
@@ -151,7 +159,14 @@ def plan(
             untouched.append(gpu.index)
             continue
         plans.append(
-            plan_gpu(models[gpu.index], gpu, target, destroy_in_use=destroy_in_use, memo=memo)
+            plan_gpu(
+                models[gpu.index],
+                gpu,
+                target,
+                destroy_in_use=destroy_in_use,
+                memo=memo,
+                prefer=_kept_placements(prefer, gpu.index),
+            )
         )
     present = {g.index for g in node.gpus}
     for n, rule in enumerate(layout.rules, start=1):
@@ -195,6 +210,7 @@ class _Present:
     profile: GiProfile | None
     in_use: bool
     pids: tuple[int, ...] = field(default_factory=tuple)
+    preferred: bool = False  # kept by an earlier plan (``plan(prefer=...)``)
 
 
 def plan_gpu(
@@ -204,10 +220,12 @@ def plan_gpu(
     *,
     destroy_in_use: bool = False,
     memo: _KeptMemo | None = None,
+    prefer: frozenset[Placement] = frozenset(),
 ) -> GpuPlan:
     """The steps that turn ``gpu`` into ``desired``, keeping whatever can stay.
 
-    ``memo`` carries kept-set choices between GPUs of one node (see ``plan``).
+    ``memo`` carries kept-set choices between GPUs of one node (see ``plan``); the GPU
+    instances at ``prefer`` count next after those in use when choosing what to keep.
     """
     where = f"GPU {gpu.index} ({model.key})"
     if desired.mig_enabled and not model.mig_capable:
@@ -215,7 +233,9 @@ def plan_gpu(
     if not model.mig_capable:
         return GpuPlan(gpu.index, model.key, desired, (), ())
 
-    present = [_present(model, gpu, gi) for gi in gpu.gpu_instances] if gpu.mig_current else []
+    present = (
+        [_present(model, gpu, gi, prefer) for gi in gpu.gpu_instances] if gpu.mig_current else []
+    )
     needs_mode = gpu.mig_current != desired.mig_enabled or gpu.mig_pending != desired.mig_enabled
 
     if not desired.mig_enabled:
@@ -386,9 +406,21 @@ def place(model: GpuModel, gis: Sequence[GiProfile], taken: int) -> list[Placeme
 # Helpers
 
 
-def _present(model: GpuModel, gpu: GpuState, gi: GpuInstance) -> _Present:
+def _present(
+    model: GpuModel, gpu: GpuState, gi: GpuInstance, prefer: frozenset[Placement] = frozenset()
+) -> _Present:
     pids = tuple(sorted({p.pid for p in gpu.processes_on(gi.id)}))
-    return _Present(gi, model.gi_profile_by_id(gi.profile_id), bool(pids), pids)
+    return _Present(
+        gi, model.gi_profile_by_id(gi.profile_id), bool(pids), pids, gi.placement in prefer
+    )
+
+
+def _kept_placements(earlier: Plan | None, gpu: int) -> frozenset[Placement]:
+    if earlier is None:
+        return frozenset()
+    return frozenset(
+        d.gi_placement for g in earlier.gpus if g.gpu == gpu for d in g.devices if d.kept
+    )
 
 
 def _ci_by_id(gi: GiProfile, ci_id: int) -> CiProfile:
@@ -438,6 +470,7 @@ def _kept_key(model: GpuModel, present: list[_Present], demands: list[_Demand]) 
                 p.gi.placement,
                 tuple((c.profile_id, c.placement) for c in p.gi.compute_instances),
                 p.in_use,
+                p.preferred,
             )
             for p in present
         ),
@@ -466,7 +499,13 @@ def _choose_kept(
     subsets: list[tuple[int, ...]] = []
     for r in range(largest, -1, -1):
         subsets.extend(itertools.combinations(candidates, r))
-    subsets.sort(key=lambda s: (-sum(present[i].in_use for i in s), -len(s)))
+    subsets.sort(
+        key=lambda s: (
+            -sum(present[i].in_use for i in s),
+            -sum(present[i].preferred for i in s),
+            -len(s),
+        )
+    )
     for subset in subsets:
         assignment = _assign(subset, options)
         if assignment is None:

@@ -406,7 +406,7 @@ class Agent:
                         "MIGApplying",
                         f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) {changed}",
                     ):
-                        self._apply(desired, models, hook_run, reset_gpus)
+                        self._apply(desired, models, hook_run, reset_gpus, the_plan)
                     with reporting.phase(
                         self.cluster,
                         self.metrics,
@@ -522,14 +522,20 @@ class Agent:
                 clock=self.clock,
             )
 
-    def _apply(self, desired: str, models: Mapping[int, GpuModel],
-               hook_run: site_hooks.HookRunner, reset_gpus: list[int]) -> None:
+    def _apply(
+        self,
+        desired: str,
+        models: Mapping[int, GpuModel],
+        hook_run: site_hooks.HookRunner,
+        reset_gpus: list[int],
+        drained_for: planner.Plan,
+    ) -> None:
         """Apply as mig-parted does with its hooks: apply-start; pre-apply-mode and the
         mode changes (with the destroys before them); pre-apply-config and the instances;
         apply-exit always, its failure the pass's only when nothing else failed."""
         assert self.catalog is not None
         try:
-            the_plan = self._plan_after_drain(self.catalog.get(desired), models)
+            the_plan = self._plan_after_drain(self.catalog.get(desired), models, drained_for)
         except GpuBusy as exc:
             self._blocked(exc, reset_gpus)
             raise
@@ -552,7 +558,9 @@ class Agent:
             hint = host_clients.blocking(self.settings, self.run_command, reset_gpus)
             raise GpuBusy(f"{exc}; {hint}", **exc.context) from exc
 
-    def _plan_after_drain(self, layout: Layout, models: Mapping[int, GpuModel]) -> planner.Plan:
+    def _plan_after_drain(
+        self, layout: Layout, models: Mapping[int, GpuModel], drained_for: planner.Plan
+    ) -> planner.Plan:
         """Re-plan, now refusing what is in use. An evicted pod's processes can outlive its Pod
         object for a moment (container teardown), so a busy GPU is looked at again until
         ``gpu_release_timeout_s``; then it is a real busy GPU (GpuBusy, naming the pids)."""
@@ -560,7 +568,9 @@ class Agent:
         delays = poll_delays(self.settings.poll_s)
         while True:
             try:
-                return planner.plan(layout, self.gpus.observe(), models)
+                # the drain spared the pods on what the first plan keeps and evicted the
+                # rest: keep the same instances, so no pod went for a device that stays
+                return planner.plan(layout, self.gpus.observe(), models, prefer=drained_for)
             except GpuBusy as exc:
                 if self.clock.now() >= deadline:
                     raise

@@ -145,10 +145,12 @@ class Scenario:
     pod_limits: Mapping[str, str]
     ready: tuple[str, int]  # the resource START advertises, and how many, before the pod
     points: tuple[Point, ...]
+    # a pod made first, on a device the pass keeps: the drain must leave it running
+    stay_pod_limits: Mapping[str, str] | None = None
 
 
 H100 = Scenario("h100", GPUS, START, TARGET, OTHER, TYPO, {"nvidia.com/mig-1g.10gb": "3"},
-                ("nvidia.com/mig-1g.10gb", 7), POINTS)
+                ("nvidia.com/mig-1g.10gb", 7), POINTS, {"nvidia.com/mig-1g.10gb": "1"})
 A100 = Scenario("a100-mig-on", "1xA100-40GB", "all-disabled", "all-1g.5gb", "all-2g.10gb",
                 "all-1g.5gbx", {"nvidia.com/gpu": "1"}, ("nvidia.com/gpu", 1), A100_POINTS)
 SCENARIOS = (H100, A100)
@@ -252,6 +254,9 @@ class FaultNode:
                  proxy: bool = False, settings: Mapping[str, str] | None = None,
                  own_profiles: bool = False) -> None:
         self.cluster = cluster
+        # the trial's pods (name -> UID) and the devices they hold, as `prepare` leaves them
+        self.pods_at_start: dict[str, str] = {}
+        self.held_at_start: dict[str, set[tuple[int, int]]] = {}
         self.scenario = scenario or H100
         self.name = f"fault-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         self.proxy: ApiFaultProxy | None = None
@@ -348,23 +353,65 @@ class FaultNode:
             # rightly wake the agent for a second pass
             self.wait("GFD's labels", lambda: FEATURE_LABELS_ANNOTATION in (
                 self.node()["metadata"].get("annotations") or {}), SETUP_TIMEOUT_S)
-        # a GPU pod on three of the seven 1g.10gb devices: the drain has work to do
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": self.name, "namespace": NAMESPACE},
-               "spec": {"terminationGracePeriodSeconds": 1,
-                        "nodeSelector": {"kubernetes.io/hostname": self.name},
-                        "containers": [{"name": "cuda", "image": SIMULATED_IMAGE, "resources": {
-                            "limits": dict(sc.pod_limits), "requests": dict(sc.pod_limits)}}]}}
-        self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
-        self.wait("the GPU pod to run", lambda: self.cluster.api.get(
-            f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}").get(
-            "status", {}).get("phase") == "Running", SETUP_TIMEOUT_S)
+        # first a pod on the first 1g.10gb device, which the pass keeps (H100), then a GPU pod
+        # on three of the others: the drain has work to do, and a pod to leave alone
+        if sc.stay_pod_limits:
+            self._run_pod(self.stay_pod, sc.stay_pod_limits)
+        self._run_pod(self.name, sc.pod_limits)
         time.sleep(0.5)  # the agent's idle pass after success is over
+        self.pods_at_start, self.held_at_start = self.pods_left(), self.held_devices()
         # each mutating NVML call takes a moment, as on hardware: a fault lands near its point
         simstate.set_latency(self.procs.sim_state, 0.02)
         simstate.reset_call_counts(self.procs.sim_state)
         self.log_lines()
         self.lines = []  # from here on: the trial's lines
+
+    @property
+    def stay_pod(self) -> str:
+        return f"{self.name}-stays"
+
+    def _run_pod(self, name: str, limits: Mapping[str, str]) -> None:
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": name, "namespace": NAMESPACE},
+               "spec": {"terminationGracePeriodSeconds": 1,
+                        "nodeSelector": {"kubernetes.io/hostname": self.name},
+                        "containers": [{"name": "cuda", "image": SIMULATED_IMAGE, "resources": {
+                            "limits": dict(limits), "requests": dict(limits)}}]}}
+        self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
+        self.wait(f"the GPU pod {name} to run", lambda: self.cluster.api.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{name}").get(
+            "status", {}).get("phase") == "Running", SETUP_TIMEOUT_S)
+
+    def pods_left(self) -> dict[str, str]:
+        """The trial's GPU pods there and not terminating: name -> UID."""
+        pods = self.cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]
+        mine = {self.name, self.stay_pod}
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods
+                if p["metadata"]["name"] in mine and not p["metadata"].get("deletionTimestamp")}
+
+    def held_devices(self) -> dict[str, set[tuple[int, int]]]:
+        """Pod UID -> the devices its processes hold: (GPU, GI serial; -1 for the whole GPU).
+        A GI serial is never reused, so a destroyed and re-created instance is another one."""
+        sim = simstate.load_node(self.procs.sim_state)
+        out: dict[str, set[tuple[int, int]]] = {}
+        for owner, procs in simstate.processes_by_owner(self.procs.sim_state).items():
+            if owner.startswith("pod/"):
+                for index, proc in procs:
+                    gi = None if proc.gi is None else sim.gpus[index].gi(proc.gi)
+                    out.setdefault(owner[4:], set()).add((index, -1 if gi is None else gi.serial))
+        return out
+
+    def evicted_though_kept(self) -> list[str]:
+        """The trial's pods gone although every device they held at the start is still there."""
+        sim = simstate.load_node(self.procs.sim_state)
+
+        def alive(device: tuple[int, int]) -> bool:
+            gpu = sim.gpus[device[0]]
+            return not gpu.mig_current if device[1] < 0 else gpu.gi_by_serial(device[1]) is not None
+
+        left = set(self.pods_left().values())
+        return sorted(name for name, uid in self.pods_at_start.items() if uid not in left
+                      and self.held_at_start.get(uid) and all(map(alive, self.held_at_start[uid])))
 
     def close(self) -> None:
         agents.stop_node(self.cluster.dir, self.name)
@@ -379,6 +426,11 @@ class FaultNode:
             self.cluster.api.request(
                 "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}",
                 {"gracePeriodSeconds": 0})
+        if self.scenario.stay_pod_limits:
+            with contextlib.suppress(ApiError):
+                self.cluster.api.request(
+                    "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.stay_pod}",
+                    {"gracePeriodSeconds": 0})
         self.cluster.delete_node(self.name)
 
     # -- checks ------------------------------------------------------------------------------
@@ -572,6 +624,10 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
             # the same label throughout: a restarted agent must finish the pass, not redo it
             outcome, detail = "violated", (f"GPU/compute instance calls {calls}, a pass without "
                                            f"the fault makes {reference}")
+        wrongly = node.evicted_though_kept()
+        if reference is not None and outcome != "violated" and wrongly:
+            # the label the same throughout: a pod whose devices all outlived the pass stays
+            outcome, detail = "violated", f"evicted though every device it held stays: {wrongly}"
         hits = ", ".join(f"{k} x{v}" for k, v in sorted(node.proxy.hits.items())) \
             if node.proxy else ""
         if node.restart_seconds:

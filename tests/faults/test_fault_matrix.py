@@ -82,6 +82,32 @@ def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
         assert result.hits, f"{fault} at {point.name}: the proxy answered nothing"
 
 
+def test_the_eviction_check_tells_a_kept_device_from_a_destroyed_one(
+        fault_cluster: Cluster) -> None:
+    """What the trials that keep the label are held to, on a pass without a fault: each pod
+    evicted held a device that the pass destroyed; and a pod whose devices all stay, evicted
+    by hand, is caught."""
+    node = harness.FaultNode(fault_cluster, harness.H100)
+    try:
+        node.prepare()
+        node.patch_labels({harness.CONFIG: harness.H100.target})
+        assert harness.settle_and_check(node, "none", 90)[0] == "converged"
+        assert len(node.pods_left()) < len(node.pods_at_start)  # the drain evicted some
+        assert node.evicted_though_kept() == []
+        # the pass kept some instances: a pod made now holds one of them; gone, it is caught
+        node.pods_at_start, node.held_at_start = {}, {}
+        node._run_pod(node.stay_pod, {"nvidia.com/mig-1g.10gb": "1"})
+        node.wait("the new pod's process on its device", node.held_devices, 30)
+        node.pods_at_start, node.held_at_start = node.pods_left(), node.held_devices()
+        fault_cluster.api.request(
+            "DELETE", f"/api/v1/namespaces/{harness.NAMESPACE}/pods/{node.stay_pod}",
+            {"gracePeriodSeconds": 0})
+        node.wait("the pod to go", lambda: node.stay_pod not in node.pods_left(), 60)
+        assert node.evicted_though_kept() == [node.stay_pod]
+    finally:
+        node.close()
+
+
 def test_a_killed_agent_is_restarted_by_the_cluster_and_converges(
         fault_cluster: Cluster) -> None:
     """No test restarts it: the node's supervisor does, as a kubelet would."""

@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -347,6 +349,31 @@ def test_a_node_plans_each_gpu_as_it_would_alone(model: GpuModel, data: st.DataO
                   for g in range(4))
     assert together.gpus == alone
     assert all(p.gpu == g for g, p in enumerate(together.gpus))
+
+
+def test_the_plan_after_the_drain_keeps_what_the_plan_before_it_kept() -> None:
+    """Before the drain, instances in use are kept first; the drain evicts the pods on the
+    others; after it, with no process left, the same instances are kept (before: the re-plan
+    kept the first ones it found, so a pod was evicted for an instance that then stayed)."""
+    model = MODELS["H100-80GB"]
+    gpus = FakeGpus([model], mig_enabled=True)
+    execute(plan(layout_of({"1g.10gb": 7}), gpus.observe(), gpus.models()), gpus)
+    target = layout_of({"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1})
+
+    def kept(p: Any) -> list[int]:
+        return sorted(d.gi_placement.start for g in p.gpus for d in g.devices if d.kept)
+
+    idle = kept(plan(target, gpus.observe(), gpus.models()))
+    # a pod on an instance the idle plan would not keep
+    busy = next(gi for gi in gpus.observe().gpu(0).gpu_instances
+                if gi.placement.start not in idle)
+    gpus.add_process(0, 4242, busy.id)
+    before = plan(target, gpus.observe(), gpus.models(), destroy_in_use=True)
+    assert busy.placement.start in kept(before)
+    gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())  # the drain: none left
+    after = plan(target, gpus.observe(), gpus.models(), prefer=before)
+    assert kept(after) == kept(before) != idle
+    assert kept(plan(target, gpus.observe(), gpus.models())) == idle  # without the preference
 
 
 def test_a_busy_gpu_keeps_its_busy_instance_though_alike_gpus_keep_others() -> None:
