@@ -36,13 +36,14 @@ AGENT_USER = "system:serviceaccount:mig-agent:mig-agent"
 COMPONENT = "mig-agent"
 """The Event source component of the agent (mig_agent.kube.client.KubernetesCluster)."""
 
-CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable")
+CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable", "DrainBlocked")
 """Reasons of the node condition the agent sets by name (mig_agent/agent/reconcile.py), besides
 the error class names of failed passes (GpuUnavailable is both: no NVML on start)."""
 EVENT_REASONS = (
     "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying", "MIGDevicePluginRestart",
     "MIGConfigApplied", "MIGConfigFailed", "MIGRebooting", "MIGPostApply",
     "MIGHostClientsStopped", "MIGHostClientsStarted", "MIGConfigInvalid",
+    "MIGDrainBlocked",
 )
 """Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
 MESSAGE_CAP = 1024

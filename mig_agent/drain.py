@@ -111,6 +111,7 @@ def drain_gpu_pods(
     clock: Clock = Clock(),
     exclude: Iterable[PodRef] = (),
     may_stay: Callable[[PodView], bool] | None = None,
+    on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
     gone; returns the evicted pods.
@@ -153,6 +154,8 @@ def drain_gpu_pods(
                             pdb=exc.context.get("pdb", ""),
                             error=str(exc),
                         )
+                        if on_blocked is not None:  # tell the operator now, not at the deadline
+                            on_blocked(ref, exc)
                     blocked[ref] = exc
                     continue
                 blocked.pop(ref, None)

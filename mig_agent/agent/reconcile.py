@@ -39,6 +39,7 @@ from mig_agent.agent.reboot import run_reboot
 from mig_agent.drain import Clock, drain_gpu_pods, poll_delays, wait_pods_gone
 from mig_agent.errors import (
     ConfigError,
+    EvictionBlocked,
     GpuBusy,
     GpuResetRequired,
     GpuUnavailable,
@@ -50,7 +51,7 @@ from mig_agent.errors import (
 from mig_agent.executor import verify
 from mig_agent.generated import with_generated
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodView
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
 from mig_agent.labels import State
 from mig_agent.layout import Layout, LayoutCatalog
 from mig_agent.metrics import Metrics
@@ -488,6 +489,20 @@ class Agent:
 
         return may_stay
 
+    def _drain_blocked(self, pod: PodRef, exc: EvictionBlocked) -> None:
+        """A PodDisruptionBudget refuses an eviction: say so while the drain keeps trying
+        (state stays pending; the pass fails at the drain timeout as before)."""
+        s = self.settings
+        message = (
+            f"{exc}; retrying every {s.eviction_retry_s:g} s for up to {s.drain_timeout_s:g} s"
+        )
+        reporting.condition(
+            self.cluster, s, NodeCondition(s.condition_type, "False", "DrainBlocked", message)
+        )
+        with contextlib.suppress(MigAgentError):
+            node = self.cluster.get_node(s.node_name)
+            reporting.event(self.cluster, node, "MIGDrainBlocked", message, warning=True)
+
     def _drain(self, paused: list[str], the_plan: planner.Plan) -> None:
         s = self.settings
         operand_pods = [
@@ -508,6 +523,7 @@ class Agent:
             clock=self.clock,
             exclude=operand_pods,
             may_stay=self._pods_that_may_stay(the_plan),
+            on_blocked=self._drain_blocked,
         )
         self.metrics.evictions.inc(len(evicted))
         if operand_pods:

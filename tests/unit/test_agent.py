@@ -206,6 +206,32 @@ def test_pdb_blocks_then_succeeds_after_it_is_relaxed() -> None:
     assert "mig-agent.dev/reason" not in cluster.nodes[NODE].annotations
 
 
+def test_a_blocked_drain_says_so_on_the_node_while_it_keeps_trying() -> None:
+    """The operator sees the budget that blocks the drain at once, not at the drain timeout
+    (before: only the agent's log said so, for the whole 300 s)."""
+    agent, cluster, gpus = make(drain_timeout_s=30.0)
+    pod = cluster.add_pod("work", "guarded", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.blocked[pod] = "keep-one"
+    seen: list[tuple[list[str], str]] = []
+    sleep = agent.clock.sleep
+
+    def look(seconds: float) -> None:  # what the node shows while the drain waits
+        node = cluster.nodes[NODE]
+        conds = [c.reason for c in node.conditions if c.type == "MIGConfigApplied"]
+        seen.append(([e[1] for e in cluster.events], conds[0] if conds else ""))
+        sleep(seconds)
+
+    agent.clock = dataclasses.replace(agent.clock, sleep=look)
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    events, condition = seen[1]  # early in the drain, long before its 30 s deadline
+    assert "MIGDrainBlocked" in events and condition == "DrainBlocked"
+    (blocked,) = [e for e in cluster.events if e[1] == "MIGDrainBlocked"]
+    assert blocked[3] and "PodDisruptionBudget work/keep-one" in blocked[2]
+    assert events.count("MIGDrainBlocked") == 1  # once per pod, not at every retry
+    assert_clean(cluster)
+
+
 def test_busy_gpu_after_drain_is_refused_and_left_as_it_was() -> None:
     agent, cluster, gpus = make()
     label(cluster, "all-1g.10gb")
