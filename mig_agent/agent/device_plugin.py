@@ -139,10 +139,11 @@ def wait_resources(
     new_pod = False
     delays = poll_delays(s.poll_s)
     while True:
-        new_pod = new_pod or any(
-            p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s)
-        )
         have = cluster.get_node(s.node_name).gpu_resources()
+        # the plugin pods are listed only once the numbers match (or at the deadline, to say
+        # which is missing): a look costs one request while the plugin starts
+        if not new_pod and (have == want or clock.now() >= deadline):
+            new_pod = any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
         if new_pod and have == want:
             log.info("device_plugin.resources_match", resources=want)
             return

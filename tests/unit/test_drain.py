@@ -130,3 +130,39 @@ def test_gpu_pods_are_evicted_while_the_paused_operands_terminate() -> None:
     result = agent.reconcile_once()
     assert result.outcome.name == "APPLIED", result
     assert cluster.evicted == [gpu_pod]
+
+
+def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
+    """While the new plugin starts, each look reads the node only; its pods are listed once
+    the numbers match (before: a list of pods and a read of the node at every look)."""
+    from mig_agent.agent import device_plugin
+    from mig_agent.settings import Settings
+
+    agent, cluster, gpus = make()
+    (old,) = cluster.list_pods(namespace=DP_NS)
+    cluster.pods.pop(old.ref)  # the old plugin is gone; its successor comes after 20 looks
+    cluster.on_change = None
+    cluster.patch_node_resources(NODE, {"nvidia.com/gpu": 0})  # its devices unhealthy meanwhile
+    looks = {"n": 0, "lists": 0}
+    list_pods, sleep = cluster.list_pods, agent.clock.sleep
+
+    def counted_list(**kw: object) -> list:  # type: ignore[type-arg]
+        looks["lists"] += 1
+        return list_pods(**kw)  # type: ignore[arg-type]
+
+    def look(seconds: float) -> None:
+        looks["n"] += 1
+        if looks["n"] == 20:
+            from mig_agent.resources import expected_resources
+
+            cluster.add_pod(DP_NS, "dp-new", NODE, labels=DP_SEL, owner="DaemonSet")
+            cluster.patch_node_resources(
+                NODE, expected_resources(gpus.observe(), gpus.models(), "mixed"))
+        sleep(seconds)
+
+    cluster.list_pods = counted_list  # type: ignore[method-assign]
+    s = Settings(node_name=NODE, config=agent.settings.config)
+    clock = Clock(agent.clock.now, look)
+    device_plugin.wait_resources(cluster, s, gpus, clock, gpus.models(), {old.ref.uid})
+    assert looks["n"] == 20
+    assert looks["lists"] <= 3, looks  # not one per look
