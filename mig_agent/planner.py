@@ -225,7 +225,7 @@ def plan_gpu(
     """The steps that turn ``gpu`` into ``desired``, keeping whatever can stay.
 
     ``memo`` carries kept-set choices between GPUs of one node (see ``plan``); the GPU
-    instances at ``prefer`` count next after those in use when choosing what to keep.
+    instances at ``prefer`` are kept first, then those in use.
     """
     where = f"GPU {gpu.index} ({model.key})"
     if desired.mig_enabled and not model.mig_capable:
@@ -481,7 +481,8 @@ def _kept_key(model: GpuModel, present: list[_Present], demands: list[_Demand]) 
 def _choose_kept(
     model: GpuModel, present: list[_Present], demands: list[_Demand]
 ) -> dict[int, int] | None:
-    """Which present GIs stay (present index -> demand index): in-use ones first, then most.
+    """Which present GIs stay (present index -> demand index): preferred ones first, then
+    those in use, then most.
 
     Tries keep sets from the best down; the first whose leftovers still fit wins.
     """
@@ -499,10 +500,12 @@ def _choose_kept(
     subsets: list[tuple[int, ...]] = []
     for r in range(largest, -1, -1):
         subsets.extend(itertools.combinations(candidates, r))
+    # an earlier plan's choice first: the pods on the rest were evicted for it, and their
+    # processes may linger a moment (the caller waits for them rather than keep their GIs)
     subsets.sort(
         key=lambda s: (
-            -sum(present[i].in_use for i in s),
             -sum(present[i].preferred for i in s),
+            -sum(present[i].in_use for i in s),
             -len(s),
         )
     )

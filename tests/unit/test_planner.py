@@ -370,6 +370,14 @@ def test_the_plan_after_the_drain_keeps_what_the_plan_before_it_kept() -> None:
     gpus.add_process(0, 4242, busy.id)
     before = plan(target, gpus.observe(), gpus.models(), destroy_in_use=True)
     assert busy.placement.start in kept(before)
+    # the drain evicted the pods on what `before` destroys; one's process lingers a moment:
+    # the re-plan does not keep its instance for it, it waits (GpuBusy) until it is gone
+    lingering = next(gi for gi in gpus.observe().gpu(0).gpu_instances
+                     if gi.placement.start not in kept(before))
+    gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())
+    gpus.add_process(0, 4343, lingering.id)
+    with pytest.raises(GpuBusy, match="4343"):
+        plan(target, gpus.observe(), gpus.models(), prefer=before)
     gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())  # the drain: none left
     after = plan(target, gpus.observe(), gpus.models(), prefer=before)
     assert kept(after) == kept(before) != idle
