@@ -79,7 +79,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing the package
 
-from migsim.cluster import Cluster, agents, mig_manager  # noqa: E402
+from migsim.cluster import Cluster, ViaProxy, agents, mig_manager  # noqa: E402
 from migsim.cluster.api_faults import ApiFaultProxy  # noqa: E402
 from migsim.cluster.processes import Proc  # noqa: E402
 from migsim.nvml import state as simstate  # noqa: E402
@@ -288,20 +288,6 @@ class Pool:
         for n in nodes:
             out += self.proxies[n].snapshot()
         return out
-
-
-class ViaProxy(Cluster):
-    """The cluster, but the kubeconfigs it writes (an agent's) name `url`: a counting proxy
-    (migsim.cluster.api_faults) in front of the API server, as tests/faults does."""
-
-    def __init__(self, cluster: Cluster, url: str) -> None:
-        self.dir, self.state, self.bin_dir, self.api = (cluster.dir, cluster.state,
-                                                        cluster.bin_dir, cluster.api)
-        self._url = url
-
-    @property
-    def server(self) -> str:
-        return self._url
 
 
 def new_proxy(cluster: Cluster) -> ApiFaultProxy:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from migsim.cluster import SIMULATED_IMAGE, Cluster, agents
+from migsim.cluster import SIMULATED_IMAGE, Cluster, ViaProxy, agents
 from migsim.cluster.api import ApiError
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
 from migsim.cluster.errors import DevClusterError
@@ -270,7 +270,7 @@ class FaultNode:
             self.proxy = ApiFaultProxy(cluster.server, cert=cluster.dir / "pki" / "serving.crt",
                                        key=cluster.dir / "pki" / "serving.key",
                                        ca=cluster.ca_cert)
-            via = _ViaProxy(cluster, self.proxy.url)
+            via = ViaProxy(cluster, self.proxy.url)
             settings["MIG_AGENT_WATCH_TIMEOUT_S"] = str(WATCH_TIMEOUT_S)
         cluster.add_gpu_node(self.name, self.scenario.gpus)
         try:
@@ -457,19 +457,6 @@ class FaultNode:
         finally:
             backend.close()
         return applied, stray
-
-
-class _ViaProxy(Cluster):
-    """The cluster, but the kubeconfigs it writes (the agent's) name the fault proxy."""
-
-    def __init__(self, cluster: Cluster, url: str) -> None:
-        self.dir, self.state, self.bin_dir, self.api = (cluster.dir, cluster.state,
-                                                        cluster.bin_dir, cluster.api)
-        self._url = url
-
-    @property
-    def server(self) -> str:
-        return self._url
 
 
 def ensure_namespace(cluster: Cluster) -> None:

@@ -12,7 +12,7 @@ The binaries come from `scripts/k8s-binaries build`. This package never imports 
 speaks to the API server through `api.Api` (urllib) and the built `kubectl`.
 """
 
-from .cluster import Cluster, ComponentStatus, default_dir, down, find_binaries
+from .cluster import Cluster, ComponentStatus, ViaProxy, default_dir, down, find_binaries
 from .errors import BinariesMissing, ClusterNotRunning, DevClusterError, WaitTimeout
 from .kwok_stages import DELETE_DELAY_ANNOTATION
 from .nodes import DEFAULT_GPUS, GPU_RESOURCE, SIMULATED_IMAGE
@@ -28,6 +28,7 @@ __all__ = [
     "ClusterNotRunning",
     "ComponentStatus",
     "DevClusterError",
+    "ViaProxy",
     "WaitTimeout",
     "default_dir",
     "down",

@@ -532,6 +532,21 @@ class Cluster:
                                 token=token, namespace=namespace)
 
 
+class ViaProxy(Cluster):
+    """The cluster, but the kubeconfigs it writes (an agent's, a manager's) name `url`: a proxy
+    in front of the API server (migsim.cluster.api_faults) that counts requests or answers
+    faults."""
+
+    def __init__(self, cluster: Cluster, url: str) -> None:
+        self.dir, self.state, self.bin_dir, self.api = (cluster.dir, cluster.state,
+                                                        cluster.bin_dir, cluster.api)
+        self._url = url
+
+    @property
+    def server(self) -> str:
+        return self._url
+
+
 def _schedulable(node: Mapping[str, Any]) -> bool:
     conditions = node.get("status", {}).get("conditions") or []
     ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
