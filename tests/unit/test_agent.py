@@ -66,6 +66,33 @@ class Crash(BaseException):
     """Stands in for the agent being killed."""
 
 
+@contextlib.contextmanager
+def running(agent: Agent, *, config_poll_s: float) -> Iterator[list[float]]:
+    """Runs the agent's loop in a thread and yields the clock's time at each pass it starts; on
+    leaving, stops the loop (and an OpenWatch's open watch) and waits for the thread."""
+    passes: list[float] = []
+    once = agent.reconcile_once
+
+    def counted(**kw: Any) -> Any:
+        passes.append(agent.clock.now())
+        return once(**kw)
+
+    agent.reconcile_once = counted  # type: ignore[method-assign]
+    stop = threading.Event()
+    runner = threading.Thread(
+        target=agent.run, args=(stop,), kwargs={"config_poll_s": config_poll_s}
+    )
+    runner.start()
+    try:
+        yield passes
+    finally:
+        stop.set()
+        agent.wake()
+        if isinstance(agent.cluster, OpenWatch):
+            agent.cluster.changes.put(None)
+        runner.join(5)
+
+
 def make(
     gpus: FakeGpus | None = None,
     *,
@@ -720,10 +747,7 @@ def test_liveness_follows_the_loop_not_the_last_pass() -> None:
 
     agent, cluster, gpus = make()
     label(cluster, "all-1g.10gbx")  # a lasting failure: no pass until the label changes
-    stop = threading.Event()
-    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 0.05})
-    runner.start()
-    try:
+    with running(agent, config_poll_s=0.05):
         deadline = time.monotonic() + 10
         while cluster.nodes[NODE].labels.get(STATE) != "failed":
             assert time.monotonic() < deadline
@@ -737,10 +761,6 @@ def test_liveness_follows_the_loop_not_the_last_pass() -> None:
         # a loop that stopped moving for longer than stall_s is not
         late = agent.loop_alive_at + agent.settings.stall_s + 1
         assert "reconcile loop stalled" in agent.liveness_problem(now=late)
-    finally:
-        stop.set()
-        agent.wake()
-        runner.join(5)
 
 
 def test_long_waits_inside_a_pass_keep_the_loop_alive() -> None:
@@ -865,27 +885,12 @@ def test_the_loop_runs_on_injected_time() -> None:
     """Resync passes every resync_s of the clock's time, with no real sleeping for it."""
     agent, cluster, gpus = make(resync_s=300.0)
     label(cluster, "all-1g.10gb")
-    passes: list[float] = []
-    once = agent.reconcile_once
-
-    def counted(**kw: Any) -> Any:
-        passes.append(agent.clock.now())
-        return once(**kw)
-
-    agent.reconcile_once = counted  # type: ignore[method-assign]
-    stop = threading.Event()
-    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 5.0})
     started = time.monotonic()
-    runner.start()
-    try:
+    with running(agent, config_poll_s=5.0) as passes:
         deadline = time.monotonic() + 10
         while len(passes) < 4:
             assert time.monotonic() < deadline, passes
             time.sleep(0.01)
-    finally:
-        stop.set()
-        agent.wake()
-        runner.join(5)
     assert time.monotonic() - started < 10
     gaps = [b - a for a, b in zip(passes[1:], passes[2:], strict=False)]
     assert all(300.0 <= g < 306.0 for g in gaps), passes  # the resync, in the clock's time
@@ -921,18 +926,7 @@ def test_an_idle_agent_reads_nothing_but_its_watch() -> None:
     agent, cluster, gpus = make(cluster=OpenWatch(), resync_s=300.0)
     assert isinstance(cluster, OpenWatch)
     label(cluster, "all-1g.10gb")
-    passes: list[float] = []
-    once = agent.reconcile_once
-
-    def counted(**kw: Any) -> Any:
-        passes.append(agent.clock.now())
-        return once(**kw)
-
-    agent.reconcile_once = counted  # type: ignore[method-assign]
-    stop = threading.Event()
-    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 5.0})
-    runner.start()
-    try:
+    with running(agent, config_poll_s=5.0) as passes:
         deadline = time.monotonic() + 10
         while len(passes) < 2:  # the first pass applies, then the resyncs begin
             assert time.monotonic() < deadline, passes
@@ -941,11 +935,6 @@ def test_an_idle_agent_reads_nothing_but_its_watch() -> None:
         while len(passes) < 6:
             assert time.monotonic() < deadline, passes
             time.sleep(0.01)
-    finally:
-        stop.set()
-        agent.wake()
-        cluster.changes.put(None)
-        runner.join(5)
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert cluster.reads == reads, "a resync read the node"
     assert cluster.nodes[NODE].resource_version == writes
@@ -957,19 +946,8 @@ def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
     agent, cluster, gpus = make(cluster=OpenWatch(), resync_s=300.0)
     assert isinstance(cluster, OpenWatch)
     label(cluster, "all-1g.10gb")
-    passes: list[float] = []
-    once = agent.reconcile_once
-
-    def counted(**kw: Any) -> Any:
-        passes.append(agent.clock.now())
-        return once(**kw)
-
-    agent.reconcile_once = counted  # type: ignore[method-assign]
-    stop = threading.Event()
     # the loop's waits take 0.05 s of fake time for about 1 ms of real time
-    runner = threading.Thread(target=agent.run, args=(stop,), kwargs={"config_poll_s": 0.05})
-    runner.start()
-    try:
+    with running(agent, config_poll_s=0.05) as passes:
         deadline = time.monotonic() + 10
         while cluster.nodes[NODE].labels.get(STATE) != "success":
             assert time.monotonic() < deadline
@@ -986,11 +964,6 @@ def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
         ) or agent.pass_running:
             assert time.monotonic() < deadline, passes
             time.sleep(0.005)
-    finally:
-        stop.set()
-        agent.wake()
-        cluster.changes.put(None)
-        runner.join(5)
     corrected = [t for t in passes[first:] if t >= forged_at]
     assert corrected and corrected[0] - forged_at < 60, (forged_at, passes)
     assert cluster.nodes[NODE].annotations["mig-agent.dev/gpu-state"].startswith("{")
