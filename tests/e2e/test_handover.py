@@ -33,6 +33,7 @@ GPU_STATE = "mig-agent.dev/gpu-state"
 NS = "handover"
 POD_LABEL = "handover.mig-agent.dev/node"
 BALANCED = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
+ALL_1G = {"1g.10gb": 7}
 RECONFIGURING = {
     "MIGReconfiguring",
     "MIGDraining",
@@ -73,6 +74,13 @@ class Node:
             f"{self.name} {state} (log: {self.logs()})",
             lambda: self.labels().get(STATE) == state,
             timeout,
+        )
+
+    def wait_all_1g(self) -> None:
+        """Waits for `success` at all-1g.10gb with both GPUs holding it."""
+        wait(
+            "success at all-1g.10gb",
+            lambda: self.labels().get(STATE) == "success" and self.layout() == [ALL_1G, ALL_1G],
         )
 
     def logs(self) -> str:
@@ -255,13 +263,7 @@ def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(handover_
 
     # a new layout: the 1g.10gb instances (and the pods on them) stay
     node.label("all-1g.10gb")
-    wait(
-        "success at all-1g.10gb",
-        lambda: (
-            node.labels().get(STATE) == "success"
-            and node.layout() == [{"1g.10gb": 7}, {"1g.10gb": 7}]
-        ),
-    )
+    node.wait_all_1g()
     assert kept_1g <= node.instances("1g.10gb"), "a 1g.10gb instance was not kept"
     assert node.mutations().get("nvmlGpuInstanceDestroy") == 4  # the 2g and 3g of each GPU
     on_1g = {uid for uid, resource in pods.items() if resource == "nvidia.com/mig-1g.10gb"}
@@ -302,13 +304,7 @@ def test_mig_agent_to_mig_manager_is_left_as_it_is_then_reconfigured(handover_no
     # a new layout by MIG Manager: it does not drain, so the pods go by hand first
     node.delete_pods()
     node.label("all-1g.10gb")
-    wait(
-        "success at all-1g.10gb",
-        lambda: (
-            node.labels().get(STATE) == "success"
-            and node.layout() == [{"1g.10gb": 7}, {"1g.10gb": 7}]
-        ),
-    )
+    node.wait_all_1g()
     wait(
         "1g devices advertised",
         lambda: node.advertised() == Counter({"nvidia.com/mig-1g.10gb": 14}),
