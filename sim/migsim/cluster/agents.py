@@ -26,14 +26,13 @@ agent and restarts it with the kubelet's back-off (10 s doubling to 5 min; `star
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from migsim.nvml import state as simstate
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, free_ports, kill, spawn, stop
+from .records import RecordFile, procs
 
 KUBELET_BACKOFF = (10.0, 300.0)  # a kubelet's restart delay: first, cap (seconds)
 
@@ -54,6 +54,7 @@ AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
 DEVICE_PLUGINS = ("nvidia", "simulated")
+RECORDS = RecordFile("agents.json", lock=".agents.lock")
 
 DEVICE_PLUGIN = {
     "apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -105,6 +106,16 @@ def install(cluster: Cluster) -> None:
 
 def sim_state_path(cluster: Cluster, node: str) -> Path:
     return cluster.node_dir(node) / "gpu-state.json"
+
+
+def sim_state(cluster: Cluster, node: str, sim: Mapping[str, Any] | None = None) -> Path:
+    """The node's simulated GPU state file, first created (GPUs from nodes/<node>/gpus, `sim`
+    the options of the simulated GPUs) when it does not exist yet."""
+    state = sim_state_path(cluster, node)
+    if not state.exists():
+        spec = (cluster.node_dir(node) / "gpus").read_text().strip()
+        simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
+    return state
 
 
 def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
@@ -166,10 +177,7 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
         raise DevClusterError("NVIDIA's device plugin runs in a private mount namespace "
                               "(unshare -m): run as root, or use device_plugin='simulated'")
     bin_dir = nvidia_bin() if kind == "nvidia" else None
-    state = sim_state_path(cluster, node)
-    if not state.exists():
-        spec = (cluster.node_dir(node) / "gpus").read_text().strip()
-        simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
+    state = sim_state(cluster, node, sim)
     supervisor, agent, port, kubeconfig, status_file = _start_agent(
         cluster, node, settings, profiles, timeout, restart_backoff)
     plugin = start_device_plugin(cluster, node, kind, state, _env(settings), plugin_args,
@@ -216,7 +224,7 @@ def restart_agent(cluster: Cluster, node: str, *, settings: Mapping[str, str] | 
     record = running(cluster.dir).get(node)
     if record is None:
         raise DevClusterError(f"no agent recorded for {node}; start it with start_node")
-    stop([Proc(**record[k]) for k in ("supervisor", "agent") if record.get(k)])
+    stop(procs(record, ("supervisor", "agent")))
     supervisor, agent, port, kubeconfig, status_file = _start_agent(
         cluster, node, settings, profiles, timeout, restart_backoff)
     started = NodeAgents(node, agent, Proc(**record["device_plugin"]), port,
@@ -290,7 +298,7 @@ def supervisor_status(status_file: Path | str) -> dict[str, Any]:
 
 def _procs(record: Mapping[str, Any]) -> list[Proc]:
     """The processes of a node's record, in stopping order: the supervisor before its agent."""
-    return [Proc(**record[k]) for k in ("supervisor", "agent", "device_plugin") if record.get(k)]
+    return procs(record, ("supervisor", "agent", "device_plugin"))
 
 
 def stop_node(directory: Path, node: str) -> None:
@@ -300,8 +308,8 @@ def stop_node(directory: Path, node: str) -> None:
         stop(_procs(mine))
         if mine.get("device_plugin"):
             _reap_group(Proc(**mine["device_plugin"]))
-    with _locked(directory):
-        _save(directory, {n: r for n, r in _load(directory).items() if n != node})
+    with RECORDS.locked(directory):
+        RECORDS.save(directory, {n: r for n, r in RECORDS.load(directory).items() if n != node})
 
 
 def _reap_group(leader: Proc, timeout: float = 10.0) -> None:
@@ -334,21 +342,20 @@ def kill_agent(directory: Path, node: str) -> Proc | None:
 
 
 def stop_all(directory: Path) -> list[str]:
-    with _locked(directory):
+    with RECORDS.locked(directory):
         records = running(directory)
-        procs = [p for r in records.values() for p in _procs(r)]
-        killed = stop(procs)
+        killed = stop([p for r in records.values() for p in _procs(r)])
         for r in records.values():
             if r.get("device_plugin"):
                 _reap_group(Proc(**r["device_plugin"]))
-        _save(directory, {})
+        RECORDS.save(directory, {})
     return killed
 
 
 def running(directory: Path) -> dict[str, dict[str, Any]]:
     """The recorded agents per node; `agent` is the process that runs now (or ran last), as
     its supervisor reports it, with the supervisor's `state` and `restarts`."""
-    records = _load(directory)
+    records = RECORDS.load(directory)
     for record in records.values():
         if not record.get("status_file"):
             continue
@@ -374,34 +381,4 @@ def agent_state(record: Mapping[str, Any]) -> str:
 
 
 def _record(directory: Path, started: NodeAgents) -> None:
-    with _locked(directory):
-        records = _load(directory)
-        records[started.node] = asdict(started)
-        _save(directory, records)
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """Serialise the read-modify-write of agents.json: processes that start and stop nodes side
-    by side (parallel tests, benchmarks) would otherwise drop each other's records, and a node
-    whose record is lost keeps its agent running after stop_node."""
-    with (directory / ".agents.lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _load(directory: Path) -> dict[str, dict[str, Any]]:
-    try:
-        data: dict[str, dict[str, Any]] = json.loads((directory / "agents.json").read_text())
-        return data
-    except (OSError, ValueError):
-        return {}
-
-
-def _save(directory: Path, records: Mapping[str, Any]) -> None:
-    tmp = directory / "agents.json.tmp"
-    tmp.write_text(json.dumps(records, indent=2) + "\n")
-    tmp.replace(directory / "agents.json")
+    RECORDS.put(directory, started.node, asdict(started))

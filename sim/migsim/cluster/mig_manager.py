@@ -35,30 +35,26 @@ Needs root (the private mount namespace of --host-view) and NVIDIA's binaries
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from migsim.nvml import state as simstate
-
 from . import kubeconfig as kubeconfig_file
-from .agents import PLUGIN_NS, REPO, sim_state_path, start_device_plugin
+from .agents import PLUGIN_NS, REPO, sim_state, start_device_plugin
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, kill, spawn, stop
+from .records import RecordFile, procs
 
 WITH_SIM_GPUS = REPO / "scripts" / "with-sim-gpus"
 NVIDIA_BINARIES = REPO / "scripts" / "nvidia-binaries"
 DBUS_DAEMON = "/usr/bin/dbus-daemon"
-RECORDS = "mig-managers.json"
+RECORDS = RecordFile("mig-managers.json", lock=".mig-managers.json.lock")
 
 _DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
@@ -120,10 +116,7 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
     if not Path(DBUS_DAEMON).exists():
         raise DevClusterError(f"{DBUS_DAEMON} is missing (package dbus)")
     bin_dir = bin_dir or nvidia_bin_dir()
-    state = sim_state_path(cluster, node)
-    if not state.exists():
-        spec = (cluster.node_dir(node) / "gpus").read_text().strip()
-        simstate.create_node(state, gpus=spec, name=node, **dict(sim or {}))
+    state = sim_state(cluster, node, sim)
     logs = cluster.dir / "logs"
     host = cluster.node_dir(node) / "host"
     bus_dir = host / "run" / "dbus"
@@ -142,8 +135,7 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
         started.append(dbus)
         _wait_for(lambda: socket.exists(), dbus, f"dbus-daemon@{node} opened no socket",
                   logs / f"dbus-{node}.log")
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
-        base_env["MIG_AGENT_LOG_FORMAT"] = "json"
+        base_env = _base_env()
         plugin = start_device_plugin(cluster, node, device_plugin, state, base_env,
                                      bin_dir=bin_dir)
         started.append(plugin)
@@ -166,10 +158,7 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
         raise
     record = NodeMigManager(node, manager, dbus, plugin, str(state), str(config_file), str(log),
                             own_env, argv)
-    with _locked(cluster.dir):
-        records = _load(cluster.dir)
-        records[node] = asdict(record)
-        _save(cluster.dir, records)
+    RECORDS.put(cluster.dir, node, asdict(record))
     return record
 
 
@@ -196,21 +185,27 @@ def restart_manager(cluster: Cluster, node: str) -> NodeMigManager:
     """Start MIG Manager on `node` again with the settings it had (its D-Bus and device plugin
     keep running), as the DaemonSet's kubelet restarts a container that exited; a manager
     still running is stopped first."""
-    with _locked(cluster.dir):
-        records = _load(cluster.dir)
+    with RECORDS.locked(cluster.dir):
+        records = RECORDS.load(cluster.dir)
         record = records.get(node)
         if record is None or not record.get("manager_argv"):
             raise DevClusterError(f"no MIG Manager recorded for {node}; start it with start_node")
         stop([Proc(**record["mig_manager"])])
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
-        base_env["MIG_AGENT_LOG_FORMAT"] = "json"
+        base_env = _base_env()
         manager = spawn(f"mig-manager@{node}", record["manager_argv"], Path(record["log"]),
                         env={**base_env, **record["manager_env"]})
         record["mig_manager"] = asdict(manager)
-        _save(cluster.dir, records)
+        RECORDS.save(cluster.dir, records)
     return NodeMigManager(**{**record, "mig_manager": manager,
                              "dbus": Proc(**record["dbus"]),
                              "device_plugin": Proc(**record["device_plugin"])})
+
+
+def _base_env() -> dict[str, str]:
+    """The environment of the node's processes: this one's, less mig-agent's settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
+    env["MIG_AGENT_LOG_FORMAT"] = "json"
+    return env
 
 
 def _wait_for(ready: Callable[[], bool], proc: Proc, message: str, log: Path,
@@ -226,53 +221,30 @@ def _wait_for(ready: Callable[[], bool], proc: Proc, message: str, log: Path,
 
 def _procs(record: Mapping[str, Any]) -> list[Proc]:
     """A record's processes in stopping order: MIG Manager, the device plugin, then the bus."""
-    return [Proc(**record[k]) for k in ("mig_manager", "device_plugin", "dbus") if record.get(k)]
+    return procs(record, ("mig_manager", "device_plugin", "dbus"))
 
 
 def running(directory: Path) -> dict[str, dict[str, Any]]:
     """The recorded MIG Managers per node."""
-    return _load(directory)
+    return RECORDS.load(directory)
 
 
 def stop_node(directory: Path, node: str) -> None:
     """Stop MIG Manager, the device plugin and the D-Bus daemon of `node`."""
-    with _locked(directory):
-        records = _load(directory)
+    with RECORDS.locked(directory):
+        records = RECORDS.load(directory)
         mine = records.pop(node, None)
         if mine is not None:
             stop(_procs(mine))
             shutil.rmtree(Path(mine["sim_state"]).parent / "host", ignore_errors=True)
-        _save(directory, records)
+        RECORDS.save(directory, records)
 
 
 def stop_all(directory: Path) -> list[str]:
     """Stop every recorded MIG Manager node; names of the processes that needed SIGKILL."""
-    with _locked(directory):
-        records = _load(directory)
+    with RECORDS.locked(directory):
+        records = RECORDS.load(directory)
         killed = stop([p for r in records.values() for p in _procs(r)])
-        _save(directory, {})
+        RECORDS.save(directory, {})
     return killed
 
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    with (directory / f".{RECORDS}.lock").open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _load(directory: Path) -> dict[str, dict[str, Any]]:
-    try:
-        data: dict[str, dict[str, Any]] = json.loads((directory / RECORDS).read_text())
-        return data
-    except (OSError, ValueError):
-        return {}
-
-
-def _save(directory: Path, records: Mapping[str, Any]) -> None:
-    tmp = directory / f"{RECORDS}.tmp"
-    tmp.write_text(json.dumps(records, indent=2) + "\n")
-    tmp.replace(directory / RECORDS)
