@@ -21,7 +21,9 @@ from mig_agent.kube.cluster import Cluster, PodRef, PodView
 
 log = structlog.get_logger(__name__)
 
-EVICTION_WORKERS = 16  # evictions in flight at once, as kubectl drain runs them side by side
+# evictions in flight at once, as kubectl drain runs them side by side (the API client keeps
+# as many connections open: kube.client.CONNECTIONS)
+EVICTION_WORKERS = 16
 
 
 @dataclass(frozen=True, slots=True)

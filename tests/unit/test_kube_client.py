@@ -4,6 +4,7 @@ the answer's header; no API server is needed."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -34,8 +35,19 @@ def proxy(tmp_path: Path) -> Iterator[tuple[ApiFaultProxy, Path]]:
         p.stop()
 
 
+class _Answer:
+    """An unparsed answer, as the client hands it back with ``_preload_content=False``."""
+
+    def __init__(self, body: object) -> None:
+        self.data = json.dumps(body).encode()
+        self.released = False
+
+    def release_conn(self) -> None:
+        self.released = True
+
+
 def _node(name: str) -> Any:
-    return client.V1Node(metadata=client.V1ObjectMeta(name=name, uid="u", resource_version="1"))
+    return _Answer({"metadata": {"name": name, "uid": "u", "resourceVersion": "1"}})
 
 
 def test_a_hung_api_server_costs_a_timeout_per_attempt_not_the_agent(
@@ -170,3 +182,43 @@ def test_a_refusal_of_the_credentials_is_retryable_by_the_agent_not_in_the_reque
     with pytest.raises(KubeForbidden, match=f"{status}") as caught:
         k.get_node("n")
     assert caught.value.retryable and calls == ["n"]
+
+
+def test_pods_and_nodes_are_read_from_the_servers_json() -> None:
+    """Answers are parsed as JSON, not into the client's models (five times the cost): the
+    fields the agent decides on come from the JSON names the API server writes."""
+    pod = {
+        "metadata": {"namespace": "ml", "name": "p", "uid": "u1", "labels": {"a": "b"},
+                     "deletionTimestamp": "2026-12-01T00:00:00Z",
+                     "ownerReferences": [{"kind": "ReplicaSet", "name": "r", "uid": "x"}]},
+        "spec": {"nodeName": "n", "nodeSelector": {"k": "v"}, "runtimeClassName": "nvidia",
+                 "initContainers": [{"name": "i", "resources": {
+                     "limits": {"nvidia.com/mig-1g.10gb": "2"}}}],
+                 "containers": [{"name": "c", "resources": {
+                     "requests": {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"},
+                     "limits": {"nvidia.com/gpu": "1"}}}]},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    node = {
+        "metadata": {"name": "n", "uid": "nu", "resourceVersion": "7", "labels": {"l": "1"}},
+        "spec": {"unschedulable": True},
+        "status": {"allocatable": {"nvidia.com/mig-1g.10gb": "7"},
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                   "message": "ok"}]},
+    }
+    answers = {"pods": _Answer({"items": [pod]}), "node": _Answer(node)}
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    k._core.list_pod_for_all_namespaces = lambda **_: answers["pods"]  # type: ignore[method-assign]
+    k._core.read_node = lambda name, **_: answers["node"]  # type: ignore[method-assign]
+
+    (view,) = k.list_pods(node="n")
+    assert (view.ref.namespace, view.ref.name, view.ref.uid) == ("ml", "p", "u1")
+    assert view.terminating and view.ready and view.phase == "Running"
+    assert view.gpu_requests == {"nvidia.com/mig-1g.10gb": 2, "nvidia.com/gpu": 1}
+    assert view.owner_kinds == ("ReplicaSet",)
+    assert view.node_selector == {"k": "v"} and view.runtime_class == "nvidia"
+    n = k.get_node("n")
+    assert (n.uid, n.resource_version, n.unschedulable) == ("nu", "7", True)
+    assert n.gpu_resources() == {"nvidia.com/mig-1g.10gb": 7}
+    assert n.conditions[0].reason == "KubeletReady"
+    assert answers["pods"].released and answers["node"].released  # connections go back
