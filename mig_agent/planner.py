@@ -618,6 +618,50 @@ def _raise_busy(where: str, what: str, pids: Sequence[int]) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class EndedProcess:
+    """A process that ``plan`` ends: on an instance it destroys, or on a GPU whose MIG mode
+    it changes."""
+
+    gpu: int
+    pid: int
+    devices: frozenset[str]  # UUIDs of the devices it runs on (MIG devices, or the GPU)
+    what: str  # "GPU 3 (H100-80GB): its MIG mode must change"
+
+
+def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]:
+    """The processes ``the_plan`` would end, read from ``node`` (what NVML reports now)."""
+    out: list[EndedProcess] = []
+    for gp in the_plan.gpus:
+        gpu = node.gpu(gp.gpu)
+        gis = {gi.id: gi for gi in gpu.gpu_instances}
+        gone_gis = {s.gi_id: s for s in gp.steps if isinstance(s, DestroyGpuInstance)}
+        gone_cis = {(s.gi_id, s.ci_id) for s in gp.steps if isinstance(s, DestroyComputeInstance)}
+        for proc in gpu.processes:
+            if gp.changes_mig_mode:
+                what = "its MIG mode must change"
+            elif proc.gi_id in gone_gis:
+                step = gone_gis[proc.gi_id]
+                what = (f"{step.profile} at {step.placement} (GPU instance {step.gi_id}) "
+                        "must be destroyed")
+            elif (proc.gi_id, proc.ci_id) in gone_cis:
+                what = (f"compute instance {proc.ci_id} of GPU instance {proc.gi_id} "
+                        "must be destroyed")
+            else:
+                continue
+            what = f"GPU {gp.gpu} ({gp.model}): {what}"
+            gi = gis.get(proc.gi_id) if proc.gi_id is not None else None
+            if proc.gi_id is None:
+                devices = {gpu.info.uuid}
+            elif gi is None:
+                devices = set()
+            else:
+                devices = {ci.uuid for ci in gi.compute_instances
+                           if proc.ci_id is None or ci.id == proc.ci_id}
+            out.append(EndedProcess(gp.gpu, proc.pid, frozenset(devices - {""}), what))
+    return tuple(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading observed state
 

@@ -61,6 +61,7 @@ from mig_agent.resources import (
     strategy_problem,
 )
 from mig_agent.settings import Settings
+from mig_agent.state import NodeState
 
 log = structlog.get_logger(__name__)
 
@@ -358,6 +359,7 @@ class Agent:
         reset_gpus = host_clients.reset_gpus(the_plan, models)
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
+        self._refuse_what_no_drain_ends(the_plan, observed, reset_gpus, hook_run)
         log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
         node = self._set_state(node, State.PENDING, desired)
         if hook_run.hooks.of(hooks.POST_APPLY):
@@ -488,6 +490,58 @@ class Agent:
             return bool(devices) and devices <= staying  # pods holding nothing known are drained
 
         return may_stay
+
+    def _refuse_what_no_drain_ends(
+        self,
+        the_plan: planner.Plan,
+        observed: NodeState,
+        reset_gpus: list[int],
+        hook_run: site_hooks.HookRunner,
+    ) -> None:
+        """GpuBusy, before anything is touched, when the plan would end processes on devices no
+        pod holds (a host process, a container outside Kubernetes): the drain cannot end them,
+        so cordoning and evicting would only cost the pods and the wait. Those of a pod just
+        deleted may linger a moment (container teardown): looked at again until
+        ``gpu_release_timeout_s``. Left to the re-plan after the drain when the kubelet cannot
+        tell who holds what, or when something the agent runs may end them (the host GPU
+        clients it stops for a reset, the site's hooks before the apply)."""
+        s = self.settings
+        if self.pod_devices is None or any(
+            hook_run.hooks.of(h)
+            for h in (hooks.APPLY_START, hooks.PRE_APPLY_MODE, hooks.PRE_APPLY_CONFIG)
+        ):
+            return
+        stopped = set(reset_gpus) if s.stop_host_gpu_clients else set()
+        deadline = self.clock.now() + s.gpu_release_timeout_s
+        delays = poll_delays(s.poll_s)
+        while True:
+            ended = [p for p in planner.ended_processes(the_plan, observed)
+                     if p.devices and p.gpu not in stopped]
+            if not ended:
+                return
+            try:
+                holds = self.pod_devices()
+            except MigAgentError:
+                return  # cannot tell: the drain and the re-plan after it decide
+            held = frozenset().union(*holds.values())
+            foreign = [p for p in ended if not p.devices & held]
+            if not foreign:
+                return
+            pids = sorted({p.pid for p in foreign})
+            if self.clock.now() >= deadline:
+                by_what: dict[str, list[int]] = {}
+                for p in foreign:
+                    by_what.setdefault(p.what, []).append(p.pid)
+                what = "; ".join(f"{w}, but process(es) {', '.join(map(str, sorted(set(ps))))}"
+                                 " use it" for w, ps in sorted(by_what.items()))
+                raise GpuBusy(
+                    f"{what}: no pod holds them, so no drain would end them; nothing was "
+                    "touched (stop them, and the agent retries)",
+                    pids=pids,
+                )
+            log.info("gpu.waiting_for_processes", pids=pids, held_by="no pod")
+            self.clock.sleep(next(delays))
+            observed = self.gpus.observe()
 
     def _drain_blocked(self, pod: PodRef, exc: EvictionBlocked) -> None:
         """A PodDisruptionBudget refuses an eviction: say so while the drain keeps trying

@@ -67,14 +67,22 @@ def test_whole_gpus_to_mig_and_back_drain_the_pods_holding_them(
 
 
 def test_a_process_no_pod_owns_is_named_and_the_gpus_are_left_alone(
-        agent_node: NodeFactory) -> None:
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    """No drain ends such a process, so the pass fails before the cordon: the pod running on
+    the node stays (before: it was evicted, then the pass failed all the same)."""
     node = agent_node("2xH100-80GB", settings={"MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "1"})
-    simstate.add_process(node.sim_state, 1, 4242)  # e.g. a host process outside Kubernetes
+    pod = gpu_pod(namespace, "stays", node=node.name, grace_period=1)
+    wait_running(core, namespace, "stays")
+    for gpu in (0, 1):  # a host process outside Kubernetes on both GPUs, one the pod's too
+        simstate.add_process(node.sim_state, gpu, 4242)
     simstate.reset_call_counts(node.sim_state)
     node.label("all-1g.10gb")
     assert node.wait_state("failed", "success", timeout=60) == "failed"
-    assert "4242" in node.node().metadata.annotations[REASON]
+    reason = node.node().metadata.annotations[REASON]
+    assert "its MIG mode must change, but process(es) 4242 use it: no pod holds them" in reason
     assert simstate.call_counts(node.sim_state).total == 0
+    assert pod_exists(core, namespace, "stays", pod.metadata.uid)
+    assert "node.paused" not in node.log_tail(200), node.log_tail()  # never cordoned
     wait_clean(node)
 
 
