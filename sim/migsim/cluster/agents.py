@@ -42,8 +42,8 @@ from migsim.nvml import state as simstate
 
 from .cluster import Cluster
 from .errors import DevClusterError
-from .processes import Proc, free_ports, kill, spawn, stop
-from .records import RecordFile, procs
+from .processes import Proc, free_ports, spawn, stop
+from .records import RecordFile, kill_one, procs
 
 KUBELET_BACKOFF = (10.0, 300.0)  # a kubelet's restart delay: first, cap (seconds)
 
@@ -333,12 +333,7 @@ def _reap_group(leader: Proc, timeout: float = 10.0) -> None:
 def kill_agent(directory: Path, node: str) -> Proc | None:
     """SIGKILL the agent of `node` at once, as a crash would: no clean-up runs. Its supervisor
     restarts it after the back-off. The killed process, or None if no agent runs."""
-    mine = running(directory).get(node)
-    if mine is None or not mine.get("agent"):
-        return None
-    agent = Proc(**mine["agent"])
-    kill(agent)
-    return agent
+    return kill_one(running(directory), node, "agent")
 
 
 def stop_all(directory: Path) -> list[str]:

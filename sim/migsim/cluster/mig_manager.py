@@ -48,8 +48,8 @@ from . import kubeconfig as kubeconfig_file
 from .agents import PLUGIN_NS, REPO, sim_state, start_device_plugin
 from .cluster import Cluster
 from .errors import DevClusterError
-from .processes import Proc, kill, spawn, stop
-from .records import RecordFile, procs
+from .processes import Proc, spawn, stop
+from .records import RecordFile, kill_one, procs
 
 WITH_SIM_GPUS = REPO / "scripts" / "with-sim-gpus"
 NVIDIA_BINARIES = REPO / "scripts" / "nvidia-binaries"
@@ -173,12 +173,7 @@ def admin_kubeconfig(cluster: Cluster, path: Path, server: str) -> Path:
 def kill_manager(directory: Path, node: str) -> Proc | None:
     """SIGKILL MIG Manager's process group on `node` at once (a crashed container: the
     mig-parted run under way dies with it; no clean-up runs). The killed process, or None."""
-    record = running(directory).get(node)
-    if record is None or not record.get("mig_manager"):
-        return None
-    manager = Proc(**record["mig_manager"])
-    kill(manager)
-    return manager
+    return kill_one(running(directory), node, "mig_manager")
 
 
 def restart_manager(cluster: Cluster, node: str) -> NodeMigManager:

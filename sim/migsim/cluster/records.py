@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .processes import Proc
+from .processes import Proc, kill
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +62,14 @@ class RecordFile:
 def procs(record: Mapping[str, Any], keys: Sequence[str]) -> list[Proc]:
     """The processes `record` has under `keys`, in their order (a key it lacks is skipped)."""
     return [Proc(**record[k]) for k in keys if record.get(k)]
+
+
+def kill_one(records: Mapping[str, Mapping[str, Any]], node: str, key: str) -> Proc | None:
+    """SIGKILL the process `node`'s record has under `key`; the killed process, or None when
+    there is no such record or process."""
+    record = records.get(node)
+    if record is None or not record.get(key):
+        return None
+    proc = Proc(**record[key])
+    kill(proc)
+    return proc
