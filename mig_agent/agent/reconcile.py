@@ -15,6 +15,7 @@ node_guard (cordon, operands), device_plugin (restart, wait for resources), repo
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -163,14 +164,9 @@ class Agent:
             if self.catalog is not None
             else "no layout can be applied until it is fixed"
         )
-        try:
-            node = self.cluster.get_node(self.settings.node_name)
-        except MigAgentError as exc:
-            log.warning("config.invalid_not_reported", error=str(exc))
-            return
-        reporting.event(
-            self.cluster, node, "MIGConfigInvalid", f"profile config invalid: {error}; {kept}",
-            warning=True,
+        reporting.event_on_node(
+            self.cluster, self.settings, "MIGConfigInvalid",
+            f"profile config invalid: {error}; {kept}", warning=True,
         )
 
     def gpu_problem(self) -> str:
@@ -325,16 +321,20 @@ class Agent:
             )
             if problem:
                 raise PlanError(f"layout {desired}: {problem}", layout=desired)
+        # a pod list and an NVML read: asked once, by whichever check needs it first
+        advertised = functools.cache(
+            lambda: device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
+        )
         interrupted = node_guard.interrupted(self.settings, node) or (
             the_plan.is_empty
             and node.labels.get(s.state_label) == State.FAILED
-            and not device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
+            and not advertised()
         )
         if (
             interrupted
             and the_plan.is_empty
             and not node_guard.marked(self.settings, node)
-            and device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
+            and advertised()
         ):
             # only the last write was lost (an API server gone just before "success"): the
             # layout and its devices are in place, nothing to pause or restart
@@ -553,9 +553,7 @@ class Agent:
         reporting.condition(
             self.cluster, s, NodeCondition(s.condition_type, "False", "DrainBlocked", message)
         )
-        with contextlib.suppress(MigAgentError):
-            node = self.cluster.get_node(s.node_name)
-            reporting.event(self.cluster, node, "MIGDrainBlocked", message, warning=True)
+        reporting.event_on_node(self.cluster, s, "MIGDrainBlocked", message, warning=True)
 
     def _drain(self, paused: list[str], the_plan: planner.Plan) -> None:
         s = self.settings

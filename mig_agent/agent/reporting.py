@@ -34,6 +34,18 @@ def event(
         cluster.emit_event(node, reason=reason, message=message, warning=warning)
 
 
+def event_on_node(
+    cluster: Cluster, s: Settings, reason: str, message: str, *, warning: bool = False
+) -> None:
+    """An Event about this node when no view of it is at hand (one read, for its uid)."""
+    try:
+        node = cluster.get_node(s.node_name)
+    except MigAgentError as exc:
+        log.warning("event.not_reported", reason=reason, error=str(exc))
+        return
+    event(cluster, node, reason, message, warning=warning)
+
+
 @contextlib.contextmanager
 def phase(
     cluster: Cluster,

@@ -384,7 +384,7 @@ def test_condition_reasons_are_those_the_agent_sets() -> None:
 
 def test_event_reasons_are_those_the_agent_emits() -> None:
     emitted: set[str] = set()
-    for name, position in (("event", 2), ("phase", 5)):
+    for name, position in (("event", 2), ("event_on_node", 2), ("phase", 5)):
         calls = list(_calls(name, "reporting"))
         assert calls, name
         for call in calls:
