@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing the pack
 
 from migsim.cluster import DEFAULT_GPUS, Cluster, agents, wait_until  # noqa: E402
 
+from benchmarks.options import add_cluster_options  # noqa: E402
 from benchmarks.tables import print_table  # noqa: E402
 from mig_agent import ops  # noqa: E402
 from mig_agent.catalog import load_catalog  # noqa: E402
@@ -167,11 +168,7 @@ def main() -> int:
     p.add_argument("--agent-idle", type=float, default=60.0,
                    help="seconds of an idle pool over which the agents' own API requests are "
                         "counted (default 60)")
-    p.add_argument("--device-plugin", choices=("simulated", "nvidia"), default="simulated",
-                   help="per node: the home-made device plugin model (default: 50 nodes fit on "
-                        "a small machine) or NVIDIA's plugin and GFD (heavier)")
-    p.add_argument("--quick", action="store_true",
-                   help="CI: 2 nodes of 2xH100-80GB, -p 2, 1 s idle windows")
+    add_cluster_options(p, quick="2 nodes of 2xH100-80GB, -p 2, 1 s idle windows")
     args = p.parse_args()
     if args.quick:
         args.nodes, args.parallel, args.gpus, args.idle, args.agent_idle = (

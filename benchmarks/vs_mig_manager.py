@@ -84,6 +84,7 @@ from migsim.cluster.api_faults import ApiFaultProxy  # noqa: E402
 from migsim.cluster.processes import Proc  # noqa: E402
 from migsim.nvml import state as simstate  # noqa: E402
 
+from benchmarks.options import add_cluster_options  # noqa: E402
 from benchmarks.tables import print_table  # noqa: E402
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -990,10 +991,6 @@ def main() -> int:
     p.add_argument("--latency", type=float, default=0.25,
                    help="seconds added to every mutating NVML call and GPU reset in the "
                         "realistic run (default 0.25)")
-    p.add_argument("--device-plugin", choices=("simulated", "nvidia"), default="simulated",
-                   help="the device plugin on every node of both pools: the home-made model "
-                        "(default; light enough for this shared machine) or NVIDIA's plugin "
-                        "and GFD")
     p.add_argument("--parts", default="suite",
                    help="comma-separated, run in this order: suite (transitions a-f), "
                         "failures (cases i-iv), idle (API requests of idle managers), handover "
@@ -1015,8 +1012,7 @@ def main() -> int:
                    help="suite: only the run at --latency, not the second one at zero latency")
     p.add_argument("--transitions", default="",
                    help="suite: comma-separated keys of the transitions to run (default all)")
-    p.add_argument("--quick", action="store_true",
-                   help="CI: 2+1 GPUs per node, zero latency only, transitions a, b and e")
+    add_cluster_options(p, quick="2+1 GPUs per node, zero latency only, transitions a, b and e")
     args = p.parse_args()
     if os.geteuid() != 0:
         print("MIG Manager runs in a private mount namespace: run as root", file=sys.stderr)
