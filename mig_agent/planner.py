@@ -620,13 +620,14 @@ def _raise_busy(where: str, what: str, pids: Sequence[int]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class EndedProcess:
-    """A process that ``plan`` ends: on an instance it destroys, or on a GPU whose MIG mode
-    it changes."""
+    """A process that a plan ends: on an instance it destroys, or on a GPU whose MIG mode it
+    changes."""
 
     gpu: int
+    where: str  # "GPU 3 (H100-80GB)"
     pid: int
     devices: frozenset[str]  # UUIDs of the devices it runs on (MIG devices, or the GPU)
-    what: str  # "GPU 3 (H100-80GB): its MIG mode must change"
+    destroyed: str  # "1g.10gb at 2:1 (GPU instance 9)"; "" for a MIG mode change
 
 
 def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]:
@@ -639,17 +640,14 @@ def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]
         gone_cis = {(s.gi_id, s.ci_id) for s in gp.steps if isinstance(s, DestroyComputeInstance)}
         for proc in gpu.processes:
             if gp.changes_mig_mode:
-                what = "its MIG mode must change"
+                destroyed = ""
             elif proc.gi_id in gone_gis:
                 step = gone_gis[proc.gi_id]
-                what = (f"{step.profile} at {step.placement} (GPU instance {step.gi_id}) "
-                        "must be destroyed")
+                destroyed = f"{step.profile} at {step.placement} (GPU instance {step.gi_id})"
             elif (proc.gi_id, proc.ci_id) in gone_cis:
-                what = (f"compute instance {proc.ci_id} of GPU instance {proc.gi_id} "
-                        "must be destroyed")
+                destroyed = f"compute instance {proc.ci_id} of GPU instance {proc.gi_id}"
             else:
                 continue
-            what = f"GPU {gp.gpu} ({gp.model}): {what}"
             gi = gis.get(proc.gi_id) if proc.gi_id is not None else None
             if proc.gi_id is None:
                 devices = {gpu.info.uuid}
@@ -658,8 +656,25 @@ def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]
             else:
                 devices = {ci.uuid for ci in gi.compute_instances
                            if proc.ci_id is None or ci.id == proc.ci_id}
-            out.append(EndedProcess(gp.gpu, proc.pid, frozenset(devices - {""}), what))
+            out.append(EndedProcess(gp.gpu, f"GPU {gp.gpu} ({gp.model})", proc.pid,
+                                    frozenset(devices - {""}), destroyed))
     return tuple(out)
+
+
+def describe_in_use(ended: Sequence[EndedProcess]) -> str:
+    """"GPU 0 (H100-80GB): 1g.10gb at 2:1 (GPU instance 9), ... must be destroyed but is in use
+    by process(es) 7, 8", a GPU at a time, in the words of the planner's own refusals."""
+    by_gpu: dict[int, list[EndedProcess]] = {}
+    for p in ended:
+        by_gpu.setdefault(p.gpu, []).append(p)
+    parts = []
+    for procs in (by_gpu[g] for g in sorted(by_gpu)):
+        pids = ", ".join(map(str, sorted({p.pid for p in procs})))
+        gone = list(dict.fromkeys(p.destroyed for p in procs))
+        what = ("MIG mode change" if gone == [""]
+                else f"{', '.join(gone)} must be destroyed but")
+        parts.append(f"{procs[0].where}: {what} is in use by process(es) {pids}")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -529,14 +529,9 @@ class Agent:
                 return
             pids = sorted({p.pid for p in foreign})
             if self.clock.now() >= deadline:
-                by_what: dict[str, list[int]] = {}
-                for p in foreign:
-                    by_what.setdefault(p.what, []).append(p.pid)
-                what = "; ".join(f"{w}, but process(es) {', '.join(map(str, sorted(set(ps))))}"
-                                 " use it" for w, ps in sorted(by_what.items()))
                 raise GpuBusy(
-                    f"{what}: no pod holds them, so no drain would end them; nothing was "
-                    "touched (stop them, and the agent retries)",
+                    f"{planner.describe_in_use(foreign)}, which no pod holds: no drain would "
+                    "end them, so nothing was touched (stop them, and the agent retries)",
                     pids=pids,
                 )
             log.info("gpu.waiting_for_processes", pids=pids, held_by="no pod")

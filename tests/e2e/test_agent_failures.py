@@ -79,7 +79,7 @@ def test_a_process_no_pod_owns_is_named_and_the_gpus_are_left_alone(
     node.label("all-1g.10gb")
     assert node.wait_state("failed", "success", timeout=60) == "failed"
     reason = node.node().metadata.annotations[REASON]
-    assert "its MIG mode must change, but process(es) 4242 use it: no pod holds them" in reason
+    assert "MIG mode change is in use by process(es) 4242, which no pod holds" in reason
     assert simstate.call_counts(node.sim_state).total == 0
     assert pod_exists(core, namespace, "stays", pod.metadata.uid)
     assert "node.paused" not in node.log_tail(200), node.log_tail()  # never cordoned

@@ -56,10 +56,11 @@ def test_a_process_no_pod_holds_fails_the_pass_before_the_cordon() -> None:
     result = agent.reconcile_once()
     assert result.outcome is Outcome.FAILED and result.retry_after_s is not None
     reason = cluster.nodes[NODE].annotations[REASON]
-    assert reason.startswith("GPU 3 (H100-80GB): 1g.10gb at ")
-    assert reason.endswith("must be destroyed, but process(es) 777 use it: no pod holds them, "
-                           "so no drain would end them; nothing was touched (stop them, and "
-                           "the agent retries)")
+    gi = gpus.observe().gpu(3).gpu_instances[0]
+    assert reason == (
+        f"GPU 3 (H100-80GB): 1g.10gb at {gi.placement} (GPU instance {gi.id}) must be destroyed "
+        "but is in use by process(es) 777, which no pod holds: no drain would end them, so "
+        "nothing was touched (stop them, and the agent retries)")
     assert "778" not in reason  # the pod's process would go with the pod
     assert not cluster.evicted and mine in cluster.pods
     assert not any(w.get("unschedulable") for w in writes)
@@ -127,24 +128,35 @@ def test_ended_processes_are_those_on_what_the_plan_destroys() -> None:
     catalog = agent.catalog
     assert catalog is not None
 
-    def ended(layout: str) -> set[tuple[int, int, str, frozenset[str]]]:
+    def ended(layout: str) -> tuple[set[tuple[int, int, str, frozenset[str]]], str]:
         the_plan = planner.plan(catalog.get(layout), gpus.observe(), gpus.models(),
                                 destroy_in_use=True)
-        return {(p.gpu, p.pid, p.what.removeprefix(f"GPU {p.gpu} (H100-80GB): "), p.devices)
-                for p in planner.ended_processes(the_plan, gpus.observe())}
+        found = planner.ended_processes(the_plan, gpus.observe())
+        return ({(p.gpu, p.pid, p.destroyed, p.devices) for p in found},
+                planner.describe_in_use(found))
 
     gpus.add_process(0, 11, None)  # on the whole GPU
     whole = frozenset({gpus.observe().gpu(0).info.uuid})
-    assert ended("all-1g.10gb") == {(0, 11, "its MIG mode must change", whole)}
-    assert ended("all-disabled") == set()
+    assert ended("all-1g.10gb") == (
+        {(0, 11, "", whole)}, "GPU 0 (H100-80GB): MIG mode change is in use by process(es) 11")
+    assert ended("all-disabled") == (set(), "")
     gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
-    gi_id, uuid = _ci(gpus, 0, 2)
-    gpus.add_process(0, 10, gi_id)
-    placement = gpus.observe().gpu(0).gpu_instances[2].placement
-    assert ended("all-1g.10gb") == set()  # nothing changes
-    assert ended("all-7g.80gb") == {
-        (0, 10, f"1g.10gb at {placement} (GPU instance {gi_id}) must be destroyed",
-         frozenset({uuid}))}
-    assert ended("all-disabled") == {(0, 10, "its MIG mode must change", frozenset({uuid}))}
+    gis = gpus.observe().gpu(0).gpu_instances
+    for n, pid in ((2, 10), (3, 12)):
+        gpus.add_process(0, pid, gis[n].id)
+    gpus.add_process(1, 13, gpus.observe().gpu(1).gpu_instances[0].id)
+    assert ended("all-1g.10gb") == (set(), "")  # nothing changes
+    names = [f"1g.10gb at {gi.placement} (GPU instance {gi.id})" for gi in gis[2:4]]
+    found, text = ended("all-7g.80gb")
+    assert {(g, pid, d) for g, pid, d, _ in found if g == 0} == {
+        (0, 10, names[0]), (0, 12, names[1])}
+    assert {pid for g, pid, _, _ in found if g == 1} == {13}
+    assert (0, 10, names[0], frozenset({gis[2].compute_instances[0].uuid})) in found
+    assert text.startswith(f"GPU 0 (H100-80GB): {names[0]}, {names[1]} must be destroyed but is "
+                           "in use by process(es) 10, 12; GPU 1 (H100-80GB): 1g.10gb at ")
+    found, text = ended("all-disabled")
+    assert {(g, pid, d) for g, pid, d, _ in found} == {(0, 10, ""), (0, 12, ""), (1, 13, "")}
+    assert text == ("GPU 0 (H100-80GB): MIG mode change is in use by process(es) 10, 12; "
+                    "GPU 1 (H100-80GB): MIG mode change is in use by process(es) 13")
