@@ -611,19 +611,24 @@ def test_device_plugin_pod_is_replaced_when_no_operand_labels() -> None:
 # -- the failures a real cluster hits (issue: agent bugs) ------------------------------------
 
 
+def end_processes_on_eviction(cluster: FakeCluster, gpus: FakeGpus, gpu: int) -> None:
+    """An eviction ends the processes on ``gpu``, as the evicted pod's container stops."""
+    original_evict = cluster.evict
+
+    def evict_and_end(ref: PodRef) -> None:
+        original_evict(ref)
+        gpus.gpus[gpu] = dataclasses.replace(gpus.gpus[gpu], processes=())
+
+    cluster.evict = evict_and_end  # type: ignore[method-assign]
+
+
 def test_mode_change_drains_the_pod_whose_process_holds_the_gpu() -> None:
     """Whole GPUs to MIG with a pod's process on GPU 0: the drain evicts it, its process ends,
     and the layout applies (before: GpuBusy before the drain, nothing ever evicted)."""
     agent, cluster, gpus = make()
     pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
     gpus.add_process(0, 4242, None)
-    original_evict = cluster.evict
-
-    def evict_and_end(ref: PodRef) -> None:
-        original_evict(ref)
-        gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())  # the container stops
-
-    cluster.evict = evict_and_end  # type: ignore[method-assign]
+    end_processes_on_eviction(cluster, gpus, 0)
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert cluster.evicted == [pod]

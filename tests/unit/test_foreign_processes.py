@@ -9,10 +9,9 @@ from typing import Any
 
 from mig_agent import planner
 from mig_agent.agent import Outcome
-from mig_agent.kube.cluster import PodRef
 
 from .fake_gpus import FakeGpus
-from .test_agent import NODE, STATE, assert_clean, label, make
+from .test_agent import NODE, STATE, assert_clean, end_processes_on_eviction, label, make
 
 REASON = "mig-agent.dev/reason"
 
@@ -75,13 +74,7 @@ def test_a_process_its_pod_holds_is_drained_as_before() -> None:
     gpus.add_process(3, 777, gi_id)
     pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
     agent.pod_devices = lambda: {("work", "train"): frozenset({uuid})}
-    original_evict = cluster.evict
-
-    def evict_and_end(ref: PodRef) -> None:
-        original_evict(ref)
-        gpus.gpus[3] = dataclasses.replace(gpus.gpus[3], processes=())  # the container stops
-
-    cluster.evict = evict_and_end  # type: ignore[method-assign]
+    end_processes_on_eviction(cluster, gpus, 3)
     label(cluster, "all-7g.80gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert cluster.evicted == [pod]
