@@ -88,10 +88,13 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
 
 def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
     """Reconcile on start, on label and config changes, after backoff, and every resync."""
+    # Opened once the first pass is over: its first event is the node as it is then, compared
+    # with what that pass saw and wrote. Opened beside the first pass, it delivered the node as
+    # it was before the pass wrote its state, which woke a second pass at once (a failed first
+    # pass was repeated without its back-off).
     watcher = threading.Thread(
         target=watch_forever, args=(agent, stop), daemon=True, name="node-watch"
     )
-    watcher.start()
     agent.reload_config()
     agent.report_gpu_problem()
     next_due, resync_due = 0.0, False
@@ -107,6 +110,8 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
             except MigAgentError as exc:  # could not even read the node
                 log.error("reconcile.failed", error=str(exc), error_type=type(exc).__name__)
                 result = PassResult(Outcome.FAILED, agent.settings.backoff_s, str(exc))
+            if watcher.ident is None:  # not started yet: the first pass is over
+                watcher.start()
             resync_due = result.retry_after_s is None
             if result.outcome is Outcome.FAILED and result.retry_after_s is None:
                 next_due = float("inf")  # wait for a label or config change

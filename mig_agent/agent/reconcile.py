@@ -529,11 +529,14 @@ class Agent:
                 return
             pids = sorted({p.pid for p in foreign})
             if self.clock.now() >= deadline:
-                raise GpuBusy(
+                busy = GpuBusy(
                     f"{planner.describe_in_use(foreign)}, which no pod holds: no drain would "
                     "end them, so nothing was touched (stop them, and the agent retries)",
                     pids=pids,
                 )
+                # where a reset waits on them: name the host GPU clients that may be theirs
+                self._blocked(busy, sorted({p.gpu for p in foreign} & set(reset_gpus)))
+                raise busy
             log.info("gpu.waiting_for_processes", pids=pids, held_by="no pod")
             self.clock.sleep(next(delays))
             observed = self.gpus.observe()

@@ -925,6 +925,50 @@ class OpenWatch(FakeCluster):
             yield node
 
 
+class FirstEventSeen(OpenWatch):
+    """An OpenWatch whose first event comes once a pass has started (a real watch takes a
+    moment to open), that tells when the loop has taken it, and that starts, as the API
+    server's does, from the node as it is then (no change from before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pass_started = threading.Event()
+        self.first_taken = threading.Event()
+
+    def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
+        self.pass_started.wait(5.0)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.changes.get_nowait()
+        for node in super().watch_node(name, timeout_s=timeout_s):
+            yield node
+            self.first_taken.set()
+
+
+def test_a_failed_first_pass_waits_its_back_off() -> None:
+    """Before: the watch opened beside the first pass, and its first event (the node before the
+    pass wrote "failed") woke a second failing pass at once, with no back-off."""
+    cluster = FirstEventSeen()
+    agent, _, gpus = make(cluster=cluster, backoff_s=30.0, gpu_release_timeout_s=0.0)
+    gpus.add_process(0, 4242, None)  # no pod's: every pass fails, retried after 30 s
+    label(cluster, "all-1g.10gb")
+    once = agent.reconcile_once
+
+    def first_event_in_the_pass(**kw: Any) -> Any:
+        cluster.pass_started.set()
+        cluster.first_taken.wait(1.0)  # where the watch runs beside the pass, it is taken now
+        return once(**kw)
+
+    agent.reconcile_once = first_event_in_the_pass  # type: ignore[method-assign]
+    with running(agent, config_poll_s=5.0) as passes:
+        deadline = time.monotonic() + 10
+        while (not passes or agent.clock.now() < passes[0] + 40) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(passes) >= 2, passes
+    assert passes[1] - passes[0] >= 30.0, passes  # the second pass is the back-off's retry
+    assert cluster.nodes[NODE].labels[STATE] == "failed"
+
+
 def test_an_idle_agent_reads_nothing_but_its_watch() -> None:
     """Resync passes take the node from the open watch: an idle agent makes no request (before:
     a read of the node every resync)."""
