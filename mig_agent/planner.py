@@ -613,9 +613,11 @@ def _refuse_mode_change_in_use(where: str, gpu: GpuState, destroy_in_use: bool) 
 
 
 def _raise_busy(where: str, what: str, pids: Sequence[int]) -> None:
-    raise GpuBusy(
-        f"{where}: {what} is in use by process(es) {', '.join(map(str, pids))}", pids=list(pids)
-    )
+    raise GpuBusy(_in_use(where, what, pids), pids=list(pids))
+
+
+def _in_use(where: str, what: str, pids: Iterable[int]) -> str:
+    return f"{where}: {what} is in use by process(es) {', '.join(map(str, sorted(set(pids))))}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,14 +650,11 @@ def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]
                 destroyed = f"compute instance {proc.ci_id} of GPU instance {proc.gi_id}"
             else:
                 continue
-            gi = gis.get(proc.gi_id) if proc.gi_id is not None else None
             if proc.gi_id is None:
                 devices = {gpu.info.uuid}
-            elif gi is None:
-                devices = set()
             else:
-                devices = {ci.uuid for ci in gi.compute_instances
-                           if proc.ci_id is None or ci.id == proc.ci_id}
+                cis = gis[proc.gi_id].compute_instances if proc.gi_id in gis else ()
+                devices = {ci.uuid for ci in cis if proc.ci_id is None or ci.id == proc.ci_id}
             out.append(EndedProcess(gp.gpu, f"GPU {gp.gpu} ({gp.model})", proc.pid,
                                     frozenset(devices - {""}), destroyed))
     return tuple(out)
@@ -669,11 +668,10 @@ def describe_in_use(ended: Sequence[EndedProcess]) -> str:
         by_gpu.setdefault(p.gpu, []).append(p)
     parts = []
     for procs in (by_gpu[g] for g in sorted(by_gpu)):
-        pids = ", ".join(map(str, sorted({p.pid for p in procs})))
         gone = list(dict.fromkeys(p.destroyed for p in procs))
         what = ("MIG mode change" if gone == [""]
                 else f"{', '.join(gone)} must be destroyed but")
-        parts.append(f"{procs[0].where}: {what} is in use by process(es) {pids}")
+        parts.append(_in_use(procs[0].where, what, (p.pid for p in procs)))
     return "; ".join(parts)
 
 
