@@ -672,6 +672,27 @@ def _settled(node: FaultNode, state: str | None, quiet: float) -> bool:
     return age >= quiet
 
 
+PASS_ENDS = ("reconcile.succeeded", "reconcile.failed")
+
+
+def verdict_due(layout: str | None, state: str | None, lines: list[dict[str, Any]]) -> bool:
+    """Whether the node's labels are the agent's last word on the trial, given the agent's log
+    lines since the trial began. A state label is the agent's answer to a layout only once the
+    agent has ended a pass for that layout: read just after the harness set it, the label still
+    holds the verdict on the layout before."""
+    if not layout:
+        return state is None
+    if state not in ("success", "failed"):
+        return False
+    if not any(line.get("event") in PASS_ENDS and line.get("layout") == layout
+               for line in lines):
+        return False
+    fails = [line for line in lines if line.get("event") == "reconcile.failed"]
+    # a retry is due: settled once the failure outlived one retry
+    return not (state == "failed" and fails and fails[-1].get("retry_in_s") is not None
+                and len(fails) < 2)
+
+
 def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, str]:
     """Wait until the agent has settled; then (outcome, detail)."""
     deadline = time.monotonic() + timeout
@@ -684,13 +705,8 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
         layout = labels.get(CONFIG)
         state = labels.get(STATE)
         node.samples.append((time.time(), layout, state))
-        done = state in ("success", "failed") if layout else state is None
         node.log_lines()
-        fails = [line for line in node.lines if line.get("event") == "reconcile.failed"]
-        if state == "failed" and fails and fails[-1].get("retry_in_s") is not None \
-                and len(fails) < 2:
-            done = False  # a retry is due: settled once the failure outlived one retry
-        if done and _settled(node, state, 2.0):
+        if verdict_due(layout, state, node.lines) and _settled(node, state, 2.0):
             break
         if time.monotonic() > deadline:
             return "violated", (f"not settled after {timeout:g} s: layout {layout!r}, "
