@@ -1,6 +1,6 @@
-"""The cluster benchmarks vs_mig_manager and pool_rollout run, once each, in their quick modes
-(CI): each starts its own local cluster, so these tests only check that each gets to its tables
-with exit code 0; the figures themselves are the README's, from full runs."""
+"""The cluster benchmarks vs_mig_manager, pool_rollout and agent_overhead run, once each, in
+their quick modes (CI): each starts its own local cluster, so these tests only check that each
+gets to its tables with exit code 0; the figures themselves are the README's, from full runs."""
 
 from __future__ import annotations
 
@@ -49,3 +49,18 @@ def test_pool_rollout_quick_runs() -> None:
                     "agents' RSS after the rollout, total", "idle agent's API requests per minute",
                     "API server CPU during the rollout"):
         assert measure in out.stdout, out.stdout
+
+
+def test_agent_overhead_quick_runs() -> None:
+    out = bench("benchmarks/agent_overhead.py", "--quick", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for table in ("## Label change to success", "## With a GPU pod on every device",
+                  "## Idle agent over"):
+        assert table in out.stdout, out.stdout
+    # the split with pods: each transition evicted pods and its parts are figures
+    rows = [line for line in out.stdout.splitlines()
+            if line.startswith(("| a all-disabled", "| d1 all-balanced"))]
+    assert len(rows) == 2, out.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert int(cells[1]) > 0 and all(float(c) >= 0 for c in cells[2:6]), row

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -58,6 +59,13 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
     home = tmp_path_factory.mktemp("venv") / "env"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
                     str(home)], check=True)
+    # where the tests run in a virtual environment of their own, the dependencies are in its
+    # site-packages, not the system's: listed after the venv's own (the wheel's) so that they
+    # are found; a plain path entry, so the checkout's editable install there stays out
+    own = Path(subprocess.run([home / "bin" / "python", "-c", "import sysconfig; "
+                               "print(sysconfig.get_path('purelib'))"],
+                              check=True, capture_output=True, text=True).stdout.strip())
+    (own / "_test_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     # --force-reinstall: the editable install of this checkout is the same version.
     subprocess.run(
         [home / "bin" / "python", "-m", "pip", "install", "--no-deps", "--force-reinstall",
