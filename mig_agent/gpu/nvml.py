@@ -97,7 +97,10 @@ class NvmlGpuBackend(GpuBackend):
         self._lib, self._previous_lib, self._reset = lib, previous_lib, reset
         self._closed = False
         self._handles: dict[int, Any] = {}
-        self._models: dict[int, GpuModel] | None = None
+        # Each GPU's model with the MIG mode (current; None without MIG) it was read under: read
+        # again once that mode changes (set_mig_mode, a reset, or anyone else). Only complete
+        # models are kept: see _model_under.
+        self._models: dict[int, tuple[bool | None, GpuModel]] = {}
         # CI profiles as the hardware lists them inside a GI of a given profile: (id, count).
         self._ci_table: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
 
@@ -153,8 +156,16 @@ class NvmlGpuBackend(GpuBackend):
         with _nvml(f"get GPU instance {gi_id} on GPU {gpu}", gpu=gpu, gi=gi_id):
             return pynvml.nvmlDeviceGetGpuInstanceById(self._handle(gpu), gi_id)
 
+    @staticmethod
+    def _mig_current(h: Any) -> bool | None:
+        """The GPU's current MIG mode; None for a GPU without MIG."""
+        try:
+            return bool(pynvml.nvmlDeviceGetMigMode(h)[0])
+        except pynvml.NVMLError_NotSupported:
+            return None
+
     def _gi_profile(self, gpu: int, profile_id: int) -> GiProfile | None:
-        return self._models_unlocked()[gpu].gi_profile_by_id(profile_id)
+        return self._model(gpu).gi_profile_by_id(profile_id)
 
     # -- GpuBackend: reading -----------------------------------------------------------------------
 
@@ -187,13 +198,13 @@ class NvmlGpuBackend(GpuBackend):
                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))
         if current is None:
             return GpuState(info, mig_capable=False, processes=processes)
-        gis = self._gpu_instances(index, h) if current else ()
+        gis = self._gpu_instances(index, h, bool(current)) if current else ()
         return GpuState(info, mig_capable=True, mig_current=bool(current),
                         mig_pending=bool(pending), gpu_instances=gis, processes=processes)
 
-    def _gpu_instances(self, gpu: int, h: Any) -> tuple[GpuInstance, ...]:
+    def _gpu_instances(self, gpu: int, h: Any, mig_current: bool) -> tuple[GpuInstance, ...]:
         out = []
-        for profile in self._models_unlocked()[gpu].gi_profiles:
+        for profile in self._model_under(gpu, mig_current).gi_profiles:
             with _nvml(f"list {profile.name} GPU instances on GPU {gpu}", gpu=gpu):
                 arr = (pynvml.c_nvmlGpuInstance_t * profile.instance_count)()
                 count = c_uint(len(arr))
@@ -239,12 +250,28 @@ class NvmlGpuBackend(GpuBackend):
 
     def models(self) -> Mapping[int, GpuModel]:
         with self._active():
-            return dict(self._models_unlocked())
+            return {i: self._model(i) for i in range(self._count())}
 
-    def _models_unlocked(self) -> dict[int, GpuModel]:
-        if self._models is None:
-            self._models = {i: self._read_model(i) for i in range(self._count())}
-        return self._models
+    def _model(self, gpu: int) -> GpuModel:
+        with _nvml(f"read the MIG mode of GPU {gpu}", gpu=gpu):
+            mig_current = self._mig_current(self._handle(gpu))
+        return self._model_under(gpu, mig_current)
+
+    def _model_under(self, gpu: int, mig_current: bool | None) -> GpuModel:
+        """GPU ``gpu``'s model, kept while its current MIG mode stays ``mig_current``.
+
+        Some drivers answer NOT_SUPPORTED for GPU-instance profile info while MIG is off
+        (nvml-mig.md 2.3): a MIG GPU read without a single profile was read incomplete. Such a
+        read is not kept (the next call reads again); the last complete read, if any, stands.
+        """
+        kept = self._models.get(gpu)
+        if kept is not None and kept[0] == mig_current:
+            return kept[1]
+        model = self._read_model(gpu)
+        if model.gi_profiles or mig_current is None:
+            self._models[gpu] = (mig_current, model)
+            return model
+        return kept[1] if kept is not None else model
 
     def _read_model(self, index: int) -> GpuModel:
         h = self._handle(index)

@@ -9,7 +9,7 @@ import pynvml
 import pytest
 from migsim.nvml import library as simlib
 from migsim.nvml import open_node
-from migsim.nvml.state import DRIVER_NOT_LOADED, INSUFFICIENT_RESOURCES, NOT_FOUND
+from migsim.nvml.state import DRIVER_NOT_LOADED, INSUFFICIENT_RESOURCES, NOT_FOUND, UNKNOWN
 
 from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
 from mig_agent.gpu.nvml import MigDevice, NvmlGpuBackend, open_backend
@@ -28,6 +28,39 @@ def test_models_from_hardware_equal_the_catalog(key: str, make_node: MakeNode,
     gpus = open_sim(make_node(key)).models()
     assert gpus[0] == MODELS[key]
     assert dict(gpus[0].gi_by_name) == dict(MODELS[key].gi_by_name)
+
+
+def test_models_are_read_again_when_the_mig_mode_changes(make_node: MakeNode,
+                                                         open_sim: OpenSim) -> None:
+    path = make_node("H200")
+    b = open_sim(path)
+    before = b.models()
+    simlib.inject_failure(path, UNKNOWN, function="nvmlDeviceGetGpuInstanceProfileInfoV")
+    assert b.models() == before  # kept: no profile is read
+    b.set_mig_mode(0, enabled=True)
+    with pytest.raises(GpuError, match="read the MIG profiles of GPU 0: Unknown Error"):
+        b.models()
+    assert b.models() == before
+
+
+def test_profiles_unanswered_while_mig_is_off_are_read_again(make_node: MakeNode,
+                                                             open_sim: OpenSim) -> None:
+    # A driver that answers NOT_SUPPORTED for GPU-instance profile info while MIG is off.
+    path = make_node("H200,A100-40GB,DGX-Display", profile_info_needs_mig=True)
+    b = open_sim(path)
+    assert [m.gi_profiles for m in b.models().values()] == [(), (), ()]
+    b.set_mig_mode(0, enabled=True)  # Hopper: at once
+    b.set_mig_mode(1, enabled=True)  # Ampere: pending until the reset
+    models = b.models()
+    assert models[0] == MODELS["H200"]
+    assert models[1].gi_profiles == ()
+    b.reset_gpu(1)
+    assert b.models() == {0: MODELS["H200"], 1: MODELS["A100-40GB"], 2: MODELS["DGX-Display"]}
+    b.set_mig_mode(0, enabled=False)
+    assert b.models()[0] == MODELS["H200"]  # unanswered again: the complete read stands...
+    simlib.inject_failure(path, UNKNOWN, function="nvmlDeviceGetGpuInstanceProfileInfoV", gpu=0)
+    with pytest.raises(GpuError, match="read the MIG profiles of GPU 0"):
+        b.models()  # ...yet is no reason to stop asking
 
 
 def test_observe_round_trip(make_node: MakeNode, open_sim: OpenSim) -> None:

@@ -189,6 +189,21 @@ def test_non_mig_gpu(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     assert nv.nvmlDeviceGetMaxMigDeviceCount(h) == 0
 
 
+def test_a_driver_without_profile_info_while_mig_is_off(make_node: MakeNode,
+                                                        nvml_on: NvmlOn) -> None:
+    nv = nvml_on(make_node("H200", profile_info_needs_mig=True))
+    h = nv.nvmlDeviceGetHandleByIndex(0)
+    for call in (lambda: nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0),
+                 lambda: nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0, 1),
+                 lambda: nv.nvmlDeviceGetGpuInstanceProfileInfoById(h, 19)):
+        with pytest.raises(nv.NVMLError_NotSupported):
+            call()
+    assert placements(nv, h, 19) == [[s, 1] for s in range(7)]  # placements still answer
+    assert nv.nvmlDeviceSetMigMode(h, 1) == 0
+    assert nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0).id == 19
+    assert nv.nvmlDeviceGetGpuInstanceProfileInfoById(h, 19).sliceCount == 1
+
+
 # -- (c) placements, capacity, ids -----------------------------------------------------------------
 
 

@@ -699,6 +699,12 @@ class SimulatedNvmlLibrary:
         return p
 
     @staticmethod
+    def _check_profile_info_answered(node: SimNode, gpu: SimGpu) -> None:
+        # Drivers that list GI profiles only while MIG mode is on (SimNode.profile_info_needs_mig).
+        if node.profile_info_needs_mig and not gpu.mig_current:
+            raise Refused(st.NOT_SUPPORTED)
+
+    @staticmethod
     def _fill_gi_profile(info: Any, p: GiProfile) -> None:
         # The driver hands the struct back zeroed, version included (measured on an H200).
         _zero(info)
@@ -716,6 +722,7 @@ class SimulatedNvmlLibrary:
         info = _out(out, "nvmlDeviceGetGpuInstanceProfileInfo")
         if hasattr(info, "version"):
             _check_version(info, 2)
+        self._check_profile_info_answered(node, gpu)
         p = self._gi_profile_at(gpu, _uint(index, "profile index"))
         self._fill_gi_profile(info, p)
 
@@ -724,6 +731,7 @@ class SimulatedNvmlLibrary:
         gpu = self._parent(node, handle)
         info = _out(out, "nvmlDeviceGetGpuInstanceProfileInfoByIdV")
         _check_version(info, 2)
+        self._check_profile_info_answered(node, gpu)
         profile_id = _uint(pid, "profile id")
         p = gpu.model.gi_profile_by_id(profile_id)
         if p is None:
@@ -911,7 +919,10 @@ def _code(text: str) -> int:
 
 def _show(node: SimNode) -> str:
     virt = "pass-through VM" if node.virtualization_mode == 1 else "bare metal"
-    lines = [f"node {node.name}: {len(node.gpus)} GPU(s), {virt}, driver {node.driver_version}"]
+    driver = f"driver {node.driver_version}"
+    if node.profile_info_needs_mig:
+        driver += " (GI profile info only with MIG on)"
+    lines = [f"node {node.name}: {len(node.gpus)} GPU(s), {virt}, {driver}"]
     for g in node.gpus:
         m = g.model
         mode = "MIG n/a"
@@ -955,6 +966,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--mig-enabled", action="store_true")
     c.add_argument("--ampere-self-reset", action="store_true",
                    help="Ampere MIG mode changes apply at once when the GPU is idle")
+    c.add_argument("--profile-info-needs-mig", action="store_true",
+                   help="a driver that answers GI profile info NOT_SUPPORTED while MIG is off")
 
     s = sub.add_parser("show", help="print the node")
     s.add_argument("--json", action="store_true")
@@ -1021,7 +1034,8 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
         case "create":
             create_node(path, args.gpus, name=args.name, seed=args.seed,
                         reset_supported=not args.passthrough, passthrough=args.passthrough,
-                        mig_enabled=args.mig_enabled, ampere_self_reset=args.ampere_self_reset)
+                        mig_enabled=args.mig_enabled, ampere_self_reset=args.ampere_self_reset,
+                        profile_info_needs_mig=args.profile_info_needs_mig)
             print(_show(load_node(path)))
         case "show":
             node = load_node(path)

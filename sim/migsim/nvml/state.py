@@ -241,6 +241,10 @@ class SimNode:
     gpus: list[SimGpu]
     virtualization_mode: int = 0  # NVML_GPU_VIRTUALIZATION_MODE_*: 0 bare metal, 1 pass-through
     ampere_self_reset: bool = False  # Ampere: the driver's own reset succeeds when the GPU is idle
+    # Driver behaviour: GI profile info (GetGpuInstanceProfileInfo[V|ByIdV]) answers NOT_SUPPORTED
+    # on a GPU whose current MIG mode is disabled, as older drivers may ("NOT_SUPPORTED If device
+    # doesn't have MIG mode enabled", nvml.h). The measured 580 driver answers it with MIG off.
+    profile_info_needs_mig: bool = False
     driver_version: str = DRIVER_VERSION
     nvml_version: str = NVML_VERSION
     cuda_version: int = CUDA_VERSION
@@ -559,13 +563,15 @@ def bus_id(index: int) -> str:
 def create_node(path: str | os.PathLike[str], gpus: str | tuple[GpuModel, ...], *,
                 name: str | None = None, seed: str | None = None, reset_supported: bool = True,
                 passthrough: bool = False, ampere_self_reset: bool = False,
-                mig_enabled: bool = False, replace: bool = True) -> None:
+                profile_info_needs_mig: bool = False, mig_enabled: bool = False,
+                replace: bool = True) -> None:
     """Create the state file of a simulated node with ``gpus`` ("8xH100-80GB", "2xA100-40GB,2xA30").
 
     UUIDs derive from ``seed`` (default: the node name, default: the file's stem), so the same
     arguments give the same node. ``passthrough`` reports virtualization mode pass-through;
     ``reset_supported=False`` makes resets impossible (Ampere mode changes then stay pending).
-    ``mig_enabled`` starts MIG-capable GPUs with MIG mode on.
+    ``mig_enabled`` starts MIG-capable GPUs with MIG mode on. ``profile_info_needs_mig`` makes
+    the driver one that answers GPU-instance profile info only on GPUs with MIG mode on.
     """
     models = parse_gpu_spec(gpus) if isinstance(gpus, str) else gpus
     state = StateFile(path)
@@ -575,7 +581,7 @@ def create_node(path: str | os.PathLike[str], gpus: str | tuple[GpuModel, ...], 
     seed = seed or name
     node = SimNode(
         name=name, seed=seed, virtualization_mode=1 if passthrough else 0,
-        ampere_self_reset=ampere_self_reset,
+        ampere_self_reset=ampere_self_reset, profile_info_needs_mig=profile_info_needs_mig,
         gpus=[
             SimGpu(index=i, model_key=m.key,
                    uuid="GPU-" + str(uuid.uuid5(_UUID_NAMESPACE, f"{seed}/gpu/{i}")),
