@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import select
 import time
 from pathlib import Path
 
@@ -129,14 +130,31 @@ def test_run_command_returns_status_and_output(tmp_path: Path) -> None:
 
 
 def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path) -> None:
-    marker = tmp_path / "child-survived"
-    script = f"(sleep 2; touch {marker}) & echo started; sleep 30"
-    start = time.monotonic()
-    done = hooks.run_command(hooks.Command(("/bin/sh", "-c", script)), {}, 0.5)
-    assert time.monotonic() - start < 5
-    assert done.error == "did not finish within 0.5 s (killed)" and "started" in done.output
-    time.sleep(2.5)
-    assert not marker.exists()  # the whole session was killed, not only the shell
+    # What the command starts holds a FIFO open for writing: the end of file is its end.
+    fifo = tmp_path / "held-by-the-child"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    script = '(exec 3>"$0" >/dev/null 2>&1; echo up >&3; exec sleep 30) & echo started; sleep 30'
+    try:
+        start = time.monotonic()
+        done = hooks.run_command(hooks.Command(("/bin/sh", "-c", script, str(fifo))), {}, 0.5)
+        assert time.monotonic() - start < 5
+        assert done.error == "did not finish within 0.5 s (killed)" and "started" in done.output
+        # the whole session was killed, not only the shell
+        assert read_to_end(reader, within_s=10) == b"up\n"
+    finally:
+        os.close(reader)
+
+
+def read_to_end(fd: int, *, within_s: float) -> bytes | None:
+    """What a non-blocking ``fd`` gives until end of file, or None if that takes longer."""
+    data, deadline = b"", time.monotonic() + within_s
+    while select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return data
+        data += chunk
+    return None
 
 
 def test_run_hook_gives_mig_parteds_environment_and_stops_at_the_first_failure(
