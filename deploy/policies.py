@@ -36,14 +36,15 @@ AGENT_USER = "system:serviceaccount:mig-agent:mig-agent"
 COMPONENT = "mig-agent"
 """The Event source component of the agent (mig_agent.kube.client.KubernetesCluster)."""
 
-CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable", "DrainBlocked")
+CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable", "DrainBlocked",
+                     "DrainWaiting")
 """Reasons of the node condition the agent sets by name (mig_agent/agent/reconcile.py), besides
 the error class names of failed passes (GpuUnavailable is both: no NVML on start)."""
 EVENT_REASONS = (
     "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying", "MIGDevicePluginRestart",
     "MIGConfigApplied", "MIGConfigFailed", "MIGRebooting", "MIGPostApply",
     "MIGHostClientsStopped", "MIGHostClientsStarted", "MIGConfigInvalid",
-    "MIGDrainBlocked",
+    "MIGDrainBlocked", "MIGDrainWaiting", "MIGUnhealthyDevices", "MIGDevicesHealthy",
 )
 """Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
 MESSAGE_CAP = 1024

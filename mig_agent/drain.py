@@ -24,6 +24,12 @@ log = structlog.get_logger(__name__)
 # evictions in flight at once, as kubectl drain runs them side by side (the API client keeps
 # as many connections open: kube.client.CONNECTIONS)
 EVICTION_WORKERS = 16
+# an evicted pod is waited for at least its own grace period and this much more (the kubelet
+# kills it at the end of its grace; the container's teardown and the API's update follow)
+GRACE_MARGIN_S = 30.0
+# a wait for evicted pods that lasts this long is told on the node (Event, condition): a pod
+# that checkpoints for minutes must not look like a hung agent
+WAIT_NOTICE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,62 @@ def gpu_pods(cluster: Cluster, node: str, *, exclude: Iterable[PodRef] = ()) -> 
     ]
 
 
+def to_drain(
+    pods: Iterable[PodView], may_stay: Callable[[PodView], bool] | None = None
+) -> list[PodView]:
+    """The GPU pods the drain evicts of ``pods``: those that have not finished, but the ones
+    ``may_stay`` spares."""
+    gpu = [p for p in pods if p.uses_gpu and not p.finished]
+    return [p for p in gpu if may_stay is None or not may_stay(p)]
+
+
+def drain_refusals(
+    pods: Iterable[PodView], *, operand_labels: Iterable[str], evict_unmanaged: bool,
+    advise: Iterable[str] = (),
+) -> list[str]:
+    """Why the drain must not start, one line per kind of pod (empty: it may), as ``kubectl
+    drain`` refuses before it cordons. ``pods`` are those it would evict:
+
+    * a static (mirror) pod cannot be evicted;
+    * a DaemonSet's pod comes straight back (DaemonSets tolerate the cordon) and takes its
+      device again, unless its nodeSelector names an operand label the agent pauses;
+    * a pod no controller owns is gone for good once evicted (unless ``evict_unmanaged``).
+    ``operand_labels`` are those the change pauses; ``advise``, those to suggest. Pure."""
+    paused = set(operand_labels)
+    mirror, daemons, bare = [], [], []
+    for p in pods:
+        if p.is_mirror:
+            mirror.append(str(p.ref))
+        elif p.controller_kind == "DaemonSet":
+            if not set(p.node_selector) & paused:
+                owner = p.controller.split("/", 1)[1]
+                daemons.append(f"{p.ref} (DaemonSet {p.ref.namespace}/{owner})")
+        elif not p.controller and not evict_unmanaged:
+            bare.append(str(p.ref))
+    out = []
+    if mirror:
+        out.append(f"static pod(s) {', '.join(mirror)} use GPUs and cannot be evicted; remove "
+                   "them from the node's static pod manifests")
+    if daemons:
+        out.append(
+            f"GPU pod(s) {', '.join(daemons)} belong to a DaemonSet, which tolerates the cordon "
+            "and would take the GPU again at once; give the DaemonSet a nodeSelector on an "
+            "operand label the agent pauses during a change (e.g. "
+            f"{_client_label(set(advise) or paused)}: "
+            "\"true\", with that label on the node)")
+    if bare:
+        out.append(
+            f"GPU pod(s) {', '.join(bare)} have no controller: evicted, they would be gone for "
+            "good; delete them, or let the drain evict such pods (chart value "
+            "drain.evictUnmanagedPods, MIG_AGENT_EVICT_UNMANAGED_PODS=true)")
+    return out
+
+
+def _client_label(operand_labels: set[str]) -> str:
+    client = sorted(k for k in operand_labels if k.endswith(".client"))
+    return (client or sorted(operand_labels) or ["nvidia.com/gpu.deploy.client"])[0]
+
+
 def drain_gpu_pods(
     cluster: Cluster,
     node: str,
@@ -114,20 +176,27 @@ def drain_gpu_pods(
     exclude: Iterable[PodRef] = (),
     may_stay: Callable[[PodView], bool] | None = None,
     on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None,
+    on_waiting: Callable[[PodView, int, float], None] | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
     gone; returns the evicted pods.
+
+    ``timeout_s`` bounds the evictions a PodDisruptionBudget refuses; an evicted pod is waited
+    for at least its own grace period plus GRACE_MARGIN_S. A wait that lasts WAIT_NOTICE_S is
+    told once to ``on_waiting`` (the slowest pod, how many are left, the wait's deadline in
+    seconds from the drain's start).
 
     Raises EvictionBlocked (naming the pod and its PodDisruptionBudget) when a budget still
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
     KubeError for a static (mirror) pod, which cannot be evicted.
     """
-    pods = gpu_pods(cluster, node, exclude=exclude)
-    if may_stay is not None:
-        staying = [p for p in pods if may_stay(p)]
-        if staying:
-            log.info("drain.pods_kept", pods=len(staying))
-        pods = [p for p in pods if p not in staying]
+    skip = {(r.namespace, r.name) for r in exclude}
+    pods = [p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip]
+    evicting = to_drain(pods, may_stay)
+    kept = len([p for p in pods if p.uses_gpu and not p.finished]) - len(evicting)
+    if kept:
+        log.info("drain.pods_kept", pods=kept)
+    pods = evicting
     for p in pods:
         if p.is_mirror:
             raise KubeError(
@@ -138,12 +207,18 @@ def drain_gpu_pods(
     if not pods:
         return []
     log.info("drain.started", pods=len(pods), timeout_s=timeout_s)
-    deadline = clock.now() + timeout_s
+    start = clock.now()
+    deadline = start + timeout_s
+    views = {p.ref: p for p in pods}
     to_evict = {p.ref: p for p in pods if not p.terminating}
     waiting = {p.ref for p in pods}
+    # when each pod's wait ends: its grace from its eviction (or from now, if it was already
+    # terminating), plus the margin
+    gone_by = {p.ref: start + p.grace_period_s + GRACE_MARGIN_S for p in pods if p.terminating}
     blocked: dict[PodRef, EvictionBlocked] = {}
     next_try = clock.now()
     delays = poll_delays(poll_s)
+    told = False
     while True:
         if to_evict and clock.now() >= next_try:
             for ref, exc in evict_all(cluster, list(to_evict)).items():
@@ -162,6 +237,7 @@ def drain_gpu_pods(
                     continue
                 blocked.pop(ref, None)
                 del to_evict[ref]
+                gone_by[ref] = clock.now() + views[ref].grace_period_s + GRACE_MARGIN_S
                 log.info("drain.pod_evicted", pod=ref.name, namespace=ref.namespace)
             next_try = clock.now() + retry_s
         waiting = still_present(cluster, node, waiting - to_evict.keys()) | (
@@ -170,13 +246,24 @@ def drain_gpu_pods(
         if not waiting:
             log.info("drain.finished", pods=len(pods))
             return [p.ref for p in pods]
-        if clock.now() >= deadline:
-            if blocked:
-                raise next(iter(blocked.values()))
+        going = waiting - to_evict.keys()
+        now = clock.now()
+        if not told and on_waiting is not None and going and now - start >= WAIT_NOTICE_S:
+            told = True
+            slowest = max(going, key=lambda r: gone_by.get(r, deadline))
+            on_waiting(views[slowest], len(going), max(gone_by.get(r, deadline) for r in going)
+                       - start)
+        if blocked and now >= deadline:
+            refused = next(iter(blocked.values()))
+            refused.context["refs"] = tuple(sorted(going, key=str))  # evicted, still going
+            raise refused
+        if now >= max([deadline, *(gone_by.get(r, deadline) for r in going)]):
             names = ", ".join(sorted(str(r) for r in waiting))
             raise DrainTimeout(
-                f"GPU pods still terminating after {timeout_s:.0f} s: {names}",
+                f"GPU pods still terminating {now - start:.0f} s after the drain began (each "
+                f"waited for its grace period and {GRACE_MARGIN_S:.0f} s more): {names}",
                 pods=sorted(str(r) for r in waiting),
+                refs=tuple(sorted(waiting, key=str)),
             )
         clock.sleep(next(delays))
 

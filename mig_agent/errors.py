@@ -23,6 +23,15 @@
   + HookFailed             a hook (mig-parted hooks file, pre/post-apply command) failed or
                            did not finish in time; its output (trimmed) in the message
   + HostServiceFailed      a host GPU client service could not be stopped or started again
+                                                                                      (retryable)
+  + DrainRefused           a GPU pod the drain must not evict: one no controller owns (gone for
+                           good once evicted), or a DaemonSet's that would come straight back;
+                           refused before the cordon, naming the pods                 (retryable)
+  + InternalError          an exception that is none of these (a bug): the pass undoes its
+                           marks, reports it and backs off rather than the agent dying (retryable)
+
+* Stopping (not a MigAgentError): raised out of a wait inside a pass when the agent is told to
+  stop (SIGTERM); the pass undoes its marks and the agent exits.
 
 Leaf module: imports nothing from mig_agent.
 """
@@ -124,3 +133,15 @@ class HookFailed(MigAgentError):
 
 class HostServiceFailed(MigAgentError):
     retryable = True
+
+
+class DrainRefused(MigAgentError):
+    retryable = True
+
+
+class InternalError(MigAgentError):
+    retryable = True
+
+
+class Stopping(Exception):  # noqa: N818 (a signal to stop, not an error)
+    """The agent was told to stop while a pass waited."""

@@ -183,8 +183,16 @@ def _run(
             found = gi_ids.get(gpl)
             if found is None:  # a kept GPU instance: find it where it sits
                 found = next(
-                    x.id for x in gpus.observe().gpu(g).gpu_instances if x.placement == gpl
+                    (x.id for x in gpus.observe().gpu(g).gpu_instances if x.placement == gpl),
+                    None,
                 )
+                if found is None:  # destroyed since the plan was made (by hand, another tool)
+                    raise GpuStepFailed(
+                        f"GPU {g}: the GPU instance at {gpl} that the plan keeps is gone "
+                        f"(destroyed since the plan was made); {p} not created, the next pass "
+                        "plans again",
+                        gpu=g,
+                    )
                 gi_ids[gpl] = found
             ci = gpus.create_compute_instance(g, found, pid, pl)
             r.created_compute_instances += 1

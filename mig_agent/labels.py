@@ -27,6 +27,12 @@ def pause_patch(labels: Mapping[str, str], operand_labels: Sequence[str]) -> Pat
     return {k: PAUSED for k in operand_labels if k in labels and labels[k] not in ("false", PAUSED)}
 
 
+def paused_during_change(labels: Mapping[str, str], operand_labels: Sequence[str]) -> list[str]:
+    """The operand labels a change holds paused: those it pauses and those already paused."""
+    pause = pause_patch(labels, operand_labels)
+    return sorted({*pause, *(k for k in operand_labels if labels.get(k) == PAUSED)})
+
+
 def resume_patch(labels: Mapping[str, str], operand_labels: Sequence[str]) -> Patch:
     """Set every paused operand label back to ``true``; ``false`` stays ``false``."""
     return {k: "true" for k in operand_labels if labels.get(k) == PAUSED}

@@ -99,6 +99,13 @@ class Metrics:
             ["gpu", "profile"],
             registry=r,
         )
+        self.unhealthy_devices = Gauge(
+            "mig_agent_unhealthy_devices",
+            "Devices the device plugin lists as unhealthy (kept out of allocatable), by "
+            "resource",
+            ["resource"],
+            registry=r,
+        )
         self.last_success = Gauge(
             "mig_agent_last_success_timestamp_seconds",
             "Unix time of the last successful reconfiguration or check",
@@ -116,6 +123,11 @@ class Metrics:
             yield
         finally:
             self.phase_seconds.labels(phase=name).observe(time.monotonic() - start)
+
+    def set_unhealthy(self, unhealthy: Mapping[str, int]) -> None:
+        self.unhealthy_devices.clear()
+        for resource, n in unhealthy.items():
+            self.unhealthy_devices.labels(resource=resource).set(n)
 
     def set_devices(self, devices: Mapping[int, Mapping[str, int]]) -> None:
         self.mig_devices.clear()

@@ -190,6 +190,31 @@ def _unshared(gpu: Counter[str] | None, strategy: str) -> Counter[str]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """What the device plugin lists on a node, read from its capacity and allocatable."""
+
+    listed: dict[str, int]  # devices per resource, healthy or not
+    unhealthy: dict[str, int]  # of those, the ones the kubelet keeps out of allocatable
+    fresh: bool  # a plugin lists one of the expected resources healthy (or none is expected)
+
+
+def plugin_listing(capacity: Mapping[str, int], allocatable: Mapping[str, int],
+                   expected: Mapping[str, int]) -> Listing:
+    """The node's devices as the plugin lists them. Capacity counts every device, allocatable
+    only the healthy ones: a layout is in place when capacity says so, whatever an Xid did to a
+    device. A resource no plugin lists any more keeps its capacity with allocatable 0 for the
+    kubelet's stop grace period (5 min): such a resource counts only if the layout has it, and
+    then only once a plugin lists some expected resource healthy (``fresh``): until then the
+    counts may all be the stopped plugin's. Pure."""
+    listed = {r: n for r, n in capacity.items()
+              if n > 0 and (allocatable.get(r, 0) > 0 or r in expected)}
+    unhealthy = {r: n - allocatable.get(r, 0) for r, n in listed.items()
+                 if n > allocatable.get(r, 0)}
+    fresh = not expected or any(allocatable.get(r, 0) > 0 for r in expected)
+    return Listing(listed, unhealthy, fresh)
+
+
 def format_resources(resources: Mapping[str, int]) -> str:
     if not resources:
         return "nothing"

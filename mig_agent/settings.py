@@ -66,7 +66,11 @@ class Settings:
     config used without that label (the Operator's ``devicePlugin.config.default``); with
     neither, no config, as the Operator's config-manager falls back to an empty one."""
     drain_timeout_s: float = 300.0
-    """How long to wait for GPU pods to go (PDBs are retried until then)."""
+    """How long PodDisruptionBudgets are retried, and the least the drain waits for evicted GPU
+    pods to go (each evicted pod is waited for at least its own grace period and 30 s)."""
+    evict_unmanaged_pods: bool = False
+    """Let the drain evict GPU pods no controller owns (gone for good once evicted). Off, as
+    kubectl drain without --force: the pass is refused before the cordon, naming them."""
     operand_timeout_s: float = 300.0
     """How long to wait for paused operand pods to go."""
     device_plugin_timeout_s: float = 300.0

@@ -18,14 +18,21 @@ from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeView, PodView
 from mig_agent.models import GpuModel
 from mig_agent.resources import (
+    Listing,
     Sharing,
     expected_resources,
     format_resources,
     node_mig_strategy,
+    plugin_listing,
 )
 from mig_agent.settings import Settings
 
 log = structlog.get_logger(__name__)
+
+# how long a new plugin may take to list its devices before "every expected device is
+# unhealthy" is believed rather than taken for the old plugin's leftovers (the kubelet writes
+# the node's status every 10 s)
+UNHEALTHY_SETTLE_S = 15.0
 
 
 def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
@@ -100,14 +107,27 @@ def plugin_labels(s: Settings, node: NodeView) -> tuple[str | None, ...]:
     )
 
 
+def listing(node: NodeView, want: Mapping[str, int]) -> Listing:
+    """What the plugin lists on ``node``, healthy or not, against what it should (``want``)."""
+    return plugin_listing(node.gpu_capacity(), node.gpu_resources(), want)
+
+
+def expected(
+    s: Settings, gpus: GpuBackend, node: NodeView, models: Mapping[int, GpuModel]
+) -> dict[str, int]:
+    """What NVIDIA's plugin advertises on ``node`` for its GPUs as they are now."""
+    return expected_resources(gpus.observe(), models, *plugin_rules(s, node))
+
+
 def resources_ok(
     cluster: Cluster, s: Settings, gpus: GpuBackend, node: NodeView, models: Mapping[int, GpuModel]
 ) -> bool:
-    """True unless a device plugin runs here and advertises other resources than the GPUs'."""
+    """True unless a device plugin runs here and lists other devices than the GPUs' (an
+    unhealthy device is still listed: no reason to repeat a change)."""
     if not plugin_pods(cluster, s):
         return True
-    strategy, sharing = plugin_rules(s, node)
-    return node.gpu_resources() == expected_resources(gpus.observe(), models, strategy, sharing)
+    want = expected(s, gpus, node, models)
+    return listing(node, want).listed == want
 
 
 def wait_resources(
@@ -131,21 +151,32 @@ def wait_resources(
         or bool(old_plugins)
         or bool(plugin_pods(cluster, s))
     )
-    want = expected_resources(gpus.observe(), models, *plugin_rules(s, node))
+    want = expected(s, gpus, node, models)
     if not has_plugin:
         log.warning("device_plugin.skipped_wait", expected=want)
         return
     deadline = clock.now() + s.device_plugin_timeout_s
-    new_pod = False
+    new_pod_at: float | None = None
     delays = poll_delays(s.poll_s)
     while True:
-        have = cluster.get_node(s.node_name).gpu_resources()
+        listed = listing(cluster.get_node(s.node_name), want)
+        have = listed.listed
         # the plugin pods are listed only once the numbers match (or at the deadline, to say
         # which is missing): a look costs one request while the plugin starts
-        if not new_pod and (have == want or clock.now() >= deadline):
-            new_pod = any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
-        if new_pod and have == want:
-            log.info("device_plugin.resources_match", resources=want)
+        if (
+            new_pod_at is None
+            and (have == want or clock.now() >= deadline)
+            and any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
+        ):
+            new_pod_at = clock.now()
+        new_pod = new_pod_at is not None
+        # every expected device unhealthy looks like a stopped plugin's leftovers: believed
+        # once the new plugin has had UNHEALTHY_SETTLE_S to list its own
+        settled = listed.fresh or (new_pod_at is not None
+                                   and clock.now() - new_pod_at >= UNHEALTHY_SETTLE_S)
+        if new_pod and have == want and settled:
+            log.info("device_plugin.resources_match", resources=want,
+                     **({"unhealthy": listed.unhealthy} if listed.unhealthy else {}))
             return
         if clock.now() >= deadline and not new_pod:
             raise DevicePluginTimeout(

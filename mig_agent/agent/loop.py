@@ -13,7 +13,7 @@ import structlog
 from mig_agent.agent import device_plugin, node_guard
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.drain import Clock
-from mig_agent.errors import MigAgentError
+from mig_agent.errors import MigAgentError, Stopping
 from mig_agent.kube.cluster import Cluster, NodeView
 from mig_agent.labels import State
 from mig_agent.settings import Settings
@@ -110,13 +110,21 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
             except MigAgentError as exc:  # could not even read the node
                 log.error("reconcile.failed", error=str(exc), error_type=type(exc).__name__)
                 result = PassResult(Outcome.FAILED, agent.settings.backoff_s, str(exc))
+            except Stopping:
+                break
+            except Exception as exc:  # noqa: BLE001 (a bug outside the pass's own catch)
+                log.exception("reconcile.crashed", error_type=type(exc).__name__)
+                result = PassResult(Outcome.FAILED, agent.settings.backoff_s, str(exc))
             if watcher.ident is None:  # not started yet: the first pass is over
                 watcher.start()
             resync_due = result.retry_after_s is None
             if result.outcome is Outcome.FAILED and result.retry_after_s is None:
                 next_due = float("inf")  # wait for a label or config change
             else:
-                next_due = agent.clock.now() + (result.retry_after_s or agent.settings.resync_s)
+                # 0.0 means at once (a superseded pass), not "no retry": only None waits a resync
+                retry = result.retry_after_s
+                next_due = agent.clock.now() + (agent.settings.resync_s if retry is None
+                                                else retry)
         timeout = max(0.05, min(config_poll_s, next_due - agent.clock.now()))
         agent.clock.wait(agent.wake_event, timeout)
         if agent.reload_config():

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 import structlog
 
 from mig_agent import labels
-from mig_agent.errors import (
-    MigAgentError,
-)
-from mig_agent.kube.cluster import Cluster, NodeView
+from mig_agent.drain import still_present
+from mig_agent.errors import DrainTimeout, EvictionBlocked, MigAgentError
+from mig_agent.kube.cluster import Cluster, NodeView, PodRef
 from mig_agent.labels import State
 from mig_agent.settings import Settings
 
@@ -83,8 +82,7 @@ def gpu_clients_paused(cluster: Cluster, s: Settings, node: NodeView) -> Iterato
     if not node.unschedulable:
         annotations[s.cordon_annotation] = "true"
     pause = labels.pause_patch(node.labels, s.operand_labels)
-    already = [k for k in s.operand_labels if node.labels.get(k) == labels.PAUSED]
-    paused = sorted({*pause, *already})
+    paused = labels.paused_during_change(node.labels, s.operand_labels)
     if paused:
         annotations[s.paused_annotation] = ",".join(paused)
     if annotations or pause:
@@ -100,21 +98,44 @@ def gpu_clients_paused(cluster: Cluster, s: Settings, node: NodeView) -> Iterato
         yield paused
     except NodeRebooting:
         raise
-    except Exception:  # a kill (not an exception) leaves the trail for the next agent
-        with contextlib.suppress(MigAgentError):
-            finish(cluster, s, cluster.get_node(s.node_name))
+    except Exception as exc:  # a kill (not an exception) leaves the trail for the next agent
+        with contextlib.suppress(MigAgentError):  # the pass's own clean-up logs a failure
+            finish(cluster, s, cluster.get_node(s.node_name), terminating=still_terminating(exc))
         raise
     finish(cluster, s, cluster.get_node(s.node_name))
 
 
-def finish(cluster: Cluster, s: Settings, node: NodeView) -> None:
-    """Resume paused operands and uncordon if this agent cordoned; idempotent."""
+def still_terminating(exc: BaseException) -> tuple[PodRef, ...]:
+    """The evicted pods a failed drain left terminating (none for any other failure)."""
+    if isinstance(exc, DrainTimeout | EvictionBlocked):
+        refs = exc.context.get("refs", ())
+        return tuple(r for r in refs if isinstance(r, PodRef)) if isinstance(refs, tuple) else ()
+    return ()
+
+
+def finish(cluster: Cluster, s: Settings, node: NodeView,
+           terminating: tuple[PodRef, ...] = ()) -> bool:
+    """Resume paused operands and uncordon if this agent cordoned; idempotent. False when the
+    cordon stays on purpose, with its mark: pods the drain evicted (``terminating``) still
+    run on devices about to change. A cordon someone else set since the agent's (managedFields
+    name another manager of spec.unschedulable) stays too, without the agent's mark."""
     resume = labels.resume_patch(node.labels, s.operand_labels)
     annotations: dict[str, str | None] = {}
     uncordon = None
+    kept = False
     if s.cordon_annotation in node.annotations:
-        annotations[s.cordon_annotation] = None
-        uncordon = False
+        left = still_present(cluster, s.node_name, terminating) if terminating else set()
+        if left:
+            kept = True
+            log.warning("node.cordon_kept", reason="evicted pods still terminating",
+                        pods=sorted(str(r) for r in left))
+        elif node.unschedulable and not node.cordoned_by_agent:
+            annotations[s.cordon_annotation] = None
+            log.info("node.cordon_kept", reason="cordoned again by someone else",
+                     managers=list(node.unschedulable_by))
+        else:
+            annotations[s.cordon_annotation] = None
+            uncordon = False
     if s.paused_annotation in node.annotations:
         annotations[s.paused_annotation] = None
     if resume or annotations:
@@ -122,14 +143,15 @@ def finish(cluster: Cluster, s: Settings, node: NodeView) -> None:
             s.node_name, labels=resume, annotations=annotations, unschedulable=uncordon
         )
         log.info("node.resumed", uncordoned=uncordon is False, operands=sorted(resume))
+    return not kept
 
 
-def tidy_up(cluster: Cluster, s: Settings) -> bool:
+def tidy_up(cluster: Cluster, s: Settings, terminating: tuple[PodRef, ...] = ()) -> bool:
     """Resume operands and uncordon if our marks are on the node (no pass runs now);
-    False when that failed (logged): the node may still be cordoned by us."""
+    False when that failed (logged) or the cordon stays for ``terminating`` pods: the node may
+    still be cordoned by us."""
     try:
-        finish(cluster, s, cluster.get_node(s.node_name))
+        return finish(cluster, s, cluster.get_node(s.node_name), terminating)
     except MigAgentError as exc:
         log.error("node.resume_failed", error=str(exc))
         return False
-    return True

@@ -13,6 +13,7 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"
     REBOOTING = "rebooting"
     SUPERSEDED = "superseded"  # the layout label changed during the pass: start over
+    STOPPED = "stopped"  # the agent was told to stop inside the pass: undone, the loop ends
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,27 +37,38 @@ from mig_agent.agent import (
 from mig_agent.agent.node_guard import NodeRebooting
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.agent.reboot import run_reboot
-from mig_agent.drain import Clock, drain_gpu_pods, poll_delays, wait_pods_gone
+from mig_agent.drain import (
+    Clock,
+    drain_gpu_pods,
+    drain_refusals,
+    poll_delays,
+    to_drain,
+    wait_pods_gone,
+)
 from mig_agent.errors import (
     ConfigError,
+    DrainRefused,
     EvictionBlocked,
     GpuBusy,
     GpuResetRequired,
     GpuUnavailable,
+    InternalError,
     LabelsChanged,
     MigAgentError,
     PlanError,
     RebootFailed,
+    Stopping,
 )
 from mig_agent.executor import verify
 from mig_agent.generated import with_generated
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
-from mig_agent.labels import State
+from mig_agent.labels import State, paused_during_change
 from mig_agent.layout import Layout, LayoutCatalog
 from mig_agent.metrics import Metrics
 from mig_agent.models import GpuModel
 from mig_agent.resources import (
+    expected_resources,
     planned_devices,
     strategy_problem,
 )
@@ -109,16 +120,34 @@ class Agent:
     # the labels that choose how the device plugin advertises, as the last pass read them
     seen_plugin_labels: tuple[str | None, ...] = ()
     wake_event: threading.Event = field(default_factory=threading.Event)
+    # set when the agent is told to stop (SIGTERM): every wait inside a pass ends at once
+    stopping: threading.Event = field(default_factory=threading.Event)
+    # devices the plugin lists unhealthy, as last reported (Event and condition on a change)
+    unhealthy: dict[str, int] = field(default_factory=dict)
+    # what the last look at NVML found ("" fine): /readyz answers from it, never calling NVML
+    # itself (a reset holds the NVML lock for minutes)
+    gpu_status: str = "GPUs not read yet"
 
     def __post_init__(self) -> None:
         self.loop_alive_at = self.clock.now()
         sleep = self.clock.sleep
 
         def sleep_alive(seconds: float) -> None:
+            # the waits of a pass sleep at most poll_s at a time: a stop is seen within it
             self.loop_alive_at = self.clock.now()
+            if self.stopping.is_set():
+                raise Stopping()
             sleep(seconds)
+            if self.stopping.is_set():
+                raise Stopping()
 
         self.clock = replace(self.clock, sleep=sleep_alive)
+
+    def readiness_problem(self) -> str:
+        """Why the agent is not ready, or "": from what the loop last saw, without a call."""
+        if self.catalog is None:
+            return f"profile configs not loaded: {self.catalog_error}"
+        return self.gpu_status
 
     def liveness_problem(self, now: float | None = None) -> str:
         """Why the agent should be restarted, or "": a loop or node watch that stopped moving.
@@ -170,15 +199,18 @@ class Agent:
         )
 
     def gpu_problem(self) -> str:
-        """Why the GPUs cannot be read now, or "". Without NVML, it names the RuntimeClass the
-        agent's pod runs under: with the wrong runtime no libnvidia-ml.so.1 is mounted."""
+        """Why the GPUs cannot be read now, or "" (kept for /readyz). Without NVML, it names the
+        RuntimeClass the agent's pod runs under: with the wrong runtime no libnvidia-ml.so.1 is
+        mounted."""
         try:
             self.gpus.observe()
         except GpuUnavailable as exc:
-            return f"NVML unreachable: {exc}; {self._runtime_hint()}"
+            self.gpu_status = f"NVML unreachable: {exc}; {self._runtime_hint()}"
         except MigAgentError as exc:
-            return f"NVML unreachable: {exc}"
-        return ""
+            self.gpu_status = f"NVML unreachable: {exc}"
+        else:
+            self.gpu_status = ""
+        return self.gpu_status
 
     def report_gpu_problem(self) -> None:
         """On start: a node without NVML says so in the log and the node condition."""
@@ -257,6 +289,7 @@ class Agent:
                 )
                 self.seen = (None, None)
             self.metrics.set_state("")
+            self.gpu_problem()  # /readyz answers from it
             reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
             return PassResult(Outcome.IDLE)
         structlog.contextvars.bind_contextvars(layout=desired)
@@ -268,12 +301,19 @@ class Agent:
             return PassResult(Outcome.REBOOTING, retry_after_s=self.settings.backoff_s)
         except LabelsChanged as exc:
             return self._superseded(desired, exc)
+        except Stopping:
+            # told to stop inside a wait: undo the marks (a successor starts the pass over;
+            # the state label still says pending) and end the loop
+            log.info("reconcile.stopped", reason="the agent is stopping")
+            node_guard.tidy_up(self.cluster, self.settings)
+            return PassResult(Outcome.STOPPED)
         except MigAgentError as exc:
-            tidy = node_guard.tidy_up(self.cluster, self.settings)
-            failed = self._failed(desired, exc)
-            if not tidy and failed.retry_after_s is None:  # our marks are still on the node
-                return replace(failed, retry_after_s=self.settings.backoff_s)
-            return failed
+            return self._failed_and_tidied(desired, exc)
+        except Exception as exc:  # noqa: BLE001 (a bug must not end the agent: it reports it)
+            log.exception("reconcile.crashed", error_type=type(exc).__name__)
+            return self._failed_and_tidied(
+                desired, InternalError(f"unexpected {type(exc).__name__}: {exc} (a bug in "
+                                       "mig-agent; the pass was undone and is retried)"))
         self.failures = 0
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
@@ -283,6 +323,13 @@ class Agent:
                 duration_s=round(self.clock.now() - start, 3),
             )
         return PassResult(result)
+
+    def _failed_and_tidied(self, desired: str, exc: MigAgentError) -> PassResult:
+        tidy = node_guard.tidy_up(self.cluster, self.settings, node_guard.still_terminating(exc))
+        failed = self._failed(desired, exc)
+        if not tidy and failed.retry_after_s is None:  # our marks are still on the node
+            return replace(failed, retry_after_s=self.settings.backoff_s)
+        return failed
 
     def _superseded(self, desired: str, exc: LabelsChanged) -> PassResult:
         """The label asks for another layout now: report nothing for ``desired``, undo our
@@ -313,6 +360,7 @@ class Agent:
             models = self.gpus.models()
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
             observed = self.gpus.observe()
+            self.gpu_status = ""
             the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
             # what NVIDIA's plugin would refuse to advertise is refused before anything changes
             strategy, sharing = device_plugin.plugin_rules(self.settings, node)
@@ -341,11 +389,17 @@ class Agent:
             interrupted = False
         if the_plan.is_empty and not interrupted:
             reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
+            want = expected_resources(observed, models, strategy, sharing)
+            changed_health = self._note_unhealthy(node, want)
+            message = self._with_health(f"layout {desired} is applied; nothing to change")
             if (
                 node.labels.get(s.state_label) != State.SUCCESS
                 or s.reason_annotation in node.annotations
             ):
-                self._succeed(node, desired, f"layout {desired} is applied; nothing to change")
+                self._succeed(node, desired, message)
+            elif changed_health:
+                reporting.condition(self.cluster, s, NodeCondition(
+                    s.condition_type, "True", "Applied", message))
             self.metrics.set_state(State.SUCCESS)
             self.metrics.last_success.set(time.time())
             return Outcome.NOOP
@@ -360,6 +414,7 @@ class Agent:
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
         self._refuse_what_no_drain_ends(the_plan, observed, reset_gpus, hook_run)
+        self._refuse_what_the_drain_must_not_evict(the_plan, node)
         log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
         node = self._set_state(node, State.PENDING, desired)
         if hook_run.hooks.of(hooks.POST_APPLY):
@@ -454,7 +509,9 @@ class Agent:
         except MigAgentError as exc:
             log.warning("validators.delete_failed", error=str(exc))
         node = self.cluster.get_node(s.node_name)
-        self._succeed(node, desired, f"layout {desired} applied to GPU(s) {changed}")
+        self._note_unhealthy(node, device_plugin.expected(s, self.gpus, node, models))
+        self._succeed(node, desired,
+                      self._with_health(f"layout {desired} applied to GPU(s) {changed}"))
         return Outcome.APPLIED
 
     def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str] | None:
@@ -553,6 +610,38 @@ class Agent:
         )
         reporting.event_on_node(self.cluster, s, "MIGDrainBlocked", message, warning=True)
 
+    def _drain_waiting(self, slowest: PodView, left: int, up_to_s: float) -> None:
+        """Evicted pods take their time (a checkpoint, a long grace period): say what the drain
+        waits for, so that a long drain does not look like a hung agent."""
+        s = self.settings
+        message = (
+            f"waiting for {left} evicted GPU pod(s) to stop; the slowest, {slowest.ref}, has a "
+            f"grace period of {slowest.grace_period_s:g} s: the drain waits up to "
+            f"{up_to_s:.0f} s, and the node stays cordoned while they run"
+        )
+        reporting.condition(
+            self.cluster, s, NodeCondition(s.condition_type, "False", "DrainWaiting", message)
+        )
+        reporting.event_on_node(self.cluster, s, "MIGDrainWaiting", message)
+
+    def _refuse_what_the_drain_must_not_evict(self, the_plan: planner.Plan,
+                                              node: NodeView) -> None:
+        """DrainRefused, before the cordon, for GPU pods the drain would evict but must not: a
+        DaemonSet's that no paused operand label stops (it would come back at once and take
+        its device again: GpuBusy at every retry), a static pod, or one no controller owns
+        (gone for good: kubectl drain's default), naming each."""
+        s = self.settings
+        if the_plan.is_empty:
+            return
+        paused = paused_during_change(node.labels, s.operand_labels)
+        pods = to_drain(self.cluster.list_pods(node=s.node_name),
+                        self._pods_that_may_stay(the_plan))
+        refusals = drain_refusals(pods, operand_labels=paused,
+                                  evict_unmanaged=s.evict_unmanaged_pods,
+                                  advise=s.operand_labels)
+        if refusals:
+            raise DrainRefused("; ".join(refusals) + "; nothing was touched")
+
     def _drain(self, paused: list[str], the_plan: planner.Plan) -> None:
         s = self.settings
         operand_pods = [
@@ -574,6 +663,7 @@ class Agent:
             exclude=operand_pods,
             may_stay=self._pods_that_may_stay(the_plan),
             on_blocked=self._drain_blocked,
+            on_waiting=self._drain_waiting,
         )
         self.metrics.evictions.inc(len(evicted))
         if operand_pods:
@@ -701,6 +791,29 @@ class Agent:
             s.node_name, labels={s.state_label: str(state)}, expect_labels={s.config_label: desired}
         )
 
+    def _note_unhealthy(self, node: NodeView, want: Mapping[str, int]) -> bool:
+        """Report the devices the plugin lists unhealthy: the metric always, an Event when they
+        change; True when they did. Never a reason to cordon, pause or restart anything: the
+        layout is in place whatever an Xid did to a device."""
+        unhealthy = device_plugin.listing(node, want).unhealthy
+        self.metrics.set_unhealthy(unhealthy)
+        if unhealthy == self.unhealthy:
+            return False
+        self.unhealthy = dict(unhealthy)
+        if unhealthy:
+            log.warning("devices.unhealthy", devices=unhealthy)
+            reporting.event(self.cluster, node, "MIGUnhealthyDevices",
+                            reporting.unhealthy_note(unhealthy), warning=True)
+        else:
+            log.info("devices.healthy")
+            reporting.event(self.cluster, node, "MIGDevicesHealthy",
+                            "every device the device plugin lists is healthy again")
+        return True
+
+    def _with_health(self, message: str) -> str:
+        note = reporting.unhealthy_note(self.unhealthy)
+        return f"{message}; {note}" if note else message
+
     def _succeed(self, node: NodeView, desired: str, message: str) -> None:
         s = self.settings
         self.seen = (desired, State.SUCCESS)
@@ -730,7 +843,8 @@ class Agent:
         retry = None
         if exc.retryable:
             self.failures += 1
-            retry = min(s.backoff_s * 2 ** (self.failures - 1), s.backoff_max_s)
+            # the exponent capped: a budget that never allows the eviction fails for a week
+            retry = min(s.backoff_s * 2 ** min(self.failures - 1, 32), s.backoff_max_s)
         log.error(
             "reconcile.failed",
             error=reason,
@@ -741,6 +855,8 @@ class Agent:
         )
         self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
         self.metrics.set_state(State.FAILED)
+        if isinstance(exc, GpuUnavailable):
+            self.gpu_status = f"NVML unreachable: {exc}"
         try:
             # before the patch: the watch must not take our own "failed" for someone's change
             self.seen = (desired, State.FAILED)
@@ -783,4 +899,5 @@ class Agent:
         loop.watch_forever(self, stop)
 
     def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
+        self.stopping = stop  # the waits inside a pass look at it
         loop.run(self, stop, config_poll_s=config_poll_s)

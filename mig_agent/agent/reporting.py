@@ -5,7 +5,8 @@ a failure to report never fails the pass."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 
 import structlog
 
@@ -22,15 +23,52 @@ from mig_agent.settings import Settings
 log = structlog.get_logger(__name__)
 
 
+class _Once:
+    """Which report failures were logged: an RBAC or admission refusal of the agent's own
+    reports is logged once per kind of report and cause, not at every retry; once that kind
+    of report is written again, its next failure is logged again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._logged: set[tuple[str, str]] = set()
+
+    def failed(self, what: str, exc: MigAgentError) -> None:
+        cause = f"{type(exc).__name__} {exc.context.get('status', '')}".strip()
+        with self._lock:
+            if (what, cause) in self._logged:
+                return
+            self._logged.add((what, cause))
+        log.warning("report.failed", report=what, cause=cause, error=str(exc))
+
+    def written(self, what: str) -> None:
+        with self._lock:
+            if self._logged:
+                self._logged = {k for k in self._logged if k[0] != what}
+
+
+unreported = _Once()
+
+
+@contextlib.contextmanager
+def best_effort(what: str) -> Iterator[None]:
+    """A report that must never fail the pass; its failure is logged (once per cause)."""
+    try:
+        yield
+    except MigAgentError as exc:
+        unreported.failed(what, exc)
+    else:
+        unreported.written(what)
+
+
 def condition(cluster: Cluster, s: Settings, condition: NodeCondition) -> None:
-    with contextlib.suppress(MigAgentError):
+    with best_effort("node condition"):
         cluster.set_node_condition(s.node_name, condition)
 
 
 def event(
     cluster: Cluster, node: NodeView, reason: str, message: str, *, warning: bool = False
 ) -> None:
-    with contextlib.suppress(MigAgentError):  # events are best effort
+    with best_effort("event"):
         cluster.emit_event(node, reason=reason, message=message, warning=warning)
 
 
@@ -74,7 +112,7 @@ def record_devices(
 ) -> None:
     """Update the device metrics and publish the GPU state on the node (for ``repartition
     --dry-run`` and ``status``, which run far from NVML) when it changed."""
-    with contextlib.suppress(MigAgentError):
+    with best_effort("gpu state"):
         node, models = gpus.observe(), gpus.models()
         metrics.set_devices(
             {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
@@ -83,3 +121,13 @@ def record_devices(
         current = node_view or cluster.get_node(s.node_name)
         if current.annotations.get(s.gpu_state_annotation) != text:
             cluster.patch_node(s.node_name, annotations={s.gpu_state_annotation: text})
+
+
+def unhealthy_note(unhealthy: Mapping[str, int]) -> str:
+    """The words for devices the plugin lists unhealthy ("" when none is). Pure."""
+    if not unhealthy:
+        return ""
+    total = sum(unhealthy.values())
+    each = ", ".join(f"{r}: {n}" for r, n in sorted(unhealthy.items()))
+    return (f"{total} device(s) unhealthy, listed by the device plugin but kept out of "
+            f"allocatable by the kubelet ({each})")

@@ -63,10 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         def healthz() -> str:
             return agent.liveness_problem()
 
-        def readyz() -> str:
-            if agent.catalog is None:
-                return f"profile configs not loaded: {agent.catalog_error}"
-            return agent.gpu_problem()
+        def readyz() -> str:  # from what the loop last saw: a GPU reset holds NVML for minutes
+            return agent.readiness_problem()
 
         server = HealthServer(
             settings.metrics_address,

@@ -32,6 +32,7 @@ from mig_agent.errors import (
     LabelsChanged,
 )
 from mig_agent.kube.cluster import (
+    AGENT_MANAGER,
     Cluster,
     NodeCondition,
     NodeView,
@@ -134,7 +135,7 @@ class KubernetesCluster(Cluster):
         attempts: int = 5,
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
-        component: str = "mig-agent",
+        component: str = AGENT_MANAGER,
         sleep: Callable[[float], None] = time.sleep,
         on_request: Callable[[str], None] | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
@@ -218,7 +219,8 @@ class KubernetesCluster(Cluster):
         if expect_labels:
             return self._patch_node_if(name, body, expect_labels)
         return _node(self._unconditional("patch node", name, self._core.patch_node, body,
-                                         _content_type="application/merge-patch+json"))
+                                         _content_type="application/merge-patch+json",
+                                         field_manager=self._component))
 
     def _unconditional(self, op: str, name: str, fn: Callable[..., Any], body: Any,
                        **kwargs: Any) -> Any:
@@ -249,7 +251,8 @@ class KubernetesCluster(Cluster):
             try:
                 with _kube("patch node", node=name):
                     return _node(self._call(self._core.patch_node, name, body,
-                                            _content_type="application/merge-patch+json"))
+                                            _content_type="application/merge-patch+json",
+                                            field_manager=self._component))
             except KubeError as exc:
                 if exc.context.get("status") != 409:
                     raise
@@ -438,6 +441,11 @@ def _node(n: Mapping[str, Any]) -> NodeView:
                           c.get("message") or "")
             for c in status.get("conditions") or []
         ),
+        unschedulable_by=tuple(
+            str(m.get("manager", ""))
+            for m in meta.get("managedFields") or []
+            if "f:unschedulable" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
+        ),
     )
 
 
@@ -454,6 +462,12 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
+    owners = meta.get("ownerReferences") or []
+    controller = next((f"{o.get('kind', '')}/{o.get('name', '')}" for o in owners
+                       if o.get("controller")), "")
+    grace = meta.get("deletionGracePeriodSeconds")
+    if grace is None:
+        grace = spec.get("terminationGracePeriodSeconds")
     return PodView(
         ref=PodRef(meta.get("namespace", ""), meta.get("name", ""), meta.get("uid") or ""),
         node=spec.get("nodeName") or "",
@@ -462,8 +476,10 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         terminating=meta.get("deletionTimestamp") is not None,
         labels=dict(meta.get("labels") or {}),
         annotations=dict(meta.get("annotations") or {}),
-        owner_kinds=tuple(o.get("kind", "") for o in meta.get("ownerReferences") or []),
+        owner_kinds=tuple(o.get("kind", "") for o in owners),
         node_selector=dict(spec.get("nodeSelector") or {}),
         gpu_requests=requests,
         runtime_class=spec.get("runtimeClassName") or "",
+        controller=controller,
+        grace_period_s=30.0 if grace is None else float(grace),
     )

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# the field manager of the agent's node patches: who set spec.unschedulable is told by it
+AGENT_MANAGER = "mig-agent"
+# what the API server names the Python client's patches without a field manager: the agent's
+# before it named its own (an upgrade mid-pass must still undo its cordon)
+_CLIENT_DEFAULT_MANAGER = "OpenAPI-Generator"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 
@@ -38,14 +43,32 @@ class NodeView:
     allocatable: Mapping[str, str]
     capacity: Mapping[str, str] = field(default_factory=dict)
     conditions: tuple[NodeCondition, ...] = ()
+    # the field managers that own spec.unschedulable (managedFields): who cordoned the node
+    unschedulable_by: tuple[str, ...] = ()
 
     def gpu_resources(self) -> dict[str, int]:
-        """The node's allocatable nvidia.com/gpu and nvidia.com/mig-* counts (zeros dropped)."""
-        out: dict[str, int] = {}
-        for k, v in self.allocatable.items():
-            if is_gpu_resource(k) and str(v).isdigit() and int(v) > 0:
-                out[k] = int(v)
-        return out
+        """The node's allocatable nvidia.com/gpu and nvidia.com/mig-* counts (zeros dropped):
+        the healthy devices."""
+        return _gpu_counts(self.allocatable)
+
+    @property
+    def cordoned_by_agent(self) -> bool:
+        """Cordoned, and spec.unschedulable last set by the agent's own patch (or nobody is
+        known to have set it: an object without managedFields)."""
+        return self.unschedulable and all(
+            m == AGENT_MANAGER or m.startswith(_CLIENT_DEFAULT_MANAGER)
+            for m in self.unschedulable_by
+        )
+
+    def gpu_capacity(self) -> dict[str, int]:
+        """The node's capacity of the same resources: every device a plugin lists, healthy or
+        not (and, for the kubelet's stop grace period, those of a plugin that has gone)."""
+        return _gpu_counts(self.capacity)
+
+
+def _gpu_counts(resources: Mapping[str, str]) -> dict[str, int]:
+    return {k: int(v) for k, v in resources.items()
+            if is_gpu_resource(k) and str(v).isdigit() and int(v) > 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +94,10 @@ class PodView:
     node_selector: Mapping[str, str]
     gpu_requests: Mapping[str, int]  # GPU resources requested by any container or init container
     runtime_class: str = ""  # spec.runtimeClassName ("" for the cluster's default runtime)
+    controller: str = ""  # "Kind/name" of the owner reference marked controller ("" if none)
+    # spec.terminationGracePeriodSeconds (the API server's default is 30); for a pod being
+    # deleted, metadata.deletionGracePeriodSeconds (what its kubelet gives it)
+    grace_period_s: float = 30.0
 
     @property
     def uses_gpu(self) -> bool:
@@ -83,6 +110,10 @@ class PodView:
     @property
     def is_mirror(self) -> bool:
         return "kubernetes.io/config.mirror" in self.annotations
+
+    @property
+    def controller_kind(self) -> str:
+        return self.controller.split("/", 1)[0]
 
 
 class Cluster(Protocol):

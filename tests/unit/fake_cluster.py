@@ -13,7 +13,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from mig_agent.errors import EvictionBlocked, KubeUnavailable, LabelsChanged
-from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
+from mig_agent.kube.cluster import (
+    AGENT_MANAGER,
+    Cluster,
+    NodeCondition,
+    NodeView,
+    PodRef,
+    PodView,
+)
 
 _uids = itertools.count(1)
 
@@ -28,6 +35,9 @@ class FakeCluster(Cluster):
     on_change: Callable[[FakeCluster], None] | None = None
     down: bool = False  # every call raises KubeUnavailable
     fail_patch_after: int | None = None  # raise on the n-th patch from now
+    # pods that, once evicted, only start terminating (a grace period, a checkpoint): the
+    # test takes them away when it likes
+    linger: set[PodRef] = field(default_factory=set)
 
     def add_node(
         self,
@@ -36,7 +46,8 @@ class FakeCluster(Cluster):
         allocatable: Mapping[str, str] | None = None,
     ) -> NodeView:
         node = NodeView(
-            name, f"uid-{name}", "1", dict(labels or {}), {}, False, dict(allocatable or {})
+            name, f"uid-{name}", "1", dict(labels or {}), {}, False, dict(allocatable or {}),
+            capacity=dict(allocatable or {}),
         )
         self.nodes[name] = node
         return node
@@ -49,10 +60,13 @@ class FakeCluster(Cluster):
         *,
         gpu: Mapping[str, int] | None = None,
         labels: Mapping[str, str] | None = None,
-        owner: str = "",
+        owner: str = "ReplicaSet",
         node_selector: Mapping[str, str] | None = None,
         ready: bool = True,
+        grace_period_s: float = 30.0,
     ) -> PodRef:
+        """A running pod; ``owner`` is its controller's kind ("" for a bare pod; the default
+        stands for a Deployment's pods)."""
         ref = PodRef(namespace, name, f"pod-{next(_uids)}")
         self.pods[ref] = PodView(
             ref,
@@ -65,6 +79,8 @@ class FakeCluster(Cluster):
             (owner,) if owner else (),
             dict(node_selector or {}),
             dict(gpu or {}),
+            controller=f"{owner}/{name}-owner" if owner else "",
+            grace_period_s=grace_period_s,
         )
         return ref
 
@@ -115,6 +131,8 @@ class FakeCluster(Cluster):
             labels=new_labels,
             annotations=new_ann,
             unschedulable=node.unschedulable if unschedulable is None else unschedulable,
+            unschedulable_by=node.unschedulable_by if unschedulable is None
+            else (AGENT_MANAGER,) if unschedulable else (),
             resource_version=str(int(node.resource_version) + 1),
         )
         self.nodes[name] = node
@@ -171,7 +189,10 @@ class FakeCluster(Cluster):
                 pod=str(ref),
                 pdb=self.blocked[ref],
             )
-        self.pods.pop(ref, None)
+        if ref in self.linger and ref in self.pods:
+            self.pods[ref] = dataclasses.replace(self.pods[ref], terminating=True)
+        else:
+            self.pods.pop(ref, None)
         self.evicted.append(ref)
         self._changed()
 

@@ -290,12 +290,13 @@ def test_device_plugin_mismatch_fails_naming_both_sides() -> None:
     original = cluster.on_change
     assert original is not None
 
-    def lying_plugin(c: FakeCluster) -> None:
+    def lying_plugin(c: FakeCluster) -> None:  # lists 50 devices where the GPUs hold 56
         original(c)
         alloc = dict(c.nodes[NODE].allocatable)
         if "nvidia.com/mig-1g.10gb" in alloc:
             alloc["nvidia.com/mig-1g.10gb"] = "50"
-            c.nodes[NODE] = dataclasses.replace(c.nodes[NODE], allocatable=alloc)
+            c.nodes[NODE] = dataclasses.replace(c.nodes[NODE], allocatable=alloc,
+                                                capacity=alloc)
 
     cluster.on_change = lying_plugin
     label(cluster, "all-1g.10gb")
@@ -567,9 +568,9 @@ def test_single_strategy_waits_for_nvidia_gpu_resources() -> None:
         node = c.nodes[NODE]
         if node.gpu_resources().get("nvidia.com/mig-1g.10gb"):
             res = expected_resources(gpus.observe(), gpus.models(), "single")
-            c.nodes[NODE] = dataclasses.replace(node, allocatable={
-                **{k: "0" for k in node.allocatable if k.startswith("nvidia.com/")}, **{
-                    k: str(v) for k, v in res.items()}})
+            listed = {**{k: "0" for k in node.allocatable if k.startswith("nvidia.com/")},
+                      **{k: str(v) for k, v in res.items()}}
+            c.nodes[NODE] = dataclasses.replace(node, allocatable=listed, capacity=listed)
 
     cluster.on_change = single_plugin
     label(cluster, "all-1g.10gb")

@@ -46,6 +46,7 @@ EXPECTED = {
     "mig_agent_api_requests": ("counter", ("call",)),
     "mig_agent_state": ("gauge", ("state",)),
     "mig_agent_mig_devices": ("gauge", ("gpu", "profile")),
+    "mig_agent_unhealthy_devices": ("gauge", ("resource",)),
     "mig_agent_last_success_timestamp_seconds": ("gauge", ()),
 }
 
@@ -66,6 +67,7 @@ def exercised() -> Metrics:
     m.api_requests.labels(call="read_node").inc()
     m.set_state("success")
     m.set_devices({0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
+    m.set_unhealthy({"nvidia.com/mig-1g.10gb": 1})
     m.last_success.set(time.time())
     return m
 
@@ -103,6 +105,7 @@ def test_exposition_follows_prometheus_conventions() -> None:
         "mig_agent_api_requests_total",
         "mig_agent_state",
         "mig_agent_mig_devices",
+        "mig_agent_unhealthy_devices",
         "mig_agent_last_success_timestamp_seconds",
     }
     assert "# TYPE mig_agent_reconfigurations_total counter" in text

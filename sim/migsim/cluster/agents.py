@@ -236,9 +236,11 @@ def restart_agent(cluster: Cluster, node: str, *, settings: Mapping[str, str] | 
 
 def _env(settings: Mapping[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
+    # the local cluster's workloads (the tests', the demo's, the benchmarks') are bare pods:
+    # its agents may evict them, where the agent's default refuses, as kubectl drain does
     env.update({"MIG_AGENT_LOG_FORMAT": "json", "MIG_AGENT_BACKOFF_S": "2",
                 "MIG_AGENT_BACKOFF_MAX_S": "30", "MIG_AGENT_POLL_S": "0.2",
-                "MIG_AGENT_EVICTION_RETRY_S": "1"})
+                "MIG_AGENT_EVICTION_RETRY_S": "1", "MIG_AGENT_EVICT_UNMANAGED_PODS": "true"})
     env.update(settings or {})
     return env
 
