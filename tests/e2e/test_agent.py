@@ -61,6 +61,20 @@ def wait_clean(node: AgentNode, timeout: float = 15.0) -> None:
             time.sleep(0.1)
 
 
+def wait_unschedulable(core: client.CoreV1Api, namespace: str, name: str,
+                       timeout: float = 30.0) -> Any:
+    """The pod once the scheduler has tried it and found no node for it (its PodScheduled
+    condition False, reason Unschedulable)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = core.read_namespaced_pod(name, namespace)
+        if any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+               for c in pod.status.conditions or ()):
+            return pod
+        assert time.monotonic() < deadline, f"{name} not found unschedulable: {pod.status}"
+        time.sleep(0.1)
+
+
 def applied(node: AgentNode, layout: str) -> bool:
     from migsim.nvml import open_node
 
@@ -189,8 +203,8 @@ def test_pending_mig_pod_is_scheduled_once_the_node_succeeds(
         agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
     node = agent_node("8xH100-80GB")
     gpu_pod(namespace, "wants-mig", node=node.name, resources={"nvidia.com/mig-1g.10gb": 1})
-    time.sleep(2)
-    assert core.read_namespaced_pod("wants-mig", namespace).status.phase == "Pending"
+    pod = wait_unschedulable(core, namespace, "wants-mig")  # the scheduler looked: no node fits
+    assert pod.status.phase == "Pending" and not pod.spec.node_name
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed") == "success", node.log_tail()
     pod = wait_running(core, namespace, "wants-mig", timeout=60)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 from kubernetes import client
 from migsim.cluster import Cluster, agents, mig_manager
 from migsim.nvml import state as simstate
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import CONFIG, REPO, RESTART_BACKOFF, STATE
 
@@ -214,14 +216,26 @@ def handover_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[Node]:
         cluster.delete_node(name)
 
 
-def start_agent(node: Node) -> None:
-    agents.start_node(
+def start_agent(node: Node) -> agents.NodeAgents:
+    return agents.start_node(
         node.cluster,
         node.name,
         profiles=LAYOUTS,
         device_plugin="simulated",
         restart_backoff=RESTART_BACKOFF,
     )
+
+
+def last_success(port: int) -> float:
+    """The agent's mig_agent_last_success_timestamp_seconds: set when a pass ends in success
+    (a layout applied, or found applied with nothing to change); 0 before, or unreachable."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:  # noqa: S310
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "mig_agent_last_success_timestamp_seconds"), 0.0)
 
 
 def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(handover_node: Node) -> None:
@@ -248,12 +262,12 @@ def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(handover_
 
     mig_manager.stop_node(node.cluster.dir, node.name)  # MIG Manager removed from the node
     simstate.reset_call_counts(node.sim_state)
-    start_agent(node)
-    wait(
-        "mig-agent's first pass (its GPU state published)",
-        lambda: GPU_STATE in (node.core.read_node(node.name).metadata.annotations or {}),
-    )
-    time.sleep(3)  # anything the agent would do after its first look is under way by now
+    port = start_agent(node).metrics_port
+    # the agent's first pass has ended in success: it looked, and found nothing to change (or
+    # changed something, which the counters below would show)
+    wait(f"mig-agent's first pass to end in success (log: {node.logs()})",
+         lambda: last_success(port) > 0)
+    assert GPU_STATE in (node.core.read_node(node.name).metadata.annotations or {})
     assert node.mutations() == {}, "mig-agent changed GPUs that already held the layout"
     assert node.labels().get(STATE) == "success"
     assert node.live_pods() == set(pods), "a pod was evicted or deleted"
