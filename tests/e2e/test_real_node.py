@@ -1,0 +1,135 @@
+"""We test, end to end on the local cluster (real API server and controllers, agent processes),
+what a real node asks of the agent that kwok's nodes never did (issue: what real nodes do):
+
+* an admin who cordons the node while a pass runs keeps the cordon: the API server's
+  managedFields name kubectl, not the agent, as the last to set spec.unschedulable;
+* a bare GPU pod (no controller) is refused before the cordon by the agent's default;
+* SIGTERM mid-drain: the agent stops within a second or two and undoes its cordon and pauses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+from kubernetes import client
+
+from .conftest import REASON, AgentNode, NodeFactory, wait_running
+from .test_agent import assert_clean, wait_clean
+
+CORDON = "mig-agent.dev/cordoned"
+
+
+def guard(core: client.CoreV1Api, namespace: str, app: str) -> client.PolicyV1Api:
+    """A PodDisruptionBudget that refuses every eviction of the pods labelled app=``app``,
+    once the disruption controller has seen it."""
+    policy = client.PolicyV1Api(core.api_client)
+    policy.create_namespaced_pod_disruption_budget(namespace, {
+        "metadata": {"name": f"keep-{app}"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": app}}}})
+    deadline = time.monotonic() + 20
+    while policy.read_namespaced_pod_disruption_budget(
+            f"keep-{app}", namespace).status.observed_generation is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return policy
+
+
+def wait_cordoned_by_agent(node: AgentNode, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = node.node()
+        if n.spec.unschedulable and CORDON in (n.metadata.annotations or {}):
+            return
+        assert time.monotonic() < deadline, node.log_tail()
+        time.sleep(0.1)
+
+
+def log_events(node: AgentNode) -> list[dict[str, Any]]:
+    path = node.cluster.dir / "logs" / f"agent-{node.name}.log"
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def test_a_cordon_an_admin_sets_during_the_pass_survives_it(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    node = agent_node("8xH100-80GB", settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "120"})
+    gpu_pod(namespace, "guarded", node=node.name, labels={"app": "guarded"})
+    wait_running(core, namespace, "guarded")
+    policy = guard(core, namespace, "guarded")
+    node.label("all-3g.40gb")
+    wait_cordoned_by_agent(node)  # the drain waits on the budget
+    # kubectl uncordon, then kubectl cordon: maintenance begins while the agent drains
+    for value in (None, True):
+        core.patch_node(node.name, {"spec": {"unschedulable": value}},
+                        field_manager="kubectl-cordon")
+    policy.patch_namespaced_pod_disruption_budget("keep-guarded", namespace,
+                                                  {"spec": {"minAvailable": 0}})
+    assert node.wait_state("success", timeout=90) == "success", node.log_tail()
+    n = node.node()
+    assert n.spec.unschedulable, "the admin's cordon was undone"
+    assert CORDON not in (n.metadata.annotations or {})
+    assert any(e.get("event") == "node.cordon_kept" for e in log_events(node))
+    core.patch_node(node.name, {"spec": {"unschedulable": None}})
+
+
+def test_the_agents_own_cordon_is_undone_when_nobody_else_touched_it(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    """The other side of the rule: managedFields name the agent, so it uncordons."""
+    node = agent_node("8xH100-80GB")
+    gpu_pod(namespace, "job", node=node.name)
+    wait_running(core, namespace, "job")
+    node.label("all-3g.40gb")
+    assert node.wait_state("success", timeout=90) == "success", node.log_tail()
+    wait_clean(node)
+
+
+def test_a_bare_gpu_pod_is_refused_before_the_cordon_by_default(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    node = agent_node("8xH100-80GB", settings={"MIG_AGENT_EVICT_UNMANAGED_PODS": "false"})
+    gpu_pod(namespace, "notebook", node=node.name)
+    wait_running(core, namespace, "notebook")
+    node.label("all-3g.40gb")
+    assert node.wait_state("failed", "success") == "failed", node.log_tail()
+    reason = node.node().metadata.annotations[REASON]
+    assert f"{namespace}/notebook have no controller" in reason
+    assert core.read_namespaced_pod("notebook", namespace).metadata.deletion_timestamp is None
+    assert not any(e.get("event") == "node.paused" for e in log_events(node))  # never cordoned
+    assert_clean(node)
+
+
+def test_sigterm_mid_drain_stops_the_agent_at_once_and_undoes_its_marks(
+        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    """Before: the drain's wait (up to 300 s) never looked at the stop: SIGKILL at the end of
+    the pod's grace period."""
+    node = agent_node("8xH100-80GB", settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "120"})
+    gpu_pod(namespace, "guarded", node=node.name, labels={"app": "guarded"})
+    wait_running(core, namespace, "guarded")
+    guard(core, namespace, "guarded")
+    node.label("all-3g.40gb")
+    wait_cordoned_by_agent(node)
+    pid = node.agent_record()["agent"]["pid"]
+    sent = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    deadline = sent + 10
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the agent did not stop within 10 s of SIGTERM"
+        time.sleep(0.05)
+    took = time.monotonic() - sent
+    events = [e.get("event") for e in log_events(node)]
+    assert "reconcile.stopped" in events, node.log_tail()
+    stopped = len(events) - 1 - events[::-1].index("reconcile.stopped")
+    assert "node.resumed" in events[events.index("node.paused"):stopped + 1]
+    assert took < 5.0, took
