@@ -4,7 +4,9 @@ what a real node asks of the agent that kwok's nodes never did (issue: what real
 * an admin who cordons the node while a pass runs keeps the cordon: the API server's
   managedFields name kubectl, not the agent, as the last to set spec.unschedulable;
 * a bare GPU pod (no controller) is refused before the cordon by the agent's default;
-* SIGTERM mid-drain: the agent stops within a second or two and undoes its cordon and pauses.
+* SIGTERM mid-drain: the agent stops within a second or two and undoes its cordon and pauses;
+* an Xid on a device (NVIDIA's device plugin marks it unhealthy) is reported, and never makes a
+  finished node count as interrupted.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
+import pytest
 from kubernetes import client
+from migsim.cluster import agents
 
-from .conftest import REASON, AgentNode, NodeFactory, wait_running
+from .conftest import REASON, STATE, AgentNode, NodeFactory, wait_running
 from .test_agent import assert_clean, wait_clean
 
 CORDON = "mig-agent.dev/cordoned"
@@ -133,3 +139,40 @@ def test_sigterm_mid_drain_stops_the_agent_at_once_and_undoes_its_marks(
     stopped = len(events) - 1 - events[::-1].index("reconcile.stopped")
     assert "node.resumed" in events[events.index("node.paused"):stopped + 1]
     assert took < 5.0, took
+
+
+def test_an_xid_on_a_device_is_reported_and_never_repeats_a_change(
+        agent_node: NodeFactory, core: client.CoreV1Api) -> None:
+    """NVIDIA's device plugin marks the devices of a GPU that raised Xid 79 unhealthy; the
+    kubelet's side keeps them in capacity and out of allocatable. Before: with the state
+    'failed' (an earlier pass's) and allocatable short, the next pass counted as interrupted:
+    pending, cordon, operands paused, device plugin restarted, with nothing to change."""
+    if agents.default_device_plugin() != "nvidia":
+        pytest.skip("needs NVIDIA's device plugin (root)")
+    node = agent_node("2xH100-80GB")
+    node.label("all-1g.10gb")
+    assert node.wait_state("success", timeout=90) == "success", node.log_tail()
+    plugins = {p.metadata.uid for p in core.list_namespaced_pod(
+        agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items}
+    subprocess.run([sys.executable, "-m", "migsim.nvml", "--state", node.sim_state,
+                    "xid", "0", "79"], check=True)
+    deadline = time.monotonic() + 60
+    while node.gpu_resources().get("nvidia.com/mig-1g.10gb", 0) == 14:  # allocatable
+        assert time.monotonic() < deadline, "the plugin never marked GPU 0's devices unhealthy"
+        time.sleep(0.2)
+    assert node.node().status.capacity["nvidia.com/mig-1g.10gb"] == "14"
+    before = len(log_events(node))
+    core.patch_node(node.name, {"metadata": {"labels": {STATE: "failed"}}})
+    assert node.wait_state("success", timeout=60) == "success", node.log_tail()
+    deadline = time.monotonic() + 30
+    while not any(e.get("event") == "devices.unhealthy" for e in log_events(node)[before:]):
+        assert time.monotonic() < deadline, node.log_tail()
+        time.sleep(0.2)
+    events = [e.get("event") for e in log_events(node)[before:]]
+    assert "node.paused" not in events and "device_plugin.restarted" not in events, events
+    assert plugins == {p.metadata.uid for p in core.list_namespaced_pod(
+        agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items}
+    message = next(c.message for c in node.node().status.conditions
+                   if c.type == "MIGConfigApplied")
+    assert "device(s) unhealthy" in message, message
+    assert_clean(node)
