@@ -29,11 +29,6 @@ from mig_agent.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-# how long a new plugin may take to list its devices before "every expected device is
-# unhealthy" is believed rather than taken for the old plugin's leftovers (the kubelet writes
-# the node's status every 10 s)
-UNHEALTHY_SETTLE_S = 15.0
-
 
 def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
     """The node's device plugin pods, but those already on their way out: a terminating pod is
@@ -156,25 +151,19 @@ def wait_resources(
         log.warning("device_plugin.skipped_wait", expected=want)
         return
     deadline = clock.now() + s.device_plugin_timeout_s
-    new_pod_at: float | None = None
+    new_pod = False
     delays = poll_delays(s.poll_s)
     while True:
         listed = listing(cluster.get_node(s.node_name), want)
         have = listed.listed
         # the plugin pods are listed only once the numbers match (or at the deadline, to say
         # which is missing): a look costs one request while the plugin starts
-        if (
-            new_pod_at is None
-            and (have == want or clock.now() >= deadline)
-            and any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
-        ):
-            new_pod_at = clock.now()
-        new_pod = new_pod_at is not None
-        # every expected device unhealthy looks like a stopped plugin's leftovers: believed
-        # once the new plugin has had UNHEALTHY_SETTLE_S to list its own
-        settled = listed.fresh or (new_pod_at is not None
-                                   and clock.now() - new_pod_at >= UNHEALTHY_SETTLE_S)
-        if new_pod and have == want and settled:
+        if not new_pod and (have == want or clock.now() >= deadline):
+            new_pod = any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
+        # capacity counts a stopped plugin's devices for the kubelet's grace period: the
+        # layout is listed once some expected device is allocatable too (a node whose every
+        # device is unhealthy cannot be told from one whose plugin has gone, and fails)
+        if new_pod and have == want and listed.fresh:
             log.info("device_plugin.resources_match", resources=want,
                      **({"unhealthy": listed.unhealthy} if listed.unhealthy else {}))
             return
@@ -183,6 +172,15 @@ def wait_resources(
                 f"no new device plugin pod ({s.device_plugin_namespace}, "
                 f"{s.device_plugin_selector}) became Ready on the node within "
                 f"{s.device_plugin_timeout_s:.0f} s",
+                expected=want,
+                advertised=have,
+            )
+        if clock.now() >= deadline and have == want:
+            raise DevicePluginTimeout(
+                f"node resources do not match the layout after "
+                f"{s.device_plugin_timeout_s:.0f} s: the node lists {format_resources(have)} "
+                "as expected, but none of them is allocatable: the device plugin has stopped, "
+                "or every device is unhealthy",
                 expected=want,
                 advertised=have,
             )

@@ -139,6 +139,19 @@ def test_a_failed_node_with_its_layout_in_place_but_a_device_unhealthy_is_left_a
         c.message for c in cluster.nodes[NODE].conditions if c.type == "MIGConfigApplied")
 
 
+def test_a_plugin_that_lists_nothing_allocatable_after_the_restart_fails_the_change() -> None:
+    """Capacity keeps a stopped plugin's devices for the kubelet's grace period: counts that
+    match with nothing allocatable are no proof that the new plugin listed them."""
+    agent, cluster, gpus = make(device_plugin_timeout_s=20.0)
+    with_unhealthy(cluster, MIG_1G, 56)
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert "none of them is allocatable" in reason and "{nvidia.com/mig-1g.10gb: 56}" in reason
+    assert_clean(cluster)
+
+
 # -- 2. exceptions that are no MigAgentError ---------------------------------------------------
 
 
