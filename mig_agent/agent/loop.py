@@ -43,6 +43,8 @@ class Agent(Protocol):
 
     def report_gpu_problem(self) -> None: ...
 
+    def gpu_problem(self) -> str: ...
+
 
 def watch_forever(agent: Agent, stop: threading.Event) -> None:
     """Wake the loop when someone else changes the layout or state label; reconnects."""
@@ -98,6 +100,7 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
     agent.reload_config()
     agent.report_gpu_problem()
     next_due, resync_due = 0.0, False
+    gpus_looked_at = agent.clock.now()
     while not stop.is_set():
         now = agent.loop_alive_at = agent.clock.now()
         if agent.wake_event.is_set() or now >= next_due:
@@ -127,6 +130,11 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
                                                 else retry)
         timeout = max(0.05, min(config_poll_s, next_due - agent.clock.now()))
         agent.clock.wait(agent.wake_event, timeout)
+        if agent.clock.now() - gpus_looked_at >= config_poll_s:
+            # /readyz answers from this look, taken here between passes: a probe never waits
+            # on NVML (a reset holds it for minutes), yet a driver gone shows within seconds
+            gpus_looked_at = agent.clock.now()
+            agent.gpu_problem()
         if agent.reload_config():
             agent.failures = 0
             agent.wake_event.set()

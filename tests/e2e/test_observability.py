@@ -117,7 +117,12 @@ def readiness_follows_nvml(node: AgentNode) -> None:
     state, away = node.sim_state, node.sim_state + ".away"
     os.rename(state, away)  # the "driver" is gone: NVML calls fail
     try:
-        status, body = http_get(port, "/readyz")
+        # the agent's loop looks at NVML every few seconds; /readyz answers from that look
+        deadline = time.monotonic() + 20
+        while (answer := http_get(port, "/readyz"))[0] == 200:
+            assert time.monotonic() < deadline, "/readyz never saw NVML gone"
+            time.sleep(0.2)
+        status, body = answer
         assert status == 503, body
         assert "NVML" in body and "Driver Not Loaded" in body, body
         # and it names the runtime its pod runs under (without NVIDIA's, no libnvidia-ml)
@@ -126,7 +131,10 @@ def readiness_follows_nvml(node: AgentNode) -> None:
         assert scrape(node)("mig_agent_nvml_errors_total", call="observe") > errors_before
     finally:
         os.rename(away, state)
-    assert http_get(port, "/readyz") == (200, "ok\n")
+    deadline = time.monotonic() + 20
+    while http_get(port, "/readyz") != (200, "ok\n"):
+        assert time.monotonic() < deadline, "/readyz not ready again"
+        time.sleep(0.2)
 
 
 def test_metrics_health_logs_and_events_of_a_reconfiguration(

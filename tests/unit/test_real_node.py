@@ -234,6 +234,9 @@ class ScriptedAgent:
     def report_gpu_problem(self) -> None:
         pass
 
+    def gpu_problem(self) -> str:
+        return ""
+
 
 def test_a_superseded_pass_is_followed_at_once_without_a_watch() -> None:
     """Before: retry_after_s=0.0 read as 'no retry' (0.0 or resync_s): a whole resync."""
