@@ -102,11 +102,8 @@ def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, EvictionBloc
 def gpu_pods(cluster: Cluster, node: str, *, exclude: Iterable[PodRef] = ()) -> list[PodView]:
     """Pods on ``node`` that request GPU resources and have not finished."""
     skip = {(r.namespace, r.name) for r in exclude}
-    return [
-        p
-        for p in cluster.list_pods(node=node)
-        if p.uses_gpu and not p.finished and (p.ref.namespace, p.ref.name) not in skip
-    ]
+    return to_drain(p for p in cluster.list_pods(node=node)
+                    if (p.ref.namespace, p.ref.name) not in skip)
 
 
 def to_drain(
@@ -190,13 +187,10 @@ def drain_gpu_pods(
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
     KubeError for a static (mirror) pod, which cannot be evicted.
     """
-    skip = {(r.namespace, r.name) for r in exclude}
-    pods = [p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip]
-    evicting = to_drain(pods, may_stay)
-    kept = len([p for p in pods if p.uses_gpu and not p.finished]) - len(evicting)
-    if kept:
-        log.info("drain.pods_kept", pods=kept)
-    pods = evicting
+    candidates = gpu_pods(cluster, node, exclude=exclude)
+    pods = to_drain(candidates, may_stay)
+    if len(pods) < len(candidates):
+        log.info("drain.pods_kept", pods=len(candidates) - len(pods))
     for p in pods:
         if p.is_mirror:
             raise KubeError(

@@ -132,10 +132,10 @@ def wait_resources(
     clock: Clock,
     models: Mapping[int, GpuModel],
     old_plugins: set[str],
-) -> None:
+) -> dict[str, int]:
     """Resume operands first if the device plugin is one of them; wait for a new, Ready
     device plugin pod (one not there before the pass: the old one's numbers are stale), then
-    for the node to advertise the layout's resources."""
+    for the node to advertise the layout's resources. Returns those resources."""
     node = cluster.get_node(s.node_name)
     resume = labels.resume_patch(node.labels, s.operand_labels)
     if any(k.endswith(".device-plugin") for k in resume):
@@ -149,7 +149,7 @@ def wait_resources(
     want = expected(s, gpus, node, models)
     if not has_plugin:
         log.warning("device_plugin.skipped_wait", expected=want)
-        return
+        return want
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = False
     delays = poll_delays(s.poll_s)
@@ -166,7 +166,7 @@ def wait_resources(
         if new_pod and have == want and listed.fresh:
             log.info("device_plugin.resources_match", resources=want,
                      **({"unhealthy": listed.unhealthy} if listed.unhealthy else {}))
-            return
+            return want
         if clock.now() >= deadline and not new_pod:
             raise DevicePluginTimeout(
                 f"no new device plugin pod ({s.device_plugin_namespace}, "

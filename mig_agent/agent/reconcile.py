@@ -205,7 +205,9 @@ class Agent:
         try:
             self.gpus.observe()
         except GpuUnavailable as exc:
-            self.gpu_status = f"NVML unreachable: {exc}; {self._runtime_hint()}"
+            head = f"NVML unreachable: {exc}"
+            if not self.gpu_status.startswith(head):  # the hint's pod list: once per outage
+                self.gpu_status = f"{head}; {self._runtime_hint()}"
         except MigAgentError as exc:
             self.gpu_status = f"NVML unreachable: {exc}"
         else:
@@ -289,7 +291,6 @@ class Agent:
                 )
                 self.seen = (None, None)
             self.metrics.set_state("")
-            self.gpu_problem()  # /readyz answers from it
             reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
             return PassResult(Outcome.IDLE)
         structlog.contextvars.bind_contextvars(layout=desired)
@@ -499,7 +500,7 @@ class Agent:
                 "advertise the layout's resources",
             ):
                 device_plugin.restart(self.cluster, self.settings, paused)
-                device_plugin.wait_resources(
+                advertised_want = device_plugin.wait_resources(
                     self.cluster, self.settings, self.gpus, self.clock, models, old_plugins
                 )
         if the_plan.is_empty:  # no verify ran: publish the GPU state (it may have been forged)
@@ -509,7 +510,7 @@ class Agent:
         except MigAgentError as exc:
             log.warning("validators.delete_failed", error=str(exc))
         node = self.cluster.get_node(s.node_name)
-        self._note_unhealthy(node, device_plugin.expected(s, self.gpus, node, models))
+        self._note_unhealthy(node, advertised_want)
         self._succeed(node, desired,
                       self._with_health(f"layout {desired} applied to GPU(s) {changed}"))
         return Outcome.APPLIED
@@ -634,6 +635,7 @@ class Agent:
         if the_plan.is_empty:
             return
         paused = paused_during_change(node.labels, s.operand_labels)
+        # the drain asks the kubelet again after the cordon: a pod placed meanwhile is then known
         pods = to_drain(self.cluster.list_pods(node=s.node_name),
                         self._pods_that_may_stay(the_plan))
         refusals = drain_refusals(pods, operand_labels=paused,
@@ -851,7 +853,7 @@ class Agent:
             error_type=type(exc).__name__,
             retryable=exc.retryable,
             retry_in_s=retry,
-            **{k: v for k, v in exc.context.items() if k not in ("node", "layout")},
+            **{k: v for k, v in exc.context.items() if k not in ("node", "layout", "refs")},
         )
         self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
         self.metrics.set_state(State.FAILED)

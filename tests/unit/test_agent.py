@@ -1053,6 +1053,19 @@ def test_foreign_marks_are_what_the_agent_never_writes() -> None:
     assert foreign_marks(s, node) == {}  # a reason beside the failed state is ours
 
 
+def record_patches(cluster: FakeCluster) -> list[dict[str, Any]]:
+    """The keyword arguments of every node patch from now on, in order."""
+    patches: list[dict[str, Any]] = []
+    patch = cluster.patch_node
+
+    def recorded(name: str, **kw: Any) -> NodeView:
+        patches.append(kw)
+        return patch(name, **kw)
+
+    cluster.patch_node = recorded  # type: ignore[method-assign]
+    return patches
+
+
 def test_a_lost_success_is_written_without_pausing_or_restarting_anything() -> None:
     """The layout was applied and the node resumed, then the API server went away before
     "success": the node says pending with none of our marks. The next pass writes success and
@@ -1063,14 +1076,7 @@ def test_a_lost_success_is_written_without_pausing_or_restarting_anything() -> N
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     (plugin,) = cluster.list_pods(namespace=DP_NS)
     cluster.patch_node(NODE, labels={STATE: "pending"})
-    patches: list[dict[str, Any]] = []
-    patch = cluster.patch_node
-
-    def recorded(name: str, **kw: Any) -> NodeView:
-        patches.append(kw)
-        return patch(name, **kw)
-
-    cluster.patch_node = recorded  # type: ignore[method-assign]
+    patches = record_patches(cluster)
     calls = sum(gpus.calls.values())
     assert agent.reconcile_once().outcome is Outcome.NOOP
     assert sum(gpus.calls.values()) == calls

@@ -50,6 +50,7 @@ from tests.unit.test_agent import (
     assert_clean,
     label,
     make,
+    record_patches,
 )
 
 from .fake_gpus import FakeGpus
@@ -122,14 +123,7 @@ def test_a_failed_node_with_its_layout_in_place_but_a_device_unhealthy_is_left_a
     with_unhealthy(cluster, MIG_1G, 7)  # a GPU fell off the bus: its seven devices
     cluster.patch_node(NODE, labels={STATE: "failed"})  # an earlier pass's verdict
     plugins = plugin_pod_uids(cluster)
-    patches: list[dict[str, Any]] = []
-    patch = cluster.patch_node
-
-    def recorded(name: str, **kw: Any) -> NodeView:
-        patches.append(kw)
-        return patch(name, **kw)
-
-    cluster.patch_node = recorded  # type: ignore[method-assign]
+    patches = record_patches(cluster)
     assert agent.reconcile_once().outcome is Outcome.NOOP
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert plugin_pod_uids(cluster) == plugins  # no restart
