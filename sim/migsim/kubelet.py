@@ -119,6 +119,9 @@ class Plugin:
     version: str
     options: dict[str, bool] = field(default_factory=dict)
     devices: dict[str, str] | None = None  # id -> health of the latest ListAndWatch response
+    # a re-registered resource's devices until the new plugin's first list, all unhealthy: the
+    # kubelet keeps the old endpoint's devices (and the pods' allocations of them) until then
+    carried: dict[str, str] | None = None
     numa: dict[str, list[int]] = field(default_factory=dict)
     updates: int = 0
     error: str = ""  # why the stream ended, if it did
@@ -163,6 +166,10 @@ class DeviceManager:
             "get_preferred_allocation_available":
                 bool(request.options.get_preferred_allocation_available)})
         with self.changed:
+            previous = self.plugins.get(resource)
+            if previous is not None:
+                known = previous.devices if previous.devices is not None else previous.carried
+                plugin.carried = None if known is None else dict.fromkeys(known, UNHEALTHY)
             self.plugins[resource] = plugin  # a re-registration replaces the plugin
             self.changed.notify_all()
         threading.Thread(target=self._watch, args=(plugin,), daemon=True,
@@ -244,9 +251,11 @@ class DeviceManager:
             for r in [r for r, p in self.plugins.items()
                       if p.stopped_at is not None and now - p.stopped_at >= self.stop_grace_s]:
                 del self.plugins[r]
-            return {r: dict(p.devices) if p.stopped_at is None else dict.fromkeys(p.devices,
-                                                                                  UNHEALTHY)
-                    for r, p in self.plugins.items() if p.devices is not None}
+            listed = {r: p.devices if p.devices is not None else p.carried
+                      for r, p in self.plugins.items()}
+            return {r: dict(d) if self.plugins[r].stopped_at is None
+                    else dict.fromkeys(d, UNHEALTHY)
+                    for r, d in listed.items() if d is not None}
 
     def expires_in(self) -> float | None:
         """Seconds until the next stopped plugin's resource is forgotten (None: none is)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from migsim.device_plugin import Allocations
 from migsim.node_runtime import (
     FEATURE_LABELS_ANNOTATION,
@@ -86,3 +87,37 @@ def test_the_plugin_pod_is_matched_by_an_equality_selector() -> None:
     assert _selected(dp, "app==nvidia-device-plugin-daemonset, tier=x")
     assert not _selected(dp, "app=nvidia-device-plugin-daemonset,tier=y")
     assert not _selected(pod("other"), "app=nvidia-device-plugin-daemonset")
+
+
+def test_a_reregistered_plugin_keeps_the_old_devices_unhealthy_until_it_lists_its_own(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Before: between a new plugin's registration and its first ListAndWatch answer the
+    resource had no devices at all, so the node runtime took the running pods' devices away for
+    good (a CI run: the pod's process then held a device no pod held, and every later pass was
+    refused). The kubelet keeps the old endpoint's devices until the new list arrives."""
+    from migsim import kubelet
+
+    monkeypatch.setattr(kubelet.threading, "Thread", _NoThread)
+    manager = kubelet.DeviceManager(str(tmp_path))
+    request = kubelet.MESSAGES["RegisterRequest"](
+        version=kubelet.VERSION, endpoint="gpu.sock", resource_name="nvidia.com/gpu")
+    manager._register(request, None)
+    manager.plugins["nvidia.com/gpu"].devices = {"GPU-a": kubelet.HEALTHY,
+                                                 "GPU-b": kubelet.HEALTHY}
+    manager._register(request, None)  # the plugin restarted: registered, nothing listed yet
+    assert manager.devices() == {"nvidia.com/gpu": {"GPU-a": kubelet.UNHEALTHY,
+                                                    "GPU-b": kubelet.UNHEALTHY}}
+    assert manager.capacity() == {"nvidia.com/gpu": 2}
+    assert manager.allocatable() == {"nvidia.com/gpu": 0}
+    manager.plugins["nvidia.com/gpu"].devices = {"GPU-a": kubelet.HEALTHY}  # its own list
+    assert manager.devices() == {"nvidia.com/gpu": {"GPU-a": kubelet.HEALTHY}}
+
+
+class _NoThread:
+    """Stands in for the ListAndWatch thread: the test plays the plugin's answers itself."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
