@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -30,6 +31,11 @@ GRACE_MARGIN_S = 30.0
 # a wait for evicted pods that lasts this long is told on the node (Event, condition): a pod
 # that checkpoints for minutes must not look like a hung agent
 WAIT_NOTICE_S = 10.0
+# the longest one watch of a wait stays open: between two, the wait sees a stop (SIGTERM) and
+# tells the loop it is alive
+WATCH_SLICE_S = 5.0
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,19 +59,51 @@ def poll_delays(poll_s: float, fast_s: float = 0.1, fast_for_s: float = 3.0) -> 
             delay = min(delay * 2, poll_s)
 
 
-def still_present(cluster: Cluster, node: str, refs: Iterable[PodRef]) -> set[PodRef]:
-    """Those of ``refs`` (pods on ``node``) that still exist, by UID where known: one list of
-    the node's pods rather than a read per pod."""
-    refs = set(refs)
-    if not refs:
-        return set()
-    here = {(p.ref.namespace, p.ref.name): p.ref.uid for p in cluster.list_pods(node=node)}
+def watch_slices(
+    open_watch: Callable[[float], Iterator[T]],
+    clock: Clock,
+    *,
+    due: Callable[[], float],
+    poll_s: float,
+) -> Generator[T, None, None]:
+    """What ``open_watch(seconds)`` yields (the state now, then after every change), watch
+    after watch, for as long as the caller reads: a wait costs a look and a watch per slice
+    rather than a look every ``poll_s``. Each watch ends by ``due()`` (clock time: when the
+    caller must look whatever happens, e.g. its deadline) and within WATCH_SLICE_S. A watch
+    that ends early (closed by the server, or a cluster without watches) is opened again
+    after a poll delay."""
+    delays = poll_delays(poll_s)
+    while True:
+        opened = clock.now()
+        span = max(1.0, min(WATCH_SLICE_S, due() - opened))
+        watch = open_watch(span)
+        try:
+            for item in watch:
+                yield item
+                clock.sleep(0)  # a stop ends the wait here; the loop is alive
+        finally:
+            if isinstance(watch, Generator):
+                watch.close()  # the caller has what it waited for: the connection goes
+        if clock.now() - opened < span - 0.5:
+            clock.sleep(next(delays))
+
+
+def present(pods: Iterable[PodView], refs: Iterable[PodRef]) -> set[PodRef]:
+    """Those of ``refs`` that are among ``pods``, by UID where known. Pure."""
+    here = {(p.ref.namespace, p.ref.name): p.ref.uid for p in pods}
     out: set[PodRef] = set()
     for ref in refs:
         uid = here.get((ref.namespace, ref.name))
         if uid is not None and (not ref.uid or not uid or uid == ref.uid):
             out.add(ref)
     return out
+
+
+def still_present(cluster: Cluster, node: str, refs: Iterable[PodRef]) -> set[PodRef]:
+    """Those of ``refs`` (pods on ``node``) that still exist, by UID where known: one list of
+    the node's pods rather than a read per pod."""
+    refs = set(refs)
+    return present(cluster.list_pods(node=node), refs) if refs else set()
 
 
 def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, EvictionBlocked | None]:
@@ -211,8 +249,19 @@ def drain_gpu_pods(
     gone_by = {p.ref: start + p.grace_period_s + GRACE_MARGIN_S for p in pods if p.terminating}
     blocked: dict[PodRef, EvictionBlocked] = {}
     next_try = clock.now()
-    delays = poll_delays(poll_s)
     told = False
+
+    def end() -> float:  # when the evicted pods still here have had their time
+        return max([deadline, *(gone_by.get(r, deadline) for r in waiting - to_evict.keys())])
+
+    def due() -> float:  # when the drain must look, whatever the watch brings
+        times = [end(), deadline] if blocked else [end()]
+        if to_evict:
+            times.append(next_try)
+        if not told and on_waiting is not None and waiting - to_evict.keys():
+            times.append(start + WAIT_NOTICE_S)
+        return min(times)
+
     while True:
         if to_evict and clock.now() >= next_try:
             for ref, exc in evict_all(cluster, list(to_evict)).items():
@@ -234,9 +283,14 @@ def drain_gpu_pods(
                 gone_by[ref] = clock.now() + views[ref].grace_period_s + GRACE_MARGIN_S
                 log.info("drain.pod_evicted", pod=ref.name, namespace=ref.namespace)
             next_try = clock.now() + retry_s
-        waiting = still_present(cluster, node, waiting - to_evict.keys()) | (
-            waiting & to_evict.keys()
-        )
+        # the evicted pods' going, from a watch of the node's pods, until the next thing due
+        watch = watch_slices(lambda span: cluster.watch_pods(node, timeout_s=span), clock,
+                             due=due, poll_s=poll_s)
+        for pods_now in watch:
+            waiting = present(pods_now, waiting - to_evict.keys()) | (waiting & to_evict.keys())
+            if not waiting or clock.now() >= due():
+                break
+        watch.close()
         if not waiting:
             log.info("drain.finished", pods=len(pods))
             return [p.ref for p in pods]
@@ -245,13 +299,12 @@ def drain_gpu_pods(
         if not told and on_waiting is not None and going and now - start >= WAIT_NOTICE_S:
             told = True
             slowest = max(going, key=lambda r: gone_by.get(r, deadline))
-            on_waiting(views[slowest], len(going), max(gone_by.get(r, deadline) for r in going)
-                       - start)
+            on_waiting(views[slowest], len(going), end() - start)
         if blocked and now >= deadline:
             refused = next(iter(blocked.values()))
             refused.context["refs"] = tuple(sorted(going, key=str))  # evicted, still going
             raise refused
-        if now >= max([deadline, *(gone_by.get(r, deadline) for r in going)]):
+        if now >= end():
             names = ", ".join(sorted(str(r) for r in waiting))
             raise DrainTimeout(
                 f"GPU pods still terminating {now - start:.0f} s after the drain began (each "
@@ -259,7 +312,6 @@ def drain_gpu_pods(
                 pods=sorted(str(r) for r in waiting),
                 refs=tuple(sorted(waiting, key=str)),
             )
-        clock.sleep(next(delays))
 
 
 def wait_pods_gone(
@@ -275,16 +327,20 @@ def wait_pods_gone(
     """Wait until none of ``refs`` (pods on ``node``) exists any more (by UID); DrainTimeout
     naming the rest."""
     waiting = set(refs)
+    if not waiting:
+        return
     deadline = clock.now() + timeout_s
-    delays = poll_delays(poll_s)
-    while waiting:
-        waiting = still_present(cluster, node, waiting)
+    watch = watch_slices(lambda span: cluster.watch_pods(node, timeout_s=span), clock,
+                         due=lambda: deadline, poll_s=poll_s)
+    for pods_now in watch:
+        waiting = present(pods_now, waiting)
         if not waiting:
+            watch.close()
             return
         if clock.now() >= deadline:
+            watch.close()
             names = ", ".join(sorted(str(r) for r in waiting))
             raise DrainTimeout(
                 f"{what} still present after {timeout_s:.0f} s: {names}",
                 pods=sorted(str(r) for r in waiting),
             )
-        clock.sleep(next(delays))

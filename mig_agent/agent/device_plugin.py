@@ -4,13 +4,14 @@ layout, under the node's MIG strategy and the plugin's sharing config."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import structlog
 
 from mig_agent import labels
 from mig_agent.catalog import device_plugin_sharing
-from mig_agent.drain import Clock, poll_delays
+from mig_agent.drain import Clock, poll_delays, watch_slices
 from mig_agent.errors import (
     DevicePluginTimeout,
 )
@@ -154,10 +155,12 @@ def wait_resources(
     new_pod = False
     delays = poll_delays(s.poll_s)
     while True:
-        listed = listing(cluster.get_node(s.node_name), want)
+        # the node is watched until it lists the layout (and, with the new plugin known, some
+        # device is allocatable): the plugin's start costs a watch, not a look every poll
+        listed = _listing_when(cluster, s, clock, deadline, want, need_fresh=new_pod)
         have = listed.listed
         # the plugin pods are listed only once the numbers match (or at the deadline, to say
-        # which is missing): a look costs one request while the plugin starts
+        # which is missing)
         if not new_pod and (have == want or clock.now() >= deadline):
             new_pod = any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
         # capacity counts a stopped plugin's devices for the kubelet's grace period: the
@@ -192,4 +195,28 @@ def wait_resources(
                 expected=want,
                 advertised=have,
             )
-        clock.sleep(next(delays))
+        if not new_pod:
+            # listed, but the new plugin pod not Ready yet: its readiness is no change of the
+            # node, so it is looked at again soon rather than at the next node event
+            clock.sleep(next(delays))
+
+
+def _listing_when(
+    cluster: Cluster, s: Settings, clock: Clock, deadline: float, want: Mapping[str, int], *,
+    need_fresh: bool,
+) -> Listing:
+    """What the node lists once it is ``want`` (and, with ``need_fresh``, some of it is
+    allocatable), or at ``deadline``, from a watch of the node."""
+    nodes = watch_slices(
+        lambda span: cluster.watch_node(s.node_name, timeout_s=math.ceil(span)), clock,
+        due=lambda: deadline, poll_s=s.poll_s,
+    )
+    try:
+        for node in nodes:
+            listed = listing(node, want)
+            done = listed.listed == want and (listed.fresh or not need_fresh)
+            if done or clock.now() >= deadline:
+                return listed
+    finally:
+        nodes.close()
+    raise AssertionError("watch_slices never ends")  # pragma: no cover

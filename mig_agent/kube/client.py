@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -318,6 +319,40 @@ class KubernetesCluster(Cluster):
                     label_selector=label_selector,
                 )["items"]
         return [_pod(p) for p in items]
+
+    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+        field = f"spec.nodeName={node}"
+        with _kube("list pods", node=node):
+            listed = self._call(self._core.list_pod_for_all_namespaces, field_selector=field)
+        pods = {(p.ref.namespace, p.ref.name): p for p in map(_pod, listed["items"])}
+        yield list(pods.values())
+        seconds = max(1, math.ceil(timeout_s))
+        self._on_request("watch_pods")
+        w = watch.Watch()
+        events = w.stream(
+            self._core.list_pod_for_all_namespaces,
+            field_selector=field,
+            resource_version=(listed.get("metadata") or {}).get("resourceVersion") or "",
+            timeout_seconds=seconds,
+            _request_timeout=(10, seconds + 10),
+            deserialize=False,  # the raw JSON: the client's models cost five times the read
+        )
+        try:
+            for event in events:
+                if event["type"] == "ERROR":  # e.g. 410 Gone: the caller lists again
+                    return
+                pod = _pod(event["object"])  # unparsed: the JSON object as sent
+                key = (pod.ref.namespace, pod.ref.name)
+                if event["type"] == "DELETED":
+                    pods.pop(key, None)
+                else:
+                    pods[key] = pod
+                yield list(pods.values())
+        except (ApiException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
+            # the list above reached the server: a watch cut short only ends this slice
+            log.debug("watch_pods.ended", node=node, error=_short(exc))
+        finally:
+            events.close()
 
     def get_pod(self, ref: PodRef) -> PodView | None:
         try:

@@ -150,6 +150,11 @@ class Cluster(Protocol):
         self, *, node: str | None = None, namespace: str | None = None, label_selector: str = ""
     ) -> list[PodView]: ...
 
+    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+        """The node's pods now, then again after every change, until ``timeout_s`` has passed
+        or the server ends the watch (the caller looks again)."""
+        ...
+
     def get_pod(self, ref: PodRef) -> PodView | None:
         """The pod, or None when it is gone (or replaced by one with another UID)."""
         ...

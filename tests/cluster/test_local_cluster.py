@@ -318,3 +318,38 @@ def test_up_then_down_leaves_no_process_behind(tmp_path: Path, cluster: Cluster)
                              "--dir", str(other.dir)], capture_output=True, text=True,
                             check=False, cwd=REPO)
     assert status.returncode == 3, status.stdout
+
+
+def test_the_agents_pod_watch_sees_a_deletion_as_it_happens(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str, gpu_pod: GpuPodFactory,
+        gpu_node_factory: GpuNodeFactory) -> None:
+    """The drain's waits watch the node's pods: one list and one watch per slice, and a pod's
+    going is seen when the API server tells it, not at the next look."""
+    from mig_agent.kube.client import KubernetesCluster
+
+    node = gpu_node_factory()
+    for name in ("stays", "goes"):
+        gpu_pod(namespace, name, node=node, annotations={DELETE_DELAY_ANNOTATION: "1s"})
+        wait_until(lambda n=name: _running_on(core, namespace, n), timeout=60, what=f"{name} runs")
+    requests: list[str] = []
+    k = KubernetesCluster.connect(str(cluster.kubeconfig), on_request=requests.append)
+    try:
+        watch = k.watch_pods(node, timeout_s=20)
+        first = {p.ref.name for p in next(watch)}
+        assert first == {"stays", "goes"}
+        start = time.monotonic()
+        core.delete_namespaced_pod("goes", namespace)
+        seen: list[tuple[set[str], bool]] = []
+        for pods in watch:
+            seen.append(({p.ref.name for p in pods},
+                         any(p.terminating for p in pods if p.ref.name == "goes")))
+            if "goes" not in seen[-1][0]:
+                break
+        took = time.monotonic() - start
+        watch.close()  # type: ignore[attr-defined]
+    finally:
+        k.close()
+    assert seen[-1][0] == {"stays"}
+    assert any(terminating for names, terminating in seen if "goes" in names)  # then deleted
+    assert took < 10, took  # the deletion (after its 1 s linger), not the watch's 20 s end
+    assert requests == ["list_pod_for_all_namespaces", "watch_pods"]

@@ -169,6 +169,10 @@ class FakeCluster(Cluster):
             and all(p.labels.get(k) == v for k, v in want.items())
         ]
 
+    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+        # no watch: one look, then the caller looks again after a poll delay
+        yield self.list_pods(node=node)
+
     def get_pod(self, ref: PodRef) -> PodView | None:
         self._check()
         for p in self.pods.values():

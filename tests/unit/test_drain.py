@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
-from mig_agent.drain import Clock, drain_gpu_pods, poll_delays, wait_pods_gone
+from mig_agent.drain import WATCH_SLICE_S, Clock, drain_gpu_pods, poll_delays, wait_pods_gone
 from mig_agent.errors import DrainTimeout
-from mig_agent.kube.cluster import PodRef
+from mig_agent.kube.cluster import PodRef, PodView
 from tests.unit.fake_cluster import FakeCluster
 
 from .test_agent import DP_LABEL, DP_NS, DP_SEL, NODE, FakeTime, label, make
@@ -64,6 +65,66 @@ def test_drain_waits_with_one_list_of_the_nodes_pods_per_look() -> None:
     # one list to find the pods, then one per look until the last is gone: not 20 per look
     assert cluster.calls["list_pods"] <= 6
     assert t.t == pytest.approx(0.3)  # noticed at the first look after they went, 0.1 s apart
+
+
+class WatchedPods(FakeCluster):
+    """A pod watch as the API server's: the pods now, then each change as it happens. Evicted
+    pods go ``after`` seconds (fake time) after their eviction; counts lists and watches."""
+
+    def __init__(self, t: FakeTime, after: float) -> None:
+        super().__init__()
+        self.t, self.after = t, after
+        self.going: dict[PodRef, float] = {}
+        self.calls: Counter[str] = Counter()
+
+    def evict(self, ref: PodRef) -> None:
+        self.going[ref] = self.t.t + self.after
+        self.evicted.append(ref)
+
+    def list_pods(self, **kw: object) -> list:  # type: ignore[override]
+        self.calls["list_pods"] += 1
+        return super().list_pods(**kw)  # type: ignore[arg-type]
+
+    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+        yield self.list_pods(node=node)
+        self.calls["watch"] += 1
+        end = self.t.t + timeout_s
+        while self.going and min(self.going.values()) <= end:  # the next deletion, then
+            when = min(self.going.values())
+            self.t.t = max(self.t.t, when)
+            for ref in [r for r, w in self.going.items() if w == when]:
+                del self.going[ref]
+                self.pods.pop(ref, None)
+            yield super().list_pods(node=node)  # an event, not a request
+        self.t.t = max(self.t.t, end)  # nothing more before the watch's end
+
+
+def test_the_drain_waits_on_a_watch_and_sees_each_pod_go_when_it_goes() -> None:
+    """Before: a list of the node's pods every 0.1 s, then up to every poll_s; an evicted pod's
+    going was seen at the next look. Now one list and one watch per slice of the wait."""
+    t = FakeTime()
+    cluster = WatchedPods(t, after=3.7)
+    for i in range(20):
+        cluster.add_pod("work", f"p{i}", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    evicted = drain_gpu_pods(
+        cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0, clock=Clock(t.now, t.sleep)
+    )
+    assert len(evicted) == 20 and not cluster.pods
+    assert t.t == pytest.approx(3.7)  # when they went, not at a poll's tick
+    # the pods to drain, then the wait's one list and one watch (the polling made 37 lists)
+    assert cluster.calls == Counter({"list_pods": 2, "watch": 1})
+
+
+def test_a_long_wait_costs_a_list_and_a_watch_per_slice() -> None:
+    t = FakeTime()
+    cluster = WatchedPods(t, after=100.0)  # a pod that checkpoints for 100 s (grace 120)
+    cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1}, grace_period_s=120)
+    drain_gpu_pods(cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0,
+                   clock=Clock(t.now, t.sleep))
+    assert t.t == pytest.approx(100.0)
+    slices = cluster.calls["watch"]
+    assert slices == pytest.approx(100 / WATCH_SLICE_S, abs=2)  # a stop is seen between two
+    assert cluster.calls["list_pods"] == slices + 1  # polling: 30 + 97 lists
 
 
 def test_wait_pods_gone_names_what_stays() -> None:
