@@ -22,17 +22,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mig_agent.catalog import load_catalog  # noqa: E402
-from mig_agent.executor import execute  # noqa: E402
-from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule  # noqa: E402
-from mig_agent.models import MODELS, GpuModel  # noqa: E402
-from mig_agent.planner import plan, plan_gpu  # noqa: E402
-from mig_agent.state import NodeState  # noqa: E402
+from mig_agent.config.profiles import load_catalog  # noqa: E402
+from mig_agent.core.gpu_models import MODELS, GpuModel  # noqa: E402
+from mig_agent.core.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule  # noqa: E402
+from mig_agent.core.observed import NodeState  # noqa: E402
+from mig_agent.core.planner import plan, plan_gpu  # noqa: E402
+from mig_agent.node.apply import execute  # noqa: E402
 from tests.oracle import fitting_multisets  # noqa: E402
 from tests.unit.fake_gpus import FakeGpus  # noqa: E402
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
-CATALOG = load_catalog([Path(__file__).resolve().parents[1] / "mig_agent" / "profiles"])
+CATALOG = load_catalog([Path(__file__).resolve().parents[1] / "profiles"])
 
 
 def fitting(model: GpuModel) -> list[dict[str, int]]:
@@ -90,7 +90,7 @@ def disruption(transitions: int = 300, seed: int = 7) -> None:
 def suite_transitions(m: GpuModel) -> Iterator[tuple[str, str, Layout, NodeState, FakeGpus]]:
     """Every ordered pair of the shipped layouts that fit ``m``, as (from, to, the target layout,
     the 8-GPU node at ``from``, its fake GPUs)."""
-    from mig_agent.catalog import fit_report
+    from mig_agent.config.profiles import fit_report
 
     names = [r.layout for r in fit_report(CATALOG, m) if r.applies and r.fits and r.by_filter]
     for a, b in itertools.permutations(names, 2):
@@ -102,7 +102,7 @@ def suite_transitions(m: GpuModel) -> Iterator[tuple[str, str, Layout, NodeState
 def suite() -> None:
     """Every transition between the shipped layouts of each model on an 8-GPU node, one pod per
     MIG device; plus changing 2 of the 8 GPUs of a node."""
-    print("\n## Layout suite: transitions between the layouts in mig_agent/profiles/, 8-GPU "
+    print("\n## Layout suite: transitions between the layouts in profiles/, 8-GPU "
           "node, one pod per MIG device\n")
     print(f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
           f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |")
@@ -195,7 +195,7 @@ def suite_timing(repeats: int = 20) -> None:
 if __name__ == "__main__":
     import logging
 
-    from mig_agent.logs import configure_logging
+    from mig_agent.observability.logs import configure_logging
 
     configure_logging("console", level=logging.WARNING)
     feasibility()

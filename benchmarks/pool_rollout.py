@@ -44,11 +44,11 @@ from migsim.cluster import DEFAULT_GPUS, Cluster, agents, wait_until  # noqa: E4
 from benchmarks.options import add_cluster_options  # noqa: E402
 from benchmarks.tables import print_table  # noqa: E402
 from mig_agent import ops  # noqa: E402
-from mig_agent.catalog import load_catalog  # noqa: E402
+from mig_agent.config.profiles import load_catalog  # noqa: E402
+from mig_agent.config.settings import Settings  # noqa: E402
 from mig_agent.kube.client import KubernetesCluster  # noqa: E402
 from mig_agent.kube.cluster import Cluster as KubeApi  # noqa: E402
-from mig_agent.metrics import PHASES  # noqa: E402
-from mig_agent.settings import Settings  # noqa: E402
+from mig_agent.observability.metrics import PHASES  # noqa: E402
 
 GPU_STATE = Settings().gpu_state_annotation
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

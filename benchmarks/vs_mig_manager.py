@@ -94,7 +94,7 @@ POD_LABEL = "bench.mig-agent.dev/node"
 MM, MA = "MIG Manager", "mig-agent"
 DESTROY_GI = "nvmlGpuInstanceDestroy"
 CREATE_GI = ("nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement")
-PROFILES = REPO / "mig_agent" / "profiles"
+PROFILES = REPO / "profiles"
 HOPPER_BALANCED = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
 # The agent's own defaults for retries (agents.start_node's test settings make them shorter):
 # back-off 5 s doubling to 300 s after a failed pass, an eviction refused by a PDB retried every

@@ -6,13 +6,13 @@ Development tooling: the agent never imports this module.
 
 What the policies allow is exactly what the agent writes:
 
-* labels: the state label with the values of mig_agent.labels.State, the operand labels of the
-  settings between ``true`` and mig_agent.labels.PAUSED;
+* labels: the state label with the values of mig_agent.core.labels.State, the operand labels of the
+  settings between ``true`` and mig_agent.core.labels.PAUSED;
 * annotations: the seven keys the settings derive from ``annotation_prefix``, size-capped (the
   agent cuts its reason at REASON_CAP characters; the GPU state of 16 GPUs of 7 instances each
   is about 17,000);
 * the node condition ``condition_type`` with the reasons of CONDITION_REASONS plus the name of
-  every mig_agent.errors.MigAgentError class (the reason of a failed pass is the error's class);
+  every mig_agent.core.errors.MigAgentError class (the reason of a failed pass is the error's class);
 * Events about its own Node with the reasons of EVENT_REASONS;
 * pod deletion: the device plugin's pod (namespace and selector of the settings) on its node,
   and with ``restart_validators`` the GPU Operator's validator pods there (their ``app`` label
@@ -27,9 +27,9 @@ from pathlib import Path
 from string import Template
 
 from mig_agent.agent.validators import APPS as VALIDATOR_APPS
-from mig_agent.errors import MigAgentError
-from mig_agent.labels import PAUSED, State
-from mig_agent.settings import Settings
+from mig_agent.core.errors import MigAgentError
+from mig_agent.core.labels import PAUSED, State
+from mig_agent.config.settings import Settings
 
 TEMPLATE = Path(__file__).resolve().parent / "policies.yaml"
 AGENT_USER = "system:serviceaccount:mig-agent:mig-agent"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import cache
 
-from mig_agent.models import GpuModel
+from mig_agent.core.gpu_models import GpuModel
 
 
 @cache

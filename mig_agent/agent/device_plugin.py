@@ -9,16 +9,10 @@ from collections.abc import Mapping
 
 import structlog
 
-from mig_agent import labels
-from mig_agent.catalog import device_plugin_sharing
-from mig_agent.drain import Clock, poll_delays, watch_slices
-from mig_agent.errors import (
-    DevicePluginTimeout,
-)
-from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, NodeView, PodView
-from mig_agent.models import GpuModel
-from mig_agent.resources import (
+from mig_agent.config.device_plugin import device_plugin_sharing
+from mig_agent.config.settings import Settings
+from mig_agent.core import labels
+from mig_agent.core.advertised import (
     Listing,
     Sharing,
     expected_resources,
@@ -26,7 +20,13 @@ from mig_agent.resources import (
     node_mig_strategy,
     plugin_listing,
 )
-from mig_agent.settings import Settings
+from mig_agent.core.errors import (
+    DevicePluginTimeout,
+)
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.kube.cluster import Cluster, NodeView, PodView
+from mig_agent.node.drain import Clock, poll_delays, watch_slices
 
 log = structlog.get_logger(__name__)
 

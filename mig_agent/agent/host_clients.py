@@ -15,13 +15,13 @@ from collections.abc import Iterator, Mapping
 
 import structlog
 
-from mig_agent import planner
 from mig_agent.agent import reporting
-from mig_agent.errors import HostServiceFailed, MigAgentError
-from mig_agent.hooks import Runner, load_gpu_clients, service_command
+from mig_agent.config.settings import Settings
+from mig_agent.core import planner
+from mig_agent.core.errors import HostServiceFailed, MigAgentError
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.host.commands import Runner, load_gpu_clients, service_command
 from mig_agent.kube.cluster import Cluster, NodeView
-from mig_agent.models import GpuModel
-from mig_agent.settings import Settings
 
 log = structlog.get_logger(__name__)
 

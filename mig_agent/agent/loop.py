@@ -12,11 +12,11 @@ import structlog
 
 from mig_agent.agent import device_plugin, node_guard
 from mig_agent.agent.outcome import Outcome, PassResult
-from mig_agent.drain import Clock
-from mig_agent.errors import MigAgentError, Stopping
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import MigAgentError, Stopping
+from mig_agent.core.labels import State
 from mig_agent.kube.cluster import Cluster, NodeView
-from mig_agent.labels import State
-from mig_agent.settings import Settings
+from mig_agent.node.drain import Clock
 
 log = structlog.get_logger("mig_agent.agent")
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import structlog
 
-from mig_agent import labels
-from mig_agent.drain import still_present
-from mig_agent.errors import DrainTimeout, EvictionBlocked, MigAgentError
+from mig_agent.config.settings import Settings
+from mig_agent.core import labels
+from mig_agent.core.errors import DrainTimeout, EvictionBlocked, MigAgentError
+from mig_agent.core.labels import State
 from mig_agent.kube.cluster import Cluster, NodeView, PodRef
-from mig_agent.labels import State
-from mig_agent.settings import Settings
+from mig_agent.node.drain import still_present
 
 log = structlog.get_logger(__name__)
 

@@ -8,8 +8,8 @@ import shlex
 import signal
 import subprocess
 
-from mig_agent.errors import RebootFailed
-from mig_agent.settings import Settings
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import RebootFailed
 
 REBOOT_TIMEOUT_S = Settings().reboot_timeout_s
 """The default of the setting reboot_timeout_s."""

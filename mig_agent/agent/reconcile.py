@@ -24,28 +24,25 @@ from pathlib import Path
 
 import structlog
 
-from mig_agent import hooks, planner
 from mig_agent.agent import (
     device_plugin,
     host_clients,
     loop,
     node_guard,
     reporting,
-    site_hooks,
     validators,
 )
 from mig_agent.agent.node_guard import NodeRebooting
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.agent.reboot import run_reboot
-from mig_agent.drain import (
-    Clock,
-    drain_gpu_pods,
-    drain_refusals,
-    poll_delays,
-    to_drain,
-    wait_pods_gone,
+from mig_agent.config.settings import Settings
+from mig_agent.core import planner
+from mig_agent.core.advertised import (
+    expected_resources,
+    planned_devices,
+    strategy_problem,
 )
-from mig_agent.errors import (
+from mig_agent.core.errors import (
     ConfigError,
     DrainRefused,
     EvictionBlocked,
@@ -59,21 +56,25 @@ from mig_agent.errors import (
     RebootFailed,
     Stopping,
 )
-from mig_agent.executor import verify
-from mig_agent.generated import with_generated
+from mig_agent.core.generated_layouts import with_generated
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.labels import State, paused_during_change
+from mig_agent.core.layout import Layout, LayoutCatalog
+from mig_agent.core.observed import NodeState
 from mig_agent.gpu.backend import GpuBackend
+from mig_agent.host import commands
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
-from mig_agent.labels import State, paused_during_change
-from mig_agent.layout import Layout, LayoutCatalog
-from mig_agent.metrics import Metrics
-from mig_agent.models import GpuModel
-from mig_agent.resources import (
-    expected_resources,
-    planned_devices,
-    strategy_problem,
+from mig_agent.node import hooks
+from mig_agent.node.apply import apply_plan, verify
+from mig_agent.node.drain import (
+    Clock,
+    drain_gpu_pods,
+    drain_refusals,
+    poll_delays,
+    to_drain,
+    wait_pods_gone,
 )
-from mig_agent.settings import Settings
-from mig_agent.state import NodeState
+from mig_agent.observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
@@ -100,8 +101,8 @@ class Agent:
     metrics: Metrics = field(default_factory=Metrics)
     # runs the reboot command; None: run_reboot with the reboot_timeout_s setting
     reboot: Callable[[str], None] | None = None
-    # runs hook and host service commands (mig_agent.hooks.run_command)
-    run_command: hooks.Runner = hooks.run_command
+    # runs hook and host service commands (mig_agent.host.commands.run_command)
+    run_command: commands.Runner = commands.run_command
     # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
     pod_devices: Callable[[], Mapping[tuple[str, str], frozenset[str]]] | None = None
 
@@ -408,9 +409,9 @@ class Agent:
         changed = list(the_plan.changed_gpus)
         # the files of the hooks and host GPU clients, read before anything changes: a
         # malformed one fails the pass with nothing touched
-        hook_run = site_hooks.HookRunner(
-            site_hooks.load(s), self.run_command, s.command_timeout_s,
-            site_hooks.context(s, desired, the_plan, observed))
+        hook_run = hooks.HookRunner(
+            hooks.load(s), self.run_command, s.command_timeout_s,
+            hooks.context(s, desired, the_plan, observed))
         reset_gpus = host_clients.reset_gpus(the_plan, models)
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
@@ -554,7 +555,7 @@ class Agent:
         the_plan: planner.Plan,
         observed: NodeState,
         reset_gpus: list[int],
-        hook_run: site_hooks.HookRunner,
+        hook_run: hooks.HookRunner,
     ) -> None:
         """GpuBusy, before anything is touched, when the plan would end processes on devices no
         pod holds (a host process, a container outside Kubernetes): the drain cannot end them,
@@ -684,28 +685,23 @@ class Agent:
         self,
         desired: str,
         models: Mapping[int, GpuModel],
-        hook_run: site_hooks.HookRunner,
+        hook_run: hooks.HookRunner,
         reset_gpus: list[int],
         drained_for: planner.Plan,
     ) -> None:
-        """Apply as mig-parted does with its hooks: apply-start; pre-apply-mode and the
-        mode changes (with the destroys before them); pre-apply-config and the instances;
-        apply-exit always, its failure the pass's only when nothing else failed."""
+        """Re-plan now that the pods are gone, and apply (mig_agent.node.apply.apply_plan: the
+        hooks around the steps); a mode change left pending needs a reboot."""
         assert self.catalog is not None
         try:
             the_plan = self._plan_after_drain(self.catalog.get(desired), models, drained_for)
         except GpuBusy as exc:
             self._blocked(exc, reset_gpus)
             raise
-        hook_run.run(hooks.APPLY_START)
         try:
-            pending = site_hooks.execute_in_phases(the_plan, self.gpus, hook_run)
-        except Exception as exc:
-            site_hooks.apply_exit(hook_run, exc)
-            if isinstance(exc, GpuBusy):
-                self._blocked(exc, reset_gpus)
+            pending = apply_plan(the_plan, self.gpus, hook_run)
+        except GpuBusy as exc:
+            self._blocked(exc, reset_gpus)
             raise
-        site_hooks.apply_exit(hook_run, pending)
         if pending is not None:
             self._reboot_or_fail(desired, pending)
 

@@ -10,15 +10,15 @@ from collections.abc import Iterator, Mapping
 
 import structlog
 
-from mig_agent import planner, snapshot
-from mig_agent.drain import Clock
-from mig_agent.errors import (
+from mig_agent.config.settings import Settings
+from mig_agent.core import planner, snapshot
+from mig_agent.core.errors import (
     MigAgentError,
 )
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView
-from mig_agent.metrics import Metrics
-from mig_agent.settings import Settings
+from mig_agent.node.drain import Clock
+from mig_agent.observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import structlog
 
+from mig_agent.config.settings import Settings
 from mig_agent.kube.cluster import Cluster, PodRef
-from mig_agent.settings import Settings
 
 log = structlog.get_logger(__name__)
 

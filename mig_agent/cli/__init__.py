@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from mig_agent.logs import configure_logging
+    from mig_agent.observability.logs import configure_logging
 
     configure_logging(args.log_format, level=10 if args.verbose else 20)
     return dispatch(args)

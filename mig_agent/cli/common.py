@@ -12,10 +12,10 @@ from typing import Any
 
 import structlog
 
-from mig_agent.errors import ConfigError, MigAgentError, PlanError
-from mig_agent.layout import Layout, LayoutCatalog
-from mig_agent.models import GpuModel, parse_gpu_spec
-from mig_agent.settings import PROFILES
+from mig_agent.config.settings import PROFILES
+from mig_agent.core.errors import ConfigError, MigAgentError, PlanError
+from mig_agent.core.gpu_models import GpuModel, parse_gpu_spec
+from mig_agent.core.layout import Layout, LayoutCatalog
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CHANGES = 0, 1, 2, 3
 
@@ -80,7 +80,7 @@ def add_destroy_in_use(p: argparse.ArgumentParser) -> None:
 
 
 def load_configs(args: argparse.Namespace) -> LayoutCatalog:
-    from mig_agent.catalog import load_catalog
+    from mig_agent.config.profiles import load_catalog
 
     return load_catalog(args.config_file or [default_config()])
 

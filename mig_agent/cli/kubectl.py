@@ -20,8 +20,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mig_agent.catalog import dump_yaml
 from mig_agent.cli.common import EXIT_OK, EXIT_USAGE, add_config_args, dispatch, load_configs
+from mig_agent.config.settings import Settings
+from mig_agent.config.yaml_files import dump_yaml
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.kube.cluster import Cluster
 from mig_agent.ops import (
@@ -36,7 +37,6 @@ from mig_agent.ops import (
     status_json,
 )
 from mig_agent.ops.values import table
-from mig_agent.settings import Settings
 
 _COLOURS = {"success": "32", "failed": "31", "pending": "33", "rebooting": "33"}
 _REASON_WIDTH = 60
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from mig_agent.logs import configure_logging
+    from mig_agent.observability.logs import configure_logging
 
     configure_logging("console", level=30)  # a kubectl plugin prints results, not logs
     return dispatch(args, say=err, crashed="kubectl_mig.crashed")

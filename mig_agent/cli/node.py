@@ -28,17 +28,17 @@ from mig_agent.cli.render import (
     print_plan,
     print_profiles,
 )
-from mig_agent.errors import ConfigError
+from mig_agent.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from mig_agent.executor import ApplyReport
+    from mig_agent.core.layout import Layout
     from mig_agent.gpu.backend import GpuBackend
-    from mig_agent.layout import Layout
-from mig_agent.models import MODELS, parse_gpu_spec
+    from mig_agent.node.hooks import HookRunner
+from mig_agent.core.gpu_models import MODELS, parse_gpu_spec
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from mig_agent.catalog import fit_report
+    from mig_agent.config.profiles import fit_report
 
     catalog = load_configs(args)
     out(f"{len(catalog.layouts)} layout(s) valid: {', '.join(catalog.names())}")
@@ -77,7 +77,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from mig_agent import planner, snapshot
+    from mig_agent.core import planner, snapshot
 
     layout = select_layout(load_configs(args), args.layout)
     if args.from_file:
@@ -105,21 +105,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from mig_agent.executor import apply_layout
+    from mig_agent.node.apply import apply_layout
 
     layout = select_layout(load_configs(args), args.layout)
     gpus = open_gpus(args)
     try:
-        if args.hooks_file and not args.dry_run:
-            report = _apply_with_hooks(args, layout, gpus)
-        else:
-            report = apply_layout(
-                layout,
-                gpus,
-                destroy_in_use=args.destroy_in_use,
-                reset=not args.skip_reset,
-                dry_run=args.dry_run,
-            )
+        report = apply_layout(
+            layout,
+            gpus,
+            _hook_runner(args, layout, gpus) if args.hooks_file and not args.dry_run else None,
+            destroy_in_use=args.destroy_in_use,
+            reset=not args.skip_reset,
+            dry_run=args.dry_run,
+        )
     finally:
         gpus.close()
     if args.dry_run:
@@ -139,50 +137,30 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _apply_with_hooks(args: argparse.Namespace, layout: Layout, gpus: GpuBackend) -> ApplyReport:
-    """``apply -k HOOKS``, as mig-parted's apply with a hooks file: apply-start, pre-apply-mode
-    and the mode changes, pre-apply-config and the instances, apply-exit (always, also after a
-    failure or when nothing changes); post-apply only when something changed."""
+def _hook_runner(args: argparse.Namespace, layout: Layout, gpus: GpuBackend) -> HookRunner:
+    """``apply -k HOOKS``, as mig-parted's apply with a hooks file: the hooks of the one apply
+    sequence (apply-exit also after a failure or when nothing changes; post-apply only when
+    something changed), with the variables mig-parted gives them."""
     import socket
-    import time
 
-    from mig_agent import hooks, planner
-    from mig_agent.agent import site_hooks
-    from mig_agent.executor import ApplyReport, verify
-    from mig_agent.settings import PROFILES, Settings
+    from mig_agent.config.settings import PROFILES, Settings
+    from mig_agent.core import planner
+    from mig_agent.host.commands import run_command
+    from mig_agent.node import hooks
 
-    start = time.monotonic()
     settings = Settings(node_name=os.environ.get("NODE_NAME") or socket.gethostname(),
                         config=(args.config_file or [str(PROFILES)])[0],
                         hooks_file=args.hooks_file)
-    hook_set = site_hooks.load(settings)
-    models = gpus.models()
+    hook_set = hooks.load(settings)
     observed = gpus.observe()
-    the_plan = planner.plan(layout, observed, models, destroy_in_use=args.destroy_in_use)
-    env = {**site_hooks.context(settings, layout.name, the_plan, observed),
+    the_plan = planner.plan(layout, observed, gpus.models(), destroy_in_use=args.destroy_in_use)
+    env = {**hooks.context(settings, layout.name, the_plan, observed),
            "MIG_PARTED_SKIP_RESET": str(args.skip_reset).lower()}
-    hook_run = site_hooks.HookRunner(hook_set, hooks.run_command, settings.command_timeout_s, env)
-    report = ApplyReport(layout.name, the_plan)
-    hook_run.run(hooks.APPLY_START)
-    try:
-        pending = site_hooks.execute_in_phases(the_plan, gpus, hook_run, report=report,
-                                               reset=not args.skip_reset)
-        if pending is not None:
-            raise pending
-        if not the_plan.is_empty:
-            verify(layout, gpus.observe(), models)
-    except Exception as exc:
-        site_hooks.apply_exit(hook_run, exc)
-        raise
-    site_hooks.apply_exit(hook_run, None)
-    if not the_plan.is_empty:
-        hook_run.run(hooks.POST_APPLY)
-    report.duration_s = time.monotonic() - start
-    return report
+    return hooks.HookRunner(hook_set, run_command, settings.command_timeout_s, env)
 
 
 def cmd_assert(args: argparse.Namespace) -> int:
-    from mig_agent import planner
+    from mig_agent.core import planner
 
     layout = select_layout(load_configs(args), args.layout)
     gpus = open_gpus(args)
@@ -201,7 +179,7 @@ def cmd_assert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mig_agent import snapshot
+    from mig_agent.core import snapshot
 
     gpus = open_gpus(args)
     try:
@@ -211,15 +189,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.output == "json":
         out(json.dumps(snapshot.to_json(node, models), indent=2))
     else:
-        from mig_agent.catalog import dump_yaml
+        from mig_agent.config.yaml_files import dump_yaml
 
         out(dump_yaml(snapshot.export_config(node, models, name=args.config_label)).rstrip())
     return EXIT_OK
 
 
 def cmd_generate_config(args: argparse.Namespace) -> int:
-    from mig_agent.catalog import dump_yaml
-    from mig_agent.generated import model_layouts, to_config
+    from mig_agent.config.yaml_files import dump_yaml
+    from mig_agent.core.generated_layouts import model_layouts, to_config
 
     if args.gpu:
         models = [model_arg(k) for k in args.gpu]

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from mig_agent.cli.common import add_config_args, default_config
+from mig_agent.config.settings import Settings
 from mig_agent.ops import (
     EXIT_OK,
     EXIT_USAGE,
@@ -20,7 +21,6 @@ from mig_agent.ops import (
     status_json,
     status_table,
 )
-from mig_agent.settings import Settings
 
 
 def _write(line: str) -> None:
@@ -43,7 +43,7 @@ def _connect(args: argparse.Namespace) -> Any:
 
 
 def cmd_repartition(args: argparse.Namespace) -> int:
-    from mig_agent.catalog import load_catalog
+    from mig_agent.config.profiles import load_catalog
 
     catalog = load_catalog(args.config_file or [default_config()])
     check_layout(catalog, args.layout)  # a typo is refused before even connecting

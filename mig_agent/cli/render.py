@@ -8,8 +8,8 @@ from typing import Any
 from mig_agent.cli.common import (
     out,
 )
-from mig_agent.models import GpuModel
-from mig_agent.planner import (
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.planner import (
     CreateComputeInstance,
     CreateGpuInstance,
     DestroyComputeInstance,

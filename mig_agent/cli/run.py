@@ -13,7 +13,7 @@ from mig_agent.cli.common import (
     add_config_args,
     open_gpus,
 )
-from mig_agent.errors import ConfigError
+from mig_agent.core.errors import ConfigError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -22,13 +22,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     import threading
 
     from mig_agent.agent import Agent
-    from mig_agent.catalog import load_catalog
-    from mig_agent.health import HealthServer
+    from mig_agent.config.profiles import load_catalog
+    from mig_agent.config.settings import Settings
     from mig_agent.kube.client import KubernetesCluster
     from mig_agent.kube.podresources import list_pod_devices
-    from mig_agent.logs import bind_process
-    from mig_agent.metrics import InstrumentedGpus, Metrics
-    from mig_agent.settings import Settings
+    from mig_agent.observability.health import HealthServer
+    from mig_agent.observability.logs import bind_process
+    from mig_agent.observability.metrics import InstrumentedGpus, Metrics
 
     settings = Settings.from_env(
         node_name=args.node,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from mig_agent.models import GpuModel
-from mig_agent.placement import Placement
-from mig_agent.state import NodeState
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.observed import NodeState
+from mig_agent.core.placement import Placement
 
 
 class GpuBackend(Protocol):

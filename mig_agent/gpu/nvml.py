@@ -22,9 +22,8 @@ from typing import Any, NamedTuple
 
 import pynvml
 
-from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
-from mig_agent.gpu.backend import GpuBackend
-from mig_agent.models import (
+from mig_agent.core.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
+from mig_agent.core.gpu_models import (
     CI_INDEX_BY_SLICES,
     GI_INDEX_SHAPE,
     GI_PROFILE_INDEX_COUNT,
@@ -36,8 +35,7 @@ from mig_agent.models import (
     GpuModel,
     mig_name,
 )
-from mig_agent.placement import Placement
-from mig_agent.state import (
+from mig_agent.core.observed import (
     ComputeInstance,
     GpuInfo,
     GpuInstance,
@@ -45,6 +43,8 @@ from mig_agent.state import (
     GpuState,
     NodeState,
 )
+from mig_agent.core.placement import Placement
+from mig_agent.gpu.backend import GpuBackend
 
 _ERROR_BY_CODE: Mapping[int, type[GpuError]] = {
     pynvml.NVML_ERROR_IN_USE: GpuBusy,

@@ -3,8 +3,8 @@
 The only module that imports kubernetes.
 
 Transient failures (5xx, throttling, connection errors) are retried here, in one place, with
-jittered capped backoff; callers see mig_agent.errors only. An eviction's 429 is not throttling:
-it means a PodDisruptionBudget forbids it now, so it is never retried here.
+jittered capped backoff; callers see mig_agent.core.errors only. An eviction's 429 is not
+throttling: it means a PodDisruptionBudget forbids it now, so it is never retried here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
-from mig_agent.errors import (
+from mig_agent.core.errors import (
     ConfigError,
     EvictionBlocked,
     KubeError,

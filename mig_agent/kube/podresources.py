@@ -1,7 +1,7 @@
 """The kubelet PodResources API (gRPC, package ``v1``): which devices each pod on this node holds.
 
 The only module of the agent that imports grpc or protobuf: the client (`list_pod_devices`,
-`list_allocatable_devices`). Callers see plain dicts of strings and mig_agent.errors only. The
+`list_allocatable_devices`). Callers see plain dicts of strings and mig_agent.core.errors only. The
 message classes and wire constants are public for the simulated kubelet's server (migsim).
 
 The message classes are built at import time from a descriptor written out below, with the
@@ -24,7 +24,7 @@ from typing import Any, Final
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from mig_agent.errors import KubeUnavailable
+from mig_agent.core.errors import KubeUnavailable
 from mig_agent.kube.cluster import is_gpu_resource
 
 DEFAULT_SOCKET: Final = "/var/lib/kubelet/pod-resources/kubelet.sock"

@@ -9,15 +9,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 
-from mig_agent.drain import gpu_pods
-from mig_agent.errors import ConfigError, PlanError
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError, PlanError
+from mig_agent.core.labels import State, is_valid_label_value
+from mig_agent.core.layout import Layout, LayoutCatalog
+from mig_agent.core.planner import plan
+from mig_agent.core.snapshot import from_json
 from mig_agent.kube.cluster import Cluster
-from mig_agent.labels import State, is_valid_label_value
-from mig_agent.layout import Layout, LayoutCatalog
+from mig_agent.node.drain import gpu_pods
 from mig_agent.ops.values import _BUSY, DEFAULT_SETTINGS, Action, NodePreview, Writer
-from mig_agent.planner import plan
-from mig_agent.settings import Settings
-from mig_agent.snapshot import from_json
 
 
 def select_nodes(cluster: Cluster, names: Sequence[str] = (), selector: str = "") -> list[str]:

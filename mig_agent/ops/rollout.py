@@ -9,11 +9,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mig_agent.drain import Clock
-from mig_agent.errors import ConfigError, MigAgentError
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError, MigAgentError
+from mig_agent.core.labels import State
+from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import Cluster, NodeView
-from mig_agent.labels import State
-from mig_agent.layout import LayoutCatalog
+from mig_agent.node.drain import Clock
 from mig_agent.ops.preview import check_layout, preview
 from mig_agent.ops.values import (
     _GOOD,
@@ -28,7 +29,6 @@ from mig_agent.ops.values import (
     Writer,
     table,
 )
-from mig_agent.settings import Settings
 
 
 def repartition(

@@ -9,11 +9,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from mig_agent.config.settings import Settings
+from mig_agent.core.planner import observed_devices
+from mig_agent.core.snapshot import from_json
 from mig_agent.kube.cluster import MIG_RESOURCE_PREFIX, Cluster
 from mig_agent.ops.values import DEFAULT_SETTINGS, GpuSummary, NodeStatus, table
-from mig_agent.planner import observed_devices
-from mig_agent.settings import Settings
-from mig_agent.snapshot import from_json
 
 
 def status(

@@ -9,10 +9,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from mig_agent.drain import Clock
-from mig_agent.errors import ConfigError
-from mig_agent.labels import State
-from mig_agent.settings import Settings
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError
+from mig_agent.core.labels import State
+from mig_agent.node.drain import Clock
 
 Writer = Callable[[str], None]
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import structlog
 
 from mig_agent.kube.client import KubernetesCluster
-from mig_agent.logs import configure_logging
+from mig_agent.observability.logs import configure_logging
 
 from . import device_plugin
 from .nvml import open_node

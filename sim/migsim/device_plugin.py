@@ -6,7 +6,7 @@ table (Allocations), GPU processes (PodProcesses) and sync_pods as the kubelet's
 Like the real plugin it reads the node's GPUs when its pod starts and advertises their MIG
 devices as extended resources (mixed or single strategy, multiplied and renamed by the sharing
 section of its config file); it skips display GPUs, and advertises nothing where the real one
-refuses to start (mig_agent.resources.strategy_problem). While its pod is gone the resources
+refuses to start (mig_agent.core.advertised.strategy_problem). While its pod is gone the resources
 drop to zero. Its "pod" is a DaemonSet pod that kwok runs on the node; this process watches for
 a Ready pod with a new UID and then re-reads the simulated GPUs.
 
@@ -27,13 +27,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from mig_agent.catalog import load_sharing
-from mig_agent.errors import MigAgentError
-from mig_agent.gpu.backend import GpuBackend
-from mig_agent.gpu.nvml import NvmlGpuBackend
-from mig_agent.kube.cluster import GPU_RESOURCE, Cluster, PodRef, PodView, is_gpu_resource
-from mig_agent.models import resource_name
-from mig_agent.resources import (
+from mig_agent.config.device_plugin import load_sharing
+from mig_agent.core.advertised import (
     NO_SHARING,
     Sharing,
     expected_resources,
@@ -42,6 +37,11 @@ from mig_agent.resources import (
     shared_as,
     strategy_problem,
 )
+from mig_agent.core.errors import MigAgentError
+from mig_agent.core.gpu_models import resource_name
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.gpu.nvml import NvmlGpuBackend
+from mig_agent.kube.cluster import GPU_RESOURCE, Cluster, PodRef, PodView, is_gpu_resource
 from migsim import podresources_server
 from migsim.nvml import state as simstate
 

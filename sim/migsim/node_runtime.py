@@ -49,10 +49,10 @@ from typing import Any, Final
 
 import structlog
 
-from mig_agent.errors import MigAgentError
+from mig_agent.core.errors import MigAgentError
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.kube.cluster import PodRef, PodView, is_gpu_resource
-from mig_agent.logs import configure_logging
+from mig_agent.observability.logs import configure_logging
 from migsim import podresources_server
 from migsim.cluster.api import Api, ApiError
 from migsim.cluster.cluster import Cluster as LocalCluster

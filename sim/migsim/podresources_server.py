@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import grpc
 
-from mig_agent.errors import KubeError
+from mig_agent.core.errors import KubeError
 from mig_agent.kube.podresources import (
     MAX_MESSAGE_BYTES,
     MESSAGES,

@@ -218,7 +218,7 @@ def extra_profiles(tmp_path: Path) -> Callable[[str], Path]:
 
     def make(text: str) -> Path:
         target = tmp_path / "profiles"
-        shutil.copytree(REPO / "mig_agent" / "profiles", target, dirs_exist_ok=True)
+        shutil.copytree(REPO / "profiles", target, dirs_exist_ok=True)
         (target / "e2e.yaml").write_text(text)
         return target
 

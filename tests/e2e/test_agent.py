@@ -22,8 +22,8 @@ from kubernetes import client
 from migsim.cluster import agents
 from migsim.nvml import state as simstate
 
-from mig_agent import planner, snapshot
-from mig_agent.catalog import load_catalog
+from mig_agent.config.profiles import load_catalog
+from mig_agent.core import planner, snapshot
 
 from .conftest import REASON, AgentNode, NodeFactory, mig_counts, wait_running
 

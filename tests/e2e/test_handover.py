@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import CONFIG, REPO, RESTART_BACKOFF, STATE
 
-LAYOUTS = REPO / "mig_agent" / "profiles" / "all.yaml"  # one file: what MIG Manager reads
+LAYOUTS = REPO / "profiles" / "all.yaml"  # one file: what MIG Manager reads
 GPU_STATE = "mig-agent.dev/gpu-state"
 NS = "handover"
 POD_LABEL = "handover.mig-agent.dev/node"

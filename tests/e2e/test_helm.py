@@ -30,7 +30,7 @@ import yaml
 from migsim.cluster import Cluster, agents
 
 from deploy import policies
-from mig_agent.settings import Settings
+from mig_agent.config.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "mig-agent"
@@ -103,7 +103,7 @@ def test_template_defaults(helm: str) -> None:
     assert "MIG_AGENT_REBOOT_COMMAND" not in e and "MIG_AGENT_DRAIN_TIMEOUT_S" not in e
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"
              and d["metadata"]["name"] == "mig-agent-profiles"]
-    assert set(cm["data"]) == {f.name for f in (REPO / "mig_agent" / "profiles").glob("*.yaml")}
+    assert set(cm["data"]) == {f.name for f in (REPO / "profiles").glob("*.yaml")}
     # rendered from the chart's defaults, daemonset.yaml holds the same objects (and a Namespace)
     manifest = [d for d in yaml.safe_load_all((REPO / "daemonset.yaml").read_text()) if d]
     assert kinds(manifest) == kinds(docs) | {("Namespace", "mig-agent")}

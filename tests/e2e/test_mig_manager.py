@@ -26,7 +26,7 @@ from migsim.nvml import state as simstate
 
 from .conftest import CONFIG, REPO, STATE
 
-LAYOUTS = REPO / "mig_agent" / "profiles" / "all.yaml"
+LAYOUTS = REPO / "profiles" / "all.yaml"
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 
 pytestmark = pytest.mark.native

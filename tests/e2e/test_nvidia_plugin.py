@@ -27,8 +27,8 @@ from kubernetes import client
 from migsim.cluster import agents
 from migsim.nvml import state as simstate
 
+from mig_agent.core.gpu_models import parse_gpu_spec
 from mig_agent.kube.podresources import list_pod_devices
-from mig_agent.models import parse_gpu_spec
 
 from .conftest import CONFIG, REASON, STATE, AgentNode, NodeFactory, wait_running
 from .test_device_plugin_facts import TIME_SLICING

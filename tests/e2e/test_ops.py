@@ -30,7 +30,7 @@ from typing import Any
 from kubernetes import client, watch
 from migsim.cluster import Cluster, agents
 
-from mig_agent.catalog import load_catalog
+from mig_agent.config.profiles import load_catalog
 
 from .conftest import CONFIG, REPO, STATE, AgentNode, NodeFactory, wait_running
 

@@ -51,9 +51,9 @@ from migsim.node_runtime import FEATURE_LABELS_ANNOTATION
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
-from mig_agent import planner
-from mig_agent.catalog import load_catalog
-from mig_agent.errors import MigAgentError
+from mig_agent.config.profiles import load_catalog
+from mig_agent.core import planner
+from mig_agent.core.errors import MigAgentError
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 REASON = "mig-agent.dev/reason"

@@ -37,15 +37,14 @@ from migsim.nvml import library as simlib
 from migsim.nvml import open_node
 from migsim.nvml.state import INSUFFICIENT_RESOURCES, RESET, UNKNOWN
 
-from mig_agent import planner, snapshot
-from mig_agent.catalog import fit_report, load_catalog, load_text
-from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, PlanError
-from mig_agent.executor import apply_layout
-from mig_agent.gpu.nvml import NvmlGpuBackend
-from mig_agent.layout import GpuLayout, Layout
-from mig_agent.models import MODELS, GiProfile, GpuModel
-from mig_agent.placement import Placement
-from mig_agent.planner import (
+from mig_agent.config.profiles import fit_report, load_catalog, load_text
+from mig_agent.core import planner, snapshot
+from mig_agent.core.errors import GpuBusy, GpuError, GpuResetRequired, PlanError
+from mig_agent.core.gpu_models import MODELS, GiProfile, GpuModel
+from mig_agent.core.layout import GpuLayout, Layout
+from mig_agent.core.observed import GpuInstance, GpuState, NodeState
+from mig_agent.core.placement import Placement
+from mig_agent.core.planner import (
     CreateComputeInstance,
     CreateGpuInstance,
     DestroyComputeInstance,
@@ -54,7 +53,8 @@ from mig_agent.planner import (
     SetMigMode,
     observed_devices,
 )
-from mig_agent.state import GpuInstance, GpuState, NodeState
+from mig_agent.gpu.nvml import NvmlGpuBackend
+from mig_agent.node.apply import apply_layout
 
 from .conftest import REPO, MakeNode
 

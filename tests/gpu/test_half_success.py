@@ -9,8 +9,8 @@ import pytest
 from migsim.nvml import library as simlib
 from migsim.nvml.state import UNKNOWN
 
-from mig_agent.errors import GpuError, GpuStepFailed
-from mig_agent.executor import apply_layout
+from mig_agent.core.errors import GpuError, GpuStepFailed
+from mig_agent.node.apply import apply_layout
 
 from .conftest import MakeNode
 from .test_executor import (

@@ -11,11 +11,11 @@ from migsim.nvml import library as simlib
 from migsim.nvml import open_node
 from migsim.nvml.state import DRIVER_NOT_LOADED, INSUFFICIENT_RESOURCES, NOT_FOUND, UNKNOWN
 
-from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
+from mig_agent.core.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.observed import ComputeInstance, GpuProcess
+from mig_agent.core.placement import Placement
 from mig_agent.gpu.nvml import MigDevice, NvmlGpuBackend, open_backend
-from mig_agent.models import MODELS
-from mig_agent.placement import Placement
-from mig_agent.state import ComputeInstance, GpuProcess
 
 from .conftest import MakeNode
 

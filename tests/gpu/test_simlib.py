@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from migsim.nvml import library as simlib
 from migsim.nvml.state import IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED
 
-from mig_agent.models import MODELS
-from mig_agent.placement import Placement
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.placement import Placement
 
 from .conftest import CAPTURES, REPO, MakeNode
 

@@ -22,9 +22,9 @@ import pytest
 from migsim.nvml import open_node
 from migsim.nvml import state as st
 
-from mig_agent.catalog import fit_report, load_catalog
-from mig_agent.layout import GpuLayout
-from mig_agent.models import MODELS
+from mig_agent.config.profiles import fit_report, load_catalog
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.layout import GpuLayout
 
 from .conftest import REPO
 from .test_mig_parted import NOT_APPLIED, nvidia_bin, with_sim_gpus

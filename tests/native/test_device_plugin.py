@@ -28,8 +28,14 @@ from migsim.nvml import open_node
 from migsim.nvml import state as st
 from migsim.nvml.hostview import mig_minor, mig_minors
 
-from mig_agent.models import parse_gpu_spec
-from mig_agent.resources import NO_SHARING, Sharing, expected_resources, is_skipped, parse_sharing
+from mig_agent.core.advertised import (
+    NO_SHARING,
+    Sharing,
+    expected_resources,
+    is_skipped,
+    parse_sharing,
+)
+from mig_agent.core.gpu_models import parse_gpu_spec
 
 from .conftest import REPO
 
@@ -311,7 +317,7 @@ def test_gfd_with_mig_off_labels_as_the_simulated_node_is(model: str, tmp_path: 
 
 def test_gfd_does_not_count_a_display_gpu(tmp_path: Path, nvidia_bin: Path) -> None:
     """GFD (go-nvlib's VisitDevices) skips "DGX Display" GPUs as the device plugin does
-    (mig_agent.resources.is_skipped), and so does the local cluster's gpu_node_labels."""
+    (mig_agent.core.advertised.is_skipped), and so does the local cluster's gpu_node_labels."""
     state = str(tmp_path / "node.json")
     st.create_node(state, "2xA100-80GB,1xDGX-Display")
     labels = gfd(state, nvidia_bin, tmp_path, "mixed")

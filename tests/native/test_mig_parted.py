@@ -21,8 +21,8 @@ from migsim.nvml import state as st
 
 from .conftest import REPO
 
-LAYOUTS = REPO / "mig_agent" / "profiles" / "all.yaml"
-COMMON = REPO / "mig_agent" / "profiles" / "common.yaml"
+LAYOUTS = REPO / "profiles" / "all.yaml"
+COMMON = REPO / "profiles" / "common.yaml"
 NOT_APPLIED = "not currently applied"
 MODELS = ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL", "H200"]
 

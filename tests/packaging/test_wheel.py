@@ -2,7 +2,7 @@
 
 * the default config is the profiles folder inside the package, for the one-node commands and
   the agent alike (``MIG_AGENT_CONFIG`` unset);
-* the wheel holds every profile YAML file of ``mig_agent/profiles/``;
+* the wheel holds every profile YAML file of ``profiles/`` (as ``mig_agent/profiles/``);
 * installed from that wheel into a fresh virtual environment and run outside this checkout,
   ``mig-agent plan -c all-balanced --gpus 1xH200`` finds its layouts and prints the plan.
 
@@ -22,19 +22,21 @@ from pathlib import Path
 import pytest
 
 import mig_agent
-from mig_agent.catalog import load_catalog
 from mig_agent.cli import default_config
-from mig_agent.settings import Settings
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = REPO / "mig_agent" / "profiles"
+PROFILES = REPO / "profiles"
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis")
 
 
 def test_the_default_config_is_the_packaged_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MIG_AGENT_CONFIG", raising=False)
-    packaged = Path(mig_agent.__file__).resolve().parent / "profiles"
+    # from a checkout, the top-level profiles/ (the wheel maps it into the package: below)
+    installed = Path(mig_agent.__file__).resolve().parent / "profiles"
+    packaged = installed if installed.is_dir() else PROFILES
     assert Path(default_config()) == Path(Settings().config) == packaged
     assert "all-balanced" in load_catalog([default_config()]).names()
 
@@ -99,7 +101,7 @@ def test_the_wheel_holds_the_agent_only(wheel: Path) -> None:
 def test_the_installed_command_plans_with_its_own_profiles(venv: Path) -> None:
     where = subprocess.run(
         [venv / "bin" / "python", "-c",
-         "import mig_agent.settings as s; print(s.__file__); print(s.Settings().config)"],
+         "import mig_agent.config.settings as s; print(s.__file__); print(s.Settings().config)"],
         check=True, capture_output=True, text=True, cwd=venv, env=_outside_env())
     module, config = where.stdout.split()
     assert Path(module).is_relative_to(venv), "the venv imported the checkout, not the wheel"

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from mig_agent.errors import EvictionBlocked, KubeUnavailable, LabelsChanged
+from mig_agent.core.errors import EvictionBlocked, KubeUnavailable, LabelsChanged
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     Cluster,

@@ -10,10 +10,17 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 
-from mig_agent.errors import GpuBusy, GpuError
-from mig_agent.models import GpuModel
-from mig_agent.placement import Placement
-from mig_agent.state import ComputeInstance, GpuInfo, GpuInstance, GpuProcess, GpuState, NodeState
+from mig_agent.core.errors import GpuBusy, GpuError
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.observed import (
+    ComputeInstance,
+    GpuInfo,
+    GpuInstance,
+    GpuProcess,
+    GpuState,
+    NodeState,
+)
+from mig_agent.core.placement import Placement
 
 
 class FakeGpus:

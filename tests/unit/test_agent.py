@@ -24,19 +24,19 @@ from typing import Any
 import pytest
 
 from mig_agent.agent import Agent, Outcome
-from mig_agent.catalog import load_catalog
-from mig_agent.drain import Clock
-from mig_agent.errors import KubeUnavailable
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.core.advertised import expected_resources
+from mig_agent.core.errors import KubeUnavailable
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.labels import PAUSED
 from mig_agent.kube.cluster import NodeView, PodRef
-from mig_agent.labels import PAUSED
-from mig_agent.models import MODELS
-from mig_agent.resources import expected_resources
-from mig_agent.settings import Settings
+from mig_agent.node.drain import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
 
-PROFILES = str(Path(__file__).resolve().parents[2] / "mig_agent" / "profiles")
+PROFILES = str(Path(__file__).resolve().parents[2] / "profiles")
 NODE = "gpu-node-0"
 DP_NS, DP_SEL = "gpu-operator", {"app": "nvidia-device-plugin-daemonset"}
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -184,7 +184,14 @@ def test_mixed_layout_touches_only_the_changed_gpus() -> None:
     label(cluster, "all-1g.10gb")
     agent.reconcile_once()
     gpus.calls.clear()
-    from mig_agent.layout import DeviceSelector, GpuLayout, Layout, LayoutCatalog, MigProfile, Rule
+    from mig_agent.core.layout import (
+        DeviceSelector,
+        GpuLayout,
+        Layout,
+        LayoutCatalog,
+        MigProfile,
+        Rule,
+    )
 
     base = agent.catalog.get("all-1g.10gb")  # type: ignore[union-attr]
     two = GpuLayout.of(True, {MigProfile.parse("3g.40gb"): 2})
@@ -369,7 +376,7 @@ def test_killed_during_drain_a_new_agent_converges() -> None:
 
 
 def test_mode_change_needing_reboot_reboots_once_then_fails() -> None:
-    from mig_agent.errors import GpuResetRequired
+    from mig_agent.core.errors import GpuResetRequired
 
     reboots: list[str] = []
     agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), reboot_command="/sbin/reboot")
@@ -396,7 +403,7 @@ def test_mode_change_needing_reboot_reboots_once_then_fails() -> None:
 def test_gpu_state_is_published_on_the_node_and_plans_remotely() -> None:
     import json
 
-    from mig_agent import planner, snapshot
+    from mig_agent.core import planner, snapshot
 
     agent, cluster, gpus = make()
     agent.reconcile_once()  # no label yet: the state is published all the same
@@ -424,7 +431,7 @@ def test_removing_the_layout_label_clears_the_reported_state() -> None:
 def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
 
 
-    from mig_agent.errors import KubeError
+    from mig_agent.core.errors import KubeError
 
     agent, cluster, gpus = make()
     agent.reconcile_once()
@@ -482,7 +489,14 @@ def _holding(gpus: FakeGpus, gpu: int, n: int = 1) -> frozenset[str]:
 
 
 def _two_changed(agent: Agent) -> None:
-    from mig_agent.layout import DeviceSelector, GpuLayout, Layout, LayoutCatalog, MigProfile, Rule
+    from mig_agent.core.layout import (
+        DeviceSelector,
+        GpuLayout,
+        Layout,
+        LayoutCatalog,
+        MigProfile,
+        Rule,
+    )
 
     base = agent.catalog.get("all-1g.10gb")  # type: ignore[union-attr]
     two = GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 5, MigProfile.parse("2g.20gb"): 1})
@@ -511,7 +525,7 @@ def test_pod_on_kept_instances_of_a_changed_gpu_stays() -> None:
     agent, cluster, gpus = make()
     label(cluster, "all-1g.10gb")
     agent.reconcile_once()
-    from mig_agent import planner
+    from mig_agent.core import planner
 
     pod = cluster.add_pod("work", "small", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
     _two_changed(agent)
@@ -526,7 +540,7 @@ def test_pod_on_kept_instances_of_a_changed_gpu_stays() -> None:
 
 
 def test_without_pod_resources_every_gpu_pod_is_drained() -> None:
-    from mig_agent.errors import KubeUnavailable as Down
+    from mig_agent.core.errors import KubeUnavailable as Down
 
     agent, cluster, gpus = make()
     label(cluster, "all-1g.10gb")
@@ -581,7 +595,7 @@ def test_single_strategy_waits_for_nvidia_gpu_resources() -> None:
 def test_single_strategy_problem_is_pure() -> None:
     from collections import Counter
 
-    from mig_agent.resources import single_strategy_problem
+    from mig_agent.core.advertised import single_strategy_problem
 
     assert single_strategy_problem({0: Counter({"1g.10gb": 7}), 1: Counter({"1g.10gb": 7})}) == ""
     assert "GPU(s) 1 would have MIG disabled" in single_strategy_problem(
@@ -791,7 +805,7 @@ def test_long_waits_inside_a_pass_keep_the_loop_alive() -> None:
 
 def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
         tmp_path: Path) -> None:
-    from mig_agent.errors import GpuResetRequired
+    from mig_agent.core.errors import GpuResetRequired
 
     script = tmp_path / "reboot"
     script.write_text("#!/bin/sh\necho 'reboot: permission denied' >&2\nexit 3\n")
@@ -820,7 +834,7 @@ def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
 
 
 def test_the_reboot_command_is_killed_at_the_reboot_timeout_setting(tmp_path: Path) -> None:
-    from mig_agent.errors import GpuResetRequired
+    from mig_agent.core.errors import GpuResetRequired
 
     agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2),
                                 reboot_command="sleep 30", reboot_timeout_s=0.5)
@@ -844,7 +858,7 @@ def test_the_reboot_command_is_killed_at_the_reboot_timeout_setting(tmp_path: Pa
 ])
 def test_reboot_commands_that_cannot_run_say_why(command: str, fragment: str) -> None:
     from mig_agent.agent import run_reboot
-    from mig_agent.errors import RebootFailed
+    from mig_agent.core.errors import RebootFailed
 
     with pytest.raises(RebootFailed, match=fragment):
         run_reboot(command)
@@ -1107,7 +1121,7 @@ def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -
 ])
 def test_without_nvml_the_agent_names_its_runtime_class(
         runtime_class: str | None, fragment: str) -> None:
-    from mig_agent.errors import GpuUnavailable
+    from mig_agent.core.errors import GpuUnavailable
 
     agent, cluster, gpus = make()
     if runtime_class is not None:
@@ -1129,7 +1143,7 @@ def test_without_nvml_the_agent_names_its_runtime_class(
 def test_a_forbidden_request_mid_pass_is_retried_with_back_off() -> None:
     """A restarted API server refuses a valid token (403) until its caches fill; a pass that
     meets it fails clean and is tried again, not left `failed` until someone relabels."""
-    from mig_agent.errors import KubeForbidden
+    from mig_agent.core.errors import KubeForbidden
 
     agent, cluster, gpus = make()
     pod = cluster.add_pod("work", "on-gpu", NODE, gpu={"nvidia.com/gpu": 1})

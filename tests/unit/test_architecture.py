@@ -1,6 +1,8 @@
-"""We test these aspects of the code's layering: each outside library is imported by one
-boundary module only, the pure core imports nothing that does I/O, and importing the package
-loads neither pynvml nor kubernetes."""
+"""We test these aspects of the code's layering, which the folders show: each outside library is
+imported by one boundary module only; everything in ``core/`` is pure (no import that does I/O);
+a module imports only its own layer or lower (core < config, gpu, kube, host, observability <
+node < agent, ops < cli); no import circles, in ``mig_agent/`` or in the simulated world
+(``sim/migsim``); and importing the package loads neither pynvml nor kubernetes."""
 
 from __future__ import annotations
 
@@ -12,17 +14,16 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "mig_agent"
+SIM = Path(__file__).resolve().parents[2] / "sim" / "migsim"
 ONLY_HERE = {  # third-party import -> the modules allowed to use it
     "pynvml": {"gpu/nvml.py"},
     "kubernetes": {"kube/client.py"},
     "grpc": {"kube/podresources.py"},
     "google": {"kube/podresources.py"},
-    "yaml": {"catalog.py"},
+    "yaml": {"config/yaml_files.py"},
     "tenacity": {"kube/client.py"},
-    "prometheus_client": {"metrics.py", "health.py"},
+    "prometheus_client": {"observability/metrics.py", "observability/health.py"},
 }
-PURE = {"layout.py", "state.py", "placement.py", "models.py", "planner.py", "labels.py",
-        "resources.py", "snapshot.py", "errors.py", "generated.py"}
 STDLIB_OK_IN_PURE = {"__future__", "dataclasses", "enum", "re", "typing", "collections",
                      "itertools", "functools", "math", "difflib", "json"}
 
@@ -42,7 +43,7 @@ def test_outside_libraries_stay_at_their_boundary(path: Path) -> None:
     rel = str(path.relative_to(PKG))
     for lib, allowed in ONLY_HERE.items():
         assert lib not in _imports(path) or rel in allowed, f"{rel} imports {lib}; only {allowed}"
-    if rel in PURE:
+    if rel.startswith("core/"):
         extra = _imports(path) - STDLIB_OK_IN_PURE - {"mig_agent"}
         assert not extra, f"{rel} must stay pure but imports {extra}"
     # the simulated world is a separate package the shipped agent never imports
@@ -50,20 +51,20 @@ def test_outside_libraries_stay_at_their_boundary(path: Path) -> None:
 
 
 def test_importing_the_package_loads_no_hardware_or_cluster_library() -> None:
-    code = ("import sys, mig_agent, mig_agent.planner, mig_agent.layout, mig_agent.agent; "
+    code = ("import sys, mig_agent, mig_agent.core.planner, mig_agent.core.layout, "
+            "mig_agent.agent; "
             "print(sorted(m for m in ('pynvml', 'kubernetes', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=PKG.parent)
     assert out.stdout.strip() == "[]"
 
 
-# The layers of the shipped package, lowest first: a module imports only its own layer or lower.
+# The layers of the shipped package, lowest first, by folder: a module imports only its own
+# layer or lower. A module outside these folders has no layer (the test says so).
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("core", frozenset({"errors", "placement", "models", "state", "layout", "labels", "planner",
-                        "resources", "snapshot", "generated"})),
-    ("boundaries", frozenset({"settings", "catalog", "gpu", "kube", "metrics", "health",
-                              "logs", "hooks"})),
-    ("executor/drain", frozenset({"executor", "drain"})),
+    ("core", frozenset({"core"})),
+    ("boundaries", frozenset({"config", "gpu", "kube", "host", "observability"})),
+    ("node", frozenset({"node"})),
     ("agent/ops", frozenset({"agent", "ops"})),
     ("cli", frozenset({"cli", "__main__"})),
 )
@@ -74,7 +75,14 @@ def _layer(module: str) -> int:
     for i, (_, members) in enumerate(LAYERS):
         if top in members:
             return i
-    raise AssertionError(f"mig_agent.{top} is in no layer of this test; add it to LAYERS")
+    raise AssertionError(f"mig_agent.{top} is in no layer's folder; move it into one "
+                         "(or add its folder to LAYERS)")
+
+
+def test_every_module_sits_in_a_layer_folder() -> None:
+    loose = sorted(p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py",
+                                                                     "__main__.py"))
+    assert not loose, f"modules at the top of mig_agent/, in no layer: {loose}"
 
 
 def _module_name(path: Path) -> str:
@@ -120,8 +128,42 @@ def test_modules_import_only_their_own_layer_or_lower() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_circles() -> None:
-    graph = {_module_name(p): _own_imports(p) for p in PKG.rglob("*.py")}
+def _sim_imports(path: Path) -> set[str]:
+    """The migsim modules ``path`` imports, at any depth (lazy imports too)."""
+    rel = path.relative_to(SIM.parent).with_suffix("")
+    me = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        bases: list[str] = []
+        if isinstance(node, ast.Import):
+            bases = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            bases = [base] + [f"{base}.{a.name}" for a in node.names]
+        for b in bases:
+            file = SIM.parent / (b.replace(".", "/") + ".py")
+            if b.startswith("migsim") and (file.exists() or (SIM.parent / b.replace(".", "/")
+                                                             / "__init__.py").exists()):
+                out.add(b)
+    out.discard(me)
+    # a package's __init__ re-exports its modules: importing them is no circle through it
+    return {m for m in out if not me.startswith(m + ".")}
+
+
+@pytest.mark.parametrize("tree", ["mig_agent", "migsim"])
+def test_no_import_circles(tree: str) -> None:
+    if tree == "mig_agent":
+        graph = {_module_name(p): _own_imports(p) for p in PKG.rglob("*.py")}
+    else:
+        graph = {}
+        for p in SIM.rglob("*.py"):
+            rel = p.relative_to(SIM.parent).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            graph[name] = {m for m in _sim_imports(p) if not m.startswith(name + ".")}
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(m: str, path: list[str]) -> None:

@@ -1,10 +1,10 @@
-"""We test these aspects of the config loader (mig_agent.catalog):
+"""We test these aspects of the config loader (mig_agent.config.profiles):
 
 * NVIDIA's own configs (tests/data/compat) load unchanged, with the content mig-parted reads;
 * each malformed variant is refused with its own InvalidConfig naming file, layout, entry, key;
 * YAML-level problems: repeated keys, syntax errors (with line and column), empty files;
 * reading files, directories and stdin; a layout defined in two files;
-* mig_agent/profiles/: every layout loads and fits every model it selects, each model has its all-*
+* profiles/: every layout loads and fits every model it selects, each model has its all-*
   layouts, all-balanced and mixes of its own;
 * fit_report on the GPU Operator default: NVIDIA's profile names match our catalog's names.
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from mig_agent.catalog import FitResult, fit_report, load_catalog, load_text, parse_config
-from mig_agent.errors import InvalidConfig
-from mig_agent.layout import DeviceFilter, GpuLayout, Layout, LayoutCatalog, MigProfile
-from mig_agent.models import MODELS, GpuModel
+from mig_agent.config.profiles import FitResult, fit_report, load_catalog, load_text, parse_config
+from mig_agent.core.errors import InvalidConfig
+from mig_agent.core.gpu_models import MODELS, GpuModel
+from mig_agent.core.layout import DeviceFilter, GpuLayout, Layout, LayoutCatalog, MigProfile
 
 REPO = Path(__file__).resolve().parents[2]
 COMPAT = REPO / "tests" / "data" / "compat"
 SHARED_COMPAT = REPO.parent / "shared" / "reference" / "compat"
-PROFILES = REPO / "mig_agent" / "profiles"
+PROFILES = REPO / "profiles"
 GPU_OPERATOR = COMPAT / "gpu-operator-default-mig-config.yaml"
 EXAMPLE = COMPAT / "mig-parted-example-config.yaml"
 DGX_STATION = COMPAT / "mig-parted-dgx-station-80gb-config.yaml"
@@ -458,7 +458,7 @@ def test_dash_reads_stdin(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# mig_agent/profiles/
+# profiles/
 
 
 def profile_files() -> list[Path]:

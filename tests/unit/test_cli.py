@@ -30,11 +30,11 @@ import structlog
 from migsim.nvml import library as simlib
 
 from mig_agent import cli
-from mig_agent.catalog import load_catalog, load_text
-from mig_agent.layout import GpuLayout, MigProfile
+from mig_agent.config.profiles import load_catalog, load_text
+from mig_agent.core.layout import GpuLayout, MigProfile
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = str(REPO / "mig_agent" / "profiles")
+PROFILES = str(REPO / "profiles")
 OPERATOR = str(REPO / "tests" / "data" / "compat" / "gpu-operator-default-mig-config.yaml")
 CAPTURES = REPO / "tests" / "data" / "captures"
 H200 = 0x233510DE

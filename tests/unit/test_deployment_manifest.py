@@ -1,7 +1,7 @@
 """We test these aspects of the deployment manifest (daemonset.yaml), without a cluster:
 
 * it is up to date: `scripts/sync-daemonset --check` passes, and the ConfigMap mig-agent-profiles
-  holds exactly the files of mig_agent/profiles/, each of whose layouts loads with the catalog
+  holds exactly the files of profiles/, each of whose layouts loads with the catalog
   loader;
 * the DaemonSet: one agent per GPU node at a time (maxSurge 0, maxUnavailable 1), GPU nodes only,
   tolerates the GPU taint, node name from the downward API, probes on /healthz and /readyz of the
@@ -33,15 +33,15 @@ import pytest
 import yaml
 
 from deploy import policies
-from mig_agent import errors
-from mig_agent.catalog import load_text
-from mig_agent.labels import PAUSED, State
-from mig_agent.settings import Settings
+from mig_agent.config.profiles import load_text
+from mig_agent.config.settings import Settings
+from mig_agent.core import errors
+from mig_agent.core.labels import PAUSED, State
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "daemonset.yaml"
 TAIL = REPO / "charts" / "mig-agent" / "templates" / "daemonset.yaml"  # the DaemonSet's source
-PROFILES = REPO / "mig_agent" / "profiles"
+PROFILES = REPO / "profiles"
 SA = {"kind": "ServiceAccount", "name": "mig-agent", "namespace": "mig-agent"}
 
 Doc = dict[str, Any]

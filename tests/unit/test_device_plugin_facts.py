@@ -31,21 +31,21 @@ from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
 from mig_agent.agent import Agent, Outcome
-from mig_agent.catalog import load_catalog, load_text
-from mig_agent.drain import Clock
-from mig_agent.executor import apply_layout
+from mig_agent.config.profiles import load_catalog, load_text
+from mig_agent.config.settings import Settings
+from mig_agent.core.advertised import NO_SHARING, SharedResource, Sharing
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.layout import Layout
+from mig_agent.core.observed import NodeState
 from mig_agent.gpu.nvml import NvmlGpuBackend
-from mig_agent.layout import Layout
-from mig_agent.models import MODELS
-from mig_agent.resources import NO_SHARING, SharedResource, Sharing
-from mig_agent.settings import Settings
-from mig_agent.state import NodeState
+from mig_agent.node.apply import apply_layout
+from mig_agent.node.drain import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILES = str(REPO / "mig_agent" / "profiles")
+PROFILES = str(REPO / "profiles")
 STATION = str(REPO / "tests" / "data" / "compat" / "mig-parted-dgx-station-80gb-config.yaml")
 NODE = "gpu-node-0"
 DP_NS, DP_SEL = "gpu-operator", {"app": "nvidia-device-plugin-daemonset"}

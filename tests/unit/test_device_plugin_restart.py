@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mig_agent.agent import Outcome
-from mig_agent.drain import Clock
 from mig_agent.kube.cluster import NodeView
+from mig_agent.node.drain import Clock
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.test_agent import CONFIG, DP_NS, NODE, STATE, assert_clean, make
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from mig_agent.drain import WATCH_SLICE_S, Clock, drain_gpu_pods, poll_delays, wait_pods_gone
-from mig_agent.errors import DrainTimeout
+from mig_agent.core.errors import DrainTimeout
 from mig_agent.kube.cluster import PodRef, PodView
+from mig_agent.node.drain import WATCH_SLICE_S, Clock, drain_gpu_pods, poll_delays, wait_pods_gone
 from tests.unit.fake_cluster import FakeCluster
 
 from .test_agent import DP_LABEL, DP_NS, DP_SEL, NODE, FakeTime, label, make
@@ -197,7 +197,7 @@ def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
     """While the new plugin starts, each look reads the node only; its pods are listed once
     the numbers match (before: a list of pods and a read of the node at every look)."""
     from mig_agent.agent import device_plugin
-    from mig_agent.settings import Settings
+    from mig_agent.config.settings import Settings
 
     agent, cluster, gpus = make()
     (old,) = cluster.list_pods(namespace=DP_NS)
@@ -214,7 +214,7 @@ def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
     def look(seconds: float) -> None:
         looks["n"] += 1
         if looks["n"] == 20:
-            from mig_agent.resources import expected_resources
+            from mig_agent.core.advertised import expected_resources
 
             cluster.add_pod(DP_NS, "dp-new", NODE, labels=DP_SEL, owner="DaemonSet")
             cluster.patch_node_resources(

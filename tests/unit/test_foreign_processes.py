@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mig_agent import planner
 from mig_agent.agent import Outcome
+from mig_agent.core import planner
 
 from .fake_gpus import FakeGpus
 from .test_agent import NODE, STATE, assert_clean, end_processes_on_eviction, label, make

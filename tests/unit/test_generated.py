@@ -1,4 +1,5 @@
-"""We test the layouts generated from a GPU model's own MIG profiles (mig_agent.generated):
+"""We test the layouts generated from a GPU model's own MIG profiles 
+(mig_agent.core.generated_layouts):
 
 * for every MIG model, each generated layout is valid: it reads back through the v1 loader and
   plans on an empty GPU of that model;
@@ -17,13 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mig_agent import cli, planner
+from mig_agent import cli
 from mig_agent.agent import Agent, Outcome
-from mig_agent.catalog import load_catalog, load_text
-from mig_agent.generated import covers, model_layouts, to_config, with_generated
-from mig_agent.layout import LayoutCatalog
-from mig_agent.models import MODELS, GpuModel
-from mig_agent.settings import PROFILES, Settings
+from mig_agent.config.profiles import load_catalog, load_text
+from mig_agent.config.settings import PROFILES, Settings
+from mig_agent.core import planner
+from mig_agent.core.generated_layouts import covers, model_layouts, to_config, with_generated
+from mig_agent.core.gpu_models import MODELS, GpuModel
+from mig_agent.core.layout import LayoutCatalog
 
 from .fake_cluster import FakeCluster
 from .fake_gpus import FakeGpus
@@ -97,7 +99,7 @@ def test_generate_config_command(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 def test_the_setting_reads_from_the_environment() -> None:
-    from mig_agent.errors import ConfigError
+    from mig_agent.core.errors import ConfigError
 
     on = Settings.from_env({"MIG_AGENT_GENERATE_CONFIG": "true", "NODE_NAME": "n"})
     assert on.generate_config is True

@@ -1,4 +1,4 @@
-"""We test the node commands boundary (mig_agent.hooks), with real processes:
+"""We test the node commands boundary (mig_agent.node.hooks), with real processes:
 
 * mig-parted's hooks file format loads (its own default hooks file unchanged), with the pre- and
   post-apply commands appended to their hooks; a malformed file is refused naming the file,
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from mig_agent import hooks
-from mig_agent.errors import ConfigError, HookFailed, InvalidConfig
-from mig_agent.settings import Settings
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError, HookFailed, InvalidConfig
+from mig_agent.host import commands
+from mig_agent.node import hooks
 
 # mig-parted's deployments/systemd/hooks-default.yaml (facts of its format: version, hooks, and
 # per command workdir, command, args)
@@ -65,7 +66,7 @@ def test_mig_parteds_default_hooks_file_loads(tmp_path: Path) -> None:
     assert h.of("pre-apply-mode")[0].workdir == "/etc/nvidia-mig-manager"
     # the commands of the settings come last of their hooks
     assert h.of("apply-start")[-1].argv == ("/bin/true", "--pre")
-    assert h.of("post-apply") == (hooks.Command(("nvidia-ctk", "cdi", "generate",
+    assert h.of("post-apply") == (commands.Command(("nvidia-ctk", "cdi", "generate",
                                                  "--mode=management")),)
     assert "pre_apply_command" in h.source and "hooks.yaml" in h.source
     assert not hooks.load_hooks() and hooks.load_hooks(post_apply="x")
@@ -100,8 +101,8 @@ def test_malformed_hooks_files_are_refused_naming_the_problem(tmp_path: Path, te
 def test_gpu_clients_file_of_the_gpu_operator_loads(tmp_path: Path) -> None:
     path = write(tmp_path, "version: v1\nsystemd-services:\n  - nvsm.service\n"
                            "  - nvidia-dcgm.service\n  - nvsm.service\n", "clients.yaml")
-    assert hooks.load_gpu_clients(path) == ("nvsm.service", "nvidia-dcgm.service")
-    assert hooks.load_gpu_clients(write(tmp_path, "", "empty.yaml")) == ()
+    assert commands.load_gpu_clients(path) == ("nvsm.service", "nvidia-dcgm.service")
+    assert commands.load_gpu_clients(write(tmp_path, "", "empty.yaml")) == ()
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -113,18 +114,19 @@ def test_gpu_clients_file_of_the_gpu_operator_loads(tmp_path: Path) -> None:
 def test_malformed_gpu_clients_files_are_refused(tmp_path: Path, text: str,
                                                  fragment: str) -> None:
     with pytest.raises(InvalidConfig, match=fragment):
-        hooks.load_gpu_clients(write(tmp_path, text, "clients.yaml"))
+        commands.load_gpu_clients(write(tmp_path, text, "clients.yaml"))
 
 
 def test_run_command_returns_status_and_output(tmp_path: Path) -> None:
-    done = hooks.run_command(hooks.Command(("/bin/sh", "-c", "echo out; echo err >&2; exit 3"),
-                                           workdir=str(tmp_path)), {}, 10)
+    script = "echo out; echo err >&2; exit 3"
+    done = commands.run_command(commands.Command(("/bin/sh", "-c", script),
+                                                 workdir=str(tmp_path)), {}, 10)
     assert (done.returncode, done.ok, done.error) == (3, False, "")
     assert done.output.split() == ["out", "err"]
     assert done.failure() == "exited with status 3: out | err"
-    ok = hooks.run_command(hooks.Command(("/bin/sh", "-c", "pwd")), {}, 10)
+    ok = commands.run_command(commands.Command(("/bin/sh", "-c", "pwd")), {}, 10)
     assert ok.ok and ok.failure() == "exited with status 0: " + os.getcwd()
-    missing = hooks.run_command(hooks.Command(("/nonexistent/tool",)), {}, 10)
+    missing = commands.run_command(commands.Command(("/nonexistent/tool",)), {}, 10)
     assert not missing.ok and missing.failure().startswith("could not run: ")
     assert "/nonexistent/tool" in missing.failure()
 
@@ -137,7 +139,7 @@ def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path: Pat
     script = '(exec 3>"$0" >/dev/null 2>&1; echo up >&3; exec sleep 30) & echo started; sleep 30'
     try:
         start = time.monotonic()
-        done = hooks.run_command(hooks.Command(("/bin/sh", "-c", script, str(fifo))), {}, 0.5)
+        done = commands.run_command(commands.Command(("/bin/sh", "-c", script, str(fifo))), {}, 0.5)
         assert time.monotonic() - start < 5
         assert done.error == "did not finish within 0.5 s (killed)" and "started" in done.output
         # the whole session was killed, not only the shell
@@ -174,18 +176,18 @@ hooks:
     h = hooks.load_hooks(write(tmp_path, text))
     with pytest.raises(HookFailed) as err:
         hooks.run_hook(h, "apply-exit", {"B": "context", "MIG_PARTED_SELECTED_CONFIG": "all-x"},
-                       runner=hooks.run_command, timeout_s=10)
+                       runner=commands.run_command, timeout_s=10)
     # envs, the context over them, and not the agent's own environment (HOME)
     assert log.read_text() == "hook context all-x nohome\n"
     assert str(err.value) == ("apply-exit hook `/bin/sh -c 'seq 1 3; exit 7'` exited with "
                               "status 7: 1 | 2 | 3")
     assert err.value.context["returncode"] == 7
-    assert hooks.run_hook(h, "pre-apply-mode", {}, runner=hooks.run_command, timeout_s=1) == 0
+    assert hooks.run_hook(h, "pre-apply-mode", {}, runner=commands.run_command, timeout_s=1) == 0
 
 
 def test_output_in_a_reason_is_trimmed_to_its_end() -> None:
     text = "\n".join(f"line {i}" for i in range(1000))
-    out = hooks.trimmed(text, cap=60)
+    out = commands.trimmed(text, cap=60)
     assert len(out) == 60 and out.startswith("...") and out.endswith("line 999")
 
 

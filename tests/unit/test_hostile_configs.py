@@ -15,16 +15,10 @@ import pytest
 from migsim.nvml import library as simlib
 from migsim.nvml import open_node
 
-from mig_agent.catalog import (
-    MAX_COUNT,
-    MAX_DEPTH,
-    MAX_FILE_BYTES,
-    MAX_NODES,
-    load_catalog,
-    load_text,
-)
-from mig_agent.errors import InvalidConfig, PlanError, UnknownLayout
-from mig_agent.executor import apply_layout
+from mig_agent.config.profiles import MAX_COUNT, load_catalog, load_text
+from mig_agent.config.yaml_files import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES
+from mig_agent.core.errors import InvalidConfig, PlanError, UnknownLayout
+from mig_agent.node.apply import apply_layout
 
 HEAD = "version: v1\nmig-configs:\n"
 OK_ENTRY = "    - {devices: all, mig-enabled: false}\n"
@@ -215,7 +209,7 @@ def test_the_hostile_corpus_is_large_and_distinct() -> None:
 
 def test_limits_leave_every_real_config_well_inside(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
-    for path in [*sorted((repo / "mig_agent" / "profiles").glob("*.yaml")),
+    for path in [*sorted((repo / "profiles").glob("*.yaml")),
                  *sorted((repo / "tests" / "data" / "compat").glob("*.yaml"))]:
         assert path.stat().st_size < MAX_FILE_BYTES // 10, path
         load_catalog([path])
@@ -270,7 +264,7 @@ def test_a_layout_that_cannot_be_for_this_node_touches_no_gpu(
 @pytest.mark.parametrize("value", ["", " ", "a" * 64, "all-1g.10gb\u00fc", "ａｌｌ-1g.10gb",
                                    "all-1g.10gb\n", "ALL-1G.10GB", "all-1g.10gb ", "${LAYOUT}"])
 def test_a_label_value_naming_no_layout_is_refused_by_name(value: str) -> None:
-    catalog = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
+    catalog = load_catalog([Path(__file__).resolve().parents[2] / "profiles"])
     with pytest.raises(UnknownLayout) as info:
         catalog.get(value)
     assert f"unknown layout {value!r}" in str(info.value)

@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from migsim.cluster import kubeconfig, pki
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
 
-from mig_agent.errors import KubeError, KubeUnavailable
+from mig_agent.core.errors import KubeError, KubeUnavailable
 from mig_agent.kube.client import KubernetesCluster
 
 
@@ -169,7 +169,7 @@ def test_conflicts_without_end_are_named(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize("status", [401, 403])
 def test_a_refusal_of_the_credentials_is_retryable_by_the_agent_not_in_the_request(
         monkeypatch: pytest.MonkeyPatch, status: int) -> None:
-    from mig_agent.errors import KubeForbidden
+    from mig_agent.core.errors import KubeForbidden
 
     k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
     calls: list[str] = []

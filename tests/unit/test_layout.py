@@ -1,4 +1,4 @@
-"""We test these aspects of the desired-state values (mig_agent.layout):
+"""We test these aspects of the desired-state values (mig_agent.core.layout):
 
 * MigProfile: parse and str round-trip for generated names and for every name of every catalog
   model; non-canonical spellings canonicalise; malformed names are refused with a reason;
@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mig_agent.errors import InvalidConfig, UnknownLayout
-from mig_agent.layout import (
+from mig_agent.core.errors import InvalidConfig, UnknownLayout
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.layout import (
     DeviceFilter,
     DeviceSelector,
     GpuLayout,
@@ -24,7 +25,6 @@ from mig_agent.layout import (
     MigProfile,
     Rule,
 )
-from mig_agent.models import MODELS
 
 # ---------------------------------------------------------------------------------------------
 # MigProfile

@@ -1,4 +1,4 @@
-"""We test these aspects of the logging setup (`mig_agent.logs.configure_logging`):
+"""We test these aspects of the logging setup (`mig_agent.observability.logs.configure_logging`):
 
 * JSON format: a structlog event, a stdlib record from a library (`kubernetes.client`) and an
   exception logged with `log.exception` are each one JSON line with the same fixed keys (event,
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import structlog
 
-from mig_agent import logs
+from mig_agent.observability import logs
 
 SECRET = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2Vu.sig-4f1d"  # noqa: S105 (a fake token)
 

@@ -1,5 +1,6 @@
-"""We test these aspects of the agent's metrics (`mig_agent.metrics`) and its HTTP endpoints
-(`mig_agent.health`):
+"""We test these aspects of the agent's metrics 
+(`mig_agent.observability.metrics`) and its HTTP endpoints
+(`mig_agent.observability.health`):
 
 * every metric family: its name (prefix `mig_agent_`, `_seconds` for durations and timestamps),
   type, help text and label names, read with `registry.collect()`;
@@ -28,11 +29,17 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mig_agent.errors import GpuError
-from mig_agent.health import HealthServer
-from mig_agent.metrics import MAX_LAYOUTS, OTHER_LAYOUT, STATES, InstrumentedGpus, Metrics
-from mig_agent.models import MODELS
-from mig_agent.placement import Placement
+from mig_agent.core.errors import GpuError
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.placement import Placement
+from mig_agent.observability.health import HealthServer
+from mig_agent.observability.metrics import (
+    MAX_LAYOUTS,
+    OTHER_LAYOUT,
+    STATES,
+    InstrumentedGpus,
+    Metrics,
+)
 
 from .fake_gpus import FakeGpus
 

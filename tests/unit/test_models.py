@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from mig_agent.models import MODELS, mig_memory_gb, model, parse_gpu_spec, resource_name
-from mig_agent.placement import Placement
+from mig_agent.core.gpu_models import MODELS, mig_memory_gb, model, parse_gpu_spec, resource_name
+from mig_agent.core.placement import Placement
 
 NVIDIA_NAMES = {
     "A100-40GB": ["1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"],

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from mig_agent import hooks
 from mig_agent.agent import Agent, Outcome
-from mig_agent.hooks import Command, Completed
-from mig_agent.models import MODELS
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.host import commands
+from mig_agent.host.commands import Command, Completed
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
@@ -96,7 +96,7 @@ def test_a_failed_delete_of_the_operator_validator_does_not_fail_an_applied_layo
     delete = cluster.delete_pod
 
     def refuse(ref: object) -> None:
-        from mig_agent.errors import KubeError
+        from mig_agent.core.errors import KubeError
 
         if getattr(ref, "name", "") == "operator-val":
             raise KubeError("forbidden (fake)")
@@ -112,14 +112,14 @@ def test_a_failed_delete_of_the_operator_validator_does_not_fail_an_applied_layo
 
 
 def recording_runner(gpus: FakeGpus, seen: list[tuple[str, Mapping[str, str], tuple[bool, int]]]
-                     ) -> hooks.Runner:
+                     ) -> commands.Runner:
     """Runs each command for real, noting its hook, environment and GPU 0 at that moment."""
 
     def run(command: Command, env: Mapping[str, str], timeout_s: float) -> Completed:
         g = gpus.observe().gpu(0)
         seen.append((env.get("MIG_AGENT_HOOK", ""), dict(env),
                      (g.mig_current, len(g.gpu_instances))))
-        return hooks.run_command(command, env, timeout_s)
+        return commands.run_command(command, env, timeout_s)
 
     return run
 

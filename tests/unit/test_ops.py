@@ -23,18 +23,18 @@ from pathlib import Path
 import pytest
 
 from mig_agent import cli, ops
-from mig_agent.catalog import load_catalog
 from mig_agent.cli import ops_commands
-from mig_agent.drain import Clock
-from mig_agent.errors import ConfigError, UnknownLayout
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError, UnknownLayout
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.snapshot import compact, empty_node
 from mig_agent.kube.cluster import NodeView
-from mig_agent.models import MODELS
+from mig_agent.node.drain import Clock
 from mig_agent.ops import Action, Result, RolloutRefused
-from mig_agent.settings import Settings
-from mig_agent.snapshot import compact, empty_node
 from tests.unit.fake_cluster import FakeCluster
 
-CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
+CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "profiles"])
 S = Settings()
 CONFIG, STATE = S.config_label, S.state_label
 REASON, GPU_STATE = S.reason_annotation, S.gpu_state_annotation

@@ -19,17 +19,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mig_agent.errors import GpuBusy, PlanError
-from mig_agent.executor import execute
-from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
-from mig_agent.models import MODELS, GiProfile, GpuModel
-from mig_agent.planner import (
+from mig_agent.core.errors import GpuBusy, PlanError
+from mig_agent.core.gpu_models import MODELS, GiProfile, GpuModel
+from mig_agent.core.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
+from mig_agent.core.planner import (
     CreateGpuInstance,
     DestroyGpuInstance,
     observed_devices,
     plan,
     plan_gpu,
 )
+from mig_agent.node.apply import execute
 
 from ..oracle import fitting_multisets
 from .fake_gpus import FakeGpus
@@ -136,7 +136,7 @@ def test_fragmented_gpu_is_repacked_by_moving_only_what_blocks() -> None:
 
 def test_layout_selecting_no_gpu_is_an_error() -> None:
     gpus = empty_gpu(MODELS["H200"])
-    from mig_agent.layout import DeviceFilter
+    from mig_agent.core.layout import DeviceFilter
 
     only_a30 = Layout(
         "a30-only",
@@ -272,7 +272,7 @@ def test_plans_from_random_states_keep_busy_and_reach_target(
 
 
 def _fits_around(model: GpuModel, present: tuple, busy_ids: set[int], rest: Counter[str]) -> bool:
-    from mig_agent.planner import place
+    from mig_agent.core.planner import place
 
     taken = 0
     for gi in present:

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from migsim import podresources_server
 
-from mig_agent.errors import KubeError, KubeUnavailable
+from mig_agent.core.errors import KubeError, KubeUnavailable
 from mig_agent.kube import podresources
 
 LIST = "/v1.PodResourcesLister/List"

@@ -24,20 +24,20 @@ from typing import Any
 import pytest
 import structlog
 
-from mig_agent import planner
 from mig_agent.agent import Outcome, loop, reporting
 from mig_agent.agent.outcome import PassResult
-from mig_agent.catalog import load_catalog
-from mig_agent.drain import GRACE_MARGIN_S, Clock
-from mig_agent.errors import GpuStepFailed, KubeForbidden, Stopping
-from mig_agent.executor import execute
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.core import planner
+from mig_agent.core.advertised import plugin_listing
+from mig_agent.core.errors import GpuStepFailed, KubeForbidden, Stopping
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.labels import PAUSED
+from mig_agent.core.placement import Placement
+from mig_agent.core.planner import CreateComputeInstance
 from mig_agent.kube.cluster import NodeCondition, NodeView, PodRef
-from mig_agent.labels import PAUSED
-from mig_agent.models import MODELS
-from mig_agent.placement import Placement
-from mig_agent.planner import CreateComputeInstance
-from mig_agent.resources import plugin_listing
-from mig_agent.settings import Settings
+from mig_agent.node.apply import execute
+from mig_agent.node.drain import GRACE_MARGIN_S, Clock
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.test_agent import (
     CONFIG,

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from mig_agent.agent import Outcome
-from mig_agent.errors import GpuResetRequired, RebootFailed
+from mig_agent.core.errors import GpuResetRequired, RebootFailed
+from mig_agent.core.gpu_models import MODELS
 from mig_agent.kube.cluster import NodeView
-from mig_agent.models import MODELS
 from tests.unit.fake_gpus import FakeGpus
 from tests.unit.test_agent import CONFIG, NODE, STATE, assert_clean, make
 

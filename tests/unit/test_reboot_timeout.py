@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from mig_agent.agent.reboot import REBOOT_TIMEOUT_S, run_reboot
-from mig_agent.errors import ConfigError, RebootFailed
-from mig_agent.settings import Settings
+from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError, RebootFailed
 
 HANGS = shlex.join([sys.executable, "-c", "import time; time.sleep(60)"])
 

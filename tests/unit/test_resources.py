@@ -1,5 +1,5 @@
-"""We test these aspects of mig_agent.resources (what NVIDIA's device plugin advertises) and of
-the device plugin config reading in mig_agent.catalog:
+"""We test these aspects of mig_agent.core.advertised (what NVIDIA's device plugin
+advertises) and of the device plugin config reading in mig_agent.config.profiles:
 
 * mixed strategy: a MIG device that splits a GPU instance (``1c.3g.40gb``) makes the plugin
   advertise nothing at all, with a reason naming the strategy, the profile and the GPUs; single
@@ -20,12 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mig_agent.catalog import device_plugin_sharing, load_text
-from mig_agent.errors import ConfigError, InvalidConfig
-from mig_agent.executor import execute
-from mig_agent.models import MODELS, GpuModel
-from mig_agent.planner import plan
-from mig_agent.resources import (
+from mig_agent.config.device_plugin import device_plugin_sharing
+from mig_agent.config.profiles import load_text
+from mig_agent.core.advertised import (
     NO_SHARING,
     SharedResource,
     Sharing,
@@ -36,6 +33,10 @@ from mig_agent.resources import (
     planned_devices,
     strategy_problem,
 )
+from mig_agent.core.errors import ConfigError, InvalidConfig
+from mig_agent.core.gpu_models import MODELS, GpuModel
+from mig_agent.core.planner import plan
+from mig_agent.node.apply import execute
 
 from .fake_gpus import FakeGpus
 

@@ -31,17 +31,17 @@ from migsim.device_plugin import Allocations, Device, offered_devices
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
-from mig_agent.catalog import load_catalog
-from mig_agent.errors import KubeUnavailable
-from mig_agent.executor import apply_layout
+from mig_agent.config.profiles import load_catalog
+from mig_agent.core.advertised import expected_resources
+from mig_agent.core.errors import KubeUnavailable
+from mig_agent.core.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
 from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.kube import podresources
 from mig_agent.kube.cluster import PodRef, PodView
-from mig_agent.layout import DeviceSelector, GpuLayout, Layout, MigProfile, Rule
-from mig_agent.resources import expected_resources
+from mig_agent.node.apply import apply_layout
 from tests.unit.fake_cluster import FakeCluster
 
-CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "mig_agent" / "profiles"])
+CATALOG = load_catalog([Path(__file__).resolve().parents[2] / "profiles"])
 NODE = "gpu-node-0"
 G1, G4, GPU = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-4g.40gb", "nvidia.com/gpu"
 

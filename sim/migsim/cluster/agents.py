@@ -25,10 +25,8 @@ agent and restarts it with the kubelet's back-off (10 s doubling to 5 min; `star
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -37,13 +35,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mig_agent.settings import PROFILES as DEFAULT_PROFILES
+from mig_agent.config.settings import PROFILES as DEFAULT_PROFILES
 from migsim.nvml import state as simstate
 
+# running and stop_all are this module's too: they are what its callers know it by
+from .agent_records import RECORDS, node_procs, reap_group, supervisor_status
+from .agent_records import running as running
+from .agent_records import stop_all as stop_all
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, free_ports, spawn, stop
-from .records import RecordFile, kill_one, procs
+from .records import kill_one, procs
 
 KUBELET_BACKOFF = (10.0, 300.0)  # a kubelet's restart delay: first, cap (seconds)
 
@@ -54,7 +56,6 @@ AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
 DEVICE_PLUGINS = ("nvidia", "simulated")
-RECORDS = RecordFile("agents.json", lock=".agents.lock")
 
 DEVICE_PLUGIN = {
     "apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -289,80 +290,21 @@ def _first_agent(supervisor: Proc, status_file: Path, timeout: float = 30.0) -> 
         time.sleep(0.02)
 
 
-def supervisor_status(status_file: Path | str) -> dict[str, Any]:
-    """What the supervisor says (supervisor.py); {} when it has not said anything yet."""
-    try:
-        data: dict[str, Any] = json.loads(Path(status_file).read_text())
-        return data
-    except (OSError, ValueError):
-        return {}
-
-
-def _procs(record: Mapping[str, Any]) -> list[Proc]:
-    """The processes of a node's record, in stopping order: the supervisor before its agent."""
-    return procs(record, ("supervisor", "agent", "device_plugin"))
-
-
 def stop_node(directory: Path, node: str) -> None:
     """Stop the agent (its supervisor first) and device plugin of `node` (SIGTERM, then SIGKILL)."""
     mine = running(directory).get(node)
     if mine is not None:
-        stop(_procs(mine))
+        stop(node_procs(mine))
         if mine.get("device_plugin"):
-            _reap_group(Proc(**mine["device_plugin"]))
+            reap_group(Proc(**mine["device_plugin"]))
     with RECORDS.locked(directory):
         RECORDS.save(directory, {n: r for n, r in RECORDS.load(directory).items() if n != node})
-
-
-def _reap_group(leader: Proc, timeout: float = 10.0) -> None:
-    """Wait until no process of `leader`'s group (it is gone) is left, SIGKILL what stays: the
-    node runtime's children (NVIDIA's plugin, GFD, the GPU simulator) outlive the script that led
-    the group by the moment they take to stop. A group id is never reused while the group has
-    members, so this signals only processes that the node's start put there."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.killpg(leader.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(leader.pid, signal.SIGKILL)
-            return
-        time.sleep(0.05)
 
 
 def kill_agent(directory: Path, node: str) -> Proc | None:
     """SIGKILL the agent of `node` at once, as a crash would: no clean-up runs. Its supervisor
     restarts it after the back-off. The killed process, or None if no agent runs."""
     return kill_one(running(directory), node, "agent")
-
-
-def stop_all(directory: Path) -> list[str]:
-    with RECORDS.locked(directory):
-        records = running(directory)
-        killed = stop([p for r in records.values() for p in _procs(r)])
-        for r in records.values():
-            if r.get("device_plugin"):
-                _reap_group(Proc(**r["device_plugin"]))
-        RECORDS.save(directory, {})
-    return killed
-
-
-def running(directory: Path) -> dict[str, dict[str, Any]]:
-    """The recorded agents per node; `agent` is the process that runs now (or ran last), as
-    its supervisor reports it, with the supervisor's `state` and `restarts`."""
-    records = RECORDS.load(directory)
-    for record in records.values():
-        if not record.get("status_file"):
-            continue
-        status = supervisor_status(record["status_file"])
-        if status.get("agent"):
-            record["agent"] = status["agent"]
-        record["restarts"] = int(status.get("restarts", 0))
-        record["state"] = status.get("state", "")
-        record["last_exit"] = status.get("last_exit", "")
-    return records
 
 
 def agent_state(record: Mapping[str, Any]) -> str:

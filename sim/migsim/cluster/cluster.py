@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kubeconfig, kwok_stages, nodes, pki
+from .agent_records import stop_all
 from .api import Api, ApiError, probe
 from .errors import BinariesMissing, ClusterNotRunning, DevClusterError, WaitTimeout
 from .processes import Proc, free_ports, spawn, stop
@@ -562,8 +563,6 @@ def down(directory: Path | None = None, *, purge: bool = False) -> list[str]:
     directory = (directory or default_dir()).resolve()
     if not directory.exists():
         return []
-    from .agents import stop_all  # agents import this module
-
     agents_killed = stop_all(directory)
     with _locked(directory):
         state = _load_state(directory)

@@ -1,4 +1,5 @@
-"""Errors of the local cluster tooling (a development aid, outside mig_agent.errors' agent tree)."""
+"""Errors of the local cluster tooling (a development aid, outside the agent's own errors,
+mig_agent.core.errors)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mig_agent.models import GpuModel, parse_gpu_spec
-from mig_agent.resources import is_skipped
+from mig_agent.core.advertised import is_skipped
+from mig_agent.core.gpu_models import GpuModel, parse_gpu_spec
 
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 # The GPU spec a simulated node was created with (`8xH100-80GB`), for that node's GPU simulator.
@@ -75,7 +75,8 @@ def node_manifest(name: str, *, labels: Mapping[str, str],
 def gpu_node_manifest(name: str, gpus: str = DEFAULT_GPUS, *,
                       extra_labels: Mapping[str, str] | None = None,
                       taints: Sequence[Mapping[str, str]] = ()) -> Manifest:
-    """A simulated GPU node; `gpus` as `mig_agent.models.parse_gpu_spec` reads it (`8xH100-80GB`).
+    """A simulated GPU node; `gpus` as `mig_agent.core.gpu_models.parse_gpu_spec` reads it
+    (`8xH100-80GB`).
 
     It advertises `nvidia.com/gpu: <count>`, as the device plugin does before MIG is configured
     (display GPUs, which the plugin skips, not counted).

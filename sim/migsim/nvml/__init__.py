@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mig_agent.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
+from mig_agent.core.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
 from mig_agent.gpu.nvml import NvmlGpuBackend, open_backend
 
 from . import state

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple, TypeVar
 
-from mig_agent.models import Architecture, CiProfile, GiProfile
-from mig_agent.placement import Placement
+from mig_agent.core.gpu_models import Architecture, CiProfile, GiProfile
+from mig_agent.core.placement import Placement
 from migsim.nvml import state as st
 from migsim.nvml.state import (
     ENV_STATE,

@@ -4,7 +4,7 @@ One simulated node is one JSON file, so separate processes (CLI calls, the agent
 device plugin) see one node. Every mutation is a read-modify-write under an exclusive ``flock`` on
 ``<file>.lock`` with an atomic replace; reads take a shared lock. The behaviour (ids, placements,
 IN_USE, MIG mode pending until reset on Ampere, ...) follows real hardware as described in the
-project's NVML reference; the GPU tables come from mig_agent.models, never retyped here.
+project's NVML reference; the GPU tables come from mig_agent.core.gpu_models, never retyped here.
 
 This module knows NVML only as return codes (ints). It must not import pynvml or ctypes: the C
 ABI lives in migsim.nvml.library, which drives these functions.
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mig_agent.models import CiProfile, GiProfile, GpuModel, model, parse_gpu_spec
-from mig_agent.placement import Placement
+from mig_agent.core.gpu_models import CiProfile, GiProfile, GpuModel, model, parse_gpu_spec
+from mig_agent.core.placement import Placement
 
 ENV_STATE = "MIG_AGENT_SIM_STATE"
 SCHEMA = 1

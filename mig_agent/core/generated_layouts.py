@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from mig_agent.errors import PlanError
-from mig_agent.layout import (
+from mig_agent.core.errors import PlanError
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.layout import (
     DeviceFilter,
     DeviceSelector,
     GpuLayout,
@@ -23,8 +24,7 @@ from mig_agent.layout import (
     MigProfile,
     Rule,
 )
-from mig_agent.models import GpuModel
-from mig_agent.planner import demands_for
+from mig_agent.core.planner import demands_for
 
 SOURCE = "generated from the GPUs' MIG profiles"
 

@@ -1,6 +1,6 @@
 """Observed state: what NVML reports about this node's GPUs now.
 
-Kept apart from the desired state (mig_agent.layout) so that "what is" is never confused with
+Kept apart from the desired state (mig_agent.core.layout) so that "what is" is never confused with
 "what should be". Pure module: frozen values, no I/O.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mig_agent.placement import Placement
+from mig_agent.core.placement import Placement
 
 
 @dataclass(frozen=True, slots=True)

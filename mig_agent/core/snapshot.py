@@ -10,10 +10,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from mig_agent.models import MODEL_BY_PCI_ID, GpuModel, model
-from mig_agent.placement import Placement
-from mig_agent.planner import observed_devices
-from mig_agent.state import ComputeInstance, GpuInfo, GpuInstance, GpuProcess, GpuState, NodeState
+from mig_agent.core.gpu_models import MODEL_BY_PCI_ID, GpuModel, model
+from mig_agent.core.observed import (
+    ComputeInstance,
+    GpuInfo,
+    GpuInstance,
+    GpuProcess,
+    GpuState,
+    NodeState,
+)
+from mig_agent.core.placement import Placement
+from mig_agent.core.planner import observed_devices
 
 
 def export_config(

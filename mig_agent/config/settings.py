@@ -15,9 +15,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from mig_agent.errors import ConfigError
+from mig_agent.core.errors import ConfigError
 
-PROFILES = Path(__file__).resolve().parent / "profiles"
+
+def _profiles() -> Path:
+    # installed: inside the package; a source checkout keeps them at the top of the tree
+    # (setuptools maps that folder into the package, but an editable install does not copy it)
+    package = Path(__file__).resolve().parents[1]
+    shipped = package / "profiles"
+    return shipped if shipped.is_dir() else package.parent / "profiles"
+
+
+PROFILES = _profiles()
 """The default layouts, shipped inside the package (the DaemonSet mounts its ConfigMap instead)."""
 
 

@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from mig_agent.errors import ConfigError, InvalidConfig
-from mig_agent.models import GpuModel, resource_name
-from mig_agent.planner import Plan, observed_devices
-from mig_agent.state import NodeState
+from mig_agent.core.errors import ConfigError, InvalidConfig
+from mig_agent.core.gpu_models import GpuModel, resource_name
+from mig_agent.core.observed import NodeState
+from mig_agent.core.planner import Plan, observed_devices
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 MIG_STRATEGIES: Final = ("mixed", "single")

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from mig_agent.placement import Placement
+from mig_agent.core.placement import Placement
 
 
 class Architecture(StrEnum):
@@ -430,7 +430,7 @@ def resource_name(device_name: str, *, strategy: str = "mixed") -> str | None:
     ``nvidia.com/mig-<name>`` with ``+`` replaced by ``.``, and None for a device that splits a
     GPU instance (``1c.3g.71gb``): the plugin makes patterns only for profiles whose compute
     slices equal their GPU slices (k8s-device-plugin ``internal/rm/rm.go``), and refuses to start
-    on a device that matches none (see mig_agent.resources).
+    on a device that matches none (see mig_agent.core.advertised).
     """
     if strategy == "single":
         return "nvidia.com/gpu"

@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mig_agent.errors import GpuBusy, PlanError
-from mig_agent.layout import GpuLayout, Layout
-from mig_agent.models import CiProfile, GiProfile, GpuModel
-from mig_agent.placement import Placement
-from mig_agent.state import GpuInstance, GpuState, NodeState
+from mig_agent.core.errors import GpuBusy, PlanError
+from mig_agent.core.gpu_models import CiProfile, GiProfile, GpuModel
+from mig_agent.core.layout import GpuLayout, Layout
+from mig_agent.core.observed import GpuInstance, GpuState, NodeState
+from mig_agent.core.placement import Placement
 
 # ---------------------------------------------------------------------------------------------
 # Steps

@@ -1,4 +1,6 @@
-"""The executor: applies a plan to this node's GPUs step by step, then verifies by re-observing.
+"""Applying a plan to this node's GPUs: the one apply sequence of the agent and the CLI (the
+site's hooks around the steps, as mig-parted runs them), the steps themselves, and the check
+that the GPUs are as the layout says.
 
 Node-local: knows no Kubernetes. NVML create/destroy calls are never retried blindly (they are
 not idempotent); a failed step stops the apply, and the next apply re-plans from what NVML says.
@@ -8,18 +10,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import assert_never
 
 import structlog
 
-from mig_agent import planner
-from mig_agent.errors import GpuError, GpuResetRequired, GpuStepFailed
-from mig_agent.gpu.backend import GpuBackend
-from mig_agent.layout import Layout
-from mig_agent.models import GpuModel
-from mig_agent.placement import Placement
-from mig_agent.planner import (
+from mig_agent.core import planner
+from mig_agent.core.errors import GpuError, GpuResetRequired, GpuStepFailed, HookFailed
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.layout import Layout
+from mig_agent.core.observed import NodeState
+from mig_agent.core.placement import Placement
+from mig_agent.core.planner import (
     CreateComputeInstance,
     CreateGpuInstance,
     DestroyComputeInstance,
@@ -28,7 +30,15 @@ from mig_agent.planner import (
     SetMigMode,
     Step,
 )
-from mig_agent.state import NodeState
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.node.hooks import (
+    APPLY_EXIT,
+    APPLY_START,
+    POST_APPLY,
+    PRE_APPLY_CONFIG,
+    PRE_APPLY_MODE,
+    HookRunner,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -72,28 +82,54 @@ class ApplyReport:
 def apply_layout(
     layout: Layout,
     gpus: GpuBackend,
+    hook_run: HookRunner | None = None,
     *,
     destroy_in_use: bool = False,
     reset: bool = True,
     dry_run: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> ApplyReport:
-    """Plan ``layout`` against the GPUs as they are, execute, and verify the result.
+    """Plan ``layout`` against the GPUs as they are, apply it (``apply_plan``, with the hooks of
+    ``hook_run``), verify the result, and run the post-apply hooks when something changed.
 
     Raises PlanError/GpuBusy before anything is touched when the layout cannot be reached,
-    GpuError when NVML refuses a step, GpuResetRequired when a MIG mode change stays pending.
+    GpuError when NVML refuses a step, GpuResetRequired when a MIG mode change stays pending,
+    HookFailed when a hook does.
     """
     start = clock()
     models = gpus.models()
     the_plan = planner.plan(layout, gpus.observe(), models, destroy_in_use=destroy_in_use)
     report = ApplyReport(layout.name, the_plan)
-    if dry_run or the_plan.is_empty:
+    if dry_run:
         report.duration_s = clock() - start
         return report
-    execute(the_plan, gpus, report=report, reset=reset)
-    verify(layout, gpus.observe(), models)
+    hook_run = hook_run or HookRunner.none()
+    pending = apply_plan(the_plan, gpus, hook_run, report=report, reset=reset)
+    if pending is not None:
+        raise pending
+    if not the_plan.is_empty:
+        verify(layout, gpus.observe(), models)
+        hook_run.run(POST_APPLY)
     report.duration_s = clock() - start
     return report
+
+
+def apply_plan(the_plan: Plan, gpus: GpuBackend, hook_run: HookRunner, *,
+               report: ApplyReport | None = None, reset: bool = True
+               ) -> GpuResetRequired | None:
+    """The one apply sequence, as mig-parted runs it with its hooks: apply-start; pre-apply-mode
+    and the mode phase; pre-apply-config and the instances; apply-exit always (told how the
+    apply ended; its own failure the apply's only when nothing else failed). A GPU whose MIG
+    mode change stays pending is returned once the other GPUs are done; anything else that
+    fails is raised."""
+    hook_run.run(APPLY_START)
+    try:
+        pending = execute_in_phases(the_plan, gpus, hook_run, report=report, reset=reset)
+    except Exception as exc:
+        apply_exit(hook_run, exc)
+        raise
+    apply_exit(hook_run, pending)
+    return pending
 
 
 def verify(layout: Layout, observed: NodeState, models: Mapping[int, GpuModel]) -> None:
@@ -206,3 +242,60 @@ def _run(
             )
         case _:
             assert_never(step)
+
+
+def execute_in_phases(the_plan: Plan, gpus: GpuBackend, hook_run: HookRunner, *,
+                      report: ApplyReport | None = None, reset: bool = True
+                      ) -> GpuResetRequired | None:
+    """Apply as mig-parted does with its hooks: pre-apply-mode and the mode phase (on each GPU
+    whose MIG mode changes, its steps up to and with that change: the destroys first), then
+    pre-apply-config and the config phase (the instances). A GPU whose mode stays pending skips
+    the second; its GpuResetRequired is returned once the other GPUs are done."""
+    mode, config = split(the_plan)
+    pending = None
+    if not mode.is_empty:
+        hook_run.run(PRE_APPLY_MODE)
+        try:
+            execute(mode, gpus, report=report, reset=reset)
+        except GpuResetRequired as exc:
+            pending = exc
+    waiting: set[int] = set()
+    if pending is not None:  # the GPUs it names, else every GPU whose mode changes
+        waiting = _gpus_of(pending) or {g.gpu for g in mode.gpus if not g.is_empty}
+    config = replace(config, gpus=tuple(g for g in config.gpus if g.gpu not in waiting))
+    if not config.is_empty:
+        hook_run.run(PRE_APPLY_CONFIG)
+        execute(config, gpus, report=report, reset=reset)
+    return pending
+
+
+def split(the_plan: Plan) -> tuple[Plan, Plan]:
+    """The plan's mode phase (on each GPU whose MIG mode changes: its steps up to and with the
+    mode change) and config phase (the rest)."""
+    mode, config = [], []
+    for g in the_plan.gpus:
+        cut = next((i + 1 for i, st in enumerate(g.steps) if isinstance(st, SetMigMode)),
+                   0)
+        mode.append(replace(g, steps=g.steps[:cut]))
+        config.append(replace(g, steps=g.steps[cut:]))
+    return replace(the_plan, gpus=tuple(mode)), replace(the_plan, gpus=tuple(config))
+
+
+def _gpus_of(exc: GpuResetRequired) -> set[int]:
+    many = exc.context.get("gpus")
+    if isinstance(many, list):
+        return {g for g in many if isinstance(g, int)}
+    one = exc.context.get("gpu")
+    return {one} if isinstance(one, int) else set()
+
+
+def apply_exit(hook_run: HookRunner, error: Exception | None) -> None:
+    """apply-exit, after a successful or failed apply (MIG_AGENT_RESULT, MIG_AGENT_ERROR): its
+    failure is the apply's only when nothing else failed, as in mig-parted."""
+    try:
+        hook_run.run(APPLY_EXIT, MIG_AGENT_RESULT="failed" if error else "success",
+                     MIG_AGENT_ERROR=str(error) if error else "")
+    except HookFailed as exc:
+        if error is None:
+            raise
+        log.error("hook.failed", hook=APPLY_EXIT, error=str(exc))

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from mig_agent.errors import InvalidConfig, UnknownLayout
+from mig_agent.core.errors import InvalidConfig, UnknownLayout
 
 # [<C>c.]<G>g.<GB>gb[+attr[,attr...] | -attr[,attr...]]; attributes alphanumeric or '.', not
 # starting with a digit.

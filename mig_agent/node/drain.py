@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import structlog
 
-from mig_agent.errors import DrainTimeout, EvictionBlocked, KubeError
+from mig_agent.core.errors import DrainTimeout, EvictionBlocked, KubeError
 from mig_agent.kube.cluster import Cluster, PodRef, PodView
 
 log = structlog.get_logger(__name__)

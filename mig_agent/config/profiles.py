@@ -10,10 +10,7 @@ device-filter that is no PCI id (it would match nothing), a key repeated in one 
 would keep the last one), non-integer counts. Every error is an InvalidConfig whose message and
 ``.context`` name the file, the layout, the entry and the key.
 
-``device_plugin_sharing`` reads the other config file the agent needs: NVIDIA device plugin's,
-whose sharing section changes what a node advertises (parsed by mig_agent.resources).
-
-The only module of mig_agent that imports yaml.
+The YAML itself is read by mig_agent.config.yaml_files.
 """
 
 from __future__ import annotations
@@ -21,15 +18,15 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
-import yaml
-
-from mig_agent.errors import ConfigError, InvalidConfig, PlanError
-from mig_agent.layout import (
+from mig_agent.config.yaml_files import DuplicateKey, parse, read
+from mig_agent.core.errors import InvalidConfig, PlanError
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.layout import (
     DeviceFilter,
     DeviceSelector,
     GpuLayout,
@@ -38,9 +35,7 @@ from mig_agent.layout import (
     MigProfile,
     Rule,
 )
-from mig_agent.models import GpuModel
-from mig_agent.planner import check_fits, demands_for
-from mig_agent.resources import NO_SHARING, Sharing, parse_sharing
+from mig_agent.core.planner import check_fits, demands_for
 
 VERSION = "v1"
 _TOP_KEYS = ("version", "mig-configs")
@@ -51,13 +46,8 @@ _LABEL_VALUE_MAX = 63
 # GPU indices fit_report tries: enough for an 8-GPU node, which is what `devices: [i]` rules use.
 FIT_INDICES = range(8)
 STDIN = "-"
-# Bounds on what a config file may make the agent do before any GPU is touched: a file larger
-# than one ConfigMap can hold, YAML nested deeper than any config needs (the YAML composer
-# recurses), more YAML nodes than the biggest real config by far (parsing is pure Python), a
-# count no GPU could hold (the planner expands counts), a GPU index no node has.
-MAX_FILE_BYTES = 1 << 20  # what one ConfigMap holds
-MAX_DEPTH = 32
-MAX_NODES = 10_000  # the GPU Operator's default config has 1,123
+# what a layout may ask for: a count no GPU could hold (the planner expands counts), a GPU index
+# no node has
 MAX_COUNT = 64  # today's GPUs hold at most 7 MIG devices
 MAX_GPU_INDEX = 255
 _SHOWN_MAX = 80  # characters of a value an error message shows
@@ -320,86 +310,8 @@ def _parse_mig_devices(value: object, where: _Where) -> dict[MigProfile, int]:
 # YAML text and files -> Layouts
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, path: tuple[object, ...], key: str, first: int, again: int) -> None:
-        super().__init__(key)
-        self.path, self.key, self.first, self.again = path, key, first, again
-
-
-class _TooBig(Exception):
-    def __init__(self, message: str, mark: Any) -> None:
-        super().__init__(message)
-        self.mark = mark
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key repeated in one mapping (plain YAML keeps the last one), and
-    a document nested deeper than MAX_DEPTH or of more than MAX_NODES nodes. Aliases are
-    references to one node, never copies: an alias "bomb" builds no more than its text says."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-        self._nodes = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        self._nodes += 1
-        mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
-        if self._nodes > MAX_NODES:
-            raise _TooBig(f"more than {MAX_NODES} YAML nodes; no profile config needs as many",
-                          mark)
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise _TooBig(f"nested deeper than {MAX_DEPTH} levels", mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def fetch_flow_sequence_start(self) -> None:
-        self._flow_level_check()
-        super().fetch_flow_sequence_start()
-
-    def fetch_flow_mapping_start(self) -> None:
-        self._flow_level_check()
-        super().fetch_flow_mapping_start()
-
-    def _flow_level_check(self) -> None:
-        # before the composer sees them: the scanner's own work grows with the square of the
-        # number of open brackets
-        if self.flow_level >= MAX_DEPTH:
-            raise _TooBig(f"nested deeper than {MAX_DEPTH} levels",
-                          self.get_mark())
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        _refuse_duplicate_keys(node, (), set())
-        return super().construct_document(node)
-
-
-def _refuse_duplicate_keys(node: yaml.Node, path: tuple[object, ...], seen: set[int]) -> None:
-    if id(node) in seen:  # an alias: already checked, and may be recursive
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, (*path, i), seen)
-    elif isinstance(node, yaml.MappingNode):
-        lines: dict[tuple[str, str], int] = {}
-        for key_node, value_node in node.value:
-            if not isinstance(key_node, yaml.ScalarNode):
-                continue
-            key = str(key_node.value)
-            if key_node.tag != "tag:yaml.org,2002:merge":  # '<<' may override on purpose
-                line = key_node.start_mark.line + 1
-                if (key_node.tag, key) in lines:
-                    raise _DuplicateKey(path, key, lines[(key_node.tag, key)], line)
-                lines[(key_node.tag, key)] = line
-            _refuse_duplicate_keys(value_node, (*path, key), seen)
-
-
-def _duplicate_key_error(source: str, dup: _DuplicateKey) -> InvalidConfig:
-    path = dup.path
-    lines = f"line {dup.first}" if dup.first == dup.again else f"lines {dup.first} and {dup.again}"
+def _duplicate_key_error(source: str, dup: DuplicateKey) -> InvalidConfig:
+    path, lines = dup.path, dup.lines
     if path == ("mig-configs",):
         return _Where(source, dup.key).error(f"defined twice in this file ({lines})",
                                              line=dup.again)
@@ -416,34 +328,7 @@ def _duplicate_key_error(source: str, dup: _DuplicateKey) -> InvalidConfig:
 
 def load_text(text: str, source: str) -> list[Layout]:
     """The layouts of one config file's text; InvalidConfig naming ``source`` if malformed."""
-    return parse_config(_load_yaml(text, source), source=source)
-
-
-def _load_yaml(text: str, source: str) -> object:
-    if len(text) > MAX_FILE_BYTES:
-        raise _too_large(source, len(text))
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: plain data only
-    except _DuplicateKey as dup:
-        raise _duplicate_key_error(source, dup) from None
-    except _TooBig as big:
-        line, column = big.mark.line + 1, big.mark.column + 1
-        raise InvalidConfig(f"{source}:{line}:{column}: {big}", file=source, line=line,
-                            column=column) from None
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        what = e.problem or "syntax error"
-        if e.context:  # e.g. "while parsing a flow mapping", where that began
-            began = f" at line {e.context_mark.line + 1}" if e.context_mark else ""
-            what = f"{e.context}{began}: {what}"
-        if mark is None:
-            raise InvalidConfig(f"{source}: invalid YAML: {what}", file=source) from None
-        line, column = mark.line + 1, mark.column + 1
-        raise InvalidConfig(f"{source}:{line}:{column}: invalid YAML: {what}",
-                            file=source, line=line, column=column) from None
-    except yaml.YAMLError as e:
-        raise InvalidConfig(f"{source}: invalid YAML: {e}", file=source) from None
-    return data
+    return parse_config(parse(text, source, on_duplicate=_duplicate_key_error), source=source)
 
 
 def load_catalog(paths: Sequence[str | Path]) -> LayoutCatalog:
@@ -474,28 +359,9 @@ def _read_sources(paths: Sequence[str | Path]) -> Iterator[tuple[str, str]]:
                 raise InvalidConfig(f"{path}: no *.yaml or *.yml files in this directory",
                                     file=str(path))
             for file in files:
-                yield str(file), _read(file)
+                yield str(file), read(file)
         else:
-            yield str(path), _read(path)
-
-
-def _too_large(source: str, size: int) -> InvalidConfig:
-    return InvalidConfig(f"{source}: {size} bytes; a profile config may be at most "
-                         f"{MAX_FILE_BYTES} (what one ConfigMap holds)", file=source, size=size)
-
-
-def _read(path: Path) -> str:
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)  # never all of a huge file
-        if len(data) > MAX_FILE_BYTES:
-            raise _too_large(str(path), max(path.stat().st_size, len(data)))
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidConfig(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})",
-                            file=str(path)) from None
-    except OSError as e:
-        raise InvalidConfig(f"{path}: cannot read: {e.strerror or e}", file=str(path)) from None
+            yield str(path), read(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,62 +433,12 @@ def _misfit(model: GpuModel, target: GpuLayout, where: str) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------------------------------
-# The device plugin's config
-
-
-def load_sharing(path: str | Path) -> Sharing:
-    """The sharing config of one NVIDIA device plugin config file (YAML or JSON)."""
-    return parse_sharing(_load_yaml(_read(Path(path)), str(path)), source=str(path))
-
-
-def device_plugin_sharing(path: str, node_labels: Mapping[str, str], *, label: str,
-                          default: str) -> Sharing:
-    """The sharing config NVIDIA's device plugin runs with on a node.
-
-    ``path`` is one config file, or a folder of them (the GPU Operator's plugin ConfigMap as a
-    volume: one file per config name). In a folder the config is chosen as the Operator's
-    config-manager does: the one the node's ``label`` names (ConfigError if there is none of
-    that name: the plugin would not start either), else ``default``, else none. Empty ``path``:
-    no sharing.
-    """
-    if not path:
-        return NO_SHARING
-    folder = Path(path)
-    if not folder.is_dir():
-        return load_sharing(folder)
-    # Dot-files are the ConfigMap volume's own links ('..data').
-    names = sorted(f.name for f in folder.iterdir() if not f.name.startswith(".") and f.is_file())
-    chosen, why = node_labels.get(label, ""), f"node label {label}"
-    if not chosen:
-        chosen, why = default, "the default device plugin config"
-    if not chosen:
-        return NO_SHARING
-    if chosen not in names:
-        raise ConfigError(f"{why} names config {chosen!r}, which {folder} does not have "
-                          f"(it has: {', '.join(names) or 'nothing'})", config=chosen)
-    return load_sharing(folder / chosen)
-
-
 __all__ = [
     "FIT_INDICES",
     "FitResult",
     "VERSION",
-    "device_plugin_sharing",
     "fit_report",
     "load_catalog",
-    "load_sharing",
     "load_text",
     "parse_config",
 ]
-
-
-def dump_yaml(data: object) -> str:
-    """``data`` as YAML, keys in their order (for output; this module is the yaml boundary)."""
-    return str(yaml.safe_dump(data, sort_keys=False))
-
-
-def load_yaml(path: str | Path) -> object:
-    """The plain data of one YAML file (other files the agent reads: hooks, GPU clients);
-    InvalidConfig naming the file and line if it cannot be read or parsed."""
-    return _load_yaml(_read(Path(path)), str(path))

@@ -25,11 +25,11 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from mig_agent.errors import GpuError
+from mig_agent.core.errors import GpuError
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.observed import NodeState
+from mig_agent.core.placement import Placement
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.models import GpuModel
-from mig_agent.placement import Placement
-from mig_agent.state import NodeState
 
 T = TypeVar("T")
 STATES = ("pending", "rebooting", "success", "failed")

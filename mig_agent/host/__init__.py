@@ -1,0 +1,1 @@
+"""The host beyond NVML: the commands the agent runs there (hooks, GPU client services)."""

@@ -1,0 +1,1 @@
+"""What the agent tells about itself: Prometheus metrics, the health endpoints and logging."""

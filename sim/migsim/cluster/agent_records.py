@@ -1,0 +1,78 @@
+"""The local cluster's record of the agents it started (agents.json): what runs per node, and
+stopping them all. Apart from agents.py so that the cluster's `down` stops them without a
+circle of imports (agents.py starts agents on a Cluster)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .processes import Proc, stop
+from .records import RecordFile, procs
+
+RECORDS = RecordFile("agents.json", lock=".agents.lock")
+
+
+def supervisor_status(status_file: Path | str) -> dict[str, Any]:
+    """What the supervisor says (supervisor.py); {} when it has not said anything yet."""
+    try:
+        data: dict[str, Any] = json.loads(Path(status_file).read_text())
+        return data
+    except (OSError, ValueError):
+        return {}
+
+
+def node_procs(record: Mapping[str, Any]) -> list[Proc]:
+    """The processes of a node's record, in stopping order: the supervisor before its agent."""
+    return procs(record, ("supervisor", "agent", "device_plugin"))
+
+
+def reap_group(leader: Proc, timeout: float = 10.0) -> None:
+    """Wait until no process of `leader`'s group (it is gone) is left, SIGKILL what stays: the
+    node runtime's children (NVIDIA's plugin, GFD, the GPU simulator) outlive the script that led
+    the group by the moment they take to stop. A group id is never reused while the group has
+    members, so this signals only processes that the node's start put there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(leader.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader.pid, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+def stop_all(directory: Path) -> list[str]:
+    with RECORDS.locked(directory):
+        records = running(directory)
+        killed = stop([p for r in records.values() for p in node_procs(r)])
+        for r in records.values():
+            if r.get("device_plugin"):
+                reap_group(Proc(**r["device_plugin"]))
+        RECORDS.save(directory, {})
+    return killed
+
+
+def running(directory: Path) -> dict[str, dict[str, Any]]:
+    """The recorded agents per node; `agent` is the process that runs now (or ran last), as
+    its supervisor reports it, with the supervisor's `state` and `restarts`."""
+    records = RECORDS.load(directory)
+    for record in records.values():
+        if not record.get("status_file"):
+            continue
+        status = supervisor_status(record["status_file"])
+        if status.get("agent"):
+            record["agent"] = status["agent"]
+        record["restarts"] = int(status.get("restarts", 0))
+        record["state"] = status.get("state", "")
+        record["last_exit"] = status.get("last_exit", "")
+    return records
