@@ -70,8 +70,10 @@ def api_requests(metrics: dict[str, float]) -> float:
 
 
 def phase_sums(metrics: dict[str, float]) -> dict[str, float]:
-    return {p: metrics.get(f'mig_agent_reconfiguration_phase_seconds_sum{{phase="{p}"}}', 0.0)
-            for p in PHASES}
+    return {
+        p: metrics.get(f'mig_agent_reconfiguration_phase_seconds_sum{{phase="{p}"}}', 0.0)
+        for p in PHASES
+    }
 
 
 def wait_state(cluster: Cluster, node: str, want: str, timeout: float = 120) -> float:
@@ -89,6 +91,7 @@ def wait_state(cluster: Cluster, node: str, want: str, timeout: float = 120) -> 
 @dataclass(frozen=True, slots=True)
 class Split:
     """One label -> success with pods on the devices, split by the agent's log lines (s)."""
+
     key: str
     evicted: int
     wall: float
@@ -120,26 +123,39 @@ def when(line: Mapping[str, Any]) -> float:
     return datetime.fromisoformat(str(line["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
-def split_pass(key: str, lines: Sequence[Mapping[str, Any]], wall: float, api: float,
-               cpu: float) -> Split:
+def split_pass(
+    key: str, lines: Sequence[Mapping[str, Any]], wall: float, api: float, cpu: float
+) -> Split:
     """The pass's time split from its log lines (phase.started/finished, drain.pod_evicted)."""
-    finished = {str(x["phase"]): float(x["duration_s"]) for x in lines
-                if x.get("event") == "phase.finished"}
+    finished = {
+        str(x["phase"]): float(x["duration_s"]) for x in lines if x.get("event") == "phase.finished"
+    }
     missing = {"drain", "apply", "verify", "device_plugin"} - set(finished)
     if missing:
         raise RuntimeError(f"{key}: the agent's log has no end of phase(s) {sorted(missing)}")
-    drain_start = next(when(x) for x in lines
-                       if x.get("event") == "phase.started" and x.get("phase") == "drain")
-    drain_end = next(when(x) for x in lines
-                     if x.get("event") == "phase.finished" and x.get("phase") == "drain")
+    drain_start = next(
+        when(x) for x in lines if x.get("event") == "phase.started" and x.get("phase") == "drain"
+    )
+    drain_end = next(
+        when(x) for x in lines if x.get("event") == "phase.finished" and x.get("phase") == "drain"
+    )
     evictions = [when(x) for x in lines if x.get("event") == "drain.pod_evicted"]
     going = drain_end - max([drain_start, *evictions])
-    return Split(key, len(evictions), wall, going, finished["apply"] + finished["verify"],
-                 finished["device_plugin"], api, cpu)
+    return Split(
+        key,
+        len(evictions),
+        wall,
+        going,
+        finished["apply"] + finished["verify"],
+        finished["device_plugin"],
+        api,
+        cpu,
+    )
 
 
-def run_with_pods(cluster: Cluster, node: str, port: int, suite: Sequence[Transition],
-                  rounds: int) -> list[Split]:
+def run_with_pods(
+    cluster: Cluster, node: str, port: int, suite: Sequence[Transition], rounds: int
+) -> list[Split]:
     bench = Bench(cluster)
     log = cluster.dir / "logs" / f"agent-{node}.log"
     agent = Proc(**agents.running(cluster.dir)[node]["agent"])
@@ -149,8 +165,7 @@ def run_with_pods(cluster: Cluster, node: str, port: int, suite: Sequence[Transi
             set_layout(bench, [node], t.start)
             fill_with_pods(bench, node, t.pods_on)
             time.sleep(0.5)  # the agent's look at the pods' arrival is over
-            offset, api0, cpu0 = log.stat().st_size, api_requests(scrape(port)), \
-                agent.cpu_seconds()
+            offset, api0, cpu0 = log.stat().st_size, api_requests(scrape(port)), agent.cpu_seconds()
             bench.patch_labels(node, {CONFIG: t.target, STATE: None})
             wall = wait_state(cluster, node, "success")
             api, cpu = api_requests(scrape(port)) - api0, agent.cpu_seconds() - cpu0
@@ -161,12 +176,17 @@ def run_with_pods(cluster: Cluster, node: str, port: int, suite: Sequence[Transi
     return out
 
 
-def print_splits(splits: Sequence[Split], suite: Sequence[Transition], gpus: str,
-                 rounds: int) -> None:
-    print(f"\n## With a GPU pod on every device: label -> success on one node of {gpus}, zero "
-          f"hardware latency, seconds (median of {rounds})\n")
-    print("| transition | evicted | wall | pods going | apply+verify (simulated NVML) "
-          "| device plugin restart | the agent's own | API requests | agent CPU s |")
+def print_splits(
+    splits: Sequence[Split], suite: Sequence[Transition], gpus: str, rounds: int
+) -> None:
+    print(
+        f"\n## With a GPU pod on every device: label -> success on one node of {gpus}, zero "
+        f"hardware latency, seconds (median of {rounds})\n"
+    )
+    print(
+        "| transition | evicted | wall | pods going | apply+verify (simulated NVML) "
+        "| device plugin restart | the agent's own | API requests | agent CPU s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for t in suite:
         mine = [x for x in splits if x.key == t.key]
@@ -176,15 +196,19 @@ def print_splits(splits: Sequence[Split], suite: Sequence[Transition], gpus: str
         def med(f: Callable[[Split], float], mine: list[Split] = mine) -> float:
             return statistics.median(f(x) for x in mine)
 
-        print(f"| {t.key} {t.start} -> {t.target} | {med(lambda x: x.evicted):.0f} "
-              f"| {med(lambda x: x.wall):.2f} | {med(lambda x: x.pods_going):.2f} "
-              f"| {med(lambda x: x.nvml):.2f} | {med(lambda x: x.device_plugin):.2f} "
-              f"| {med(lambda x: x.own):.2f} | {med(lambda x: x.api):.0f} "
-              f"| {med(lambda x: x.cpu):.2f} |")
+        print(
+            f"| {t.key} {t.start} -> {t.target} | {med(lambda x: x.evicted):.0f} "
+            f"| {med(lambda x: x.wall):.2f} | {med(lambda x: x.pods_going):.2f} "
+            f"| {med(lambda x: x.nvml):.2f} | {med(lambda x: x.device_plugin):.2f} "
+            f"| {med(lambda x: x.own):.2f} | {med(lambda x: x.api):.0f} "
+            f"| {med(lambda x: x.cpu):.2f} |"
+        )
     owns = [x.own for x in splits]
-    print(f"\n(the agent's own time over every run: {min(owns):.2f}-{max(owns):.2f} s; pods "
-          "going is the drain's wait from its last eviction until the pods, the paused device "
-          "plugin's among them, are gone: kwok deletes a pod 2 s after it is asked)")
+    print(
+        f"\n(the agent's own time over every run: {min(owns):.2f}-{max(owns):.2f} s; pods "
+        "going is the drain's wait from its last eviction until the pods, the paused device "
+        "plugin's among them, are gone: kwok deletes a pod 2 s after it is asked)"
+    )
 
 
 def main() -> int:
@@ -192,11 +216,13 @@ def main() -> int:
     ap.add_argument("--gpus", default="8xH100-80GB")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--idle", type=float, default=60.0, help="seconds of idle measurement")
-    ap.add_argument("--pods", action="store_true",
-                    help="also transitions a, d1 and d2 with a GPU pod on every device, split "
-                         "into the waits and the agent's own time")
-    add_cluster_options(ap, quick="2 GPUs, one round, --pods with transitions a and d1, "
-                                  "10 s idle")
+    ap.add_argument(
+        "--pods",
+        action="store_true",
+        help="also transitions a, d1 and d2 with a GPU pod on every device, split "
+        "into the waits and the agent's own time",
+    )
+    add_cluster_options(ap, quick="2 GPUs, one round, --pods with transitions a and d1, 10 s idle")
     args = ap.parse_args()
     if args.quick:
         args.gpus, args.rounds, args.idle, args.pods = "2xH100-80GB", 1, 10.0, True
@@ -208,37 +234,52 @@ def main() -> int:
             agents.install(cluster)
             cluster.kubectl("create", "namespace", NS)
             node = "gpu-node-0"
-            procs = agents.start_node(cluster, node, device_plugin=args.device_plugin,
-                                      settings=AGENT_SETTINGS)
+            procs = agents.start_node(
+                cluster, node, device_plugin=args.device_plugin, settings=AGENT_SETTINGS
+            )
             port = procs.metrics_port
             wait("the agent's metrics", lambda: _answers(port), 10)
             rows = []
             for r in range(args.rounds):
                 for layout in layouts:
                     before = phase_sums(scrape(port))
-                    cluster.api.request("PATCH", f"/api/v1/nodes/{node}",
-                                        # the old state goes in the same patch, so the
-                                        # next "success" seen is the answer to this change
-                                        {"metadata": {"labels": {CONFIG: layout, STATE: None}}},
-                                        content_type="application/merge-patch+json")
+                    cluster.api.request(
+                        "PATCH",
+                        f"/api/v1/nodes/{node}",
+                        # the old state goes in the same patch, so the
+                        # next "success" seen is the answer to this change
+                        {"metadata": {"labels": {CONFIG: layout, STATE: None}}},
+                        content_type="application/merge-patch+json",
+                    )
                     wall = wait_state(cluster, node, "success")
                     after = phase_sums(scrape(port))
                     rows.append((r, layout, wall, {p: after[p] - before[p] for p in PHASES}))
                     time.sleep(0.5)
-            print(f"\n## Label change to success, one node of {args.gpus}, zero hardware "
-                  f"latency ({args.rounds} rounds)\n")
-            print(f"| {'layout':<13} | {'wall s':>6} | " + " | ".join(f"{p:>13}" for p in PHASES)
-                  + " |")
+            print(
+                f"\n## Label change to success, one node of {args.gpus}, zero hardware "
+                f"latency ({args.rounds} rounds)\n"
+            )
+            print(
+                f"| {'layout':<13} | {'wall s':>6} | "
+                + " | ".join(f"{p:>13}" for p in PHASES)
+                + " |"
+            )
             print(f"|{'-' * 15}|{'-' * 8}|" + "|".join("-" * 15 for _ in PHASES) + "|")
             for layout in layouts:
                 mine = [x for x in rows if x[1] == layout]
                 wall = statistics.median(x[2] for x in mine)
                 ph = {p: statistics.median(x[3][p] for x in mine) for p in PHASES}
-                print(f"| {layout:<13} | {wall:>6.2f} | "
-                      + " | ".join(f"{ph[p]:>13.3f}" for p in PHASES) + " |")
-            print("\n(phase seconds are medians from the agent's own histogram; drain waits for "
-                  "the paused device-plugin pod to go, device_plugin for the new one to "
-                  "advertise)", flush=True)
+                print(
+                    f"| {layout:<13} | {wall:>6.2f} | "
+                    + " | ".join(f"{ph[p]:>13.3f}" for p in PHASES)
+                    + " |"
+                )
+            print(
+                "\n(phase seconds are medians from the agent's own histogram; drain waits for "
+                "the paused device-plugin pod to go, device_plugin for the new one to "
+                "advertise)",
+                flush=True,
+            )
             if args.pods:
                 splits = run_with_pods(cluster, node, port, suite, args.rounds)
                 print_splits(splits, suite, args.gpus, args.rounds)
@@ -249,8 +290,11 @@ def main() -> int:
             time.sleep(args.idle)
             m1, cpu1, t1 = scrape(port), agent.cpu_seconds(), time.monotonic()
             minutes = (t1 - t0) / 60
-            calls = {k.split('"')[1]: m1[k] - m0.get(k, 0) for k in m1
-                     if k.startswith("mig_agent_api_requests_total") and m1[k] - m0.get(k, 0)}
+            calls = {
+                k.split('"')[1]: m1[k] - m0.get(k, 0)
+                for k in m1
+                if k.startswith("mig_agent_api_requests_total") and m1[k] - m0.get(k, 0)
+            }
             print(f"\n## Idle agent over {args.idle:.0f} s\n")
             print("| measure | value |\n|---|---|")
             per_minute = (api_requests(m1) - api_requests(m0)) / minutes
@@ -259,8 +303,10 @@ def main() -> int:
             print(f"| CPU (share of one core) | {(cpu1 - cpu0) / (t1 - t0):.2%} |")
             print(f"| RSS | {agent.rss_bytes() / 2**20:.0f} MiB |")
             dp = Proc(**agents.running(cluster.dir)[node]["device_plugin"])
-            print(f"| simulated device plugin RSS (not part of the product) | "
-                  f"{dp.rss_bytes() / 2**20:.0f} MiB |")
+            print(
+                f"| simulated device plugin RSS (not part of the product) | "
+                f"{dp.rss_bytes() / 2**20:.0f} MiB |"
+            )
         finally:
             agents.stop_all(cluster.dir)
             cluster.down()

@@ -41,8 +41,9 @@ def build() -> tuple[float, str]:
     except BinariesMissing:
         pass
     start = time.monotonic()
-    subprocess.run([str(REPO / "scripts" / "k8s-binaries"), "build"], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [str(REPO / "scripts" / "k8s-binaries"), "build"], check=True, stdout=subprocess.DEVNULL
+    )
     return time.monotonic() - start, "built now (cold or partly warm Go caches)"
 
 
@@ -62,13 +63,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2, help="simulated GPU nodes (default 2)")
     p.add_argument("--repeat", type=int, default=3, help="warm starts to time (default 3)")
-    p.add_argument("--settle", type=float, default=10.0,
-                   help="seconds to idle before measuring memory (default 10)")
-    p.add_argument("--idle", type=float, default=20.0,
-                   help="seconds over which idle CPU is measured, after settling (default 20)")
-    p.add_argument("--build-log", type=Path, action="append", default=[],
-                   help="log of `/usr/bin/time -v scripts/k8s-binaries build` to report "
-                        "(repeatable)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=10.0,
+        help="seconds to idle before measuring memory (default 10)",
+    )
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=20.0,
+        help="seconds over which idle CPU is measured, after settling (default 20)",
+    )
+    p.add_argument(
+        "--build-log",
+        type=Path,
+        action="append",
+        default=[],
+        help="log of `/usr/bin/time -v scripts/k8s-binaries build` to report (repeatable)",
+    )
     args = p.parse_args()
 
     build_s, build_note = build()
@@ -87,8 +100,10 @@ def main() -> int:
                     procs = cluster.state.procs
                     cpu0, t_cpu = [p.cpu_seconds() for p in procs], time.monotonic()
                     time.sleep(args.idle)
-                    cpu = {p.name: (p.cpu_seconds() - c0) / (time.monotonic() - t_cpu)
-                           for p, c0 in zip(procs, cpu0, strict=True)}
+                    cpu = {
+                        p.name: (p.cpu_seconds() - c0) / (time.monotonic() - t_cpu)
+                        for p, c0 in zip(procs, cpu0, strict=True)
+                    }
                     rss = {s.name: s.rss_bytes for s in cluster.status()}
             finally:
                 t0 = time.monotonic()
@@ -100,19 +115,33 @@ def main() -> int:
     for log in args.build_log:
         recorded = recorded_build(log)
         if recorded is not None:
-            rows.append((f"build recorded in {log.name}", recorded[0],
-                         f"peak RSS {recorded[1]} (/usr/bin/time -v)"))
+            rows.append(
+                (
+                    f"build recorded in {log.name}",
+                    recorded[0],
+                    f"peak RSS {recorded[1]} (/usr/bin/time -v)",
+                )
+            )
     rows += [
-        (f"warm start, {args.nodes} GPU nodes Ready",
-         f"{statistics.median(starts):.1f} s",
-         f"median of {len(starts)}; min {min(starts):.1f} s, max {max(starts):.1f} s"),
+        (
+            f"warm start, {args.nodes} GPU nodes Ready",
+            f"{statistics.median(starts):.1f} s",
+            f"median of {len(starts)}; min {min(starts):.1f} s, max {max(starts):.1f} s",
+        ),
         ("stop (down)", f"{statistics.median(stops):.1f} s", f"median of {len(stops)}"),
     ]
-    rows += [(f"RSS {name}", f"{b / mib:.0f} MiB", f"idle CPU {cpu[name]:.1%} of a core")
-             for name, b in rss.items()]
-    rows.append(("RSS total", f"{sum(rss.values()) / mib:.0f} MiB",
-                 f"idle CPU {sum(cpu.values()):.1%} of a core (over {args.idle:g} s, "
-                 f"after {args.settle:g} s settling)"))
+    rows += [
+        (f"RSS {name}", f"{b / mib:.0f} MiB", f"idle CPU {cpu[name]:.1%} of a core")
+        for name, b in rss.items()
+    ]
+    rows.append(
+        (
+            "RSS total",
+            f"{sum(rss.values()) / mib:.0f} MiB",
+            f"idle CPU {sum(cpu.values()):.1%} of a core (over {args.idle:g} s, "
+            f"after {args.settle:g} s settling)",
+        )
+    )
     print_table(rows)
     return 0
 

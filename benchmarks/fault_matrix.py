@@ -50,8 +50,12 @@ config-invalid = the profile config overwritten with broken YAML; config-changed
 layout's H100 entry changed to 2 x 3g.40gb. Failures that are retried count once they outlived
 one retry."""
 
-MARK = {"converged": "converged", "failed": "failed+reason", "violated": "**VIOLATED**",
-        "not-reached": "(not reached)"}
+MARK = {
+    "converged": "converged",
+    "failed": "failed+reason",
+    "violated": "**VIOLATED**",
+    "not-reached": "(not reached)",
+}
 
 
 def print_matrix(results: Sequence[harness.Result], faults: Sequence[str]) -> None:
@@ -66,12 +70,18 @@ def print_matrix(results: Sequence[harness.Result], faults: Sequence[str]) -> No
         cells = [MARK[by[(p, f)].outcome] if (p, f) in by else "" for f in faults]
         print(f"| {p:<{w}} | " + " | ".join(f"{c:<{cw}}" for c in cells) + " |")
     counts = {f: collections.Counter(r.outcome for r in results if r.fault == f) for f in faults}
-    print(f"| {'total':<{w}} | " + " | ".join(
-        f"{'/'.join(str(counts[f][o]) for o in ('converged', 'failed', 'violated')):<{cw}}"
-        for f in faults) + " |")
+    print(
+        f"| {'total':<{w}} | "
+        + " | ".join(
+            f"{'/'.join(str(counts[f][o]) for o in ('converged', 'failed', 'violated')):<{cw}}"
+            for f in faults
+        )
+        + " |"
+    )
     print("\n(total: converged/failed+reason/violated)")
-    reasons = collections.Counter((r.fault, r.detail[:110]) for r in results
-                                  if r.outcome == "failed")
+    reasons = collections.Counter(
+        (r.fault, r.detail[:110]) for r in results if r.outcome == "failed"
+    )
     if reasons:
         print("\nFailed with reason:")
         for (fault, reason), n in sorted(reasons.items()):
@@ -92,18 +102,30 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, help="use this running cluster instead of a new one")
     ap.add_argument("--verbose", "-v", action="store_true", help="print each trial as it ends")
     ap.add_argument("--save", type=Path, help="append each trial's result to this JSON-lines file")
-    ap.add_argument("--table", type=Path, nargs="+", metavar="FILE",
-                    help="only print the table of results saved by earlier runs (--save)")
+    ap.add_argument(
+        "--table",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="only print the table of results saved by earlier runs (--save)",
+    )
     args = ap.parse_args()
     faults = [f for f in args.faults.split(",") if f]
     if args.table:
-        saved = [harness.Result(**json.loads(line)) for f in args.table
-                 for line in f.read_text().splitlines() if line.strip()]
+        saved = [
+            harness.Result(**json.loads(line))
+            for f in args.table
+            for line in f.read_text().splitlines()
+            if line.strip()
+        ]
         print(f"\n## Fault matrix: {len(saved)} trials\n")
         print_matrix(saved, [f for f in harness.FAULTS if any(r.fault == f for r in saved)])
         return 1 if any(r.outcome in ("violated", "not-reached") for r in saved) else 0
-    names = tuple(args.points.split(",")) if args.points else (
-        harness.QUICK_POINTS if args.quick else None)
+    names = (
+        tuple(args.points.split(","))
+        if args.points
+        else (harness.QUICK_POINTS if args.quick else None)
+    )
     scenarios = [sc for sc in harness.SCENARIOS if sc.name in args.scenarios.split(",")]
     with tempfile.TemporaryDirectory(prefix="mig-agent-faults-") as tmp:
         own = args.dir is None
@@ -124,18 +146,23 @@ def main() -> int:
                             with args.save.open("a") as out:
                                 out.write(json.dumps(dataclasses.asdict(r)) + "\n")
                         if args.verbose:
-                            print(f"{fault:<17} {r.point:<34} {r.outcome:<11} "
-                                  f"{r.seconds:5.1f} s  {r.detail[:80]}"
-                                  + (f"  [{r.hits}]" if r.hits else ""), file=sys.stderr,
-                                  flush=True)
+                            print(
+                                f"{fault:<17} {r.point:<34} {r.outcome:<11} "
+                                f"{r.seconds:5.1f} s  {r.detail[:80]}"
+                                + (f"  [{r.hits}]" if r.hits else ""),
+                                file=sys.stderr,
+                                flush=True,
+                            )
             wall = time.monotonic() - started
         finally:
             if own:
                 cluster.down()
     print(f"\n## Fault matrix: {len(results)} trials in {wall / 60:.1f} min\n")
     for sc in scenarios:
-        print(f"- {sc.name}: {sc.start} -> {sc.target} on {sc.gpus}, a pod holding "
-              f"{dict(sc.pod_limits)}; relabelled to {sc.other} or {sc.typo}")
+        print(
+            f"- {sc.name}: {sc.start} -> {sc.target} on {sc.gpus}, a pod holding "
+            f"{dict(sc.pod_limits)}; relabelled to {sc.other} or {sc.typo}"
+        )
     print()
     print_matrix(results, faults)
     print(FAULT_NOTES)

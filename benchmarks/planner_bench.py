@@ -62,10 +62,14 @@ def feasibility() -> None:
 
 
 def disruption(transitions: int = 300, seed: int = 7) -> None:
-    print(f"\n## Disruption: GPU instances destroyed per reconfiguration ({transitions} random "
-          "transitions per model, seed 7)\n")
-    print(f"| {'model':<10} | {'changed GPUs':>12} | {'planner':>8} | {'destroy+recreate':>16} "
-          f"| {'saved':>6} | {'kept instances':>14} |")
+    print(
+        f"\n## Disruption: GPU instances destroyed per reconfiguration ({transitions} random "
+        "transitions per model, seed 7)\n"
+    )
+    print(
+        f"| {'model':<10} | {'changed GPUs':>12} | {'planner':>8} | {'destroy+recreate':>16} "
+        f"| {'saved':>6} | {'kept instances':>14} |"
+    )
     print(f"|{'-' * 12}|{'-' * 14}|{'-' * 10}|{'-' * 18}|{'-' * 8}|{'-' * 16}|")
     rng = random.Random(seed)
     for m in MIG_MODELS:
@@ -83,8 +87,10 @@ def disruption(transitions: int = 300, seed: int = 7) -> None:
             theirs += sum(a.values())
             kept += sum(d.kept for d in gp.devices)
         saved = 1 - ours / theirs if theirs else 0.0
-        print(f"| {m.key:<10} | {changed:>12} | {ours / changed:>8.2f} | "
-              f"{theirs / changed:>16.2f} | {saved:>6.1%} | {kept / changed:>14.2f} |")
+        print(
+            f"| {m.key:<10} | {changed:>12} | {ours / changed:>8.2f} | "
+            f"{theirs / changed:>16.2f} | {saved:>6.1%} | {kept / changed:>14.2f} |"
+        )
 
 
 def suite_transitions(m: GpuModel) -> Iterator[tuple[str, str, Layout, NodeState, FakeGpus]]:
@@ -102,10 +108,14 @@ def suite_transitions(m: GpuModel) -> Iterator[tuple[str, str, Layout, NodeState
 def suite() -> None:
     """Every transition between the shipped layouts of each model on an 8-GPU node, one pod per
     MIG device; plus changing 2 of the 8 GPUs of a node."""
-    print("\n## Layout suite: transitions between the layouts in profiles/, 8-GPU "
-          "node, one pod per MIG device\n")
-    print(f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
-          f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |")
+    print(
+        "\n## Layout suite: transitions between the layouts in profiles/, 8-GPU "
+        "node, one pod per MIG device\n"
+    )
+    print(
+        f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
+        f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |"
+    )
     print(f"|{'-' * 12}|{'-' * 13}|{'-' * 21}|{'-' * 18}|{'-' * 14}|{'-' * 17}|")
     for m in MIG_MODELS:
         ours = theirs = pods = node_wide = n = 0
@@ -118,24 +128,39 @@ def suite() -> None:
             ours += sum(g.destroyed_gpu_instances for g in p.gpus)
             theirs += sum(len(before.gpu(g.gpu).gpu_instances) for g in p.gpus if not g.is_empty)
             kept = sum(d.kept for g in p.gpus if not g.is_empty for d in g.devices)
-            on_changed = sum(len(gi.compute_instances) for g in p.gpus if not g.is_empty
-                             for gi in before.gpu(g.gpu).gpu_instances)
+            on_changed = sum(
+                len(gi.compute_instances)
+                for g in p.gpus
+                if not g.is_empty
+                for gi in before.gpu(g.gpu).gpu_instances
+            )
             pods += on_changed - kept
             node_wide += devices
-        print(f"| {m.key:<10} | {n:>11} | {ours / n:>19.1f} | {theirs / n:>16.1f} | "
-              f"{pods / n:>12.1f} | {node_wide / n:>15.1f} |")
-    two = Layout("two", (
-        Rule(DeviceSelector(), GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 7})),
-        Rule(DeviceSelector(frozenset({2, 5})),
-             GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 5, MigProfile.parse("2g.20gb"): 1})),
-    ))
+        print(
+            f"| {m.key:<10} | {n:>11} | {ours / n:>19.1f} | {theirs / n:>16.1f} | "
+            f"{pods / n:>12.1f} | {node_wide / n:>15.1f} |"
+        )
+    two = Layout(
+        "two",
+        (
+            Rule(DeviceSelector(), GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 7})),
+            Rule(
+                DeviceSelector(frozenset({2, 5})),
+                GpuLayout.of(
+                    True, {MigProfile.parse("1g.10gb"): 5, MigProfile.parse("2g.20gb"): 1}
+                ),
+            ),
+        ),
+    )
     gpus = FakeGpus([MODELS["H100-80GB"]] * 8)
     execute(plan(layout({"1g.10gb": 7}), gpus.observe(), gpus.models()), gpus)
     p = plan(two, gpus.observe(), gpus.models())
-    print("\nH100-80GB node at all-1g.10gb, GPUs 2 and 5 change to 5x1g.10gb + 1x2g.20gb: "
-          f"{sum(g.destroyed_gpu_instances for g in p.gpus)} instances destroyed and "
-          f"{sum(g.destroyed_gpu_instances for g in p.gpus)} pods evicted (destroy+recreate of "
-          f"the changed GPUs: 14 instances; node-wide drain: 56 pods)")
+    print(
+        "\nH100-80GB node at all-1g.10gb, GPUs 2 and 5 change to 5x1g.10gb + 1x2g.20gb: "
+        f"{sum(g.destroyed_gpu_instances for g in p.gpus)} instances destroyed and "
+        f"{sum(g.destroyed_gpu_instances for g in p.gpus)} pods evicted (destroy+recreate of "
+        f"the changed GPUs: 14 instances; node-wide drain: 56 pods)"
+    )
 
 
 def timing(repeats: int = 200) -> None:
@@ -160,17 +185,20 @@ def timing(repeats: int = 200) -> None:
             samples.append((time.perf_counter() - t0) * 1000)
         samples.sort()
         case = f"{'empty' if not start else '+'.join(start)} -> {'+'.join(target)}"
-        print(f"| {key:<10} | {case[:28]:<28} | {statistics.median(samples):>9.2f} | "
-              f"{samples[int(len(samples) * 0.95)]:>7.2f} |")
+        print(
+            f"| {key:<10} | {case[:28]:<28} | {statistics.median(samples):>9.2f} | "
+            f"{samples[int(len(samples) * 0.95)]:>7.2f} |"
+        )
 
 
 def suite_timing(repeats: int = 20) -> None:
     """Planning time of every transition between the shipped layouts (8-GPU node): per model
     the median and p95 over all plans, and the transition with the slowest median."""
-    print(f"\n## Planner time over the layout suite, 8-GPU node ({repeats} runs per "
-          "transition)\n")
-    print(f"| {'model':<10} | {'transitions':>11} | {'median ms':>9} | {'p95 ms':>6} | "
-          f"{'slowest transition (median ms)':<60} |")
+    print(f"\n## Planner time over the layout suite, 8-GPU node ({repeats} runs per transition)\n")
+    print(
+        f"| {'model':<10} | {'transitions':>11} | {'median ms':>9} | {'p95 ms':>6} | "
+        f"{'slowest transition (median ms)':<60} |"
+    )
     print(f"|{'-' * 12}|{'-' * 13}|{'-' * 11}|{'-' * 8}|{'-' * 62}|")
     for m in MIG_MODELS:
         every: list[float] = []
@@ -188,8 +216,10 @@ def suite_timing(repeats: int = 20) -> None:
                 slowest = (median, f"{a} -> {b}")
         every.sort()
         worst = f"{slowest[1]} ({slowest[0]:.2f})"
-        print(f"| {m.key:<10} | {len(every) // repeats:>11} | {statistics.median(every):>9.2f} | "
-              f"{every[int(len(every) * 0.95)]:>6.2f} | {worst:<60} |")
+        print(
+            f"| {m.key:<10} | {len(every) // repeats:>11} | {statistics.median(every):>9.2f} | "
+            f"{every[int(len(every) * 0.95)]:>6.2f} | {worst:<60} |"
+        )
 
 
 if __name__ == "__main__":

@@ -124,17 +124,20 @@ class CountingApi:
 # Set-up and figures
 
 
-def start_agents(cluster: Cluster, names: Sequence[str], timeout: float,
-                 device_plugin: str) -> list[int]:
+def start_agents(
+    cluster: Cluster, names: Sequence[str], timeout: float, device_plugin: str
+) -> list[int]:
     """Install mig-agent, start an agent and device plugin per node, wait for published state;
     the agents' metrics ports."""
     agents.install(cluster)
-    ports = [agents.start_node(cluster, n, device_plugin=device_plugin).metrics_port
-             for n in names]
+    ports = [agents.start_node(cluster, n, device_plugin=device_plugin).metrics_port for n in names]
 
     def published() -> bool:
-        return all(GPU_STATE in (cluster.api.get(f"/api/v1/nodes/{n}")["metadata"]
-                                 .get("annotations") or {}) for n in names)
+        return all(
+            GPU_STATE
+            in (cluster.api.get(f"/api/v1/nodes/{n}")["metadata"].get("annotations") or {})
+            for n in names
+        )
 
     wait_until(published, timeout=timeout, what="every agent's published GPU state")
     return ports
@@ -156,23 +159,44 @@ def delta(after: Mapping[str, int], before: Mapping[str, int]) -> Counter[str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=12, help="simulated GPU nodes (default 12)")
-    p.add_argument("--parallel", type=int, default=4,
-                   help="nodes changing at the same time, -p of repartition (default 4)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=4,
+        help="nodes changing at the same time, -p of repartition (default 4)",
+    )
     p.add_argument("--layout", default="all-1g.10gb", help="layout to roll out")
     p.add_argument("--gpus", default=DEFAULT_GPUS, help=f"GPUs per node (default {DEFAULT_GPUS})")
-    p.add_argument("--idle", type=float, default=5.0,
-                   help="seconds of idle API traffic measured as the baseline (default 5)")
-    p.add_argument("--poll", type=float, default=0.2,
-                   help="how often the rollout reads each node in progress (default 0.2)")
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=5.0,
+        help="seconds of idle API traffic measured as the baseline (default 5)",
+    )
+    p.add_argument(
+        "--poll",
+        type=float,
+        default=0.2,
+        help="how often the rollout reads each node in progress (default 0.2)",
+    )
     p.add_argument("--verbose", action="store_true", help="print the rollout's progress lines")
-    p.add_argument("--agent-idle", type=float, default=60.0,
-                   help="seconds of an idle pool over which the agents' own API requests are "
-                        "counted (default 60)")
+    p.add_argument(
+        "--agent-idle",
+        type=float,
+        default=60.0,
+        help="seconds of an idle pool over which the agents' own API requests are "
+        "counted (default 60)",
+    )
     add_cluster_options(p, quick="2 nodes of 2xH100-80GB, -p 2, 1 s idle windows")
     args = p.parse_args()
     if args.quick:
         args.nodes, args.parallel, args.gpus, args.idle, args.agent_idle = (
-            2, 2, "2xH100-80GB", 1.0, 2.0)
+            2,
+            2,
+            "2xH100-80GB",
+            1.0,
+            2.0,
+        )
     if args.nodes < 1 or args.parallel < 1:
         p.error("--nodes and --parallel must be at least 1")
 
@@ -186,8 +210,9 @@ def main() -> int:
         cluster = Cluster.up(Path(tmp) / "cluster", gpu_nodes=args.nodes, gpus=args.gpus)
         api: KubernetesCluster | None = None
         try:
-            ports = start_agents(cluster, names, timeout=60.0 + 10.0 * args.nodes,
-                                 device_plugin=args.device_plugin)
+            ports = start_agents(
+                cluster, names, timeout=60.0 + 10.0 * args.nodes, device_plugin=args.device_plugin
+            )
             setup_s = time.monotonic() - t0
             api = KubernetesCluster.connect(str(cluster.kubeconfig), component="pool-rollout")
             counting = CountingApi(api)
@@ -206,8 +231,15 @@ def main() -> int:
             agent_calls0 = agent_requests(ports)
             start = time.monotonic()
             summary = ops.repartition(
-                cast(KubeApi, counting), catalog, args.layout, names,
-                max_parallel=args.parallel, poll_s=args.poll, timeout_s=600.0, out=out)
+                cast(KubeApi, counting),
+                catalog,
+                args.layout,
+                names,
+                max_parallel=args.parallel,
+                poll_s=args.poll,
+                timeout_s=600.0,
+                out=out,
+            )
             wall = time.monotonic() - start
             during = delta(apiserver_requests(cluster), before)
             apiserver_cpu = apiserver.cpu_seconds() - apiserver_cpu0
@@ -239,44 +271,84 @@ def main() -> int:
     rows = [
         ("nodes x GPUs", f"{args.nodes} x {args.gpus}", f"layout {args.layout}"),
         ("parallelism (-p)", str(args.parallel), f"poll {args.poll:g} s"),
-        ("set-up: cluster + agents ready", f"{setup_s:.1f} s",
-         "Cluster.up, install, one agent + device plugin per node, GPU state published"),
-        ("rollout wall time", f"{wall:.1f} s",
-         f"exit code {summary.exit_code}; ideal nodes/p x median = "
-         f"{-(-args.nodes // args.parallel) * statistics.median(times):.1f} s"),
-        ("per node to success, median", f"{statistics.median(times):.2f} s",
-         "label change -> state success, as the rollout saw it"),
-        ("per node to success, p95", f"{quantile(times, 0.95):.2f} s",
-         f"min {min(times):.2f} s, max {max(times):.2f} s"),
+        (
+            "set-up: cluster + agents ready",
+            f"{setup_s:.1f} s",
+            "Cluster.up, install, one agent + device plugin per node, GPU state published",
+        ),
+        (
+            "rollout wall time",
+            f"{wall:.1f} s",
+            f"exit code {summary.exit_code}; ideal nodes/p x median = "
+            f"{-(-args.nodes // args.parallel) * statistics.median(times):.1f} s",
+        ),
+        (
+            "per node to success, median",
+            f"{statistics.median(times):.2f} s",
+            "label change -> state success, as the rollout saw it",
+        ),
+        (
+            "per node to success, p95",
+            f"{quantile(times, 0.95):.2f} s",
+            f"min {min(times):.2f} s, max {max(times):.2f} s",
+        ),
     ]
     for phase in PHASES:
         secs = phases1[phase][0] - phases0[phase][0]
         passes = phases1[phase][1] - phases0[phase][1]
         if passes:
-            rows.append((f"agent phase {phase}, mean", f"{secs / passes:.2f} s",
-                         f"{passes} pass(es), from the agents' /metrics"))
+            rows.append(
+                (
+                    f"agent phase {phase}, mean",
+                    f"{secs / passes:.2f} s",
+                    f"{passes} pass(es), from the agents' /metrics",
+                )
+            )
     rows += [
-        ("agents' CPU during the rollout", f"{agent_cpu:.1f} s",
-         f"{agent_cpu / args.nodes:.2f} s per node (agent processes only)"),
-        ("API server CPU during the rollout", f"{apiserver_cpu:.1f} s",
-         f"{apiserver_cpu / wall:.0%} of one core on average"),
-        ("agents' RSS after the rollout, total", f"{sum(rss) / 2**20:.0f} MiB",
-         f"largest {max(rss) / 2**20:.0f} MiB, mean {statistics.mean(rss) / 2**20:.0f} MiB"),
-        ("idle agent's API requests per minute",
-         f"{sum(idle_calls.values()) / args.nodes / idle_minutes:.2f}",
-         f"over {args.agent_idle:g} s of an idle pool; "
-         + (", ".join(f"{k} {v}" for k, v in idle_calls.most_common(4)) or "none")),
-        ("agents' own API requests, per node", f"{sum(agent_calls.values()) / args.nodes:.1f}",
-         "during the rollout, from the agents' counters; top: "
-         + ", ".join(f"{k} {v}" for k, v in agent_calls.most_common(5))),
+        (
+            "agents' CPU during the rollout",
+            f"{agent_cpu:.1f} s",
+            f"{agent_cpu / args.nodes:.2f} s per node (agent processes only)",
+        ),
+        (
+            "API server CPU during the rollout",
+            f"{apiserver_cpu:.1f} s",
+            f"{apiserver_cpu / wall:.0%} of one core on average",
+        ),
+        (
+            "agents' RSS after the rollout, total",
+            f"{sum(rss) / 2**20:.0f} MiB",
+            f"largest {max(rss) / 2**20:.0f} MiB, mean {statistics.mean(rss) / 2**20:.0f} MiB",
+        ),
+        (
+            "idle agent's API requests per minute",
+            f"{sum(idle_calls.values()) / args.nodes / idle_minutes:.2f}",
+            f"over {args.agent_idle:g} s of an idle pool; "
+            + (", ".join(f"{k} {v}" for k, v in idle_calls.most_common(4)) or "none"),
+        ),
+        (
+            "agents' own API requests, per node",
+            f"{sum(agent_calls.values()) / args.nodes:.1f}",
+            "during the rollout, from the agents' counters; top: "
+            + ", ".join(f"{k} {v}" for k, v in agent_calls.most_common(5)),
+        ),
         ("rollout's own API calls", str(sum(counting.calls.values())), ops_calls),
-        ("API requests during rollout", str(total),
-         f"{total / wall:.0f}/s, all clients; top: {top}"),
-        ("  idle baseline", f"{baseline:.0f}",
-         f"{idle_rate:.0f}/s over {args.idle:g} s before (kwok, agents, plugins, controllers)"),
-        ("  attributable, per node", f"{(total - baseline) / args.nodes:.0f}",
-         "(during - baseline) / nodes; the baseline moves with the simulated device "
-         "plugins' pod polling, so this is rough"),
+        (
+            "API requests during rollout",
+            str(total),
+            f"{total / wall:.0f}/s, all clients; top: {top}",
+        ),
+        (
+            "  idle baseline",
+            f"{baseline:.0f}",
+            f"{idle_rate:.0f}/s over {args.idle:g} s before (kwok, agents, plugins, controllers)",
+        ),
+        (
+            "  attributable, per node",
+            f"{(total - baseline) / args.nodes:.0f}",
+            "(during - baseline) / nodes; the baseline moves with the simulated device "
+            "plugins' pod polling, so this is rough",
+        ),
     ]
     print_table(rows)
     return 0

@@ -99,8 +99,11 @@ HOPPER_BALANCED = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
 # The agent's own defaults for retries (agents.start_node's test settings make them shorter):
 # back-off 5 s doubling to 300 s after a failed pass, an eviction refused by a PDB retried every
 # 5 s; its supervisor restarts it as a kubelet would (10 s, doubling to 5 min).
-AGENT_SETTINGS = {"MIG_AGENT_BACKOFF_S": "5", "MIG_AGENT_BACKOFF_MAX_S": "300",
-                  "MIG_AGENT_EVICTION_RETRY_S": "5"}
+AGENT_SETTINGS = {
+    "MIG_AGENT_BACKOFF_S": "5",
+    "MIG_AGENT_BACKOFF_MAX_S": "300",
+    "MIG_AGENT_EVICTION_RETRY_S": "5",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +123,14 @@ SUITE = (
     Transition("d1", "all-balanced -> all-1g", "hopper", "all-balanced", "all-1g.10gb"),
     Transition("d2", "all-1g -> all-balanced", "hopper", "all-1g.10gb", "all-balanced"),
     Transition("e", "Ampere: whole -> MIG, reset", "ampere", "all-disabled", "all-balanced"),
-    Transition("f", "d1 with pods on the 1g devices only", "hopper", "all-balanced",
-               "all-1g.10gb", pods_on="nvidia.com/mig-1g.10gb"),
+    Transition(
+        "f",
+        "d1 with pods on the 1g devices only",
+        "hopper",
+        "all-balanced",
+        "all-1g.10gb",
+        pods_on="nvidia.com/mig-1g.10gb",
+    ),
 )
 
 
@@ -163,17 +172,23 @@ class Bench:
         return dict(self.node(name)["metadata"].get("labels") or {})
 
     def patch_labels(self, name: str, labels: Mapping[str, str | None]) -> None:
-        self.api.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": labels}},
-                         content_type="application/merge-patch+json")
+        self.api.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}",
+            {"metadata": {"labels": labels}},
+            content_type="application/merge-patch+json",
+        )
 
     def advertised(self, name: str) -> Counter[str]:
         alloc = self.node(name)["status"].get("allocatable") or {}
-        return Counter({k: int(v) for k, v in alloc.items()
-                        if k.startswith("nvidia.com/") and int(v) > 0})
+        return Counter(
+            {k: int(v) for k, v in alloc.items() if k.startswith("nvidia.com/") and int(v) > 0}
+        )
 
     def pods(self, name: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self.api.get(
-            f"/api/v1/namespaces/{NS}/pods?labelSelector={POD_LABEL}%3D{name}")["items"]
+            f"/api/v1/namespaces/{NS}/pods?labelSelector={POD_LABEL}%3D{name}"
+        )["items"]
         return items
 
     def sim_state(self, name: str) -> str:
@@ -233,14 +248,26 @@ def fill_with_pods(bench: Bench, name: str, only: str = "") -> int:
             continue
         for _ in range(count):
             limits = {resource: "1"}
-            bench.api.request("POST", f"/api/v1/namespaces/{NS}/pods", {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"generateName": f"{name}-", "labels": {POD_LABEL: name}},
-                "spec": {"nodeSelector": {"kubernetes.io/hostname": name},
-                         "tolerations": [{"operator": "Exists"}],
-                         "containers": [{"name": "cuda", "image": "registry.invalid/sim:1",
-                                         "resources": {"limits": limits,
-                                                       "requests": limits}}]}})
+            bench.api.request(
+                "POST",
+                f"/api/v1/namespaces/{NS}/pods",
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"generateName": f"{name}-", "labels": {POD_LABEL: name}},
+                    "spec": {
+                        "nodeSelector": {"kubernetes.io/hostname": name},
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [
+                            {
+                                "name": "cuda",
+                                "image": "registry.invalid/sim:1",
+                                "resources": {"limits": limits, "requests": limits},
+                            }
+                        ],
+                    },
+                },
+            )
             n += 1
 
     def holding() -> bool:
@@ -258,10 +285,14 @@ def delete_pods(bench: Bench, names: Iterable[str], *, grace: int | None = 0) ->
     for name in names:
         for pod in bench.pods(name):
             body = None if grace is None else {"gracePeriodSeconds": grace}
-            bench.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods/"
-                              f"{pod['metadata']['name']}", body)
-    wait("GPU pods gone", lambda: all(not bench.pods(n) and not held_devices(bench.sim_state(n))
-                                      for n in names), 120)
+            bench.api.request(
+                "DELETE", f"/api/v1/namespaces/{NS}/pods/{pod['metadata']['name']}", body
+            )
+    wait(
+        "GPU pods gone",
+        lambda: all(not bench.pods(n) and not held_devices(bench.sim_state(n)) for n in names),
+        120,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +325,9 @@ class Pool:
 def new_proxy(cluster: Cluster) -> ApiFaultProxy:
     """A proxy with no fault between one manager and the API server: it only counts."""
     pki = cluster.dir / "pki"
-    return ApiFaultProxy(cluster.server, cert=pki / "serving.crt", key=pki / "serving.key",
-                         ca=cluster.ca_cert)
+    return ApiFaultProxy(
+        cluster.server, cert=pki / "serving.crt", key=pki / "serving.key", ca=cluster.ca_cert
+    )
 
 
 def manager_proc(cluster: Cluster, pool: Pool, node: str) -> Proc | None:
@@ -309,8 +341,8 @@ def manager_proc(cluster: Cluster, pool: Pool, node: str) -> Proc | None:
             text = stat.read_text()
         except OSError:
             continue
-        comm = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
         if int(fields[2]) == group and comm.startswith("nvidia-mig-man"):
             return Proc("nvidia-mig-manager", int(stat.parent.name), int(fields[19]))
     return None
@@ -321,7 +353,7 @@ def cpu_with_children(proc: Proc | None) -> float:
     if proc is None or not proc.alive():
         return 0.0
     text = Path(f"/proc/{proc.pid}/stat").read_text()
-    f = text[text.rindex(")") + 2:].split()
+    f = text[text.rindex(")") + 2 :].split()
     return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
@@ -337,8 +369,11 @@ def peak_rss_mib(proc: Proc | None) -> float:
 def agent_api_requests(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith("mig_agent_api_requests_total"))
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("mig_agent_api_requests_total")
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,9 +416,11 @@ def failure_reason(bench: Bench, pool: Pool, node: str, offset: int) -> str:
     with open(mig_manager.running(bench.cluster.dir)[node]["log"], "rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
-    lines = [(level, m) for level, m in
-             re.findall(r'level=(error|fatal) msg="((?:[^"\\]|\\.)*)"', text)
-             if "not currently applied" not in m]  # mig-parted's assert before the apply
+    lines = [
+        (level, m)
+        for level, m in re.findall(r'level=(error|fatal) msg="((?:[^"\\]|\\.)*)"', text)
+        if "not currently applied" not in m
+    ]  # mig-parted's assert before the apply
     busy = [m for _, m in lines if "IN_USE" in m or "in use" in m]
     fatal = [m for level, m in lines if level == "fatal"]
     errors = [m for _, m in lines]
@@ -395,8 +432,11 @@ def failure_reason(bench: Bench, pool: Pool, node: str, offset: int) -> str:
 
 def set_layout(bench: Bench, nodes: Sequence[str], layout: str, timeout: float = 300) -> None:
     """Bring `nodes` to `layout` (no pods on them), for the start of a transition."""
-    todo = [n for n in nodes if bench.labels(n).get(CONFIG) != layout
-            or bench.labels(n).get(STATE) != "success"]
+    todo = [
+        n
+        for n in nodes
+        if bench.labels(n).get(CONFIG) != layout or bench.labels(n).get(STATE) != "success"
+    ]
     for n in todo:
         if bench.labels(n).get(CONFIG) == layout:  # failed before: MIG Manager needs a change
             retrigger(bench, n)
@@ -415,12 +455,12 @@ def retrigger(bench: Bench, node: str) -> None:
     """MIG Manager acts on a *change* of the label's value only: go through a layout that does
     not exist (refused at once, no GPU touched) so that setting the same layout again counts."""
     bench.patch_labels(node, {CONFIG: "bench-retrigger", STATE: None})
-    wait(f"{node} refused bench-retrigger",
-         lambda: bench.labels(node).get(STATE) == "failed", 60)
+    wait(f"{node} refused bench-retrigger", lambda: bench.labels(node).get(STATE) == "failed", 60)
 
 
-def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: bool = False,
-                   with_pods: bool = True) -> Row:
+def run_transition(
+    bench: Bench, pool: Pool, t: Transition, *, manual_drain: bool = False, with_pods: bool = True
+) -> Row:
     cluster = bench.cluster
     nodes = pool.nodes(t.kind)
     pods = sum(fill_with_pods(bench, n, t.pods_on) for n in nodes) if with_pods else 0
@@ -451,8 +491,9 @@ def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: boo
             state = labels.get(STATE, "")
             if n not in to_state and state in ("success", "failed"):
                 to_state[n], outcome[n] = now - start, state
-            if outcome.get(n) == "success" and \
-                    bench.advertised(n) == devices_on(bench.sim_state(n)):
+            if outcome.get(n) == "success" and bench.advertised(n) == devices_on(
+                bench.sim_state(n)
+            ):
                 to_devices[n] = now - start
         time.sleep(0.05)
     cpu = sum(cpu_with_children(p) for p in procs.values()) - cpu0
@@ -463,8 +504,11 @@ def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: boo
         counts = simstate.call_counts(bench.sim_state(n)).by_function
         destroyed += counts.get(DESTROY_GI, 0)
         created += sum(counts.get(f, 0) for f in CREATE_GI)
-        now_pods = {p["metadata"]["uid"] for p in bench.pods(n)
-                    if not p["metadata"].get("deletionTimestamp")}
+        now_pods = {
+            p["metadata"]["uid"]
+            for p in bench.pods(n)
+            if not p["metadata"].get("deletionTimestamp")
+        }
         sim_node = simstate.load_node(bench.sim_state(n))
         for uid in before_pods[n]:
             gone = uid not in now_pods
@@ -473,20 +517,39 @@ def run_transition(bench: Bench, pool: Pool, t: Transition, *, manual_drain: boo
             dead += dead_dev and not gone
             lost += gone or dead_dev
     outcomes = Counter(outcome.get(n, "timeout") for n in nodes)
-    reasons = {why for n in nodes if outcome.get(n) != "success"
-               for why in [failure_reason(bench, pool, n, logs[n])] if why}
+    reasons = {
+        why
+        for n in nodes
+        if outcome.get(n) != "success"
+        for why in [failure_reason(bench, pool, n, logs[n])]
+        if why
+    }
     label = t.key + (" (pods deleted by hand, relabelled)" if manual_drain else "")
     return Row(
-        label, pool.system, ", ".join(f"{k}" + (f" x{v}" if len(nodes) > 1 else "")
-                                      for k, v in sorted(outcomes.items())),
+        label,
+        pool.system,
+        ", ".join(
+            f"{k}" + (f" x{v}" if len(nodes) > 1 else "") for k, v in sorted(outcomes.items())
+        ),
         max(to_state.values(), default=float("nan")),
         max(to_devices.values()) if len(to_devices) == len(nodes) else None,
-        destroyed, created, lost, evicted, dead, api, cpu,
-        max(peak_rss_mib(p) for p in procs.values()), pods, "; ".join(sorted(reasons)), kinds)
+        destroyed,
+        created,
+        lost,
+        evicted,
+        dead,
+        api,
+        cpu,
+        max(peak_rss_mib(p) for p in procs.values()),
+        pods,
+        "; ".join(sorted(reasons)),
+        kinds,
+    )
 
 
-def run_suite(bench: Bench, pools: Sequence[Pool], suite: Sequence[Transition],
-              say: Callable[[str], None]) -> list[Row]:
+def run_suite(
+    bench: Bench, pools: Sequence[Pool], suite: Sequence[Transition], say: Callable[[str], None]
+) -> list[Row]:
     rows: list[Row] = []
     for t in suite:
         for pool in pools:
@@ -533,14 +596,38 @@ class Case:
 
 
 CASES = (
-    Case("i", "unknown profile 1g.99gb in the layout", BAD_PROFILE,
-         f"label fixed ({KEEP_MOST})", KEEP_MOST, {"1g.10gb": 5, "2g.20gb": 1}),
-    Case("ii", "a GPU pod under a PDB with maxUnavailable 0", ALL_1G,
-         "PDB relaxed (minAvailable 0)", ALL_1G, {"1g.10gb": 7}),
-    Case("iii", "a GPU process that is no pod's, on the last GPU", ALL_1G,
-         "the process ended", ALL_1G, {"1g.10gb": 7}),
-    Case("iv", "the manager SIGKILLed mid-pass", ALL_1G,
-         "restarted 10 s later (the kubelet's first back-off)", ALL_1G, {"1g.10gb": 7}),
+    Case(
+        "i",
+        "unknown profile 1g.99gb in the layout",
+        BAD_PROFILE,
+        f"label fixed ({KEEP_MOST})",
+        KEEP_MOST,
+        {"1g.10gb": 5, "2g.20gb": 1},
+    ),
+    Case(
+        "ii",
+        "a GPU pod under a PDB with maxUnavailable 0",
+        ALL_1G,
+        "PDB relaxed (minAvailable 0)",
+        ALL_1G,
+        {"1g.10gb": 7},
+    ),
+    Case(
+        "iii",
+        "a GPU process that is no pod's, on the last GPU",
+        ALL_1G,
+        "the process ended",
+        ALL_1G,
+        {"1g.10gb": 7},
+    ),
+    Case(
+        "iv",
+        "the manager SIGKILLed mid-pass",
+        ALL_1G,
+        "restarted 10 s later (the kubelet's first back-off)",
+        ALL_1G,
+        {"1g.10gb": 7},
+    ),
 )
 
 
@@ -578,19 +665,24 @@ def gpus_summary(sim_state: str, before: Sequence[Counter[str]], want: Mapping[s
     as_before = sum(1 for a, b in zip(now, before, strict=True) if a == b)
     as_wanted = sum(1 for a in now if a == Counter(want))
     odd = [a for a, b in zip(now, before, strict=True) if a != b and a != Counter(want)]
-    kinds = Counter(", ".join(f"{k} x{v}" for k, v in sorted(a.items())) or "no instance"
-                    for a in odd)
+    kinds = Counter(
+        ", ".join(f"{k} x{v}" for k, v in sorted(a.items())) or "no instance" for a in odd
+    )
     detail = "; ".join(f"{n} GPU(s) with {k}" for k, n in sorted(kinds.items()))
     return f"{as_before} / {as_wanted} / {len(odd)}" + (f" ({detail})" if detail else "")
 
 
 def node_summary(bench: Bench, name: str) -> str:
     node = bench.node(name)
-    paused = [k.rsplit(".", 1)[-1] for k, v in (node["metadata"].get("labels") or {}).items()
-              if k.startswith("nvidia.com/gpu.deploy.") and v == "paused-for-mig-change"]
+    paused = [
+        k.rsplit(".", 1)[-1]
+        for k, v in (node["metadata"].get("labels") or {}).items()
+        if k.startswith("nvidia.com/gpu.deploy.") and v == "paused-for-mig-change"
+    ]
     cordoned = bool(node["spec"].get("unschedulable"))
-    parts = (["cordoned"] if cordoned else []) + ([f"paused: {', '.join(paused)}"] if paused
-                                                  else [])
+    parts = (["cordoned"] if cordoned else []) + (
+        [f"paused: {', '.join(paused)}"] if paused else []
+    )
     return "; ".join(parts) or "uncordoned, operands running"
 
 
@@ -600,8 +692,11 @@ def agent_events(bench: Bench, name: str, since: float) -> list[dict[str, Any]]:
     out = []
     for e in items:
         when = e.get("lastTimestamp") or e.get("eventTime") or ""
-        stamp = time.mktime(time.strptime(when[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone \
-            if when else 0.0
+        stamp = (
+            time.mktime(time.strptime(when[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+            if when
+            else 0.0
+        )
         if stamp >= since - 1:
             out.append({**e, "_stamp": stamp})
     return sorted(out, key=lambda e: e["_stamp"])
@@ -625,29 +720,45 @@ def operator_view(bench: Bench, pool: Pool, name: str, log_offset: int, since: f
 
 
 def pdb_body(name: str, max_unavailable: int) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": {"name": f"bench-{name}"},
-            "spec": {"maxUnavailable": max_unavailable,
-                     "selector": {"matchLabels": {POD_LABEL: name}}}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": f"bench-{name}"},
+        "spec": {"maxUnavailable": max_unavailable, "selector": {"matchLabels": {POD_LABEL: name}}},
+    }
 
 
 def one_pod(bench: Bench, name: str, resource: str) -> str:
     """One GPU pod holding one device of `resource`; returns its UID once it holds it."""
     limits = {resource: "1"}
-    pod = bench.api.request("POST", f"/api/v1/namespaces/{NS}/pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"generateName": f"{name}-", "labels": {POD_LABEL: name}},
-        "spec": {"nodeSelector": {"kubernetes.io/hostname": name},
-                 "tolerations": [{"operator": "Exists"}],
-                 "containers": [{"name": "cuda", "image": "registry.invalid/sim:1",
-                                 "resources": {"limits": limits, "requests": limits}}]}})
+    pod = bench.api.request(
+        "POST",
+        f"/api/v1/namespaces/{NS}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"generateName": f"{name}-", "labels": {POD_LABEL: name}},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": name},
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [
+                    {
+                        "name": "cuda",
+                        "image": "registry.invalid/sim:1",
+                        "resources": {"limits": limits, "requests": limits},
+                    }
+                ],
+            },
+        },
+    )
     uid = str(pod["metadata"]["uid"])
     wait(f"pod {uid} holds a device", lambda: uid in held_devices(bench.sim_state(name)), 120)
     return uid
 
 
-def wait_state(bench: Bench, name: str, states: Sequence[str], timeout: float,
-               seen: list[str]) -> str | None:
+def wait_state(
+    bench: Bench, name: str, states: Sequence[str], timeout: float, seen: list[str]
+) -> str | None:
     deadline = time.monotonic() + timeout
     while True:
         state = bench.labels(name).get(STATE, "")
@@ -660,8 +771,15 @@ def wait_state(bench: Bench, name: str, states: Sequence[str], timeout: float,
         time.sleep(0.1)
 
 
-def run_case(bench: Bench, pool: Pool, case: Case, window: float, window_max: float,
-             settle: float, say: Callable[[str], None]) -> FailureRow:
+def run_case(
+    bench: Bench,
+    pool: Pool,
+    case: Case,
+    window: float,
+    window_max: float,
+    settle: float,
+    say: Callable[[str], None],
+) -> FailureRow:
     cluster = bench.cluster
     name = pool.hopper[0]
     sim = bench.sim_state(name)
@@ -674,10 +792,14 @@ def run_case(bench: Bench, pool: Pool, case: Case, window: float, window_max: fl
         bench.api.request("POST", pdb, pdb_body(name, 0))
     if case.key == "iii":
         last = simstate.load_node(sim).gpus[-1]
-        gi = next(g for g in last.gpu_instances
-                  if last.model.gi_profile_by_id(g.profile_id).name == "3g.40gb")  # type: ignore[union-attr]
-        simstate.start_process(sim, last.index, gi=gi.id, ci=gi.compute_instances[0].id,
-                               owner=HOST_OWNER)
+        gi = next(
+            g
+            for g in last.gpu_instances
+            if last.model.gi_profile_by_id(g.profile_id).name == "3g.40gb"
+        )  # type: ignore[union-attr]
+        simstate.start_process(
+            sim, last.index, gi=gi.id, ci=gi.compute_instances[0].id, owner=HOST_OWNER
+        )
     simstate.reset_call_counts(sim)
     since = time.time()
     start = time.monotonic()
@@ -704,7 +826,8 @@ def run_case(bench: Bench, pool: Pool, case: Case, window: float, window_max: fl
                 seen.append(state)
             now = time.monotonic()
             if now >= start + window_max or (
-                    now >= start + window and state in ("success", "failed")):
+                now >= start + window and state in ("success", "failed")
+            ):
                 break
             time.sleep(0.2)
     state = bench.labels(name).get(STATE, "")
@@ -725,9 +848,12 @@ def run_case(bench: Bench, pool: Pool, case: Case, window: float, window_max: fl
         fixed = time.monotonic()
         # relaxed: the disruption controller allows a bare pod (no controller with a scale)
         # no disruption under any maxUnavailable, so the budget becomes minAvailable 0
-        bench.api.request("PATCH", f"{pdb}/bench-{name}",
-                          {"spec": {"maxUnavailable": None, "minAvailable": 0}},
-                          content_type="application/merge-patch+json")
+        bench.api.request(
+            "PATCH",
+            f"{pdb}/bench-{name}",
+            {"spec": {"maxUnavailable": None, "minAvailable": 0}},
+            content_type="application/merge-patch+json",
+        )
     elif case.key == "iii":
         fixed = time.monotonic()
         simstate.end_processes(sim, [HOST_OWNER])
@@ -742,8 +868,9 @@ def run_case(bench: Bench, pool: Pool, case: Case, window: float, window_max: fl
     end = wait_state(bench, name, ("success",), settle, after)
     fix_s = time.monotonic() - fixed if end == "success" else None
     if end == "success":
-        wait(f"{name} advertises its layout",
-             lambda: bench.advertised(name) == devices_on(sim), 120)
+        wait(
+            f"{name} advertises its layout", lambda: bench.advertised(name) == devices_on(sim), 120
+        )
     destroyed_after = simstate.call_counts(sim).by_function.get(DESTROY_GI, 0)
     end_state = bench.labels(name).get(STATE, "")
     way_out = ""
@@ -758,21 +885,40 @@ def run_case(bench: Bench, pool: Pool, case: Case, window: float, window_max: fl
         bench.patch_labels(name, {CONFIG: case.fixed_target, STATE: None})
         steps.append(f"relabel (via another value) to {case.fixed_target}")
         ok = wait_state(bench, name, ("success",), settle, [])
-        way_out = (" + ".join(steps) + (f": success {time.monotonic() - t0:.1f} s later"
-                                        if ok else ": still not success"))
+        way_out = " + ".join(steps) + (
+            f": success {time.monotonic() - t0:.1f} s later" if ok else ": still not success"
+        )
     # clean up for the next case
     if case.key == "ii":
         bench.api.request("DELETE", f"{pdb}/bench-{name}")
         delete_pods(bench, [name])
     simstate.end_processes(sim, [HOST_OWNER])
-    return FailureRow(case.key, pool.system, state, " -> ".join(s or "(none)" for s in seen),
-                      reason, destroyed, created, gpus, node_now, end_state, fix_s,
-                      destroyed_after, way_out)
+    return FailureRow(
+        case.key,
+        pool.system,
+        state,
+        " -> ".join(s or "(none)" for s in seen),
+        reason,
+        destroyed,
+        created,
+        gpus,
+        node_now,
+        end_state,
+        fix_s,
+        destroyed_after,
+        way_out,
+    )
 
 
-def run_failures(bench: Bench, pools: Sequence[Pool], window: float, window_max: float,
-                 settle: float, cases: Sequence[str], say: Callable[[str], None],
-                 ) -> list[FailureRow]:
+def run_failures(
+    bench: Bench,
+    pools: Sequence[Pool],
+    window: float,
+    window_max: float,
+    settle: float,
+    cases: Sequence[str],
+    say: Callable[[str], None],
+) -> list[FailureRow]:
     rows = []
     for case in CASES:
         if cases and case.key not in cases:
@@ -784,27 +930,38 @@ def run_failures(bench: Bench, pools: Sequence[Pool], window: float, window_max:
     return rows
 
 
-def print_failures(rows: Sequence[FailureRow], window: float, window_max: float,
-                   settle: float) -> None:
-    print(f"\n## Failures: the fault stands {window:g} s and until the manager ends its pass "
-          f"({window_max:g} s at most), then its cause is fixed\n")
-    print("| case | system | state after the fault | GIs destroyed | GPUs before / wanted / "
-          "neither | node | fix | state after the fix | fix -> success s | GIs destroyed "
-          "after the fix |")
+def print_failures(
+    rows: Sequence[FailureRow], window: float, window_max: float, settle: float
+) -> None:
+    print(
+        f"\n## Failures: the fault stands {window:g} s and until the manager ends its pass "
+        f"({window_max:g} s at most), then its cause is fixed\n"
+    )
+    print(
+        "| case | system | state after the fault | GIs destroyed | GPUs before / wanted / "
+        "neither | node | fix | state after the fix | fix -> success s | GIs destroyed "
+        "after the fix |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     titles = {c.key: c for c in CASES}
     for r in rows:
         c = titles[r.case]
-        print(f"| {r.case} {c.title} | {r.system} | {r.state} | {r.destroyed} | {r.gpus} | "
-              f"{r.node} | {c.fix} | {r.end} | "
-              f"{'not reached' if r.fix_s is None else fmt(r.fix_s)} | {r.destroyed_after} |")
+        print(
+            f"| {r.case} {c.title} | {r.system} | {r.state} | {r.destroyed} | {r.gpus} | "
+            f"{r.node} | {c.fix} | {r.end} | "
+            f"{'not reached' if r.fix_s is None else fmt(r.fix_s)} | {r.destroyed_after} |"
+        )
     print("\nWhat the operator is told (and what it took where the fix alone did not do):\n")
     for r in rows:
-        print(f"- {r.case}, {r.system} (states {r.seen}): {r.reason}"
-              + (f". Way out: {r.way_out}" if r.way_out else ""))
-    print(f"\n'not reached': no success within {settle:g} s of the fix. 'GPUs before / wanted / "
-          "neither' counts the node's GPUs, while the fault stood, that held the layout before "
-          "the label change, the layout the case ends at, or something else (half-configured).")
+        print(
+            f"- {r.case}, {r.system} (states {r.seen}): {r.reason}"
+            + (f". Way out: {r.way_out}" if r.way_out else "")
+        )
+    print(
+        f"\n'not reached': no success within {settle:g} s of the fix. 'GPUs before / wanted / "
+        "neither' counts the node's GPUs, while the fault stood, that held the layout before "
+        "the label change, the layout the case ends at, or something else (half-configured)."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,17 +973,45 @@ def fmt(x: float | None, digits: int = 1) -> str:
 
 
 def print_rows(rows: Sequence[Row]) -> None:
-    head = ("transition", "system", "outcome", "to state s", "to devices s", "GI destroyed",
-            "GI created", "pods lost device", "evicted", "running on dead device", "API req",
-            "CPU s", "peak RSS MiB")
+    head = (
+        "transition",
+        "system",
+        "outcome",
+        "to state s",
+        "to devices s",
+        "GI destroyed",
+        "GI created",
+        "pods lost device",
+        "evicted",
+        "running on dead device",
+        "API req",
+        "CPU s",
+        "peak RSS MiB",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for r in rows:
-        print("| " + " | ".join([
-            r.transition, r.system, r.outcome, fmt(r.to_state_s), fmt(r.to_devices_s),
-            str(r.destroyed), str(r.created), f"{r.lost}/{r.pods}", str(r.evicted),
-            str(r.dead_device), "n/a" if r.api is None else f"{r.api:.0f}", fmt(r.cpu_s, 2),
-            fmt(r.rss_mib, 0)]) + " |")
+        print(
+            "| "
+            + " | ".join(
+                [
+                    r.transition,
+                    r.system,
+                    r.outcome,
+                    fmt(r.to_state_s),
+                    fmt(r.to_devices_s),
+                    str(r.destroyed),
+                    str(r.created),
+                    f"{r.lost}/{r.pods}",
+                    str(r.evicted),
+                    str(r.dead_device),
+                    "n/a" if r.api is None else f"{r.api:.0f}",
+                    fmt(r.cpu_s, 2),
+                    fmt(r.rss_mib, 0),
+                ]
+            )
+            + " |"
+        )
 
 
 def print_reasons(rows: Sequence[Row]) -> None:
@@ -840,8 +1025,9 @@ def print_reasons(rows: Sequence[Row]) -> None:
 def print_api_kinds(rows: Sequence[Row]) -> None:
     print("\nAPI requests by verb and resource (each manager's proxy):\n")
     for r in rows:
-        kinds = ", ".join(f"{k} x{v}" for k, v in sorted(r.api_by_kind.items(),
-                                                         key=lambda kv: (-kv[1], kv[0])))
+        kinds = ", ".join(
+            f"{k} x{v}" for k, v in sorted(r.api_by_kind.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
         print(f"- {r.transition}, {r.system}: {kinds or 'none'}")
 
 
@@ -855,35 +1041,45 @@ def comparable(rows: Sequence[Row], key: str, system: str) -> Row | None:
 def print_ratios(rows: Sequence[Row], suite: Sequence[Transition]) -> list[str]:
     """Ratio table; returns the transitions where mig-agent is not ahead (and why)."""
     behind: list[str] = []
-    print("| transition | MIG Manager to devices s | mig-agent to devices s | time ratio MM/agent "
-          "| GI destroyed MM / agent | pods lost device MM / agent |")
+    print(
+        "| transition | MIG Manager to devices s | mig-agent to devices s | time ratio MM/agent "
+        "| GI destroyed MM / agent | pods lost device MM / agent |"
+    )
     print("|---|---|---|---|---|---|")
     for t in suite:
         mm, ma = comparable(rows, t.key, MM), comparable(rows, t.key, MA)
         first_mm = next((r for r in rows if r.transition == t.key and r.system == MM), None)
         if mm is None or ma is None or first_mm is None:
-            print(f"| {t.key} {t.title} | {'-' if mm is None else fmt(mm.to_devices_s)} | "
-                  f"{'-' if ma is None else fmt(ma.to_devices_s)} | - | - | - |")
+            print(
+                f"| {t.key} {t.title} | {'-' if mm is None else fmt(mm.to_devices_s)} | "
+                f"{'-' if ma is None else fmt(ma.to_devices_s)} | - | - | - |"
+            )
             behind.append(f"{t.key}: a system did not reach the layout")
             continue
         assert mm.to_devices_s is not None and ma.to_devices_s is not None
         ratio = mm.to_devices_s / ma.to_devices_s if ma.to_devices_s else float("inf")
         destroyed_mm = first_mm.destroyed + (mm.destroyed if mm is not first_mm else 0)
         lost_mm = mm.lost
-        print(f"| {t.key} {t.title} | {fmt(mm.to_devices_s)} | {fmt(ma.to_devices_s)} | "
-              f"{ratio:.2f} | {destroyed_mm} / {ma.destroyed} | {lost_mm} / {ma.lost} |")
+        print(
+            f"| {t.key} {t.title} | {fmt(mm.to_devices_s)} | {fmt(ma.to_devices_s)} | "
+            f"{ratio:.2f} | {destroyed_mm} / {ma.destroyed} | {lost_mm} / {ma.lost} |"
+        )
         if ratio < 1:
             behind.append(f"{t.key}: slower ({ma.to_devices_s:.1f} s vs {mm.to_devices_s:.1f} s)")
         if ma.destroyed > destroyed_mm:
-            behind.append(f"{t.key}: destroys more GPU instances ({ma.destroyed} vs "
-                          f"{destroyed_mm})")
+            behind.append(
+                f"{t.key}: destroys more GPU instances ({ma.destroyed} vs {destroyed_mm})"
+            )
         if ma.lost > lost_mm:
             behind.append(f"{t.key}: more pods lose their device ({ma.lost} vs {lost_mm})")
-        api_mm = sum(r.api or 0 for r in rows if r.transition.split(" ")[0] == t.key
-                     and r.system == MM)
+        api_mm = sum(
+            r.api or 0 for r in rows if r.transition.split(" ")[0] == t.key and r.system == MM
+        )
         if ma.api is not None and ma.api > api_mm:
-            behind.append(f"{t.key}: more API requests ({ma.api:.0f} vs {api_mm:.0f}, MIG "
-                          "Manager's first try and retry together)")
+            behind.append(
+                f"{t.key}: more API requests ({ma.api:.0f} vs {api_mm:.0f}, MIG "
+                "Manager's first try and retry together)"
+            )
     return behind
 
 
@@ -892,9 +1088,14 @@ def mig_manager_passes(log: str) -> int:
     return Path(log).read_text().count("Waiting for change to 'nvidia.com/mig.config' label")
 
 
-def run_handover(bench: Bench, pools: Sequence[Pool], config: Path, bin_dir: Path,
-                 args: argparse.Namespace, say: Callable[[str], None],
-                 ) -> list[tuple[str, str, str]]:
+def run_handover(
+    bench: Bench,
+    pools: Sequence[Pool],
+    config: Path,
+    bin_dir: Path,
+    args: argparse.Namespace,
+    say: Callable[[str], None],
+) -> list[tuple[str, str, str]]:
     """Each system takes over the other's first Hopper node, at all-balanced with a GPU pod on
     every device: the new manager's first pass (NVML mutations, pods, state), then a new layout
     (bench-keep-most) applied by it. Run last: the pools' nodes swap managers."""
@@ -917,28 +1118,51 @@ def run_handover(bench: Bench, pools: Sequence[Pool], config: Path, bin_dir: Pat
         api0 = proxy.requests
         start = time.monotonic()
         if new == MA:
-            agents.start_node(ViaProxy(cluster, proxy.url), name, profiles=config,
-                              device_plugin=args.device_plugin, settings=AGENT_SETTINGS)
-            wait("the agent's first pass", lambda n=name: GPU_STATE in (
-                bench.node(n)["metadata"].get("annotations") or {}), 120)
+            agents.start_node(
+                ViaProxy(cluster, proxy.url),
+                name,
+                profiles=config,
+                device_plugin=args.device_plugin,
+                settings=AGENT_SETTINGS,
+            )
+            wait(
+                "the agent's first pass",
+                lambda n=name: GPU_STATE in (bench.node(n)["metadata"].get("annotations") or {}),
+                120,
+            )
         else:
             kubeconfig = mig_manager.admin_kubeconfig(
-                cluster, cluster.node_dir(name) / "mig-manager.kubeconfig", proxy.url)
-            record = mig_manager.start_node(cluster, name, config, bin_dir=bin_dir,
-                                            device_plugin=args.device_plugin,
-                                            kubeconfig=kubeconfig)
-            wait("MIG Manager's first pass",
-                 lambda log=record.log: mig_manager_passes(log) >= 2, 120)
+                cluster, cluster.node_dir(name) / "mig-manager.kubeconfig", proxy.url
+            )
+            record = mig_manager.start_node(
+                cluster,
+                name,
+                config,
+                bin_dir=bin_dir,
+                device_plugin=args.device_plugin,
+                kubeconfig=kubeconfig,
+            )
+            wait(
+                "MIG Manager's first pass", lambda log=record.log: mig_manager_passes(log) >= 2, 120
+            )
         first_s = time.monotonic() - start
         time.sleep(3)  # anything it would do after its first look is under way by now
         mutations = simstate.call_counts(sim).total
-        left = {p["metadata"]["uid"] for p in bench.pods(name)
-                if not p["metadata"].get("deletionTimestamp")}
-        rows.append((f"{old} -> {new}: first pass", f"{mutations} NVML mutations",
-                     f"state {bench.labels(name).get(STATE)}, {len(pods - left)} of "
-                     f"{len(pods)} pods evicted, {node_summary(bench, name)}, "
-                     f"{first_s:.1f} s from start to its first pass done, "
-                     f"{proxy.requests - api0} API requests"))
+        left = {
+            p["metadata"]["uid"]
+            for p in bench.pods(name)
+            if not p["metadata"].get("deletionTimestamp")
+        }
+        rows.append(
+            (
+                f"{old} -> {new}: first pass",
+                f"{mutations} NVML mutations",
+                f"state {bench.labels(name).get(STATE)}, {len(pods - left)} of "
+                f"{len(pods)} pods evicted, {node_summary(bench, name)}, "
+                f"{first_s:.1f} s from start to its first pass done, "
+                f"{proxy.requests - api0} API requests",
+            )
+        )
         # a new layout by the new manager
         by_hand = ""
         if new == MM:  # it does not drain
@@ -951,19 +1175,27 @@ def run_handover(bench: Bench, pools: Sequence[Pool], config: Path, bin_dir: Pat
         wait_layout(bench, name, KEEP_MOST, 300)
         took = time.monotonic() - start
         counts = simstate.call_counts(sim).by_function
-        left = {p["metadata"]["uid"] for p in bench.pods(name)
-                if not p["metadata"].get("deletionTimestamp")}
-        rows.append((f"{old} -> {new}: then {KEEP_MOST}",
-                     f"{counts.get(DESTROY_GI, 0)} GIs destroyed",
-                     f"{by_hand}{sum(counts.get(f, 0) for f in CREATE_GI)} created, "
-                     f"{len(before - left)} pods evicted, {len(left)} kept, {took:.1f} s to "
-                     f"the new devices advertised"))
+        left = {
+            p["metadata"]["uid"]
+            for p in bench.pods(name)
+            if not p["metadata"].get("deletionTimestamp")
+        }
+        rows.append(
+            (
+                f"{old} -> {new}: then {KEEP_MOST}",
+                f"{counts.get(DESTROY_GI, 0)} GIs destroyed",
+                f"{by_hand}{sum(counts.get(f, 0) for f in CREATE_GI)} created, "
+                f"{len(before - left)} pods evicted, {len(left)} kept, {took:.1f} s to "
+                f"the new devices advertised",
+            )
+        )
         delete_pods(bench, [name])
     return rows
 
 
-def measure_idle(bench: Bench, pools: Sequence[Pool], seconds: float,
-                 say: Callable[[str], None]) -> list[tuple[str, str, str]]:
+def measure_idle(
+    bench: Bench, pools: Sequence[Pool], seconds: float, say: Callable[[str], None]
+) -> list[tuple[str, str, str]]:
     """Every node at its layout, nothing to do: each manager's requests over `seconds`."""
     say(f"  idle: {seconds:g} s")
     before = {(p.system, n): p.proxies[n].snapshot() for p in pools for n in p.proxies}
@@ -984,34 +1216,68 @@ def measure_idle(bench: Bench, pools: Sequence[Pool], seconds: float,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", type=int, default=1,
-                   help="Hopper nodes per pool, and as many Ampere nodes (default 1)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="Hopper nodes per pool, and as many Ampere nodes (default 1)",
+    )
     p.add_argument("--gpus", default="8xH100-80GB", help="GPUs of a Hopper node")
     p.add_argument("--ampere-gpus", default="8xA100-40GB", help="GPUs of an Ampere node")
-    p.add_argument("--latency", type=float, default=0.25,
-                   help="seconds added to every mutating NVML call and GPU reset in the "
-                        "realistic run (default 0.25)")
-    p.add_argument("--parts", default="suite",
-                   help="comma-separated, run in this order: suite (transitions a-f), "
-                        "failures (cases i-iv), idle (API requests of idle managers), handover "
-                        "(each system takes over the other's node); default suite")
-    p.add_argument("--window", type=float, default=60.0,
-                   help="failures: seconds the fault stands before its cause is fixed")
-    p.add_argument("--window-max", type=float, default=330.0,
-                   help="failures: at most this long while the manager has not ended its pass "
-                        "(default 330: past mig-agent's 300 s drain timeout)")
+    p.add_argument(
+        "--latency",
+        type=float,
+        default=0.25,
+        help="seconds added to every mutating NVML call and GPU reset in the "
+        "realistic run (default 0.25)",
+    )
+    p.add_argument(
+        "--parts",
+        default="suite",
+        help="comma-separated, run in this order: suite (transitions a-f), "
+        "failures (cases i-iv), idle (API requests of idle managers), handover "
+        "(each system takes over the other's node); default suite",
+    )
+    p.add_argument(
+        "--window",
+        type=float,
+        default=60.0,
+        help="failures: seconds the fault stands before its cause is fixed",
+    )
+    p.add_argument(
+        "--window-max",
+        type=float,
+        default=330.0,
+        help="failures: at most this long while the manager has not ended its pass "
+        "(default 330: past mig-agent's 300 s drain timeout)",
+    )
     p.add_argument("--cases", default="", help="failures: the cases to run (default all)")
-    p.add_argument("--settle", type=float, default=180.0,
-                   help="failures: seconds to wait for success after the fix")
-    p.add_argument("--idle", type=float, default=180.0,
-                   help="idle: seconds of idle API requests measured")
-    p.add_argument("--logs", type=Path, default=None,
-                   help="copy the cluster's logs (managers, device plugins, API server) here "
-                        "before the cluster goes")
-    p.add_argument("--skip-zero", action="store_true",
-                   help="suite: only the run at --latency, not the second one at zero latency")
-    p.add_argument("--transitions", default="",
-                   help="suite: comma-separated keys of the transitions to run (default all)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=180.0,
+        help="failures: seconds to wait for success after the fix",
+    )
+    p.add_argument(
+        "--idle", type=float, default=180.0, help="idle: seconds of idle API requests measured"
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        help="copy the cluster's logs (managers, device plugins, API server) here "
+        "before the cluster goes",
+    )
+    p.add_argument(
+        "--skip-zero",
+        action="store_true",
+        help="suite: only the run at --latency, not the second one at zero latency",
+    )
+    p.add_argument(
+        "--transitions",
+        default="",
+        help="suite: comma-separated keys of the transitions to run (default all)",
+    )
     add_cluster_options(p, quick="2+1 GPUs per node, zero latency only, transitions a, b and e")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -1031,8 +1297,11 @@ def main() -> int:
     keys = {k.strip() for k in args.transitions.split(",") if k.strip()}
     if keys - {t.key for t in SUITE}:
         p.error(f"unknown transitions: {', '.join(sorted(keys - {t.key for t in SUITE}))}")
-    suite = [t for t in SUITE if (not args.quick or t.key in ("a", "b", "e"))
-             and (not keys or t.key in keys)]
+    suite = [
+        t
+        for t in SUITE
+        if (not args.quick or t.key in ("a", "b", "e")) and (not keys or t.key in keys)
+    ]
     latencies = [0.0] if args.quick else [args.latency] if args.skip_zero else [args.latency, 0.0]
     with_ampere = "suite" in parts and any(t.kind == "ampere" for t in suite)
 
@@ -1056,8 +1325,9 @@ def main() -> int:
                 for i in range(args.nodes):
                     pool.hopper.append(cluster.add_gpu_node(f"{prefix}-h-{i}", args.gpus))
                     if with_ampere:
-                        pool.ampere.append(cluster.add_gpu_node(f"{prefix}-a-{i}",
-                                                                args.ampere_gpus))
+                        pool.ampere.append(
+                            cluster.add_gpu_node(f"{prefix}-a-{i}", args.ampere_gpus)
+                        )
             for pool in pools:
                 for n in pool.hopper + pool.ampere:
                     proxy = new_proxy(cluster)
@@ -1065,18 +1335,33 @@ def main() -> int:
                     pool.proxies[n] = proxy
             for n in pools[0].hopper + pools[0].ampere:
                 kubeconfig = mig_manager.admin_kubeconfig(
-                    cluster, cluster.node_dir(n) / "mig-manager.kubeconfig",
-                    pools[0].proxies[n].url)
-                mig_manager.start_node(cluster, n, config, bin_dir=bin_dir,
-                                       device_plugin=args.device_plugin, kubeconfig=kubeconfig)
+                    cluster, cluster.node_dir(n) / "mig-manager.kubeconfig", pools[0].proxies[n].url
+                )
+                mig_manager.start_node(
+                    cluster,
+                    n,
+                    config,
+                    bin_dir=bin_dir,
+                    device_plugin=args.device_plugin,
+                    kubeconfig=kubeconfig,
+                )
             for n in pools[1].hopper + pools[1].ampere:
                 pools[1].metrics_ports[n] = agents.start_node(
-                    ViaProxy(cluster, pools[1].proxies[n].url), n, profiles=config,
-                    device_plugin=args.device_plugin, settings=AGENT_SETTINGS).metrics_port
+                    ViaProxy(cluster, pools[1].proxies[n].url),
+                    n,
+                    profiles=config,
+                    device_plugin=args.device_plugin,
+                    settings=AGENT_SETTINGS,
+                ).metrics_port
             bench = Bench(cluster)
-            wait("every agent's published GPU state", lambda: all(
-                GPU_STATE in (bench.node(n)["metadata"].get("annotations") or {})
-                for n in pools[1].metrics_ports), 120)
+            wait(
+                "every agent's published GPU state",
+                lambda: all(
+                    GPU_STATE in (bench.node(n)["metadata"].get("annotations") or {})
+                    for n in pools[1].metrics_ports
+                ),
+                120,
+            )
             for part in parts:
                 if part == "suite":
                     for latency in latencies:
@@ -1091,8 +1376,14 @@ def main() -> int:
                             simstate.set_latency(bench.sim_state(n), args.latency)
                     say(f"failures at {args.latency:g} s per mutating NVML call")
                     failure_rows = run_failures(
-                        bench, pools, args.window, args.window_max, args.settle,
-                        [c.strip() for c in args.cases.split(",") if c.strip()], say)
+                        bench,
+                        pools,
+                        args.window,
+                        args.window_max,
+                        args.settle,
+                        [c.strip() for c in args.cases.split(",") if c.strip()],
+                        say,
+                    )
                 elif part == "handover":
                     say("handover")
                     handover_rows = run_handover(bench, pools, config, bin_dir, args, say)
@@ -1109,10 +1400,12 @@ def main() -> int:
             if args.logs is not None:
                 shutil.copytree(cluster.dir / "logs", args.logs, dirs_exist_ok=True)
 
-    print(f"\n# mig-agent vs NVIDIA's MIG Manager: {args.nodes} node(s) of {args.gpus}"
-          + (f" and {args.nodes} of {args.ampere_gpus}" if with_ampere else "")
-          + f" per system; {args.device_plugin} device plugin on both; each manager's API "
-          "requests counted by a proxy of its own in front of the API server\n")
+    print(
+        f"\n# mig-agent vs NVIDIA's MIG Manager: {args.nodes} node(s) of {args.gpus}"
+        + (f" and {args.nodes} of {args.ampere_gpus}" if with_ampere else "")
+        + f" per system; {args.device_plugin} device plugin on both; each manager's API "
+        "requests counted by a proxy of its own in front of the API server\n"
+    )
     behind_all: list[str] = []
     for latency, rows in all_rows.items():
         print(f"\n## Simulated hardware latency {latency:g} s per mutating NVML call and reset\n")
@@ -1123,14 +1416,16 @@ def main() -> int:
         behind = print_ratios(rows, suite)
         behind_all += [f"latency {latency:g}: {b}" for b in behind]
     if all_rows:
-        print("\nTimes are the slowest node of the pool; 'to devices' ends when the node "
-              "advertises the new layout (MIG Manager says success before its device plugin is "
-              "back). MIG Manager's retry row counts the drain by hand (delete the pods, wait "
-              "until gone) in its times. API req: requests through the manager's proxy, label "
-              "change to the end of the row. CPU: mig-agent's process (its NVML calls run the "
-              "simulator in-process); MIG Manager's process with the mig-parted runs it waited "
-              "for (the simulator runs in another process). Shared 2-core machine: compare "
-              "ratios and counts.")
+        print(
+            "\nTimes are the slowest node of the pool; 'to devices' ends when the node "
+            "advertises the new layout (MIG Manager says success before its device plugin is "
+            "back). MIG Manager's retry row counts the drain by hand (delete the pods, wait "
+            "until gone) in its times. API req: requests through the manager's proxy, label "
+            "change to the end of the row. CPU: mig-agent's process (its NVML calls run the "
+            "simulator in-process); MIG Manager's process with the mig-parted runs it waited "
+            "for (the simulator runs in another process). Shared 2-core machine: compare "
+            "ratios and counts."
+        )
         print("\nWhere mig-agent is not ahead: " + ("; ".join(behind_all) or "none"))
     if failure_rows:
         print_failures(failure_rows, args.window, args.window_max, args.settle)
@@ -1138,8 +1433,9 @@ def main() -> int:
         print("\n## Handover: each system takes over a node the other configured\n")
         print_table(handover_rows)
     if idle_rows:
-        print(f"\n## Idle API requests per minute, over {args.idle:g} s, every node at its "
-              "layout\n")
+        print(
+            f"\n## Idle API requests per minute, over {args.idle:g} s, every node at its layout\n"
+        )
         print_table(idle_rows)
     return 0
 

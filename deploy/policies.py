@@ -12,7 +12,8 @@ What the policies allow is exactly what the agent writes:
   agent cuts its reason at REASON_CAP characters; the GPU state of 16 GPUs of 7 instances each
   is about 17,000);
 * the node condition ``condition_type`` with the reasons of CONDITION_REASONS plus the name of
-  every mig_agent.core.errors.MigAgentError class (the reason of a failed pass is the error's class);
+  every mig_agent.core.errors.MigAgentError class (the reason of a failed pass is the error's
+  class);
 * Events about its own Node with the reasons of EVENT_REASONS;
 * pod deletion: the device plugin's pod (namespace and selector of the settings) on its node,
   and with ``restart_validators`` the GPU Operator's validator pods there (their ``app`` label
@@ -27,24 +28,35 @@ from pathlib import Path
 from string import Template
 
 from mig_agent.agent.validators import APPS as VALIDATOR_APPS
+from mig_agent.config.settings import Settings
 from mig_agent.core.errors import MigAgentError
 from mig_agent.core.labels import PAUSED, State
-from mig_agent.config.settings import Settings
 
 TEMPLATE = Path(__file__).resolve().parent / "policies.yaml"
 AGENT_USER = "system:serviceaccount:mig-agent:mig-agent"
 COMPONENT = "mig-agent"
 """The Event source component of the agent (mig_agent.kube.client.KubernetesCluster)."""
 
-CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable", "DrainBlocked",
-                     "DrainWaiting")
+CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable", "DrainBlocked", "DrainWaiting")
 """Reasons of the node condition the agent sets by name (mig_agent/agent/reconcile.py), besides
 the error class names of failed passes (GpuUnavailable is both: no NVML on start)."""
 EVENT_REASONS = (
-    "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying", "MIGDevicePluginRestart",
-    "MIGConfigApplied", "MIGConfigFailed", "MIGRebooting", "MIGPostApply",
-    "MIGHostClientsStopped", "MIGHostClientsStarted", "MIGConfigInvalid",
-    "MIGDrainBlocked", "MIGDrainWaiting", "MIGUnhealthyDevices", "MIGDevicesHealthy",
+    "MIGReconfiguring",
+    "MIGDraining",
+    "MIGApplying",
+    "MIGVerifying",
+    "MIGDevicePluginRestart",
+    "MIGConfigApplied",
+    "MIGConfigFailed",
+    "MIGRebooting",
+    "MIGPostApply",
+    "MIGHostClientsStopped",
+    "MIGHostClientsStarted",
+    "MIGConfigInvalid",
+    "MIGDrainBlocked",
+    "MIGDrainWaiting",
+    "MIGUnhealthyDevices",
+    "MIGDevicesHealthy",
 )
 """Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
 MESSAGE_CAP = 1024
@@ -91,9 +103,15 @@ def condition_reasons() -> list[str]:
 
 
 def our_annotations(s: Settings) -> list[str]:
-    return [s.cordon_annotation, s.paused_annotation, s.reason_annotation,
-            s.gpu_state_annotation, s.reboot_annotation, s.post_apply_annotation,
-            s.host_services_annotation]
+    return [
+        s.cordon_annotation,
+        s.paused_annotation,
+        s.reason_annotation,
+        s.gpu_state_annotation,
+        s.reboot_annotation,
+        s.post_apply_annotation,
+        s.host_services_annotation,
+    ]
 
 
 def selector_match(selector: str, labels: str) -> str:
@@ -102,8 +120,10 @@ def selector_match(selector: str, labels: str) -> str:
     for part in selector.split(","):
         m = _REQUIREMENT.match(part)
         if not m or (m.group(1) and m.group(3)):
-            raise PolicyError(f"device plugin selector {selector!r}: only key, !key, key=value "
-                              "and key!=value are supported in the policy")
+            raise PolicyError(
+                f"device plugin selector {selector!r}: only key, !key, key=value "
+                "and key!=value are supported in the policy"
+            )
         negate, key, op, value = m.group(1), m.group(2), m.group(3), m.group(4) or ""
         if op is None:
             terms.append(f"{'!' if negate else ''}({cel(key)} in {labels})")
@@ -132,33 +152,42 @@ def _let(name: str, value: str) -> str:
 
 def _ours_beyond(x: str, y: str, allowed: str) -> str:
     """CEL: what the map `x` holds beyond the map `y` is among the keys `allowed` (or ".")."""
-    return (f"{_let('x', x)}{_let('y', y)}"
-            f"x.all(k, (k in y && y[k] == x[k]) || k == '.' || k in {allowed})))")
+    return (
+        f"{_let('x', x)}{_let('y', y)}"
+        f"x.all(k, (k in y && y[k] == x[k]) || k == '.' || k in {allowed})))"
+    )
 
 
 def _covered(f: str, g: str) -> str:
     """CEL: what the fieldsV1 set `f` holds beyond the set `g` are fields the agent may write
     (its labels and annotations, spec.unschedulable, its node condition)."""
-    return " ".join([
-        _let("f", f) + _let("g", g),
-        "f.all(a, (a in g && g[a] == f[a])",
-        "|| " + _let("fa", "f[a]") + _let("ga", "g[?a].orValue({})"),
-        "(a == 'f:metadata' && fa.all(m, (m in ga && ga[m] == fa[m])",
-        "|| (m == 'f:labels' && "
-        + _ours_beyond("fa[m]", "ga[?m].orValue({})", "variables.labelFields") + ")",
-        "|| (m == 'f:annotations' && "
-        + _ours_beyond("fa[m]", "ga[?m].orValue({})", "variables.annotationFields") + ")))",
-        "|| (a == 'f:spec' && " + _ours_beyond("fa", "ga", "['f:unschedulable']") + ")",
-        "|| (a == 'f:status' && fa.all(m, (m in ga && ga[m] == fa[m])",
-        "|| (m == 'f:conditions' && "
-        + _ours_beyond("fa[m]", "ga[?m].orValue({})", "[variables.conditionField]") + "))))))))",
-    ])
+    return " ".join(
+        [
+            _let("f", f) + _let("g", g),
+            "f.all(a, (a in g && g[a] == f[a])",
+            "|| " + _let("fa", "f[a]") + _let("ga", "g[?a].orValue({})"),
+            "(a == 'f:metadata' && fa.all(m, (m in ga && ga[m] == fa[m])",
+            "|| (m == 'f:labels' && "
+            + _ours_beyond("fa[m]", "ga[?m].orValue({})", "variables.labelFields")
+            + ")",
+            "|| (m == 'f:annotations' && "
+            + _ours_beyond("fa[m]", "ga[?m].orValue({})", "variables.annotationFields")
+            + ")))",
+            "|| (a == 'f:spec' && " + _ours_beyond("fa", "ga", "['f:unschedulable']") + ")",
+            "|| (a == 'f:status' && fa.all(m, (m in ga && ga[m] == fa[m])",
+            "|| (m == 'f:conditions' && "
+            + _ours_beyond("fa[m]", "ga[?m].orValue({})", "[variables.conditionField]")
+            + "))))))))",
+        ]
+    )
 
 
-_SAME_ENTRY = ("o.?manager.orValue('') == n.?manager.orValue('') "
-               "&& o.?operation.orValue('') == n.?operation.orValue('') "
-               "&& o.?subresource.orValue('') == n.?subresource.orValue('') "
-               "&& o.?apiVersion.orValue('') == n.?apiVersion.orValue('')")
+_SAME_ENTRY = (
+    "o.?manager.orValue('') == n.?manager.orValue('') "
+    "&& o.?operation.orValue('') == n.?operation.orValue('') "
+    "&& o.?subresource.orValue('') == n.?subresource.orValue('') "
+    "&& o.?apiVersion.orValue('') == n.?apiVersion.orValue('')"
+)
 _FIELDS = "dyn({}).?fieldsV1.orValue({{}})"
 
 
@@ -172,16 +201,30 @@ def managed_fields_variables() -> dict[str, str]:
         "unexplained": (
             f"variables.newManaged.filter(n, variables.oldManaged.exists(o, {_SAME_ENTRY})"
             f" ? !variables.oldManaged.exists(o, {_SAME_ENTRY} && {_covered(o, n)}"
-            f" && {_covered(n, o)}) : !{_covered(n, '{}')})"),
-        "lost": ("variables.oldManaged.filter(o, !(variables.newManaged.exists(n, "
-                 f"{_SAME_ENTRY}) || {_covered(o, '{}')}))"),
+            f" && {_covered(n, o)}) : !{_covered(n, '{}')})"
+        ),
+        "lost": (
+            "variables.oldManaged.filter(o, !(variables.newManaged.exists(n, "
+            f"{_SAME_ENTRY}) || {_covered(o, '{}')}))"
+        ),
     }
 
 
-CHART_VALUES = ("agent_user", "state_label", "operand_labels", "annotations",
-                "gpu_state_annotation", "condition_type", "plugin_namespace", "plugin_selector",
-                "label_fields", "annotation_fields", "condition_field", "plugin_match",
-                "validator_match")
+CHART_VALUES = (
+    "agent_user",
+    "state_label",
+    "operand_labels",
+    "annotations",
+    "gpu_state_annotation",
+    "condition_type",
+    "plugin_namespace",
+    "plugin_selector",
+    "label_fields",
+    "annotation_fields",
+    "condition_field",
+    "plugin_match",
+    "validator_match",
+)
 """What the chart's values decide (charts/mig-agent/templates/_helpers.tpl, mig-agent.policyValues
 renders each from the values as `values` below does from the settings)."""
 
@@ -193,12 +236,15 @@ def render_chart() -> str:
     values = {**_values(Settings()), **{k: "{{ $p." + k + " }}" for k in CHART_VALUES}}
     text = Template(TEMPLATE.read_text()).substitute(values)
     name = '{{ include "mig-agent.name" . }}'
-    text = re.sub(r"^(\s*(?:policyName|name): )mig-agent-own-", rf"\g<1>{name}-own-", text,
-                  flags=re.M)
+    text = re.sub(
+        r"^(\s*(?:policyName|name): )mig-agent-own-", rf"\g<1>{name}-own-", text, flags=re.M
+    )
     text = re.sub(r"^(\s*app\.kubernetes\.io/name: )mig-agent$", rf"\g<1>{name}", text, flags=re.M)
-    head = ("{{- /* Generated by scripts/sync-daemonset from deploy/policies.yaml and "
-            "deploy/policies.py; edit those. */ -}}\n"
-            '{{- $p := include "mig-agent.policyValues" . | fromJson }}\n')
+    head = (
+        "{{- /* Generated by scripts/sync-daemonset from deploy/policies.yaml and "
+        "deploy/policies.py; edit those. */ -}}\n"
+        '{{- $p := include "mig-agent.policyValues" . | fromJson }}\n'
+    )
     return head + text
 
 
@@ -231,7 +277,7 @@ def _values(s: Settings) -> dict[str, str]:
         "plugin_selector": s.device_plugin_selector,
         "label_fields": cel_list("f:" + k for k in (s.state_label, *s.operand_labels)),
         "annotation_fields": cel_list("f:" + k for k in our_annotations(s)),
-        "condition_field": "'k:{\"type\":\"" + cel(s.condition_type)[1:-1] + "\"}'",
+        "condition_field": '\'k:{"type":"' + cel(s.condition_type)[1:-1] + "\"}'",
         **managed_fields_variables(),
         "plugin_match": selector_match(s.device_plugin_selector, "variables.labels"),
         "validator_match": validator_match(s),

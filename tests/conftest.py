@@ -50,8 +50,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
-NVIDIA_RUNTIME_CLASS = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                        "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+NVIDIA_RUNTIME_CLASS = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "nvidia"},
+    "handler": "nvidia",
+}
 
 
 def add_nvidia_runtime_class(cluster: Cluster) -> None:
@@ -112,8 +116,9 @@ def _dns_label(text: str, limit: int) -> str:
 
 
 @pytest.fixture
-def namespace(request: pytest.FixtureRequest, cluster: Cluster,
-              core: client.CoreV1Api) -> Iterator[str]:
+def namespace(
+    request: pytest.FixtureRequest, cluster: Cluster, core: client.CoreV1Api
+) -> Iterator[str]:
     """A fresh namespace named after the test; deleted (without waiting) afterwards."""
     name = f"t{next(_counter)}-{_dns_label(request.node.name, 50)}"
     core.create_namespace({"metadata": {"name": name}})
@@ -138,8 +143,13 @@ def namespace(request: pytest.FixtureRequest, cluster: Cluster,
 
 
 class GpuNodeFactory(Protocol):
-    def __call__(self, gpus: str = DEFAULT_GPUS, *, labels: Mapping[str, str] | None = None,
-                 taints: Sequence[Mapping[str, str]] = ()) -> str: ...
+    def __call__(
+        self,
+        gpus: str = DEFAULT_GPUS,
+        *,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> str: ...
 
 
 @pytest.fixture
@@ -150,8 +160,12 @@ def gpu_node_factory(cluster: Cluster) -> Iterator[GpuNodeFactory]:
     """
     created: list[str] = []
 
-    def make(gpus: str = DEFAULT_GPUS, *, labels: Mapping[str, str] | None = None,
-             taints: Sequence[Mapping[str, str]] = ()) -> str:
+    def make(
+        gpus: str = DEFAULT_GPUS,
+        *,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> str:
         name = f"gpu-test-{next(_counter)}"
         created.append(name)
         return cluster.add_gpu_node(name, gpus, labels=labels, taints=taints)
@@ -162,11 +176,17 @@ def gpu_node_factory(cluster: Cluster) -> Iterator[GpuNodeFactory]:
 
 
 class GpuPodFactory(Protocol):
-    def __call__(self, namespace: str, name: str, *,
-                 resources: Mapping[str, int | str] | None = None,
-                 node: str | None = None, labels: Mapping[str, str] | None = None,
-                 annotations: Mapping[str, str] | None = None,
-                 grace_period: int = 30) -> Any: ...
+    def __call__(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        resources: Mapping[str, int | str] | None = None,
+        node: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        grace_period: int = 30,
+    ) -> Any: ...
 
 
 @pytest.fixture
@@ -176,21 +196,37 @@ def gpu_pod(core: client.CoreV1Api) -> GpuPodFactory:
     `node` pins it with a nodeSelector on the hostname (the scheduler still checks resources).
     """
 
-    def make(namespace: str, name: str, *, resources: Mapping[str, int | str] | None = None,
-             node: str | None = None, labels: Mapping[str, str] | None = None,
-             annotations: Mapping[str, str] | None = None, grace_period: int = 30) -> Any:
+    def make(
+        namespace: str,
+        name: str,
+        *,
+        resources: Mapping[str, int | str] | None = None,
+        node: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+        grace_period: int = 30,
+    ) -> Any:
         limits = {k: str(v) for k, v in (resources or {"nvidia.com/gpu": 1}).items()}
         spec: dict[str, Any] = {
             "terminationGracePeriodSeconds": grace_period,
-            "containers": [{"name": "cuda", "image": SIMULATED_IMAGE,
-                            "resources": {"limits": limits, "requests": limits}}],
+            "containers": [
+                {
+                    "name": "cuda",
+                    "image": SIMULATED_IMAGE,
+                    "resources": {"limits": limits, "requests": limits},
+                }
+            ],
         }
         if node is not None:
             spec["nodeSelector"] = {"kubernetes.io/hostname": node}
         body = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": dict(labels or {}),
-                         "annotations": dict(annotations or {})},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "labels": dict(labels or {}),
+                "annotations": dict(annotations or {}),
+            },
             "spec": spec,
         }
         return core.create_namespaced_pod(namespace, body)

@@ -26,7 +26,7 @@ from mig_agent.core.errors import (
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeView, PodView
-from mig_agent.node.drain import Clock, poll_delays, watch_slices
+from mig_agent.node.waits import Clock, poll_delays, watch_slices
 
 log = structlog.get_logger(__name__)
 
@@ -167,8 +167,11 @@ def wait_resources(
         # layout is listed once some expected device is allocatable too (a node whose every
         # device is unhealthy cannot be told from one whose plugin has gone, and fails)
         if new_pod and have == want and listed.fresh:
-            log.info("device_plugin.resources_match", resources=want,
-                     **({"unhealthy": listed.unhealthy} if listed.unhealthy else {}))
+            log.info(
+                "device_plugin.resources_match",
+                resources=want,
+                **({"unhealthy": listed.unhealthy} if listed.unhealthy else {}),
+            )
             return want
         if clock.now() >= deadline and not new_pod:
             raise DevicePluginTimeout(
@@ -202,14 +205,21 @@ def wait_resources(
 
 
 def _listing_when(
-    cluster: Cluster, s: Settings, clock: Clock, deadline: float, want: Mapping[str, int], *,
+    cluster: Cluster,
+    s: Settings,
+    clock: Clock,
+    deadline: float,
+    want: Mapping[str, int],
+    *,
     need_fresh: bool,
 ) -> Listing:
     """What the node lists once it is ``want`` (and, with ``need_fresh``, some of it is
     allocatable), or at ``deadline``, from a watch of the node."""
     nodes = watch_slices(
-        lambda span: cluster.watch_node(s.node_name, timeout_s=math.ceil(span)), clock,
-        due=lambda: deadline, poll_s=s.poll_s,
+        lambda span: cluster.watch_node(s.node_name, timeout_s=math.ceil(span)),
+        clock,
+        due=lambda: deadline,
+        poll_s=s.poll_s,
     )
     try:
         for node in nodes:

@@ -28,8 +28,11 @@ log = structlog.get_logger(__name__)
 
 def reset_gpus(the_plan: planner.Plan, models: Mapping[int, GpuModel]) -> list[int]:
     """The GPUs whose MIG mode changes on a model that needs a reset for it (Ampere)."""
-    return [g.gpu for g in the_plan.gpus
-            if g.changes_mig_mode and models[g.gpu].architecture.mig_mode_needs_reset]
+    return [
+        g.gpu
+        for g in the_plan.gpus
+        if g.changes_mig_mode and models[g.gpu].architecture.mig_mode_needs_reset
+    ]
 
 
 def services(s: Settings) -> tuple[str, ...]:
@@ -47,8 +50,9 @@ def active(s: Settings, run: Runner, names: tuple[str, ...]) -> tuple[list[str],
     a unit state, as systemctl does; else (no chroot, no systemctl) nothing is known."""
     running: list[str] = []
     for name in names:
-        done = run(service_command(s.host_service_command, "is-active", name), {},
-                   s.command_timeout_s)
+        done = run(
+            service_command(s.host_service_command, "is-active", name), {}, s.command_timeout_s
+        )
         said = done.output.strip().splitlines()[-1:] if done.output.strip() else []
         if done.returncode == 0 and not done.error:
             running.append(name)
@@ -58,8 +62,9 @@ def active(s: Settings, run: Runner, names: tuple[str, ...]) -> tuple[list[str],
 
 
 @contextlib.contextmanager
-def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int],
-            node: NodeView) -> Iterator[list[str]]:
+def stopped(
+    cluster: Cluster, s: Settings, run: Runner, gpus: list[int], node: NodeView
+) -> Iterator[list[str]]:
     """Stop the active host GPU clients for the body, when ``gpus`` need a reset and
     stop_host_gpu_clients is on; start them again after. Yields the services stopped.
 
@@ -82,17 +87,23 @@ def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int],
     done: list[str] = []
     try:
         for name in running:
-            result = run(service_command(s.host_service_command, "stop", name), {},
-                         s.command_timeout_s)
+            result = run(
+                service_command(s.host_service_command, "stop", name), {}, s.command_timeout_s
+            )
             if not result.ok:
                 raise HostServiceFailed(
                     f"could not stop host GPU client {name} for the reset of GPU(s) {gpus}: "
-                    f"{result.failure()}", service=name)
+                    f"{result.failure()}",
+                    service=name,
+                )
             done.append(name)
         log.info("host_clients.stopped", services=done, gpus=gpus)
-        reporting.event(cluster, node, "MIGHostClientsStopped",
-                        f"stopped host GPU client(s) {', '.join(done)} for the reset of "
-                        f"GPU(s) {gpus}")
+        reporting.event(
+            cluster,
+            node,
+            "MIGHostClientsStopped",
+            f"stopped host GPU client(s) {', '.join(done)} for the reset of GPU(s) {gpus}",
+        )
         yield done
     except Exception:  # a kill (not an exception) leaves the list for the next agent
         with contextlib.suppress(MigAgentError):
@@ -102,10 +113,16 @@ def stopped(cluster: Cluster, s: Settings, run: Runner, gpus: list[int],
         raise
     failed = start(cluster, s, run, running)
     if failed:
-        raise HostServiceFailed("host GPU client(s) not started again after the change: "
-                                + "; ".join(failed), services=running)
-    reporting.event(cluster, node, "MIGHostClientsStarted",
-                    f"started host GPU client(s) {', '.join(running)} again")
+        raise HostServiceFailed(
+            "host GPU client(s) not started again after the change: " + "; ".join(failed),
+            services=running,
+        )
+    reporting.event(
+        cluster,
+        node,
+        "MIGHostClientsStarted",
+        f"started host GPU client(s) {', '.join(running)} again",
+    )
 
 
 def start(cluster: Cluster, s: Settings, run: Runner, names: list[str]) -> list[str]:
@@ -113,8 +130,9 @@ def start(cluster: Cluster, s: Settings, run: Runner, names: list[str]) -> list[
     (service and why); the list stays on the Node then."""
     failed = []
     for name in names:
-        result = run(service_command(s.host_service_command, "start", name), {},
-                     s.command_timeout_s)
+        result = run(
+            service_command(s.host_service_command, "start", name), {}, s.command_timeout_s
+        )
         if not result.ok:
             failed.append(f"{name}: {result.failure()}")
     if not failed:
@@ -123,8 +141,9 @@ def start(cluster: Cluster, s: Settings, run: Runner, names: list[str]) -> list[
     return failed
 
 
-def start_leftover(cluster: Cluster, s: Settings, run: Runner,
-                   annotations: Mapping[str, str]) -> None:
+def start_leftover(
+    cluster: Cluster, s: Settings, run: Runner, annotations: Mapping[str, str]
+) -> None:
     """Start the services a previous pass (or agent) stopped and did not start again.
 
     Only services of the clients list: anyone who may patch the Node can write the
@@ -135,35 +154,49 @@ def start_leftover(cluster: Cluster, s: Settings, run: Runner,
     names = [n for n in annotations[s.host_services_annotation].split(",") if n]
     foreign = [n for n in names if n not in listed]
     if foreign:
-        log.warning("host_clients.not_listed", services=foreign,
-                    annotation=s.host_services_annotation)
+        log.warning(
+            "host_clients.not_listed", services=foreign, annotation=s.host_services_annotation
+        )
     names = [n for n in names if n in listed]
     failed = start(cluster, s, run, names)
     if failed:
-        raise HostServiceFailed("host GPU client(s) stopped by an earlier pass do not start "
-                                "again: " + "; ".join(failed), services=names)
+        raise HostServiceFailed(
+            "host GPU client(s) stopped by an earlier pass do not start "
+            "again: " + "; ".join(failed),
+            services=names,
+        )
 
 
 def blocking(s: Settings, run: Runner, gpus: list[int]) -> str:
     """For a reset of ``gpus`` that processes block: what of the host may hold them."""
     where = f"GPU(s) {gpus} need a reset for the MIG mode change"
     if s.stop_host_gpu_clients:
-        return (f"{where}; the host GPU clients of {s.host_gpu_clients_file} were stopped, "
-                "so other processes hold the GPU")
+        return (
+            f"{where}; the host GPU clients of {s.host_gpu_clients_file} were stopped, "
+            "so other processes hold the GPU"
+        )
     if not s.host_gpu_clients_file:
-        return (f"{where}; host services may hold the GPU (nvidia-dcgm, nvsm, ...): name them "
-                "in MIG_AGENT_HOST_GPU_CLIENTS_FILE and set MIG_AGENT_STOP_HOST_GPU_CLIENTS=true "
-                "to have them stopped for the reset, or stop them by hand")
+        return (
+            f"{where}; host services may hold the GPU (nvidia-dcgm, nvsm, ...): name them "
+            "in MIG_AGENT_HOST_GPU_CLIENTS_FILE and set MIG_AGENT_STOP_HOST_GPU_CLIENTS=true "
+            "to have them stopped for the reset, or stop them by hand"
+        )
     try:
         names = services(s)
     except MigAgentError as exc:
         return f"{where}; {exc}"
     running, why = active(s, run, names)
     if why:
-        return (f"{where}; the host GPU clients of {s.host_gpu_clients_file} "
-                f"({', '.join(names)}) may hold the GPU ({why})")
+        return (
+            f"{where}; the host GPU clients of {s.host_gpu_clients_file} "
+            f"({', '.join(names)}) may hold the GPU ({why})"
+        )
     if not running:
-        return (f"{where}; none of the host GPU clients of {s.host_gpu_clients_file} runs, so "
-                "other processes hold the GPU")
-    return (f"{where}; host GPU client service(s) running: {', '.join(running)} (stopping them "
-            "is off: set MIG_AGENT_STOP_HOST_GPU_CLIENTS=true, or stop them by hand)")
+        return (
+            f"{where}; none of the host GPU clients of {s.host_gpu_clients_file} runs, so "
+            "other processes hold the GPU"
+        )
+    return (
+        f"{where}; host GPU client service(s) running: {', '.join(running)} (stopping them "
+        "is off: set MIG_AGENT_STOP_HOST_GPU_CLIENTS=true, or stop them by hand)"
+    )

@@ -16,7 +16,7 @@ from mig_agent.config.settings import Settings
 from mig_agent.core.errors import MigAgentError, Stopping
 from mig_agent.core.labels import State
 from mig_agent.kube.cluster import Cluster, NodeView
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 
 log = structlog.get_logger("mig_agent.agent")
 
@@ -126,8 +126,7 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
             else:
                 # 0.0 means at once (a superseded pass), not "no retry": only None waits a resync
                 retry = result.retry_after_s
-                next_due = agent.clock.now() + (agent.settings.resync_s if retry is None
-                                                else retry)
+                next_due = agent.clock.now() + (agent.settings.resync_s if retry is None else retry)
         timeout = max(0.05, min(config_poll_s, next_due - agent.clock.now()))
         agent.clock.wait(agent.wake_event, timeout)
         if agent.clock.now() - gpus_looked_at >= config_poll_s:

@@ -113,8 +113,9 @@ def still_terminating(exc: BaseException) -> tuple[PodRef, ...]:
     return ()
 
 
-def finish(cluster: Cluster, s: Settings, node: NodeView,
-           terminating: tuple[PodRef, ...] = ()) -> bool:
+def finish(
+    cluster: Cluster, s: Settings, node: NodeView, terminating: tuple[PodRef, ...] = ()
+) -> bool:
     """Resume paused operands and uncordon if this agent cordoned; idempotent. False when the
     cordon stays on purpose, with its mark: pods the drain evicted (``terminating``) still
     run on devices about to change. A cordon someone else set since the agent's (managedFields
@@ -127,12 +128,18 @@ def finish(cluster: Cluster, s: Settings, node: NodeView,
         left = still_present(cluster, s.node_name, terminating) if terminating else set()
         if left:
             kept = True
-            log.warning("node.cordon_kept", reason="evicted pods still terminating",
-                        pods=sorted(str(r) for r in left))
+            log.warning(
+                "node.cordon_kept",
+                reason="evicted pods still terminating",
+                pods=sorted(str(r) for r in left),
+            )
         elif node.unschedulable and not node.cordoned_by_agent:
             annotations[s.cordon_annotation] = None
-            log.info("node.cordon_kept", reason="cordoned again by someone else",
-                     managers=list(node.unschedulable_by))
+            log.info(
+                "node.cordon_kept",
+                reason="cordoned again by someone else",
+                managers=list(node.unschedulable_by),
+            )
         else:
             annotations[s.cordon_annotation] = None
             uncordon = False

@@ -38,6 +38,7 @@ from mig_agent.agent.reboot import run_reboot
 from mig_agent.config.settings import Settings
 from mig_agent.core import planner
 from mig_agent.core.advertised import (
+    Sharing,
     expected_resources,
     planned_devices,
     strategy_problem,
@@ -66,14 +67,8 @@ from mig_agent.host import commands
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
 from mig_agent.node import hooks
 from mig_agent.node.apply import apply_plan, verify
-from mig_agent.node.drain import (
-    Clock,
-    drain_gpu_pods,
-    drain_refusals,
-    poll_delays,
-    to_drain,
-    wait_pods_gone,
-)
+from mig_agent.node.drain import drain_gpu_pods, drain_refusals, to_drain, wait_pods_gone
+from mig_agent.node.waits import Clock, poll_delays
 from mig_agent.observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -89,6 +84,22 @@ def config_fingerprint(path: str) -> tuple[tuple[str, float, int], ...]:
             st = f.stat()
             out.append((str(f), st.st_mtime, st.st_size))
     return tuple(out)
+
+
+@dataclass(slots=True)
+class _Change:
+    """What one pass works on: the node as last read or written, the layout asked for, the GPUs
+    as observed and the plan between them, and how NVIDIA's plugin will advertise the result."""
+
+    node: NodeView
+    desired: str
+    layout: Layout
+    models: Mapping[int, GpuModel]
+    observed: NodeState
+    plan: planner.Plan
+    strategy: str
+    sharing: Sharing
+    interrupted: bool = False  # a pass before this one left its marks: it is finished now
 
 
 @dataclass
@@ -195,8 +206,11 @@ class Agent:
             else "no layout can be applied until it is fixed"
         )
         reporting.event_on_node(
-            self.cluster, self.settings, "MIGConfigInvalid",
-            f"profile config invalid: {error}; {kept}", warning=True,
+            self.cluster,
+            self.settings,
+            "MIGConfigInvalid",
+            f"profile config invalid: {error}; {kept}",
+            warning=True,
         )
 
     def gpu_problem(self) -> str:
@@ -220,26 +234,35 @@ class Agent:
         problem = self.gpu_problem()
         if problem:
             log.error("gpu.unavailable", error=problem)
-            reporting.condition(self.cluster, self.settings, NodeCondition(
-                self.settings.condition_type, "False", "GpuUnavailable", problem))
+            reporting.condition(
+                self.cluster,
+                self.settings,
+                NodeCondition(self.settings.condition_type, "False", "GpuUnavailable", problem),
+            )
 
     def _runtime_hint(self) -> str:
         s = self.settings
         try:
-            mine = [p for p in self.cluster.list_pods(node=s.node_name,
-                                                      label_selector=s.agent_selector)
-                    if not p.terminating]
+            mine = [
+                p
+                for p in self.cluster.list_pods(node=s.node_name, label_selector=s.agent_selector)
+                if not p.terminating
+            ]
         except MigAgentError:
             mine = []
         if not mine:
             return "the agent's own pod was not found, so its runtime is unknown"
         rc = mine[0].runtime_class
         if rc:
-            return (f"the agent's pod runs under RuntimeClass {rc!r}; that runtime did not "
-                    "provide libnvidia-ml.so.1")
-        return ("the agent's pod runs under the node's default runtime (no runtimeClassName); "
-                "set runtimeClassName: nvidia (the GPU Operator's RuntimeClass) so that the "
-                "NVIDIA runtime mounts libnvidia-ml.so.1")
+            return (
+                f"the agent's pod runs under RuntimeClass {rc!r}; that runtime did not "
+                "provide libnvidia-ml.so.1"
+            )
+        return (
+            "the agent's pod runs under the node's default runtime (no runtimeClassName); "
+            "set runtimeClassName: nvidia (the GPU Operator's RuntimeClass) so that the "
+            "NVIDIA runtime mounts libnvidia-ml.so.1"
+        )
 
     def _with_generated(self, catalog: LayoutCatalog) -> LayoutCatalog:
         """``catalog`` plus generated layouts for the GPU models it does not cover."""
@@ -314,8 +337,12 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 (a bug must not end the agent: it reports it)
             log.exception("reconcile.crashed", error_type=type(exc).__name__)
             return self._failed_and_tidied(
-                desired, InternalError(f"unexpected {type(exc).__name__}: {exc} (a bug in "
-                                       "mig-agent; the pass was undone and is retried)"))
+                desired,
+                InternalError(
+                    f"unexpected {type(exc).__name__}: {exc} (a bug in "
+                    "mig-agent; the pass was undone and is retried)"
+                ),
+            )
         self.failures = 0
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
@@ -352,80 +379,125 @@ class Agent:
             )
 
     def _reconcile(self, node: NodeView, desired: str) -> Outcome:
-        s = self.settings
+        """The pass's phases, in order; any failure leaves by an exception (``_pass`` reports it
+        and tidies up)."""
+        change = self._plan_phase(node, desired)
+        if self._in_place(change):
+            return Outcome.NOOP
+        hook_run, reset_gpus = self._refuse_before_touching(change)
+        self._announce(change, hook_run)
+        old_plugins = {p.ref.uid for p in device_plugin.plugin_pods(self.cluster, self.settings)}
+        with node_guard.gpu_clients_paused(self.cluster, self.settings, change.node) as paused:
+            if not change.plan.is_empty:
+                self._drain_phase(change, paused)
+                self._still_wanted(desired)  # not worth applying a layout no longer asked for
+                with host_clients.stopped(
+                    self.cluster, self.settings, self.run_command, reset_gpus, change.node
+                ):
+                    self._apply_phase(change, hook_run, reset_gpus)
+                    self._verify_phase(change)
+            self._post_apply_phase(change, hook_run)
+            advertised = self._device_plugin_phase(change, paused, old_plugins)
+        self._applied(change, advertised)
+        return Outcome.APPLIED
+
+    def _phase(
+        self, change: _Change, name: str, reason: str, message: str
+    ) -> contextlib.AbstractContextManager[None]:
+        return reporting.phase(
+            self.cluster, self.metrics, self.clock, change.node, name, reason, message
+        )
+
+    def _plan_phase(self, node: NodeView, desired: str) -> _Change:
+        """The plan against the GPUs as they are; PlanError for a layout NVIDIA's plugin would
+        refuse to advertise, before anything changes."""
         if self.catalog is None:
             raise ConfigError(f"profile configs not loaded: {self.catalog_error}")
         layout = self.catalog.get(desired)
         # services an earlier pass stopped for a reset run again before anything else
-        host_clients.start_leftover(self.cluster, s, self.run_command, node.annotations)
+        host_clients.start_leftover(self.cluster, self.settings, self.run_command, node.annotations)
         with self.metrics.phase("plan"):
             models = self.gpus.models()
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
             observed = self.gpus.observe()
             self.gpu_status = ""
             the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
-            # what NVIDIA's plugin would refuse to advertise is refused before anything changes
             strategy, sharing = device_plugin.plugin_rules(self.settings, node)
             problem = strategy_problem(
                 planned_devices(the_plan, observed, models), strategy, sharing
             )
             if problem:
                 raise PlanError(f"layout {desired}: {problem}", layout=desired)
+        return _Change(node, desired, layout, models, observed, the_plan, strategy, sharing)
+
+    def _in_place(self, change: _Change) -> bool:
+        """True when the layout and its devices are in place and no interrupted pass is left
+        to finish: the state is made to say so, nothing is touched."""
+        s, node, desired = self.settings, change.node, change.desired
         # a pod list and an NVML read: asked once, by whichever check needs it first
         advertised = functools.cache(
-            lambda: device_plugin.resources_ok(self.cluster, self.settings, self.gpus, node, models)
+            lambda: device_plugin.resources_ok(self.cluster, s, self.gpus, node, change.models)
         )
-        interrupted = node_guard.interrupted(self.settings, node) or (
-            the_plan.is_empty
-            and node.labels.get(s.state_label) == State.FAILED
-            and not advertised()
+        empty = change.plan.is_empty
+        interrupted = node_guard.interrupted(s, node) or (
+            empty and node.labels.get(s.state_label) == State.FAILED and not advertised()
         )
-        if (
-            interrupted
-            and the_plan.is_empty
-            and not node_guard.marked(self.settings, node)
-            and advertised()
-        ):
+        if interrupted and empty and not node_guard.marked(s, node) and advertised():
             # only the last write was lost (an API server gone just before "success"): the
             # layout and its devices are in place, nothing to pause or restart
             interrupted = False
-        if the_plan.is_empty and not interrupted:
-            reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
-            want = expected_resources(observed, models, strategy, sharing)
-            changed_health = self._note_unhealthy(node, want)
-            message = self._with_health(f"layout {desired} is applied; nothing to change")
-            if (
-                node.labels.get(s.state_label) != State.SUCCESS
-                or s.reason_annotation in node.annotations
-            ):
-                self._succeed(node, desired, message)
-            elif changed_health:
-                reporting.condition(self.cluster, s, NodeCondition(
-                    s.condition_type, "True", "Applied", message))
-            self.metrics.set_state(State.SUCCESS)
-            self.metrics.last_success.set(time.time())
-            return Outcome.NOOP
+        change.interrupted = interrupted
+        if not empty or interrupted:
+            return False
+        reporting.record_devices(self.cluster, s, self.gpus, self.metrics, node)
+        want = expected_resources(change.observed, change.models, change.strategy, change.sharing)
+        changed_health = self._note_unhealthy(node, want)
+        message = self._with_health(f"layout {desired} is applied; nothing to change")
+        if (
+            node.labels.get(s.state_label) != State.SUCCESS
+            or s.reason_annotation in node.annotations
+        ):
+            self._succeed(node, desired, message)
+        elif changed_health:
+            reporting.condition(
+                self.cluster, s, NodeCondition(s.condition_type, "True", "Applied", message)
+            )
+        self.metrics.set_state(State.SUCCESS)
+        self.metrics.last_success.set(time.time())
+        return True
 
-        changed = list(the_plan.changed_gpus)
-        # the files of the hooks and host GPU clients, read before anything changes: a
-        # malformed one fails the pass with nothing touched
+    def _refuse_before_touching(self, change: _Change) -> tuple[hooks.HookRunner, list[int]]:
+        """The hooks to run and the GPUs to reset; refused before anything changes: malformed
+        hook or GPU client files, processes no drain ends, pods the drain must not evict."""
+        s = self.settings
+        # the files of the hooks and host GPU clients, read before anything changes
         hook_run = hooks.HookRunner(
-            hooks.load(s), self.run_command, s.command_timeout_s,
-            hooks.context(s, desired, the_plan, observed))
-        reset_gpus = host_clients.reset_gpus(the_plan, models)
+            hooks.load(s),
+            self.run_command,
+            s.command_timeout_s,
+            hooks.context(s, change.desired, change.plan, change.observed),
+        )
+        reset_gpus = host_clients.reset_gpus(change.plan, change.models)
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
-        self._refuse_what_no_drain_ends(the_plan, observed, reset_gpus, hook_run)
-        self._refuse_what_the_drain_must_not_evict(the_plan, node)
-        log.info("reconcile.started", changed_gpus=changed, interrupted=interrupted)
-        node = self._set_state(node, State.PENDING, desired)
+        self._refuse_what_no_drain_ends(change.plan, change.observed, reset_gpus, hook_run)
+        self._refuse_what_the_drain_must_not_evict(change.plan, change.node)
+        return hook_run, reset_gpus
+
+    def _announce(self, change: _Change, hook_run: hooks.HookRunner) -> None:
+        """``pending`` (and the post-apply mark), the condition and the Event: the change starts."""
+        s, desired = self.settings, change.desired
+        changed = list(change.plan.changed_gpus)
+        log.info("reconcile.started", changed_gpus=changed, interrupted=change.interrupted)
+        change.node = self._set_state(change.node, State.PENDING, desired)
         if hook_run.hooks.of(hooks.POST_APPLY):
             # until the post-apply hooks succeed, a pass has work left (crash, failure)
-            node = self.cluster.patch_node(
-                s.node_name, annotations={s.post_apply_annotation: desired})
+            change.node = self.cluster.patch_node(
+                s.node_name, annotations={s.post_apply_annotation: desired}
+            )
         reporting.condition(
             self.cluster,
-            self.settings,
+            s,
             NodeCondition(
                 s.condition_type,
                 "False",
@@ -435,86 +507,85 @@ class Agent:
         )
         reporting.event(
             self.cluster,
-            node,
+            change.node,
             "MIGReconfiguring",
             f"applying layout {desired}: GPU(s) {changed} change"
             if changed
             else f"finishing layout {desired} after an interrupted pass",
         )
-        old_plugins = {p.ref.uid for p in device_plugin.plugin_pods(self.cluster, self.settings)}
-        with node_guard.gpu_clients_paused(self.cluster, self.settings, node) as paused:
-            if not the_plan.is_empty:
-                with reporting.phase(
-                    self.cluster,
-                    self.metrics,
-                    self.clock,
-                    node,
-                    "drain",
-                    "MIGDraining",
-                    "evicting the pods that use the GPUs that change",
-                ):
-                    self._drain(paused, the_plan)
-                self._still_wanted(desired)  # not worth applying a layout no longer asked for
-                with host_clients.stopped(self.cluster, s, self.run_command, reset_gpus,
-                                          node):
-                    with reporting.phase(
-                        self.cluster,
-                        self.metrics,
-                        self.clock,
-                        node,
-                        "apply",
-                        "MIGApplying",
-                        f"applying {len(the_plan.steps)} GPU step(s) to GPU(s) {changed}",
-                    ):
-                        self._apply(desired, models, hook_run, reset_gpus, the_plan)
-                    with reporting.phase(
-                        self.cluster,
-                        self.metrics,
-                        self.clock,
-                        node,
-                        "verify",
-                        "MIGVerifying",
-                        "re-reading the GPUs to check the layout is in place",
-                    ):
-                        self._verify(desired, models)
-            if hook_run.hooks.of(hooks.POST_APPLY):
-                with reporting.phase(
-                    self.cluster,
-                    self.metrics,
-                    self.clock,
-                    node,
-                    "post_apply",
-                    "MIGPostApply",
-                    f"running the post-apply hooks ({hook_run.hooks.source})",
-                ):
-                    hook_run.run(hooks.POST_APPLY)
-                    self.cluster.patch_node(s.node_name,
-                                            annotations={s.post_apply_annotation: None})
-            with reporting.phase(
-                self.cluster,
-                self.metrics,
-                self.clock,
-                node,
-                "device_plugin",
-                "MIGDevicePluginRestart",
-                "restarting the device plugin and waiting for the node to "
-                "advertise the layout's resources",
-            ):
-                device_plugin.restart(self.cluster, self.settings, paused)
-                advertised_want = device_plugin.wait_resources(
-                    self.cluster, self.settings, self.gpus, self.clock, models, old_plugins
-                )
-        if the_plan.is_empty:  # no verify ran: publish the GPU state (it may have been forged)
-            reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics)
+
+    def _drain_phase(self, change: _Change, paused: list[str]) -> None:
+        with self._phase(
+            change, "drain", "MIGDraining", "evicting the pods that use the GPUs that change"
+        ):
+            self._drain(paused, change.plan)
+
+    def _apply_phase(
+        self, change: _Change, hook_run: hooks.HookRunner, reset_gpus: list[int]
+    ) -> None:
+        with self._phase(
+            change,
+            "apply",
+            "MIGApplying",
+            f"applying {len(change.plan.steps)} GPU step(s) to GPU(s) "
+            f"{list(change.plan.changed_gpus)}",
+        ):
+            self._apply(change.desired, change.models, hook_run, reset_gpus, change.plan)
+
+    def _verify_phase(self, change: _Change) -> None:
+        with self._phase(
+            change, "verify", "MIGVerifying", "re-reading the GPUs to check the layout is in place"
+        ):
+            self._verify(change.desired, change.models)
+
+    def _post_apply_phase(self, change: _Change, hook_run: hooks.HookRunner) -> None:
+        if not hook_run.hooks.of(hooks.POST_APPLY):
+            return
+        with self._phase(
+            change,
+            "post_apply",
+            "MIGPostApply",
+            f"running the post-apply hooks ({hook_run.hooks.source})",
+        ):
+            hook_run.run(hooks.POST_APPLY)
+            self.cluster.patch_node(
+                self.settings.node_name, annotations={self.settings.post_apply_annotation: None}
+            )
+
+    def _device_plugin_phase(
+        self, change: _Change, paused: list[str], old_plugins: set[str]
+    ) -> dict[str, int]:
+        """Restart the device plugin; the resources the node then advertises."""
+        with self._phase(
+            change,
+            "device_plugin",
+            "MIGDevicePluginRestart",
+            "restarting the device plugin and waiting for the node to "
+            "advertise the layout's resources",
+        ):
+            device_plugin.restart(self.cluster, self.settings, paused)
+            return device_plugin.wait_resources(
+                self.cluster, self.settings, self.gpus, self.clock, change.models, old_plugins
+            )
+
+    def _applied(self, change: _Change, advertised: Mapping[str, int]) -> None:
+        """The validators rerun, the GPUs published, ``success``."""
+        s = self.settings
+        if change.plan.is_empty:  # no verify ran: publish the GPU state (it may have been forged)
+            reporting.record_devices(self.cluster, s, self.gpus, self.metrics)
         try:  # the operator validates the new devices; the layout is applied either way
             validators.delete(self.cluster, s, validators.AFTER)
         except MigAgentError as exc:
             log.warning("validators.delete_failed", error=str(exc))
         node = self.cluster.get_node(s.node_name)
-        self._note_unhealthy(node, advertised_want)
-        self._succeed(node, desired,
-                      self._with_health(f"layout {desired} applied to GPU(s) {changed}"))
-        return Outcome.APPLIED
+        self._note_unhealthy(node, advertised)
+        self._succeed(
+            node,
+            change.desired,
+            self._with_health(
+                f"layout {change.desired} applied to GPU(s) {list(change.plan.changed_gpus)}"
+            ),
+        )
 
     def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str] | None:
         """Device ids (GPU and MIG UUIDs) that outlive ``the_plan``: every device of an unchanged
@@ -574,8 +645,11 @@ class Agent:
         deadline = self.clock.now() + s.gpu_release_timeout_s
         delays = poll_delays(s.poll_s)
         while True:
-            ended = [p for p in planner.ended_processes(the_plan, observed)
-                     if p.devices and p.gpu not in stopped]
+            ended = [
+                p
+                for p in planner.ended_processes(the_plan, observed)
+                if p.devices and p.gpu not in stopped
+            ]
             if not ended:
                 return
             try:
@@ -626,8 +700,7 @@ class Agent:
         )
         reporting.event_on_node(self.cluster, s, "MIGDrainWaiting", message)
 
-    def _refuse_what_the_drain_must_not_evict(self, the_plan: planner.Plan,
-                                              node: NodeView) -> None:
+    def _refuse_what_the_drain_must_not_evict(self, the_plan: planner.Plan, node: NodeView) -> None:
         """DrainRefused, before the cordon, for GPU pods the drain would evict but must not: a
         DaemonSet's that no paused operand label stops (it would come back at once and take
         its device again: GpuBusy at every retry), a static pod, or one no controller owns
@@ -637,11 +710,15 @@ class Agent:
             return
         paused = paused_during_change(node.labels, s.operand_labels)
         # the drain asks the kubelet again after the cordon: a pod placed meanwhile is then known
-        pods = to_drain(self.cluster.list_pods(node=s.node_name),
-                        self._pods_that_may_stay(the_plan))
-        refusals = drain_refusals(pods, operand_labels=paused,
-                                  evict_unmanaged=s.evict_unmanaged_pods,
-                                  advise=s.operand_labels)
+        pods = to_drain(
+            self.cluster.list_pods(node=s.node_name), self._pods_that_may_stay(the_plan)
+        )
+        refusals = drain_refusals(
+            pods,
+            operand_labels=paused,
+            evict_unmanaged=s.evict_unmanaged_pods,
+            advise=s.operand_labels,
+        )
         if refusals:
             raise DrainRefused("; ".join(refusals) + "; nothing was touched")
 
@@ -800,12 +877,21 @@ class Agent:
         self.unhealthy = dict(unhealthy)
         if unhealthy:
             log.warning("devices.unhealthy", devices=unhealthy)
-            reporting.event(self.cluster, node, "MIGUnhealthyDevices",
-                            reporting.unhealthy_note(unhealthy), warning=True)
+            reporting.event(
+                self.cluster,
+                node,
+                "MIGUnhealthyDevices",
+                reporting.unhealthy_note(unhealthy),
+                warning=True,
+            )
         else:
             log.info("devices.healthy")
-            reporting.event(self.cluster, node, "MIGDevicesHealthy",
-                            "every device the device plugin lists is healthy again")
+            reporting.event(
+                self.cluster,
+                node,
+                "MIGDevicesHealthy",
+                "every device the device plugin lists is healthy again",
+            )
         return True
 
     def _with_health(self, message: str) -> str:

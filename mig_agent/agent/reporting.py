@@ -17,7 +17,7 @@ from mig_agent.core.errors import (
 )
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 from mig_agent.observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -129,5 +129,7 @@ def unhealthy_note(unhealthy: Mapping[str, int]) -> str:
         return ""
     total = sum(unhealthy.values())
     each = ", ".join(f"{r}: {n}" for r, n in sorted(unhealthy.items()))
-    return (f"{total} device(s) unhealthy, listed by the device plugin but kept out of "
-            f"allocatable by the kubelet ({each})")
+    return (
+        f"{total} device(s) unhealthy, listed by the device plugin but kept out of "
+        f"allocatable by the kubelet ({each})"
+    )

@@ -25,8 +25,9 @@ def delete(cluster: Cluster, s: Settings, apps: tuple[str, ...]) -> list[PodRef]
         return []
     deleted: list[PodRef] = []
     for app in apps:
-        for pod in cluster.list_pods(node=s.node_name, namespace=s.device_plugin_namespace,
-                                     label_selector=f"app={app}"):
+        for pod in cluster.list_pods(
+            node=s.node_name, namespace=s.device_plugin_namespace, label_selector=f"app={app}"
+        ):
             if pod.terminating:
                 continue
             cluster.delete_pod(pod.ref)

@@ -75,8 +75,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_destroy_in_use(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--destroy-in-use", action="store_true",
-                   help="allow destroying instances that processes use")
+    p.add_argument(
+        "--destroy-in-use",
+        action="store_true",
+        help="allow destroying instances that processes use",
+    )
 
 
 def load_configs(args: argparse.Namespace) -> LayoutCatalog:
@@ -113,8 +116,10 @@ def simulated_backend() -> Callable[..., Any]:
     for ep in entry_points(group="mig_agent.gpu_backends", name="simulated"):
         opener: Callable[..., Any] = ep.load()
         return opener
-    raise ConfigError("--backend simulated needs the simulated GPUs, which are not installed: "
-                      "from a checkout of mig-agent, pip install -e ./sim")
+    raise ConfigError(
+        "--backend simulated needs the simulated GPUs, which are not installed: "
+        "from a checkout of mig-agent, pip install -e ./sim"
+    )
 
 
 def model_arg(key: str) -> GpuModel:
@@ -124,8 +129,9 @@ def model_arg(key: str) -> GpuModel:
         raise ConfigError(str(exc)) from None
 
 
-def dispatch(args: argparse.Namespace, *, say: Callable[[str], None] = err,
-             crashed: str = "cli.crashed") -> int:
+def dispatch(
+    args: argparse.Namespace, *, say: Callable[[str], None] = err, crashed: str = "cli.crashed"
+) -> int:
     """Run the command ``args.func`` with the exit codes of every front end: 2 for a usage or
     config error, 1 for a failure, 130 on Ctrl-C; anything unexpected is logged with its
     traceback (``crashed`` names the log event)."""

@@ -56,8 +56,9 @@ def _paint(text: str, state: str | None, on: bool) -> str:
     return f"\033[{code}m{text}\033[0m" if on and code else text
 
 
-def status_lines(rows: Sequence[NodeStatus], *, wide: bool, colour: bool,
-                 agents: dict[str, str] | None = None) -> list[str]:
+def status_lines(
+    rows: Sequence[NodeStatus], *, wide: bool, colour: bool, agents: dict[str, str] | None = None
+) -> list[str]:
     """The status table; ``wide`` adds GPUs, the agent pod and the whole reason."""
     if not rows:
         return ["No GPU nodes found."]
@@ -71,12 +72,19 @@ def status_lines(rows: Sequence[NodeStatus], *, wide: bool, colour: bool,
         reason = r.reason.replace("\n", " ") or "-"
         if not wide and len(reason) > _REASON_WIDTH:
             reason = reason[: _REASON_WIDTH - 3] + "..."
-        resources = ",".join(f"{k.removeprefix('nvidia.com/')}={v}"
-                             for k, v in sorted(r.resources.items())) or "-"
+        resources = (
+            ",".join(f"{k.removeprefix('nvidia.com/')}={v}" for k, v in sorted(r.resources.items()))
+            or "-"
+        )
         line = [r.node, r.layout or "-", state, resources, reason]
         if wide:
-            gpus = "?" if r.gpus is None else ",".join(
-                f"{g.index}:{g.model}{'(mig)' if g.mig_enabled else ''}" for g in r.gpus)
+            gpus = (
+                "?"
+                if r.gpus is None
+                else ",".join(
+                    f"{g.index}:{g.model}{'(mig)' if g.mig_enabled else ''}" for g in r.gpus
+                )
+            )
             line[3:3] = [gpus]
             line.append((agents or {}).get(r.node, "-"))
         body.append(line)
@@ -91,15 +99,17 @@ def status_lines(rows: Sequence[NodeStatus], *, wide: bool, colour: bool,
 
 def _connect(args: argparse.Namespace) -> KubernetesCluster:
 
-    return KubernetesCluster.connect(args.kubeconfig or "", context=args.context or "",
-                                     component="kubectl-mig")
+    return KubernetesCluster.connect(
+        args.kubeconfig or "", context=args.context or "", component="kubectl-mig"
+    )
 
 
 def _agent_pods(cluster: Cluster, namespace: str) -> dict[str, str]:
     """node -> "pod (Ready|NotReady)" of the agents in ``namespace``."""
     out = {}
-    for p in cluster.list_pods(namespace=namespace,
-                               label_selector="app.kubernetes.io/name=mig-agent"):
+    for p in cluster.list_pods(
+        namespace=namespace, label_selector="app.kubernetes.io/name=mig-agent"
+    ):
         if p.node:
             out[p.node] = f"{p.ref.name} ({'Ready' if p.ready else 'NotReady'})"
     return out
@@ -118,8 +128,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     elif args.output == "yaml":
         print(dump_yaml(status_json(rows)), end="")
     else:
-        for line in status_lines(rows, wide=args.output == "wide", colour=colour_enabled(),
-                                 agents=agents):
+        for line in status_lines(
+            rows, wide=args.output == "wide", colour=colour_enabled(), agents=agents
+        ):
             print(line)
     return EXIT_OK
 
@@ -134,8 +145,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     finally:
         cluster.close()
     if args.output in ("json", "yaml"):
-        data = {k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in dataclasses.asdict(p).items()}
+        data = {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(p).items()
+        }
         data["action"] = str(p.action)
         print(json.dumps(data, indent=2) if args.output == "json" else dump_yaml(data), end="")
         if args.output == "json":
@@ -155,11 +167,18 @@ def cmd_repartition(args: argparse.Namespace) -> int:
     try:
         nodes = select_nodes(cluster, args.nodes, args.selector)
         if args.dry_run:
-            previews = dry_run(cluster, catalog, args.layout, nodes, settings=settings,
-                               out=_print)
+            previews = dry_run(cluster, catalog, args.layout, nodes, settings=settings, out=_print)
             return EXIT_USAGE if any(p.action is Action.REFUSE for p in previews) else EXIT_OK
-        return repartition(cluster, catalog, args.layout, nodes, max_parallel=args.max_parallel,
-                           timeout_s=args.timeout_s, settings=settings, out=_print).exit_code
+        return repartition(
+            cluster,
+            catalog,
+            args.layout,
+            nodes,
+            max_parallel=args.max_parallel,
+            timeout_s=args.timeout_s,
+            settings=settings,
+            out=_print,
+        ).exit_code
     finally:
         cluster.close()
 
@@ -170,14 +189,23 @@ def _print(line: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"),
-                        help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)")
+    common.add_argument(
+        "--kubeconfig",
+        default=os.environ.get("KUBECONFIG"),
+        help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)",
+    )
     common.add_argument("--context", default=None, help="kubeconfig context to use")
-    common.add_argument("-n", "--namespace", default="mig-agent",
-                        help="namespace of the mig-agent pods (default mig-agent)")
+    common.add_argument(
+        "-n",
+        "--namespace",
+        default="mig-agent",
+        help="namespace of the mig-agent pods (default mig-agent)",
+    )
     parser = argparse.ArgumentParser(
-        prog="kubectl mig", parents=[common],
-        description="MIG layouts of GPU nodes, through mig-agent's node labels.")
+        prog="kubectl mig",
+        parents=[common],
+        description="MIG layouts of GPU nodes, through mig-agent's node labels.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("status", parents=[common], help="GPU nodes: layout, state, resources")
@@ -185,16 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=["table", "wide", "json", "yaml"], default="table")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("plan", parents=[common],
-                       help="what a layout would change on a node, from its published GPU state")
+    p = sub.add_parser(
+        "plan",
+        parents=[common],
+        help="what a layout would change on a node, from its published GPU state",
+    )
     p.add_argument("node", metavar="NODE")
     p.add_argument("layout", metavar="LAYOUT")
     p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
     add_config_args(p, layout=False)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("repartition", parents=[common],
-                       help="set a layout on nodes, K at a time, and follow each to its result")
+    p = sub.add_parser(
+        "repartition",
+        parents=[common],
+        help="set a layout on nodes, K at a time, and follow each to its result",
+    )
     p.add_argument("layout", metavar="LAYOUT")
     p.add_argument("nodes", nargs="*", metavar="NODE")
     p.add_argument("-l", "--selector", default="", help="label selector of the nodes")

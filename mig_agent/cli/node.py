@@ -148,14 +148,18 @@ def _hook_runner(args: argparse.Namespace, layout: Layout, gpus: GpuBackend) -> 
     from mig_agent.host.commands import run_command
     from mig_agent.node import hooks
 
-    settings = Settings(node_name=os.environ.get("NODE_NAME") or socket.gethostname(),
-                        config=(args.config_file or [str(PROFILES)])[0],
-                        hooks_file=args.hooks_file)
+    settings = Settings(
+        node_name=os.environ.get("NODE_NAME") or socket.gethostname(),
+        config=(args.config_file or [str(PROFILES)])[0],
+        hooks_file=args.hooks_file,
+    )
     hook_set = hooks.load(settings)
     observed = gpus.observe()
     the_plan = planner.plan(layout, observed, gpus.models(), destroy_in_use=args.destroy_in_use)
-    env = {**hooks.context(settings, layout.name, the_plan, observed),
-           "MIG_PARTED_SKIP_RESET": str(args.skip_reset).lower()}
+    env = {
+        **hooks.context(settings, layout.name, the_plan, observed),
+        "MIG_PARTED_SKIP_RESET": str(args.skip_reset).lower(),
+    }
     return hooks.HookRunner(hook_set, run_command, settings.command_timeout_s, env)
 
 
@@ -287,9 +291,13 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "generate-config",
         help="a v1 config generated from the GPUs' own MIG profiles (all-disabled, all-enabled, "
-        "all-<profile>), for models without layouts")
-    p.add_argument("--gpu", action="append", metavar="MODEL",
-                   help="a catalog model instead of the GPUs present; repeatable")
+        "all-<profile>), for models without layouts",
+    )
+    p.add_argument(
+        "--gpu",
+        action="append",
+        metavar="MODEL",
+        help="a catalog model instead of the GPUs present; repeatable",
+    )
     add_backend_args(p)
     p.set_defaults(func=cmd_generate_config)
-

@@ -47,9 +47,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     metrics = Metrics()
     gpus = InstrumentedGpus(open_gpus(args), metrics)
     cluster = KubernetesCluster.connect(
-        settings.kubeconfig, on_request=lambda call: metrics.api_requests.labels(call=call).inc())
-    agent = Agent(settings, cluster, gpus, lambda path: load_catalog([path]), metrics=metrics,
-                  pod_devices=lambda: list_pod_devices(settings.pod_resources_socket))
+        settings.kubeconfig, on_request=lambda call: metrics.api_requests.labels(call=call).inc()
+    )
+    agent = Agent(
+        settings,
+        cluster,
+        gpus,
+        lambda path: load_catalog([path]),
+        metrics=metrics,
+        pod_devices=lambda: list_pod_devices(settings.pod_resources_socket),
+    )
 
     def on_signal(*_: object) -> None:  # finish the current pass, then stop at once
         stop.set()
@@ -109,4 +116,3 @@ def register(sub: Any) -> None:
     add_config_args(p, layout=False)
     add_backend_args(p)
     p.set_defaults(func=cmd_run)
-

@@ -17,8 +17,9 @@ def load_sharing(path: str | Path) -> Sharing:
     return parse_sharing(parse(read(Path(path)), str(path)), source=str(path))
 
 
-def device_plugin_sharing(path: str, node_labels: Mapping[str, str], *, label: str,
-                          default: str) -> Sharing:
+def device_plugin_sharing(
+    path: str, node_labels: Mapping[str, str], *, label: str, default: str
+) -> Sharing:
     """The sharing config NVIDIA's device plugin runs with on a node.
 
     ``path`` is one config file, or a folder of them (the GPU Operator's plugin ConfigMap as a
@@ -40,6 +41,9 @@ def device_plugin_sharing(path: str, node_labels: Mapping[str, str], *, label: s
     if not chosen:
         return NO_SHARING
     if chosen not in names:
-        raise ConfigError(f"{why} names config {chosen!r}, which {folder} does not have "
-                          f"(it has: {', '.join(names) or 'nothing'})", config=chosen)
+        raise ConfigError(
+            f"{why} names config {chosen!r}, which {folder} does not have "
+            f"(it has: {', '.join(names) or 'nothing'})",
+            config=chosen,
+        )
     return load_sharing(folder / chosen)

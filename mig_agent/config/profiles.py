@@ -79,8 +79,11 @@ class _Where:
             parts.append(f"key {_shown(self.key)}")
         head = f"{self.file}: {', '.join(parts)}" if parts else self.file
         context: dict[str, object] = {"file": self.file}
-        context.update((k, v) for k, v in (("layout", self.layout), ("entry", self.entry),
-                                           ("key", self.key)) if v is not None)
+        context.update(
+            (k, v)
+            for k, v in (("layout", self.layout), ("entry", self.entry), ("key", self.key))
+            if v is not None
+        )
         return InvalidConfig(f"{head}: {message}", **context, **extra)
 
 
@@ -243,15 +246,17 @@ def _parse_devices(value: object, where: _Where) -> frozenset[int] | None:
 def _parse_device_filter(value: object, where: _Where) -> tuple[DeviceFilter, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
-        raise where.error(f"must be a PCI id string or a list of them, got {_got(value)}"
-                          + _hex_hint(value))
+        raise where.error(
+            f"must be a PCI id string or a list of them, got {_got(value)}" + _hex_hint(value)
+        )
     if not items:
         raise where.error("must not be an empty list; leave device-filter out to select any model")
     filters = []
     for item in items:
         if not isinstance(item, str):
-            raise where.error(f"each filter must be a PCI id string, got {_got(item)}"
-                              + _hex_hint(item))
+            raise where.error(
+                f"each filter must be a PCI id string, got {_got(item)}" + _hex_hint(item)
+            )
         try:
             filters.append(DeviceFilter.parse(item))
         except ValueError as e:
@@ -281,8 +286,9 @@ def _parse_mig_devices(value: object, where: _Where) -> dict[MigProfile, int]:
             profile = MigProfile.parse(name)
         except ValueError as e:
             if len(name) > _SHOWN_MAX:  # no MIG profile name is that long
-                raise where.error(f"{_shown(name)} is not a MIG profile name",
-                                  profile=name[:_SHOWN_MAX]) from None
+                raise where.error(
+                    f"{_shown(name)} is not a MIG profile name", profile=name[:_SHOWN_MAX]
+                ) from None
             raise where.error(str(e), profile=name) from None
         if profile in counts:
             raise where.error(
@@ -295,7 +301,8 @@ def _parse_mig_devices(value: object, where: _Where) -> dict[MigProfile, int]:
         if count > MAX_COUNT:
             raise where.error(
                 f"count for {name!r} is {count}; no GPU holds more than {MAX_COUNT} MIG devices "
-                "(today's hold at most 7)", profile=name
+                "(today's hold at most 7)",
+                profile=name,
             )
         counts[profile] = count
         spelled[profile] = name
@@ -313,16 +320,18 @@ def _parse_mig_devices(value: object, where: _Where) -> dict[MigProfile, int]:
 def _duplicate_key_error(source: str, dup: DuplicateKey) -> InvalidConfig:
     path, lines = dup.path, dup.lines
     if path == ("mig-configs",):
-        return _Where(source, dup.key).error(f"defined twice in this file ({lines})",
-                                             line=dup.again)
+        return _Where(source, dup.key).error(
+            f"defined twice in this file ({lines})", line=dup.again
+        )
     layout = str(path[1]) if len(path) >= 2 and path[0] == "mig-configs" else None
     entry = path[2] + 1 if len(path) >= 3 and isinstance(path[2], int) else None
     where = _Where(source, layout, entry)
     if path == () or (len(path) == 3 and entry is not None):  # a top-level or an entry key
         return where.at(dup.key).error(f"appears twice ({lines})", line=dup.again)
     if len(path) == 4 and entry is not None and path[3] == "mig-devices":
-        return where.at("mig-devices").error(f"profile {dup.key!r} appears twice ({lines})",
-                                             line=dup.again, profile=dup.key)
+        return where.at("mig-devices").error(
+            f"profile {dup.key!r} appears twice ({lines})", line=dup.again, profile=dup.key
+        )
     return where.error(f"key {dup.key!r} appears twice ({lines})", line=dup.again)
 
 
@@ -352,12 +361,14 @@ def _read_sources(paths: Sequence[str | Path]) -> Iterator[tuple[str, str]]:
             # Dot-files are skipped: ConfigMap volumes hold '..data' links and editors leave
             # hidden swap files next to the real ones.
             files = sorted(
-                p for p in path.iterdir()
+                p
+                for p in path.iterdir()
                 if p.suffix in (".yaml", ".yml") and not p.name.startswith(".") and p.is_file()
             )
             if not files:
-                raise InvalidConfig(f"{path}: no *.yaml or *.yml files in this directory",
-                                    file=str(path))
+                raise InvalidConfig(
+                    f"{path}: no *.yaml or *.yml files in this directory", file=str(path)
+                )
             for file in files:
                 yield str(file), read(file)
         else:
@@ -397,11 +408,13 @@ def _fit(layout: Layout, model: GpuModel) -> FitResult:
         if target is not None:
             by_target.setdefault(target, []).append(index)
     if not by_target:
-        return FitResult(layout.name, model.key, False, False,
-                         f"selects no {model.key} GPU (PCI id 0x{pci:08X})")
+        return FitResult(
+            layout.name, model.key, False, False, f"selects no {model.key} GPU (PCI id 0x{pci:08X})"
+        )
     by_filter = any(
         bool(rule.selector.filters) and rule.selector.matches(i, pci, subsystem)
-        for rule in layout.rules for i in FIT_INDICES
+        for rule in layout.rules
+        for i in FIT_INDICES
     )
     targets = tuple(by_target)
     reason = ""
@@ -412,12 +425,18 @@ def _fit(layout: Layout, model: GpuModel) -> FitResult:
         reason = _misfit(model, target, where)
         if reason:
             break
-    unknown = sorted({
-        str(p) for t in targets if t.mig_enabled for p, _ in t.devices
-        if model.mig_capable and model.resolve(str(p)) is None
-    })
-    return FitResult(layout.name, model.key, True, not reason, reason, by_filter, targets,
-                     tuple(unknown))
+    unknown = sorted(
+        {
+            str(p)
+            for t in targets
+            if t.mig_enabled
+            for p, _ in t.devices
+            if model.mig_capable and model.resolve(str(p)) is None
+        }
+    )
+    return FitResult(
+        layout.name, model.key, True, not reason, reason, by_filter, targets, tuple(unknown)
+    )
 
 
 def _misfit(model: GpuModel, target: GpuLayout, where: str) -> str:

@@ -31,13 +31,17 @@ class DuplicateKey(Exception):
 
     @property
     def lines(self) -> str:
-        return (f"line {self.first}" if self.first == self.again
-                else f"lines {self.first} and {self.again}")
+        return (
+            f"line {self.first}"
+            if self.first == self.again
+            else f"lines {self.first} and {self.again}"
+        )
 
 
 def _duplicate(source: str, dup: DuplicateKey) -> InvalidConfig:
-    return InvalidConfig(f"{source}: key {dup.key!r} appears twice ({dup.lines})", file=source,
-                         line=dup.again)
+    return InvalidConfig(
+        f"{source}: key {dup.key!r} appears twice ({dup.lines})", file=source, line=dup.again
+    )
 
 
 class _TooBig(Exception):
@@ -60,8 +64,9 @@ class _StrictLoader(yaml.SafeLoader):
         self._nodes += 1
         mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
         if self._nodes > MAX_NODES:
-            raise _TooBig(f"more than {MAX_NODES} YAML nodes; no profile config needs as many",
-                          mark)
+            raise _TooBig(
+                f"more than {MAX_NODES} YAML nodes; no profile config needs as many", mark
+            )
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -82,8 +87,7 @@ class _StrictLoader(yaml.SafeLoader):
         # before the composer sees them: the scanner's own work grows with the square of the
         # number of open brackets
         if self.flow_level >= MAX_DEPTH:
-            raise _TooBig(f"nested deeper than {MAX_DEPTH} levels",
-                          self.get_mark())
+            raise _TooBig(f"nested deeper than {MAX_DEPTH} levels", self.get_mark())
 
     def construct_document(self, node: yaml.Node) -> Any:
         _refuse_duplicate_keys(node, (), set())
@@ -111,8 +115,12 @@ def _refuse_duplicate_keys(node: yaml.Node, path: tuple[object, ...], seen: set[
             _refuse_duplicate_keys(value_node, (*path, key), seen)
 
 
-def parse(text: str, source: str, *,
-          on_duplicate: Callable[[str, DuplicateKey], InvalidConfig] = _duplicate) -> object:
+def parse(
+    text: str,
+    source: str,
+    *,
+    on_duplicate: Callable[[str, DuplicateKey], InvalidConfig] = _duplicate,
+) -> object:
     """The plain data of one YAML document; ``on_duplicate`` words the error of a repeated
     key for the kind of file (the profile configs name the layout and entry)."""
     if len(text) > MAX_FILE_BYTES:
@@ -123,8 +131,9 @@ def parse(text: str, source: str, *,
         raise on_duplicate(source, dup) from None
     except _TooBig as big:
         line, column = big.mark.line + 1, big.mark.column + 1
-        raise InvalidConfig(f"{source}:{line}:{column}: {big}", file=source, line=line,
-                            column=column) from None
+        raise InvalidConfig(
+            f"{source}:{line}:{column}: {big}", file=source, line=line, column=column
+        ) from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         what = e.problem or "syntax error"
@@ -134,16 +143,21 @@ def parse(text: str, source: str, *,
         if mark is None:
             raise InvalidConfig(f"{source}: invalid YAML: {what}", file=source) from None
         line, column = mark.line + 1, mark.column + 1
-        raise InvalidConfig(f"{source}:{line}:{column}: invalid YAML: {what}",
-                            file=source, line=line, column=column) from None
+        raise InvalidConfig(
+            f"{source}:{line}:{column}: invalid YAML: {what}", file=source, line=line, column=column
+        ) from None
     except yaml.YAMLError as e:
         raise InvalidConfig(f"{source}: invalid YAML: {e}", file=source) from None
     return data
 
 
 def too_large(source: str, size: int) -> InvalidConfig:
-    return InvalidConfig(f"{source}: {size} bytes; a profile config may be at most "
-                         f"{MAX_FILE_BYTES} (what one ConfigMap holds)", file=source, size=size)
+    return InvalidConfig(
+        f"{source}: {size} bytes; a profile config may be at most "
+        f"{MAX_FILE_BYTES} (what one ConfigMap holds)",
+        file=source,
+        size=size,
+    )
 
 
 def read(path: Path) -> str:
@@ -155,8 +169,9 @@ def read(path: Path) -> str:
             raise too_large(str(path), max(path.stat().st_size, len(data)))
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InvalidConfig(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})",
-                            file=str(path)) from None
+        raise InvalidConfig(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start})", file=str(path)
+        ) from None
     except OSError as e:
         raise InvalidConfig(f"{path}: cannot read: {e.strerror or e}", file=str(path)) from None
 
@@ -172,13 +187,17 @@ def load_yaml(path: str | Path) -> object:
     return parse(read(Path(path)), str(path))
 
 
-def only_keys(data: Mapping[object, object], allowed: tuple[str, ...], where: str,
-              source: str) -> None:
+def only_keys(
+    data: Mapping[object, object], allowed: tuple[str, ...], where: str, source: str
+) -> None:
     """InvalidConfig for a key of ``data`` not in ``allowed`` (at ``where`` in ``source``), with
     the closest allowed key."""
     for key in data:
         if key not in allowed:
             near = difflib.get_close_matches(str(key), allowed, n=1)
-            raise InvalidConfig(f"{where}: unknown key {key!r} (keys: {', '.join(allowed)})"
-                                + (f"; did you mean {near[0]}?" if near else ""),
-                                file=source, key=str(key))
+            raise InvalidConfig(
+                f"{where}: unknown key {key!r} (keys: {', '.join(allowed)})"
+                + (f"; did you mean {near[0]}?" if near else ""),
+                file=source,
+                key=str(key),
+            )

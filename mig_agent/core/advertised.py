@@ -70,8 +70,12 @@ def node_mig_strategy(labels: Mapping[str, str], *, label: str, fallback: str) -
     if value is None:
         return fallback
     if value not in MIG_STRATEGIES:
-        raise ConfigError(f"node label {label}={value!r} is not a MIG strategy: expected "
-                          f"{' or '.join(MIG_STRATEGIES)}", label=label, value=value)
+        raise ConfigError(
+            f"node label {label}={value!r} is not a MIG strategy: expected "
+            f"{' or '.join(MIG_STRATEGIES)}",
+            label=label,
+            value=value,
+        )
     return value
 
 
@@ -80,8 +84,9 @@ def is_skipped(gpu_name: str) -> bool:
     return gpu_name in SKIPPED_GPU_NAMES
 
 
-def plugin_devices(node: NodeState, models: Mapping[int, GpuModel]
-                   ) -> dict[int, Counter[str] | None]:
+def plugin_devices(
+    node: NodeState, models: Mapping[int, GpuModel]
+) -> dict[int, Counter[str] | None]:
     """Per GPU the device plugin sees, its MIG devices now (None: MIG disabled)."""
     return {
         gpu.index: observed_devices(models[gpu.index], gpu) if gpu.mig_current else None
@@ -90,8 +95,9 @@ def plugin_devices(node: NodeState, models: Mapping[int, GpuModel]
     }
 
 
-def planned_devices(the_plan: Plan, node: NodeState, models: Mapping[int, GpuModel]
-                    ) -> dict[int, Counter[str] | None]:
+def planned_devices(
+    the_plan: Plan, node: NodeState, models: Mapping[int, GpuModel]
+) -> dict[int, Counter[str] | None]:
     """Per GPU the device plugin sees, its MIG devices once ``the_plan`` is applied."""
     out = plugin_devices(node, models)
     for gp in the_plan.gpus:
@@ -105,12 +111,16 @@ def strategy_problem(devices: Devices, strategy: str, sharing: Sharing = NO_SHAR
     and ``sharing``, or ""."""
     if sharing.strategy == "mps":
         if strategy == "mixed":
-            return (f"the device plugin's MPS sharing ({sharing.source}) does not work with the "
-                    f"mixed MIG strategy: it would advertise nothing")
+            return (
+                f"the device plugin's MPS sharing ({sharing.source}) does not work with the "
+                f"mixed MIG strategy: it would advertise nothing"
+            )
         mig = sorted(i for i, d in devices.items() if d)
         if mig:
-            return (f"the device plugin's MPS sharing ({sharing.source}) does not support MIG "
-                    f"devices, GPU(s) {_ids(mig)} would have some: it would advertise nothing")
+            return (
+                f"the device plugin's MPS sharing ({sharing.source}) does not support MIG "
+                f"devices, GPU(s) {_ids(mig)} would have some: it would advertise nothing"
+            )
     if strategy == "single":
         return single_strategy_problem(devices)
     return mixed_strategy_problem(devices)
@@ -123,10 +133,12 @@ def mixed_strategy_problem(devices: Devices) -> str:
     if not split:
         return ""
     gpus = sorted(i for i, d in devices.items() if d and any(n in split for n in d))
-    return (f"the mixed MIG strategy's device plugin has no resource for MIG devices that split "
-            f"a GPU instance into compute instances ({', '.join(split)} on GPU(s) {_ids(gpus)}) "
-            f"and would advertise nothing, not even whole GPUs; use the single strategy or "
-            f"profiles without a 'Nc.' prefix")
+    return (
+        f"the mixed MIG strategy's device plugin has no resource for MIG devices that split "
+        f"a GPU instance into compute instances ({', '.join(split)} on GPU(s) {_ids(gpus)}) "
+        f"and would advertise nothing, not even whole GPUs; use the single strategy or "
+        f"profiles without a 'Nc.' prefix"
+    )
 
 
 def single_strategy_problem(devices: Devices) -> str:
@@ -135,16 +147,22 @@ def single_strategy_problem(devices: Devices) -> str:
     modes = {d is not None for d in devices.values()}
     if len(modes) > 1:
         off = sorted(i for i, d in devices.items() if d is None)
-        return (f"the single MIG strategy needs MIG on every GPU or on none; GPU(s) "
-                f"{_ids(off)} would have MIG disabled")
+        return (
+            f"the single MIG strategy needs MIG on every GPU or on none; GPU(s) "
+            f"{_ids(off)} would have MIG disabled"
+        )
     names = sorted({n for d in devices.values() if d for n in d})
     if len(names) > 1:
-        return (f"the single MIG strategy needs one MIG profile on the whole node, the layout "
-                f"makes {', '.join(names)}; use the mixed strategy or a single-profile layout")
+        return (
+            f"the single MIG strategy needs one MIG profile on the whole node, the layout "
+            f"makes {', '.join(names)}; use the mixed strategy or a single-profile layout"
+        )
     if modes == {True} and any(not d for d in devices.values()):
         empty = sorted(i for i, d in devices.items() if not d)
-        return (f"the single MIG strategy needs at least one MIG device on every MIG GPU; GPU(s) "
-                f"{_ids(empty)} would have none")
+        return (
+            f"the single MIG strategy needs at least one MIG device on every MIG GPU; GPU(s) "
+            f"{_ids(empty)} would have none"
+        )
     return ""
 
 
@@ -158,8 +176,9 @@ def shared_as(resource: str, sharing: Sharing) -> tuple[str, int]:
     return best.rename or best.name, best.replicas
 
 
-def advertised_resources(devices: Devices, strategy: str, sharing: Sharing = NO_SHARING
-                         ) -> dict[str, int]:
+def advertised_resources(
+    devices: Devices, strategy: str, sharing: Sharing = NO_SHARING
+) -> dict[str, int]:
     """What NVIDIA's device plugin advertises for these devices: nothing where it refuses to
     start (strategy_problem), else a whole GPU per GPU without MIG and one resource per MIG
     device, each multiplied and renamed as ``sharing`` says."""
@@ -173,8 +192,9 @@ def advertised_resources(devices: Devices, strategy: str, sharing: Sharing = NO_
     return dict(out)
 
 
-def expected_resources(node: NodeState, models: Mapping[int, GpuModel], strategy: str,
-                       sharing: Sharing = NO_SHARING) -> dict[str, int]:
+def expected_resources(
+    node: NodeState, models: Mapping[int, GpuModel], strategy: str, sharing: Sharing = NO_SHARING
+) -> dict[str, int]:
     """What NVIDIA's device plugin advertises for the GPUs as they are now."""
     return advertised_resources(plugin_devices(node, models), strategy, sharing)
 
@@ -199,18 +219,21 @@ class Listing:
     fresh: bool  # a plugin lists one of the expected resources healthy (or none is expected)
 
 
-def plugin_listing(capacity: Mapping[str, int], allocatable: Mapping[str, int],
-                   expected: Mapping[str, int]) -> Listing:
+def plugin_listing(
+    capacity: Mapping[str, int], allocatable: Mapping[str, int], expected: Mapping[str, int]
+) -> Listing:
     """The node's devices as the plugin lists them. Capacity counts every device, allocatable
     only the healthy ones: a layout is in place when capacity says so, whatever an Xid did to a
     device. A resource no plugin lists any more keeps its capacity with allocatable 0 for the
     kubelet's stop grace period (5 min): such a resource counts only if the layout has it, and
     then only once a plugin lists some expected resource healthy (``fresh``): until then the
     counts may all be the stopped plugin's. Pure."""
-    listed = {r: n for r, n in capacity.items()
-              if n > 0 and (allocatable.get(r, 0) > 0 or r in expected)}
-    unhealthy = {r: n - allocatable.get(r, 0) for r, n in listed.items()
-                 if n > allocatable.get(r, 0)}
+    listed = {
+        r: n for r, n in capacity.items() if n > 0 and (allocatable.get(r, 0) > 0 or r in expected)
+    }
+    unhealthy = {
+        r: n - allocatable.get(r, 0) for r, n in listed.items() if n > allocatable.get(r, 0)
+    }
     fresh = not expected or any(allocatable.get(r, 0) > 0 for r in expected)
     return Listing(listed, unhealthy, fresh)
 
@@ -253,8 +276,11 @@ def parse_sharing(data: object, *, source: str) -> Sharing:
         return Sharing(source=source)
     if not isinstance(sharing, Mapping):
         raise _invalid(source, "sharing", "must be a mapping")
-    parsed = {key: _replicated(sharing[key], source, f"sharing.{key}")
-              for key in ("mps", "timeSlicing") if sharing.get(key) is not None}
+    parsed = {
+        key: _replicated(sharing[key], source, f"sharing.{key}")
+        for key in ("mps", "timeSlicing")
+        if sharing.get(key) is not None
+    }
     if "mps" in parsed:
         return Sharing("mps", parsed["mps"], source)
     if "timeSlicing" in parsed:
@@ -279,13 +305,17 @@ def _replicated(raw: object, source: str, key: str) -> tuple[SharedResource, ...
         name = _resource_name(r.get("name"), source, f"{where}.name")
         replicas = r.get("replicas")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 2:
-            raise _invalid(source, f"{where}.replicas",
-                           f"number of replicas must be an integer >= 2, got {replicas!r}")
+            raise _invalid(
+                source,
+                f"{where}.replicas",
+                f"number of replicas must be an integer >= 2, got {replicas!r}",
+            )
         if r.get("rename") is not None:
             _resource_name(r.get("rename"), source, f"{where}.rename")
         _check_devices(r.get("devices", "all"), source, f"{where}.devices")
-        out.append(SharedResource(name, replicas, name + _SHARED_SUFFIX if rename_by_default
-                                  else ""))
+        out.append(
+            SharedResource(name, replicas, name + _SHARED_SUFFIX if rename_by_default else "")
+        )
     return tuple(out)
 
 
@@ -295,8 +325,12 @@ def _resource_name(raw: object, source: str, key: str) -> str:
     name = raw if raw.startswith(_RESOURCE_PREFIX) else _RESOURCE_PREFIX + raw
     short = name.split("/", 1)[1]
     if len(name) > _MAX_RESOURCE_NAME or not _is_dns_subdomain(short):
-        raise _invalid(source, key, f"{raw!r} is not a valid resource name (at most "
-                       f"{_MAX_RESOURCE_NAME} characters; lower case letters, digits, '-', '.')")
+        raise _invalid(
+            source,
+            key,
+            f"{raw!r} is not a valid resource name (at most "
+            f"{_MAX_RESOURCE_NAME} characters; lower case letters, digits, '-', '.')",
+        )
     return name
 
 
@@ -307,13 +341,16 @@ def _is_dns_subdomain(name: str) -> bool:
 def _check_devices(raw: object, source: str, key: str) -> None:
     """The plugin parses ``devices`` (all, a count, or GPU/MIG indices or UUIDs) and then shares
     every device anyway; a malformed value still stops it."""
-    ok = (raw == "all"
-          or (isinstance(raw, int) and not isinstance(raw, bool) and raw > 0)
-          or (isinstance(raw, list)
-              and all(isinstance(x, str | int) and not isinstance(x, bool) for x in raw)))
+    ok = (
+        raw == "all"
+        or (isinstance(raw, int) and not isinstance(raw, bool) and raw > 0)
+        or (
+            isinstance(raw, list)
+            and all(isinstance(x, str | int) and not isinstance(x, bool) for x in raw)
+        )
+    )
     if not ok:
-        raise _invalid(source, key, f"must be 'all', a count > 0 or a list of devices, "
-                       f"got {raw!r}")
+        raise _invalid(source, key, f"must be 'all', a count > 0 or a list of devices, got {raw!r}")
 
 
 def _invalid(source: str, key: str, message: str) -> InvalidConfig:

@@ -40,9 +40,13 @@ def model_layouts(model: GpuModel) -> list[Layout]:
     ]
     for gi in model.gi_profiles:
         profile = MigProfile.parse(gi.name)
-        out.append(Layout(f"all-{gi.name.replace('+', '.')}",
-                          (Rule(select, GpuLayout.of(True, {profile: gi.instance_count})),),
-                          SOURCE))
+        out.append(
+            Layout(
+                f"all-{gi.name.replace('+', '.')}",
+                (Rule(select, GpuLayout.of(True, {profile: gi.instance_count})),),
+                SOURCE,
+            )
+        )
     return out
 
 
@@ -61,8 +65,9 @@ def covers(catalog: LayoutCatalog, model: GpuModel) -> bool:
     return False
 
 
-def with_generated(catalog: LayoutCatalog, models: Iterable[GpuModel]
-                   ) -> tuple[LayoutCatalog, list[GpuModel]]:
+def with_generated(
+    catalog: LayoutCatalog, models: Iterable[GpuModel]
+) -> tuple[LayoutCatalog, list[GpuModel]]:
     """``catalog`` plus the generated layouts of every MIG-capable model it does not cover;
     also the models generated for."""
     layouts = dict(catalog.layouts)
@@ -75,8 +80,9 @@ def with_generated(catalog: LayoutCatalog, models: Iterable[GpuModel]
         generated.append(model)
         for g in model_layouts(model):
             have = layouts.get(g.name)
-            layouts[g.name] = g if have is None else Layout(have.name, have.rules + g.rules,
-                                                            have.source)
+            layouts[g.name] = (
+                g if have is None else Layout(have.name, have.rules + g.rules, have.source)
+            )
     return LayoutCatalog.of(layouts.values()), generated
 
 

@@ -172,12 +172,19 @@ def plan(
     for n, rule in enumerate(layout.rules, start=1):
         beyond = sorted((rule.selector.indices or frozenset()) - present)
         if beyond:  # never a GPU skipped: the layout was written for another node
-            have = (f"{len(present)} GPU(s), indices {min(present)}-{max(present)}"
-                    if len(present) > 1 else f"GPU {min(present)} only" if present else "no GPU")
+            have = (
+                f"{len(present)} GPU(s), indices {min(present)}-{max(present)}"
+                if len(present) > 1
+                else f"GPU {min(present)} only"
+                if present
+                else "no GPU"
+            )
             raise PlanError(
                 f"layout {layout.name!r}, entry {n}: GPU index(es) "
                 f"{', '.join(map(str, beyond))} not on this node (it has {have})",
-                layout=layout.name, entry=n, indices=beyond,
+                layout=layout.name,
+                entry=n,
+                indices=beyond,
             )
     if not plans:
         kinds = sorted({f"{g.info.name} (0x{g.info.pci_device_id:08X})" for g in node.gpus})
@@ -655,13 +662,20 @@ def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]
             else:
                 cis = gis[proc.gi_id].compute_instances if proc.gi_id in gis else ()
                 devices = {ci.uuid for ci in cis if proc.ci_id is None or ci.id == proc.ci_id}
-            out.append(EndedProcess(gp.gpu, f"GPU {gp.gpu} ({gp.model})", proc.pid,
-                                    frozenset(devices - {""}), destroyed))
+            out.append(
+                EndedProcess(
+                    gp.gpu,
+                    f"GPU {gp.gpu} ({gp.model})",
+                    proc.pid,
+                    frozenset(devices - {""}),
+                    destroyed,
+                )
+            )
     return tuple(out)
 
 
 def describe_in_use(ended: Sequence[EndedProcess]) -> str:
-    """"GPU 0 (H100-80GB): 1g.10gb at 2:1 (GPU instance 9), ... must be destroyed but is in use
+    """ "GPU 0 (H100-80GB): 1g.10gb at 2:1 (GPU instance 9), ... must be destroyed but is in use
     by process(es) 7, 8", a GPU at a time, in the words of the planner's own refusals."""
     by_gpu: dict[int, list[EndedProcess]] = {}
     for p in ended:
@@ -669,8 +683,7 @@ def describe_in_use(ended: Sequence[EndedProcess]) -> str:
     parts = []
     for procs in (by_gpu[g] for g in sorted(by_gpu)):
         gone = list(dict.fromkeys(p.destroyed for p in procs))
-        what = ("MIG mode change" if gone == [""]
-                else f"{', '.join(gone)} must be destroyed but")
+        what = "MIG mode change" if gone == [""] else f"{', '.join(gone)} must be destroyed but"
         parts.append(_in_use(procs[0].where, what, (p.pid for p in procs)))
     return "; ".join(parts)
 

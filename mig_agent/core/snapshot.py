@@ -69,11 +69,7 @@ def to_json(node: NodeState, models: Mapping[int, GpuModel]) -> dict[str, Any]:
             prof = m.gi_profile_by_id(gi.profile_id)
             cis = []
             for ci in gi.compute_instances:
-                ci_prof = (
-                    prof.ci_profile_by_id(ci.profile_id)
-                    if prof
-                    else None
-                )
+                ci_prof = prof.ci_profile_by_id(ci.profile_id) if prof else None
                 cis.append(
                     {
                         "id": ci.id,
@@ -188,14 +184,28 @@ def compact(node: NodeState, models: Mapping[int, GpuModel]) -> str:
     annotation; ``from_json(json.loads(...))`` reads it back."""
     gpus = []
     for g in to_json(node, models)["gpus"]:
-        gpus.append({
-            "index": g["index"], "model": g["model"], "mig_enabled": g["mig_enabled"],
-            "mig_pending": g["mig_pending"],
-            "gpu_instances": [
-                {"id": gi["id"], "profile_id": gi["profile_id"], "placement": gi["placement"],
-                 "compute_instances": [{"id": ci["id"], "profile_id": ci["profile_id"],
-                                        "placement": ci["placement"]}
-                                       for ci in gi["compute_instances"]]}
-                for gi in g["gpu_instances"]],
-        })
+        gpus.append(
+            {
+                "index": g["index"],
+                "model": g["model"],
+                "mig_enabled": g["mig_enabled"],
+                "mig_pending": g["mig_pending"],
+                "gpu_instances": [
+                    {
+                        "id": gi["id"],
+                        "profile_id": gi["profile_id"],
+                        "placement": gi["placement"],
+                        "compute_instances": [
+                            {
+                                "id": ci["id"],
+                                "profile_id": ci["profile_id"],
+                                "placement": ci["placement"],
+                            }
+                            for ci in gi["compute_instances"]
+                        ],
+                    }
+                    for gi in g["gpu_instances"]
+                ],
+            }
+        )
     return json.dumps({"gpus": gpus}, separators=(",", ":"), sort_keys=True)

@@ -39,8 +39,9 @@ class GpuBackend(Protocol):
         """Create a GPU instance at an explicit placement; returns its id."""
         ...
 
-    def create_compute_instance(self, gpu: int, gi_id: int, profile_id: int,
-                                placement: Placement) -> int:
+    def create_compute_instance(
+        self, gpu: int, gi_id: int, profile_id: int, placement: Placement
+    ) -> int:
         """Create a compute instance in GPU instance ``gi_id`` at ``placement``; returns its id."""
         ...
 

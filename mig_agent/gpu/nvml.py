@@ -55,8 +55,10 @@ _ERROR_BY_CODE: Mapping[int, type[GpuError]] = {
 }
 _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT)
 _NO_ID = 0xFFFFFFFF
-_ARCHITECTURE = {pynvml.NVML_DEVICE_ARCH_AMPERE: Architecture.AMPERE,
-                 pynvml.NVML_DEVICE_ARCH_TURING: Architecture.TURING}
+_ARCHITECTURE = {
+    pynvml.NVML_DEVICE_ARCH_AMPERE: Architecture.AMPERE,
+    pynvml.NVML_DEVICE_ARCH_TURING: Architecture.TURING,
+}
 
 # pynvml keeps its library in a module global; backends over different libraries (two simulated
 # nodes in one process, say) take turns installing theirs under this lock.
@@ -92,8 +94,9 @@ class NvmlGpuBackend(GpuBackend):
     """GpuBackend over pynvml and the library beneath it; ``reset`` resets a GPU where that is
     not ``nvidia-smi -r`` (a library that is no driver)."""
 
-    def __init__(self, lib: Any, previous_lib: Any,
-                 reset: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, lib: Any, previous_lib: Any, reset: Callable[[int], None] | None = None
+    ) -> None:
         self._lib, self._previous_lib, self._reset = lib, previous_lib, reset
         self._closed = False
         self._handles: dict[int, Any] = {}
@@ -135,8 +138,12 @@ class NvmlGpuBackend(GpuBackend):
     def __enter__(self) -> NvmlGpuBackend:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -179,10 +186,14 @@ class NvmlGpuBackend(GpuBackend):
         with _nvml(where, gpu=index):
             pci = pynvml.nvmlDeviceGetPciInfo(h)
             info = GpuInfo(
-                index=index, name=_text(pynvml.nvmlDeviceGetName(h)),
-                uuid=_text(pynvml.nvmlDeviceGetUUID(h)), pci_bus_id=_text(pci.busId),
-                pci_device_id=int(pci.pciDeviceId), pci_subsystem_id=int(pci.pciSubSystemId),
-                memory_total_mib=int(pynvml.nvmlDeviceGetMemoryInfo(h).total) >> 20)
+                index=index,
+                name=_text(pynvml.nvmlDeviceGetName(h)),
+                uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+                pci_bus_id=_text(pci.busId),
+                pci_device_id=int(pci.pciDeviceId),
+                pci_subsystem_id=int(pci.pciSubSystemId),
+                memory_total_mib=int(pynvml.nvmlDeviceGetMemoryInfo(h).total) >> 20,
+            )
             try:
                 current, pending = pynvml.nvmlDeviceGetMigMode(h)
             except pynvml.NVMLError_NotSupported:
@@ -191,16 +202,24 @@ class NvmlGpuBackend(GpuBackend):
                 GpuProcess(
                     pid=int(p.pid),
                     gi_id=None if p.gpuInstanceId in (None, _NO_ID) else int(p.gpuInstanceId),
-                    ci_id=None if p.computeInstanceId in (None, _NO_ID)
+                    ci_id=None
+                    if p.computeInstanceId in (None, _NO_ID)
                     else int(p.computeInstanceId),
-                    used_memory_mib=None if p.usedGpuMemory is None
-                    else int(p.usedGpuMemory) >> 20)
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))
+                    used_memory_mib=None if p.usedGpuMemory is None else int(p.usedGpuMemory) >> 20,
+                )
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+            )
         if current is None:
             return GpuState(info, mig_capable=False, processes=processes)
         gis = self._gpu_instances(index, h, bool(current)) if current else ()
-        return GpuState(info, mig_capable=True, mig_current=bool(current),
-                        mig_pending=bool(pending), gpu_instances=gis, processes=processes)
+        return GpuState(
+            info,
+            mig_capable=True,
+            mig_current=bool(current),
+            mig_pending=bool(pending),
+            gpu_instances=gis,
+            processes=processes,
+        )
 
     def _gpu_instances(self, gpu: int, h: Any, mig_current: bool) -> tuple[GpuInstance, ...]:
         out = []
@@ -211,10 +230,14 @@ class NvmlGpuBackend(GpuBackend):
                 pynvml.nvmlDeviceGetGpuInstances(h, profile.id, arr, byref(count))
                 for k in range(count.value):
                     info = pynvml.nvmlGpuInstanceGetInfo(arr[k])
-                    out.append(GpuInstance(
-                        int(info.id), int(info.profileId),
-                        Placement(int(info.placement.start), int(info.placement.size)),
-                        self._compute_instances(gpu, int(info.profileId), arr[k])))
+                    out.append(
+                        GpuInstance(
+                            int(info.id),
+                            int(info.profileId),
+                            Placement(int(info.placement.start), int(info.placement.size)),
+                            self._compute_instances(gpu, int(info.profileId), arr[k]),
+                        )
+                    )
         return tuple(sorted(out, key=lambda g: g.id))
 
     def _ci_profiles_in(self, gi_profile_id: int, gi: Any, gpu: int) -> tuple[tuple[int, int], ...]:
@@ -224,7 +247,8 @@ class NvmlGpuBackend(GpuBackend):
             for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
                 try:
                     ci = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                        gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+                        gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                    )
                 except pynvml.NVMLError as exc:
                     if exc.value in _ABSENT:
                         continue
@@ -233,8 +257,9 @@ class NvmlGpuBackend(GpuBackend):
             self._ci_table[key] = tuple(found)
         return self._ci_table[key]
 
-    def _compute_instances(self, gpu: int, gi_profile_id: int, gi: Any
-                           ) -> tuple[ComputeInstance, ...]:
+    def _compute_instances(
+        self, gpu: int, gi_profile_id: int, gi: Any
+    ) -> tuple[ComputeInstance, ...]:
         out = []
         for ci_profile_id, instance_count in self._ci_profiles_in(gi_profile_id, gi, gpu):
             arr = (pynvml.c_nvmlComputeInstance_t * instance_count)()
@@ -242,10 +267,14 @@ class NvmlGpuBackend(GpuBackend):
             pynvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, arr, byref(count))
             for k in range(count.value):
                 info = pynvml.nvmlComputeInstanceGetInfo(arr[k])
-                out.append(ComputeInstance(
-                    int(info.id), int(info.profileId),
-                    Placement(int(info.placement.start), int(info.placement.size)),
-                    _text(pynvml.nvmlDeviceGetUUID(info.device))))
+                out.append(
+                    ComputeInstance(
+                        int(info.id),
+                        int(info.profileId),
+                        Placement(int(info.placement.start), int(info.placement.size)),
+                        _text(pynvml.nvmlDeviceGetUUID(info.device)),
+                    )
+                )
         return tuple(sorted(out, key=lambda c: c.id))
 
     def models(self) -> Mapping[int, GpuModel]:
@@ -295,31 +324,37 @@ class NvmlGpuBackend(GpuBackend):
         if catalog is not None:
             arch = catalog.architecture
         else:
-            arch = _ARCHITECTURE.get(arch_code, Architecture.HOPPER if arch_code >= 9
-                                     else Architecture.TURING)
+            arch = _ARCHITECTURE.get(
+                arch_code, Architecture.HOPPER if arch_code >= 9 else Architecture.TURING
+            )
         return GpuModel(
-            key=catalog.key if catalog else name, name=name,
+            key=catalog.key if catalog else name,
+            name=name,
             product=catalog.product if catalog else name.replace(" ", "-"),
-            pci_device_id=pci_id, pci_subsystem_id=int(pci.pciSubSystemId),
-            memory_total_mib=total_mib, architecture=arch,
-            memory_slices=max((p.placements[-1].end for p in profiles if p.placements),
-                              default=0),
+            pci_device_id=pci_id,
+            pci_subsystem_id=int(pci.pciSubSystemId),
+            memory_total_mib=total_mib,
+            architecture=arch,
+            memory_slices=max((p.placements[-1].end for p in profiles if p.placements), default=0),
             compute_slices=max((p.slices for p in profiles), default=0),
-            gi_profiles=tuple(profiles), gi_by_name={p.name: p for p in profiles})
+            gi_profiles=tuple(profiles),
+            gi_by_name={p.name: p for p in profiles},
+        )
 
     @staticmethod
-    def _profile(h: Any, index: int, info: Any, total_mib: int,
-                 catalog: GpuModel | None) -> GiProfile:
+    def _profile(
+        h: Any, index: int, info: Any, total_mib: int, catalog: GpuModel | None
+    ) -> GiProfile:
         profile_id = int(info.id)
         count = c_uint(0)
         pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, None, byref(count))
         # NVML writes without a bounds check: size from the count query and instanceCount both.
-        arr = (pynvml.c_nvmlGpuInstancePlacement_t * max(count.value,
-                                                          int(info.instanceCount), 1))()
+        arr = (pynvml.c_nvmlGpuInstancePlacement_t * max(count.value, int(info.instanceCount), 1))()
         count.value = len(arr)
         pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, arr, byref(count))
-        placements = tuple(Placement(int(arr[k].start), int(arr[k].size))
-                           for k in range(count.value))
+        placements = tuple(
+            Placement(int(arr[k].start), int(arr[k].size)) for k in range(count.value)
+        )
         slices = int(info.sliceCount)
         # NVML lists CI profiles only inside an existing GI, so take them from the catalog model
         # with this PCI id; without one, assume just the CI that spans the whole GI.
@@ -328,17 +363,39 @@ class NvmlGpuBackend(GpuBackend):
             ci_profiles = known.ci_profiles
         else:
             ci_index = CI_INDEX_BY_SLICES.get(slices, 0)
-            ci_profiles = (CiProfile(ci_index, ci_index, slices, 1, int(info.multiprocessorCount),
-                                     (Placement(0, slices),)),)
-        name = mig_name(index, int(info.memorySizeMB), total_mib) if index in GI_INDEX_SHAPE \
+            ci_profiles = (
+                CiProfile(
+                    ci_index,
+                    ci_index,
+                    slices,
+                    1,
+                    int(info.multiprocessorCount),
+                    (Placement(0, slices),),
+                ),
+            )
+        name = (
+            mig_name(index, int(info.memorySizeMB), total_mib)
+            if index in GI_INDEX_SHAPE
             else _text(info.name).removeprefix("MIG ")
+        )
         return GiProfile(
-            name=name, index=index, id=profile_id, slices=slices,
-            memory_mib=int(info.memorySizeMB), instance_count=int(info.instanceCount),
+            name=name,
+            index=index,
+            id=profile_id,
+            slices=slices,
+            memory_mib=int(info.memorySizeMB),
+            instance_count=int(info.instanceCount),
             multiprocessors=int(info.multiprocessorCount),
-            engines=Engines(int(info.copyEngineCount), int(info.decoderCount),
-                            int(info.encoderCount), int(info.jpegCount), int(info.ofaCount)),
-            placements=placements, ci_profiles=ci_profiles)
+            engines=Engines(
+                int(info.copyEngineCount),
+                int(info.decoderCount),
+                int(info.encoderCount),
+                int(info.jpegCount),
+                int(info.ofaCount),
+            ),
+            placements=placements,
+            ci_profiles=ci_profiles,
+        )
 
     def mig_devices(self) -> tuple[MigDevice, ...]:
         """Every MIG device, found the way device plugins find them (by MIG device index)."""
@@ -358,9 +415,15 @@ class NvmlGpuBackend(GpuBackend):
                             continue
                         gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(mig))
                         ci_id = int(pynvml.nvmlDeviceGetComputeInstanceId(mig))
-                        out.append(MigDevice(gpu, gi_id, ci_id,
-                                             _text(pynvml.nvmlDeviceGetUUID(mig)),
-                                             self._device_name(gpu, h, gi_id, ci_id)))
+                        out.append(
+                            MigDevice(
+                                gpu,
+                                gi_id,
+                                ci_id,
+                                _text(pynvml.nvmlDeviceGetUUID(mig)),
+                                self._device_name(gpu, h, gi_id, ci_id),
+                            )
+                        )
             return tuple(out)
 
     def _device_name(self, gpu: int, h: Any, gi_id: int, ci_id: int) -> str:
@@ -386,14 +449,22 @@ class NvmlGpuBackend(GpuBackend):
             if status == pynvml.NVML_SUCCESS:
                 return
             if status == pynvml.NVML_ERROR_IN_USE:
-                raise GpuBusy(f"{op}: in use by another client; stop the GPU's processes",
-                              op=op, gpu=gpu, nvml_code=status)
+                raise GpuBusy(
+                    f"{op}: in use by another client; stop the GPU's processes",
+                    op=op,
+                    gpu=gpu,
+                    nvml_code=status,
+                )
             with _nvml(op, gpu=gpu):
                 _, pending = pynvml.nvmlDeviceGetMigMode(h)
             if bool(pending) == enabled:
                 return  # pending until a reset (RESET_REQUIRED and the like): re-observe
-            raise GpuError(f"{op}: activation failed: {pynvml.nvmlErrorString(status)}",
-                           op=op, gpu=gpu, nvml_code=status)
+            raise GpuError(
+                f"{op}: activation failed: {pynvml.nvmlErrorString(status)}",
+                op=op,
+                gpu=gpu,
+                nvml_code=status,
+            )
 
     def reset_gpu(self, gpu: int) -> None:
         op = f"reset GPU {gpu}"
@@ -409,15 +480,21 @@ class NvmlGpuBackend(GpuBackend):
             pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
             bus_id = _text(pynvml.nvmlDeviceGetPciInfo(h).busId)
         if pids:
-            raise GpuBusy(f"{op}: in use by process(es) {', '.join(map(str, pids))}",
-                          op=op, gpu=gpu)
+            raise GpuBusy(
+                f"{op}: in use by process(es) {', '.join(map(str, pids))}", op=op, gpu=gpu
+            )
         # nvidia-smi refuses to reset a GPU that has clients; let go of ours for the duration.
         with _nvml("shut down NVML"):
             pynvml.nvmlShutdown()
         self._handles.clear()
         try:
-            result = subprocess.run(["nvidia-smi", "-r", "-i", bus_id], capture_output=True,
-                                    text=True, timeout=300, check=False)
+            result = subprocess.run(
+                ["nvidia-smi", "-r", "-i", bus_id],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise GpuResetRequired(f"{op}: nvidia-smi -r failed: {exc}", op=op, gpu=gpu) from exc
         finally:
@@ -436,12 +513,15 @@ class NvmlGpuBackend(GpuBackend):
             h = self._handle(gpu)
             with _nvml(op, gpu=gpu, profile_id=profile_id, placement=str(placement)):
                 gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
-                    h, profile_id,
-                    byref(pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)))
+                    h,
+                    profile_id,
+                    byref(pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)),
+                )
                 return int(pynvml.nvmlGpuInstanceGetInfo(gi).id)
 
-    def create_compute_instance(self, gpu: int, gi_id: int, profile_id: int,
-                                placement: Placement) -> int:
+    def create_compute_instance(
+        self, gpu: int, gi_id: int, profile_id: int, placement: Placement
+    ) -> int:
         with self._active():
             gi = self._gi_handle(gpu, gi_id)
             name = f"profile id {profile_id}"
@@ -450,13 +530,16 @@ class NvmlGpuBackend(GpuBackend):
             cp = gp.ci_profile_by_id(profile_id) if gp else None
             if gp is not None and cp is not None:
                 name = gp.ci_name(cp)
-            op = (f"create compute instance {name} at {placement} in GPU instance {gi_id} "
-                  f"on GPU {gpu}")
+            op = (
+                f"create compute instance {name} at {placement} in GPU instance {gi_id} "
+                f"on GPU {gpu}"
+            )
             with _nvml(op, gpu=gpu, gi=gi_id, profile_id=profile_id, placement=str(placement)):
                 ci = pynvml.nvmlGpuInstanceCreateComputeInstanceWithPlacement(
-                    gi, profile_id,
-                    byref(pynvml.c_nvmlComputeInstancePlacement_t(placement.start,
-                                                                  placement.size)))
+                    gi,
+                    profile_id,
+                    byref(pynvml.c_nvmlComputeInstancePlacement_t(placement.start, placement.size)),
+                )
                 return int(pynvml.nvmlComputeInstanceGetInfo(ci).id)
 
     def destroy_compute_instance(self, gpu: int, gi_id: int, ci_id: int) -> None:
@@ -475,8 +558,9 @@ class NvmlGpuBackend(GpuBackend):
                 pynvml.nvmlGpuInstanceDestroy(gi)
 
 
-def open_backend(library: Any | None = None, *,
-                 reset: Callable[[int], None] | None = None) -> NvmlGpuBackend:
+def open_backend(
+    library: Any | None = None, *, reset: Callable[[int], None] | None = None
+) -> NvmlGpuBackend:
     """Initialise NVML: over ``library`` when given (any object pynvml can call as its
     ``nvmlLib``, with ``reset`` for GPU resets), else over libnvidia-ml.so.1 as pynvml loads it."""
     with _LIB_LOCK:
@@ -496,9 +580,10 @@ def open_backend(library: Any | None = None, *,
                 raise GpuUnavailable(
                     "NVML library libnvidia-ml.so.1 not found: no NVIDIA driver on this machine; "
                     "use --backend simulated to run on simulated GPUs",
-                    nvml_code=int(exc.value)) from exc
+                    nvml_code=int(exc.value),
+                ) from exc
             code = int(exc.value)
             raise _ERROR_BY_CODE.get(code, GpuError)(
-                f"initialise NVML ({lib!r}): {exc}", op="initialise NVML",
-                nvml_code=code) from exc
+                f"initialise NVML ({lib!r}): {exc}", op="initialise NVML", nvml_code=code
+            ) from exc
         return NvmlGpuBackend(pynvml.nvmlLib, previous, reset)

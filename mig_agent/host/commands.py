@@ -65,16 +65,23 @@ def trimmed(output: str, cap: int = OUTPUT_CAP) -> str:
     """The end of ``output``, at most ``cap`` characters, lines joined with " | "."""
     lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
     text = " | ".join(lines)
-    return text if len(text) <= cap else "..." + text[-(cap - 3):]
+    return text if len(text) <= cap else "..." + text[-(cap - 3) :]
 
 
 def run_command(command: Command, env: Mapping[str, str], timeout_s: float) -> Completed:
     """Run ``command`` in a session of its own; past ``timeout_s`` the whole session is killed."""
     try:
         proc = subprocess.Popen(  # noqa: S603  (the operator's own command, no shell)
-            list(command.argv), env=dict(env), cwd=command.workdir or None,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, errors="replace", start_new_session=True)
+            list(command.argv),
+            env=dict(env),
+            cwd=command.workdir or None,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
     except (OSError, ValueError) as exc:  # not found, not executable, no such workdir
         return Completed(-1, "", f"could not run: {exc}")
     try:
@@ -87,25 +94,25 @@ def run_command(command: Command, env: Mapping[str, str], timeout_s: float) -> C
     return Completed(proc.returncode, out or "")
 
 
-
 def load_gpu_clients(path: str) -> tuple[str, ...]:
     """The systemd services of a GPU clients file (the GPU Operator's format)."""
     data = load_yaml(path)
     if data is None:
         return ()
     if not isinstance(data, dict):
-        raise InvalidConfig(f"{path}: a GPU clients file is a mapping with version and "
-                            f"systemd-services, not {type(data).__name__}", file=path)
+        raise InvalidConfig(
+            f"{path}: a GPU clients file is a mapping with version and "
+            f"systemd-services, not {type(data).__name__}",
+            file=path,
+        )
     only_keys(data, ("version", "systemd-services"), path, path)
     if data.get("version", "v1") != "v1":
-        raise InvalidConfig(f"{path}: version must be v1, got {data.get('version')!r}",
-                            file=path)
+        raise InvalidConfig(f"{path}: version must be v1, got {data.get('version')!r}", file=path)
     services = data.get("systemd-services") or []
     if not isinstance(services, list) or not all(
-            isinstance(s, str) and s and not s.startswith("-") and " " not in s
-            for s in services):
-        raise InvalidConfig(f"{path}: systemd-services must be a list of unit names",
-                            file=path)
+        isinstance(s, str) and s and not s.startswith("-") and " " not in s for s in services
+    ):
+        raise InvalidConfig(f"{path}: systemd-services must be a list of unit names", file=path)
     return tuple(dict.fromkeys(services))  # in order, once each
 
 

@@ -109,8 +109,13 @@ def _kube(op: str, **context: object) -> Iterator[None]:
         yield
     except ApiException as exc:
         msg = _api_message(exc)
-        cls = (KubeUnavailable if _is_transient(exc)
-               else KubeForbidden if exc.status in (401, 403) else KubeError)
+        cls = (
+            KubeUnavailable
+            if _is_transient(exc)
+            else KubeForbidden
+            if exc.status in (401, 403)
+            else KubeError
+        )
         raise cls(f"{op}: {exc.status} {msg}", op=op, status=exc.status, **context) from exc
     except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
         raise KubeUnavailable(
@@ -157,15 +162,19 @@ class KubernetesCluster(Cluster):
         )
 
     @classmethod
-    def connect(cls, kubeconfig: str = "", *, context: str = "", **kwargs: Any
-                ) -> KubernetesCluster:
+    def connect(
+        cls, kubeconfig: str = "", *, context: str = "", **kwargs: Any
+    ) -> KubernetesCluster:
         """In-cluster credentials when running in a pod and no kubeconfig is given;
         ``context`` picks a kubeconfig context (default: the current one)."""
         cfg = client.Configuration()
         try:
             if kubeconfig or context:
-                config.load_kube_config(config_file=kubeconfig or None, context=context or None,
-                                        client_configuration=cfg)
+                config.load_kube_config(
+                    config_file=kubeconfig or None,
+                    context=context or None,
+                    client_configuration=cfg,
+                )
             else:
                 try:
                     config.load_incluster_config(client_configuration=cfg)
@@ -183,6 +192,7 @@ class KubernetesCluster(Cluster):
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The answer as parsed JSON: the client's own models cost five times the request
         (a list of 48 pods: 75 ms into models, 14 ms as JSON), on every look of a wait."""
+
         def counted(*a: Any, **kw: Any) -> Any:
             self._on_request(getattr(fn, "__name__", "request"))
             return _json(fn(*a, _request_timeout=self._timeout, _preload_content=False, **kw))
@@ -219,12 +229,20 @@ class KubernetesCluster(Cluster):
             body["spec"] = {"unschedulable": unschedulable or None}
         if expect_labels:
             return self._patch_node_if(name, body, expect_labels)
-        return _node(self._unconditional("patch node", name, self._core.patch_node, body,
-                                         _content_type="application/merge-patch+json",
-                                         field_manager=self._component))
+        return _node(
+            self._unconditional(
+                "patch node",
+                name,
+                self._core.patch_node,
+                body,
+                _content_type="application/merge-patch+json",
+                field_manager=self._component,
+            )
+        )
 
-    def _unconditional(self, op: str, name: str, fn: Callable[..., Any], body: Any,
-                       **kwargs: Any) -> Any:
+    def _unconditional(
+        self, op: str, name: str, fn: Callable[..., Any], body: Any, **kwargs: Any
+    ) -> Any:
         """A patch with no precondition: a 409 Conflict (the object changed while the server
         applied it) is answered by sending the same patch again, which no change can spoil."""
         for attempt in range(1, self._conflict_attempts + 1):
@@ -237,8 +255,9 @@ class KubernetesCluster(Cluster):
                 log.warning("kube.conflict", op=op, node=name, attempt=attempt)
         raise AssertionError("unreachable")
 
-    def _patch_node_if(self, name: str, body: dict[str, Any],
-                       expect: Mapping[str, str | None]) -> NodeView:
+    def _patch_node_if(
+        self, name: str, body: dict[str, Any], expect: Mapping[str, str | None]
+    ) -> NodeView:
         """The patch carries the resourceVersion of the read its labels were checked against,
         so the server refuses it (409) if anything changed in between; then check again."""
         for _ in range(self._conflict_attempts):
@@ -246,19 +265,31 @@ class KubernetesCluster(Cluster):
             differ = {k: node.labels.get(k) for k, v in expect.items() if node.labels.get(k) != v}
             if differ:
                 now = ", ".join(f"{k}={v}" for k, v in differ.items())
-                raise LabelsChanged(f"node {name}: labels changed ({now}), patch not written",
-                                    node=name, labels=differ)
+                raise LabelsChanged(
+                    f"node {name}: labels changed ({now}), patch not written",
+                    node=name,
+                    labels=differ,
+                )
             body["metadata"]["resourceVersion"] = node.resource_version
             try:
                 with _kube("patch node", node=name):
-                    return _node(self._call(self._core.patch_node, name, body,
-                                            _content_type="application/merge-patch+json",
-                                            field_manager=self._component))
+                    return _node(
+                        self._call(
+                            self._core.patch_node,
+                            name,
+                            body,
+                            _content_type="application/merge-patch+json",
+                            field_manager=self._component,
+                        )
+                    )
             except KubeError as exc:
                 if exc.context.get("status") != 409:
                     raise
-        raise KubeUnavailable(f"patch node: {name} changed under every one of "
-                              f"{self._conflict_attempts} attempts", op="patch node", node=name)
+        raise KubeUnavailable(
+            f"patch node: {name} changed under every one of {self._conflict_attempts} attempts",
+            op="patch node",
+            node=name,
+        )
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -276,8 +307,12 @@ class KubernetesCluster(Cluster):
         if previous is None or previous.status != condition.status:
             entry["lastTransitionTime"] = now
         # strategic merge: conditions merge by type, other conditions stay untouched
-        self._unconditional("patch node status", name, self._core.patch_node_status,
-                            {"status": {"conditions": [entry]}})
+        self._unconditional(
+            "patch node status",
+            name,
+            self._core.patch_node_status,
+            {"status": {"conditions": [entry]}},
+        )
 
     def patch_node_resources(self, name: str, resources: Mapping[str, int]) -> None:
         values = {k: str(v) for k, v in resources.items()}
@@ -472,8 +507,12 @@ def _node(n: Mapping[str, Any]) -> NodeView:
         allocatable=dict(status.get("allocatable") or {}),
         capacity=dict(status.get("capacity") or {}),
         conditions=tuple(
-            NodeCondition(c.get("type", ""), c.get("status", ""), c.get("reason") or "",
-                          c.get("message") or "")
+            NodeCondition(
+                c.get("type", ""),
+                c.get("status", ""),
+                c.get("reason") or "",
+                c.get("message") or "",
+            )
             for c in status.get("conditions") or []
         ),
         unschedulable_by=tuple(
@@ -498,8 +537,9 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         for c in status.get("conditions") or []
     )
     owners = meta.get("ownerReferences") or []
-    controller = next((f"{o.get('kind', '')}/{o.get('name', '')}" for o in owners
-                       if o.get("controller")), "")
+    controller = next(
+        (f"{o.get('kind', '')}/{o.get('name', '')}" for o in owners if o.get("controller")), ""
+    )
     grace = meta.get("deletionGracePeriodSeconds")
     if grace is None:
         grace = spec.get("terminationGracePeriodSeconds")

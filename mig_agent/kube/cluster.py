@@ -67,8 +67,11 @@ class NodeView:
 
 
 def _gpu_counts(resources: Mapping[str, str]) -> dict[str, int]:
-    return {k: int(v) for k, v in resources.items()
-            if is_gpu_resource(k) and str(v).isdigit() and int(v) > 0}
+    return {
+        k: int(v)
+        for k, v in resources.items()
+        if is_gpu_resource(k) and str(v).isdigit() and int(v) > 0
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,9 +114,14 @@ def apply_layout(
     return report
 
 
-def apply_plan(the_plan: Plan, gpus: GpuBackend, hook_run: HookRunner, *,
-               report: ApplyReport | None = None, reset: bool = True
-               ) -> GpuResetRequired | None:
+def apply_plan(
+    the_plan: Plan,
+    gpus: GpuBackend,
+    hook_run: HookRunner,
+    *,
+    report: ApplyReport | None = None,
+    reset: bool = True,
+) -> GpuResetRequired | None:
     """The one apply sequence, as mig-parted runs it with its hooks: apply-start; pre-apply-mode
     and the mode phase; pre-apply-config and the instances; apply-exit always (told how the
     apply ended; its own failure the apply's only when nothing else failed). A GPU whose MIG
@@ -244,9 +249,14 @@ def _run(
             assert_never(step)
 
 
-def execute_in_phases(the_plan: Plan, gpus: GpuBackend, hook_run: HookRunner, *,
-                      report: ApplyReport | None = None, reset: bool = True
-                      ) -> GpuResetRequired | None:
+def execute_in_phases(
+    the_plan: Plan,
+    gpus: GpuBackend,
+    hook_run: HookRunner,
+    *,
+    report: ApplyReport | None = None,
+    reset: bool = True,
+) -> GpuResetRequired | None:
     """Apply as mig-parted does with its hooks: pre-apply-mode and the mode phase (on each GPU
     whose MIG mode changes, its steps up to and with that change: the destroys first), then
     pre-apply-config and the config phase (the instances). A GPU whose mode stays pending skips
@@ -274,8 +284,7 @@ def split(the_plan: Plan) -> tuple[Plan, Plan]:
     mode change) and config phase (the rest)."""
     mode, config = [], []
     for g in the_plan.gpus:
-        cut = next((i + 1 for i, st in enumerate(g.steps) if isinstance(st, SetMigMode)),
-                   0)
+        cut = next((i + 1 for i, st in enumerate(g.steps) if isinstance(st, SetMigMode)), 0)
         mode.append(replace(g, steps=g.steps[:cut]))
         config.append(replace(g, steps=g.steps[cut:]))
     return replace(the_plan, gpus=tuple(mode)), replace(the_plan, gpus=tuple(config))
@@ -293,8 +302,11 @@ def apply_exit(hook_run: HookRunner, error: Exception | None) -> None:
     """apply-exit, after a successful or failed apply (MIG_AGENT_RESULT, MIG_AGENT_ERROR): its
     failure is the apply's only when nothing else failed, as in mig-parted."""
     try:
-        hook_run.run(APPLY_EXIT, MIG_AGENT_RESULT="failed" if error else "success",
-                     MIG_AGENT_ERROR=str(error) if error else "")
+        hook_run.run(
+            APPLY_EXIT,
+            MIG_AGENT_RESULT="failed" if error else "success",
+            MIG_AGENT_ERROR=str(error) if error else "",
+        )
     except HookFailed as exc:
         if error is None:
             raise

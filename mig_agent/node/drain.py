@@ -8,17 +8,14 @@ does not count as the old one still running. Knows no GPUs; time is injected.
 from __future__ import annotations
 
 import contextvars
-import threading
-import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
 
 import structlog
 
 from mig_agent.core.errors import DrainTimeout, EvictionBlocked, KubeError
 from mig_agent.kube.cluster import Cluster, PodRef, PodView
+from mig_agent.node.waits import Clock, watch_slices
 
 log = structlog.get_logger(__name__)
 
@@ -31,61 +28,6 @@ GRACE_MARGIN_S = 30.0
 # a wait for evicted pods that lasts this long is told on the node (Event, condition): a pod
 # that checkpoints for minutes must not look like a hung agent
 WAIT_NOTICE_S = 10.0
-# the longest one watch of a wait stays open: between two, the wait sees a stop (SIGTERM) and
-# tells the loop it is alive
-WATCH_SLICE_S = 5.0
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Clock:
-    now: Callable[[], float] = time.monotonic
-    sleep: Callable[[float], None] = time.sleep
-    # wait until the event is set or the timeout passes (True if set): the agent loop's wait
-    wait: Callable[[threading.Event, float], bool] = threading.Event.wait
-
-
-def poll_delays(poll_s: float, fast_s: float = 0.1, fast_for_s: float = 3.0) -> Iterator[float]:
-    """Delays between looks at something about to happen. Every ``fast_s`` for the first
-    ``fast_for_s``: a pod's termination or a device plugin's start mostly ends within that, and
-    each look that comes late adds to the pass. Then doubling up to ``poll_s``, so that a long
-    wait (a PodDisruptionBudget, a slow plugin) costs few requests."""
-    delay, spent = min(fast_s, poll_s), 0.0
-    while True:
-        yield delay
-        spent += delay
-        if spent >= fast_for_s:
-            delay = min(delay * 2, poll_s)
-
-
-def watch_slices(
-    open_watch: Callable[[float], Iterator[T]],
-    clock: Clock,
-    *,
-    due: Callable[[], float],
-    poll_s: float,
-) -> Generator[T, None, None]:
-    """What ``open_watch(seconds)`` yields (the state now, then after every change), watch
-    after watch, for as long as the caller reads: a wait costs a look and a watch per slice
-    rather than a look every ``poll_s``. Each watch ends by ``due()`` (clock time: when the
-    caller must look whatever happens, e.g. its deadline) and within WATCH_SLICE_S. A watch
-    that ends early (closed by the server, or a cluster without watches) is opened again
-    after a poll delay."""
-    delays = poll_delays(poll_s)
-    while True:
-        opened = clock.now()
-        span = max(1.0, min(WATCH_SLICE_S, due() - opened))
-        watch = open_watch(span)
-        try:
-            for item in watch:
-                yield item
-                clock.sleep(0)  # a stop ends the wait here; the loop is alive
-        finally:
-            if isinstance(watch, Generator):
-                watch.close()  # the caller has what it waited for: the connection goes
-        if clock.now() - opened < span - 0.5:
-            clock.sleep(next(delays))
 
 
 def present(pods: Iterable[PodView], refs: Iterable[PodRef]) -> set[PodRef]:
@@ -140,8 +82,9 @@ def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, EvictionBloc
 def gpu_pods(cluster: Cluster, node: str, *, exclude: Iterable[PodRef] = ()) -> list[PodView]:
     """Pods on ``node`` that request GPU resources and have not finished."""
     skip = {(r.namespace, r.name) for r in exclude}
-    return to_drain(p for p in cluster.list_pods(node=node)
-                    if (p.ref.namespace, p.ref.name) not in skip)
+    return to_drain(
+        p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip
+    )
 
 
 def to_drain(
@@ -154,7 +97,10 @@ def to_drain(
 
 
 def drain_refusals(
-    pods: Iterable[PodView], *, operand_labels: Iterable[str], evict_unmanaged: bool,
+    pods: Iterable[PodView],
+    *,
+    operand_labels: Iterable[str],
+    evict_unmanaged: bool,
     advise: Iterable[str] = (),
 ) -> list[str]:
     """Why the drain must not start, one line per kind of pod (empty: it may), as ``kubectl
@@ -178,20 +124,24 @@ def drain_refusals(
             bare.append(str(p.ref))
     out = []
     if mirror:
-        out.append(f"static pod(s) {', '.join(mirror)} use GPUs and cannot be evicted; remove "
-                   "them from the node's static pod manifests")
+        out.append(
+            f"static pod(s) {', '.join(mirror)} use GPUs and cannot be evicted; remove "
+            "them from the node's static pod manifests"
+        )
     if daemons:
         out.append(
             f"GPU pod(s) {', '.join(daemons)} belong to a DaemonSet, which tolerates the cordon "
             "and would take the GPU again at once; give the DaemonSet a nodeSelector on an "
             "operand label the agent pauses during a change (e.g. "
             f"{_client_label(set(advise) or paused)}: "
-            "\"true\", with that label on the node)")
+            '"true", with that label on the node)'
+        )
     if bare:
         out.append(
             f"GPU pod(s) {', '.join(bare)} have no controller: evicted, they would be gone for "
             "good; delete them, or let the drain evict such pods (chart value "
-            "drain.evictUnmanagedPods, MIG_AGENT_EVICT_UNMANAGED_PODS=true)")
+            "drain.evictUnmanagedPods, MIG_AGENT_EVICT_UNMANAGED_PODS=true)"
+        )
     return out
 
 
@@ -284,8 +234,9 @@ def drain_gpu_pods(
                 log.info("drain.pod_evicted", pod=ref.name, namespace=ref.namespace)
             next_try = clock.now() + retry_s
         # the evicted pods' going, from a watch of the node's pods, until the next thing due
-        watch = watch_slices(lambda span: cluster.watch_pods(node, timeout_s=span), clock,
-                             due=due, poll_s=poll_s)
+        watch = watch_slices(
+            lambda span: cluster.watch_pods(node, timeout_s=span), clock, due=due, poll_s=poll_s
+        )
         for pods_now in watch:
             waiting = present(pods_now, waiting - to_evict.keys()) | (waiting & to_evict.keys())
             if not waiting or clock.now() >= due():
@@ -330,8 +281,12 @@ def wait_pods_gone(
     if not waiting:
         return
     deadline = clock.now() + timeout_s
-    watch = watch_slices(lambda span: cluster.watch_pods(node, timeout_s=span), clock,
-                         due=lambda: deadline, poll_s=poll_s)
+    watch = watch_slices(
+        lambda span: cluster.watch_pods(node, timeout_s=span),
+        clock,
+        due=lambda: deadline,
+        poll_s=poll_s,
+    )
     for pods_now in watch:
         waiting = present(pods_now, waiting)
         if not waiting:

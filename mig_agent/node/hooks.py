@@ -51,6 +51,7 @@ POST_APPLY = "post-apply"
 HOOK_NAMES = (APPLY_START, PRE_APPLY_MODE, PRE_APPLY_CONFIG, APPLY_EXIT, POST_APPLY)
 """mig-parted's four hooks, and post-apply: after a successful apply (mig-agent's own)."""
 
+
 @dataclass(frozen=True, slots=True)
 class Hooks:
     """The commands of each hook, in order; ``source`` names where they come from."""
@@ -75,42 +76,59 @@ def load_hooks(path: str = "", *, pre_apply: str = "", post_apply: str = "") -> 
     for name, text in ((APPLY_START, pre_apply), (POST_APPLY, post_apply)):
         if text.strip():
             commands.setdefault(name, []).append(Command(tuple(shlex.split(text))))
-    sources = [s for s in (path, "pre_apply_command" if pre_apply.strip() else "",
-                           "post_apply_command" if post_apply.strip() else "") if s]
+    sources = [
+        s
+        for s in (
+            path,
+            "pre_apply_command" if pre_apply.strip() else "",
+            "post_apply_command" if post_apply.strip() else "",
+        )
+        if s
+    ]
     return Hooks({k: tuple(v) for k, v in commands.items()}, ", ".join(sources))
 
 
 def _parse_hooks(data: object, source: str) -> dict[str, tuple[Command, ...]]:
     if not isinstance(data, dict):
-        raise InvalidConfig(f"{source}: a hooks file is a mapping with version and hooks, "
-                            f"not {type(data).__name__}", file=source)
+        raise InvalidConfig(
+            f"{source}: a hooks file is a mapping with version and hooks, "
+            f"not {type(data).__name__}",
+            file=source,
+        )
     only_keys(data, ("version", "hooks"), source, source)
     if data.get("version") != "v1":
-        raise InvalidConfig(f"{source}: version must be v1, got {data.get('version')!r}",
-                            file=source)
+        raise InvalidConfig(
+            f"{source}: version must be v1, got {data.get('version')!r}", file=source
+        )
     hooks = data.get("hooks") or {}
     if not isinstance(hooks, dict):
-        raise InvalidConfig(f"{source}: hooks must map hook names to lists of commands",
-                            file=source)
+        raise InvalidConfig(
+            f"{source}: hooks must map hook names to lists of commands", file=source
+        )
     out: dict[str, tuple[Command, ...]] = {}
     for name, entries in hooks.items():
         where = f"{source}: hook {name!r}"
         if name not in HOOK_NAMES:
             near = difflib.get_close_matches(str(name), HOOK_NAMES, n=1)
-            raise InvalidConfig(f"{where}: no such hook (hooks: {', '.join(HOOK_NAMES)})"
-                                + (f"; did you mean {near[0]}?" if near else ""),
-                                file=source, hook=str(name))
+            raise InvalidConfig(
+                f"{where}: no such hook (hooks: {', '.join(HOOK_NAMES)})"
+                + (f"; did you mean {near[0]}?" if near else ""),
+                file=source,
+                hook=str(name),
+            )
         if not isinstance(entries, list):
             raise InvalidConfig(f"{where}: must be a list of commands", file=source)
-        out[str(name)] = tuple(_parse_command(e, f"{where} command {i + 1}", source)
-                               for i, e in enumerate(entries))
+        out[str(name)] = tuple(
+            _parse_command(e, f"{where} command {i + 1}", source) for i, e in enumerate(entries)
+        )
     return out
 
 
 def _parse_command(raw: object, where: str, source: str) -> Command:
     if not isinstance(raw, dict):
-        raise InvalidConfig(f"{where}: must be a mapping with command, args, envs, workdir",
-                            file=source)
+        raise InvalidConfig(
+            f"{where}: must be a mapping with command, args, envs, workdir", file=source
+        )
     only_keys(raw, ("command", "args", "envs", "workdir"), where, source)
     command, args = raw.get("command"), raw.get("args") or []
     envs, workdir = raw.get("envs") or {}, raw.get("workdir") or ""
@@ -122,12 +140,16 @@ def _parse_command(raw: object, where: str, source: str) -> Command:
         raise InvalidConfig(f"{where}: envs must map names to values", file=source)
     if not isinstance(workdir, str):
         raise InvalidConfig(f"{where}: workdir must be a string", file=source)
-    return Command((command, *(str(a) for a in args)),
-                   {k: "" if v is None else str(v) for k, v in envs.items()}, workdir)
+    return Command(
+        (command, *(str(a) for a in args)),
+        {k: "" if v is None else str(v) for k, v in envs.items()},
+        workdir,
+    )
 
 
-def run_hook(hooks: Hooks, name: str, context: Mapping[str, str], *, runner: Runner,
-             timeout_s: float) -> int:
+def run_hook(
+    hooks: Hooks, name: str, context: Mapping[str, str], *, runner: Runner, timeout_s: float
+) -> int:
     """Run the commands of hook ``name`` in order; the first failure stops them (HookFailed
     with the command's output, trimmed). Each command's environment is mig-parted's: the
     hook's ``envs`` with ``context`` over them, plus the agent's PATH. Returns how many ran."""
@@ -137,19 +159,23 @@ def run_hook(hooks: Hooks, name: str, context: Mapping[str, str], *, runner: Run
         done = runner(command, env, timeout_s)
         ran += 1
         if not done.ok:
-            raise HookFailed(f"{name} hook `{command}` {done.failure()}",
-                             hook=name, command=str(command), returncode=done.returncode)
+            raise HookFailed(
+                f"{name} hook `{command}` {done.failure()}",
+                hook=name,
+                command=str(command),
+                returncode=done.returncode,
+            )
     return ran
 
 
 def load(s: Settings) -> Hooks:
     """The configured hooks; InvalidConfig naming the file for a malformed hooks file."""
-    return load_hooks(s.hooks_file, pre_apply=s.pre_apply_command,
-                      post_apply=s.post_apply_command)
+    return load_hooks(s.hooks_file, pre_apply=s.pre_apply_command, post_apply=s.post_apply_command)
 
 
-def context(s: Settings, layout: str, the_plan: planner.Plan, observed: NodeState
-            ) -> dict[str, str]:
+def context(
+    s: Settings, layout: str, the_plan: planner.Plan, observed: NodeState
+) -> dict[str, str]:
     changed = the_plan.changed_gpus
     uuids = [g.info.uuid for g in observed.gpus if g.index in changed]
     return {
@@ -184,6 +210,11 @@ class HookRunner:
         if not self.hooks.of(name):
             return
         log.info("hook.started", hook=name)
-        ran = run_hook(self.hooks, name, {**self.env, "MIG_AGENT_HOOK": name, **extra},
-                       runner=self.run_command, timeout_s=self.timeout_s)
+        ran = run_hook(
+            self.hooks,
+            name,
+            {**self.env, "MIG_AGENT_HOOK": name, **extra},
+            runner=self.run_command,
+            timeout_s=self.timeout_s,
+        )
         log.info("hook.finished", hook=name, commands=ran)

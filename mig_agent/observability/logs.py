@@ -36,7 +36,6 @@ def _add_process_context(_logger: WrappedLogger, _name: str, event_dict: EventDi
     return event_dict
 
 
-
 def configure_logging(
     fmt: LogFormat = "auto", *, level: int = logging.INFO, stream: object = None, cache: bool = True
 ) -> None:
@@ -65,8 +64,11 @@ def configure_logging(
         [_TRACEBACKS, structlog.processors.JSONRenderer()]
         if json_out
         # plain_traceback: without it, ConsoleRenderer uses rich (locals shown) when installed
-        else [structlog.dev.ConsoleRenderer(colors=False,
-                                            exception_formatter=structlog.dev.plain_traceback)]
+        else [
+            structlog.dev.ConsoleRenderer(
+                colors=False, exception_formatter=structlog.dev.plain_traceback
+            )
+        ]
     )
     handler = logging.StreamHandler(out)  # type: ignore[arg-type]
     handler.setFormatter(

@@ -88,8 +88,12 @@ class Metrics:
         self.nvml_errors = Counter(
             "mig_agent_nvml_errors", "NVML operations that failed, by call", ["call"], registry=r
         )
-        self.api_requests = Counter("mig_agent_api_requests", "Requests to the Kubernetes API "
-                                    "server, by call", ["call"], registry=r)
+        self.api_requests = Counter(
+            "mig_agent_api_requests",
+            "Requests to the Kubernetes API server, by call",
+            ["call"],
+            registry=r,
+        )
         self.state = Gauge(
             "mig_agent_state", "1 for the node's current MIG config state", ["state"], registry=r
         )
@@ -101,8 +105,7 @@ class Metrics:
         )
         self.unhealthy_devices = Gauge(
             "mig_agent_unhealthy_devices",
-            "Devices the device plugin lists as unhealthy (kept out of allocatable), by "
-            "resource",
+            "Devices the device plugin lists as unhealthy (kept out of allocatable), by resource",
             ["resource"],
             registry=r,
         )

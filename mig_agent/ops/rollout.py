@@ -14,7 +14,7 @@ from mig_agent.core.errors import ConfigError, MigAgentError
 from mig_agent.core.labels import State
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import Cluster, NodeView
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 from mig_agent.ops.preview import check_layout, preview
 from mig_agent.ops.values import (
     _GOOD,

@@ -12,7 +12,7 @@ from typing import Final
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import ConfigError
 from mig_agent.core.labels import State
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 
 Writer = Callable[[str], None]
 

@@ -36,7 +36,8 @@ def cmd_device_plugin(args: argparse.Namespace) -> int:
             config_file=args.config_file or "",
             # GPU pods hold processes on their devices, as on a real node
             processes=device_plugin.PodProcesses(args.sim_state)
-            if args.pod_resources_socket else None,
+            if args.pod_resources_socket
+            else None,
         )
     finally:
         cluster.close()
@@ -44,8 +45,9 @@ def cmd_device_plugin(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m migsim",
-                                     description="The simulated world's node-level commands.")
+    parser = argparse.ArgumentParser(
+        prog="python -m migsim", description="The simulated world's node-level commands."
+    )
     parser.add_argument("--log-format", choices=["json", "console"], default="console")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("device-plugin", help="the simulated device plugin of a simulated node")
@@ -56,13 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selector", default="app=nvidia-device-plugin-daemonset")
     p.add_argument("--mig-strategy", choices=["mixed", "single"], default="mixed")
     p.add_argument(
-        "--config-file", metavar="FILE", default=None,
+        "--config-file",
+        metavar="FILE",
+        default=None,
         help="the device plugin's config file (NVIDIA's format); its sharing section (time-"
-        "slicing, MPS) multiplies and renames what is advertised")
+        "slicing, MPS) multiplies and renames what is advertised",
+    )
     p.add_argument(
-        "--pod-resources-socket", metavar="PATH", default=None,
+        "--pod-resources-socket",
+        metavar="PATH",
+        default=None,
         help="also assign devices to the node's GPU pods and serve the kubelet's PodResources "
-        "API on this unix socket")
+        "API on this unix socket",
+    )
     p.set_defaults(func=cmd_device_plugin)
     return parser
 

@@ -48,8 +48,9 @@ from migsim.nvml import state as simstate
 log = structlog.get_logger(__name__)
 
 
-def advertise(cluster: Cluster, node: str, gpus: GpuBackend, strategy: str,
-              sharing: Sharing = NO_SHARING) -> dict[str, int]:
+def advertise(
+    cluster: Cluster, node: str, gpus: GpuBackend, strategy: str, sharing: Sharing = NO_SHARING
+) -> dict[str, int]:
     """Read the GPUs, set the node's GPU resources to what NVIDIA's plugin would advertise
     (others to 0); returns what was set. Where that plugin would refuse to start, log why and
     advertise nothing."""
@@ -90,30 +91,38 @@ class Device:
     healthy: bool = True  # an unhealthy device is offered (pods keep it) but never given out
 
 
-def offered_devices(gpus: NvmlGpuBackend, strategy: str,
-                    sharing: Sharing = NO_SHARING) -> tuple[Device, ...]:
+def offered_devices(
+    gpus: NvmlGpuBackend, strategy: str, sharing: Sharing = NO_SHARING
+) -> tuple[Device, ...]:
     """The devices behind advertise()'s counts, in assignment order: GPU index, then GI, CI,
     then replica. A shared device is offered once per replica, as ``<uuid>::<replica>``."""
     observed = gpus.observe()
     if strategy_problem(plugin_devices(observed, gpus.models()), strategy, sharing):
         return ()
     skipped = {g.index for g in observed.gpus if is_skipped(g.info.name)}
-    out = [Device(GPU_RESOURCE, g.info.uuid, g.index) for g in observed.gpus
-           if not g.mig_current and g.index not in skipped]
+    out = [
+        Device(GPU_RESOURCE, g.info.uuid, g.index)
+        for g in observed.gpus
+        if not g.mig_current and g.index not in skipped
+    ]
     for d in gpus.mig_devices():
         resource = resource_name(d.name, strategy=strategy)
         if resource and d.gpu not in skipped:
             out.append(Device(resource, d.uuid, d.gpu, d.gi_id, d.ci_id))
-    return tuple(r for d in sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id))
-                 for r in _replicas(d, sharing))
+    return tuple(
+        r
+        for d in sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id))
+        for r in _replicas(d, sharing)
+    )
 
 
 def _replicas(device: Device, sharing: Sharing) -> list[Device]:
     name, replicas = shared_as(device.resource, sharing)
     if name == device.resource and replicas == 1:
         return [device]
-    return [dataclasses.replace(device, resource=name, id=f"{device.id}::{i}")
-            for i in range(replicas)]
+    return [
+        dataclasses.replace(device, resource=name, id=f"{device.id}::{i}") for i in range(replicas)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +202,16 @@ class Allocations:
                     continue
                 devices: list[Device] = []
                 for key in keys:  # time-sliced replicas share a key: take a free one
-                    free = next((d for d in self._offered if (d.gpu, d.gi_id, d.ci_id) == key
-                                 and d.id not in taken and d not in devices), None)
+                    free = next(
+                        (
+                            d
+                            for d in self._offered
+                            if (d.gpu, d.gi_id, d.ci_id) == key
+                            and d.id not in taken
+                            and d not in devices
+                        ),
+                        None,
+                    )
                     if free is None:
                         break
                     devices.append(free)
@@ -209,8 +226,11 @@ class Allocations:
         """The first free devices of each requested resource, or None when one is short."""
         got: list[Device] = []
         for resource, count in sorted(requests.items()):
-            free = [d for d in self._offered
-                    if d.resource == resource and d.healthy and d.id not in taken]
+            free = [
+                d
+                for d in self._offered
+                if d.resource == resource and d.healthy and d.id not in taken
+            ]
             if len(free) < count:
                 return None
             got += free[:count]
@@ -288,8 +308,11 @@ class PodProcesses:
     def end_all_but(self, live: Iterable[PodView]) -> int:
         """End the processes of every pod not in ``live``; returns how many ended."""
         keep = {self.PREFIX + p.ref.uid for p in live}
-        gone = [o for o in simstate.processes_by_owner(self.sim_state)
-                if o.startswith(self.PREFIX) and o not in keep]
+        gone = [
+            o
+            for o in simstate.processes_by_owner(self.sim_state)
+            if o.startswith(self.PREFIX) and o not in keep
+        ]
         return simstate.end_processes(self.sim_state, gone)
 
 
@@ -357,8 +380,13 @@ def run(
                         "device_plugin.advertised", node=node, pod=pods[0].ref.name, resources=res
                     )
                     for ref, device in table.offer(devices) if table else ():
-                        log.info("device_plugin.device_gone", node=node, pod=str(ref),
-                                 device=device.id, resource=device.resource)
+                        log.info(
+                            "device_plugin.device_gone",
+                            node=node,
+                            pod=str(ref),
+                            device=device.id,
+                            resource=device.resource,
+                        )
                 elif uid is None and advertised is not None:
                     withdraw(cluster, node)
                     if table:
@@ -375,9 +403,14 @@ def run(
             server.stop()
 
 
-def sync_pods(node: str, table: Allocations, processes: PodProcesses | None,
-              pods: list[PodView], *,
-              admit: Callable[[PodRef, tuple[Device, ...]], bool] | None = None) -> SyncResult:
+def sync_pods(
+    node: str,
+    table: Allocations,
+    processes: PodProcesses | None,
+    pods: list[PodView],
+    *,
+    admit: Callable[[PodRef, tuple[Device, ...]], bool] | None = None,
+) -> SyncResult:
     """Release the devices of pods gone, give devices to new GPU pods (and start their
     processes), end the processes of pods gone; returns what changed.
 
@@ -411,10 +444,12 @@ def sync_pods(node: str, table: Allocations, processes: PodProcesses | None,
 
 def _log_sync(node: str, result: SyncResult) -> None:
     for ref, devices in result.allocated.items():
-        log.info("device_plugin.allocated", node=node, pod=str(ref),
-                 devices=[d.id for d in devices])
+        log.info(
+            "device_plugin.allocated", node=node, pod=str(ref), devices=[d.id for d in devices]
+        )
     for ref in result.released:
         log.info("device_plugin.released", node=node, pod=str(ref))
     for ref in result.waiting:
-        log.info("device_plugin.unallocatable", node=node, pod=str(ref),
-                 reason="not enough free devices")
+        log.info(
+            "device_plugin.unallocatable", node=node, pod=str(ref), reason="not enough free devices"
+        )

@@ -50,22 +50,34 @@ DEVICE_PLUGIN: Final = f"{VERSION}.DevicePlugin"
 # -- messages ---------------------------------------------------------------------------------
 
 _F = descriptor_pb2.FieldDescriptorProto
-_SCALARS: Final = {"string": _F.TYPE_STRING, "bool": _F.TYPE_BOOL, "int64": _F.TYPE_INT64,
-                   "int32": _F.TYPE_INT32}
+_SCALARS: Final = {
+    "string": _F.TYPE_STRING,
+    "bool": _F.TYPE_BOOL,
+    "int64": _F.TYPE_INT64,
+    "int32": _F.TYPE_INT32,
+}
 # message -> fields (name, number, type: a scalar or a message of this package, repeated).
 # Names and numbers are api.proto's (k8s.io/kubelet v0.34): the wire format, never renumber.
 _SCHEMA: Final[Mapping[str, tuple[tuple[str, int, str, bool], ...]]] = {
     "Empty": (),
-    "DevicePluginOptions": (("pre_start_required", 1, "bool", False),
-                            ("get_preferred_allocation_available", 2, "bool", False)),
-    "RegisterRequest": (("version", 1, "string", False), ("endpoint", 2, "string", False),
-                        ("resource_name", 3, "string", False),
-                        ("options", 4, "DevicePluginOptions", False)),
+    "DevicePluginOptions": (
+        ("pre_start_required", 1, "bool", False),
+        ("get_preferred_allocation_available", 2, "bool", False),
+    ),
+    "RegisterRequest": (
+        ("version", 1, "string", False),
+        ("endpoint", 2, "string", False),
+        ("resource_name", 3, "string", False),
+        ("options", 4, "DevicePluginOptions", False),
+    ),
     "ListAndWatchResponse": (("devices", 1, "Device", True),),
     "NUMANode": (("ID", 1, "int64", False),),
     "TopologyInfo": (("nodes", 1, "NUMANode", True),),
-    "Device": (("ID", 1, "string", False), ("health", 2, "string", False),
-               ("topology", 3, "TopologyInfo", False)),
+    "Device": (
+        ("ID", 1, "string", False),
+        ("health", 2, "string", False),
+        ("topology", 3, "TopologyInfo", False),
+    ),
     "AllocateRequest": (("container_requests", 1, "ContainerAllocateRequest", True),),
     "ContainerAllocateRequest": (("devices_ids", 1, "string", True),),
     "AllocateResponse": (("container_responses", 1, "ContainerAllocateResponse", True),),
@@ -76,7 +88,8 @@ _SCHEMA: Final[Mapping[str, tuple[tuple[str, int, str, bool], ...]]] = {
 
 def _message_classes() -> dict[str, Any]:
     proto = descriptor_pb2.FileDescriptorProto(
-        name="migsim/kubelet/deviceplugin/v1beta1/api.proto", package=VERSION, syntax="proto3")
+        name="migsim/kubelet/deviceplugin/v1beta1/api.proto", package=VERSION, syntax="proto3"
+    )
     for message, fields in _SCHEMA.items():
         m = proto.message_type.add(name=message)
         for name, number, kind, repeated in fields:
@@ -90,13 +103,15 @@ def _message_classes() -> dict[str, Any]:
             entry = m.nested_type.add(name="EnvsEntry")
             entry.options.map_entry = True
             for name, number in (("key", 1), ("value", 2)):
-                entry.field.add(name=name, number=number, type=_F.TYPE_STRING,
-                                label=_F.LABEL_OPTIONAL)
+                entry.field.add(
+                    name=name, number=number, type=_F.TYPE_STRING, label=_F.LABEL_OPTIONAL
+                )
     pool = descriptor_pool.DescriptorPool()  # private: no clash with other "v1beta1" packages
     pool.Add(proto)
     file = pool.FindFileByName(proto.name)
-    return {name: message_factory.GetMessageClass(file.message_types_by_name[name])
-            for name in _SCHEMA}
+    return {
+        name: message_factory.GetMessageClass(file.message_types_by_name[name]) for name in _SCHEMA
+    }
 
 
 MESSAGES: Final = _message_classes()
@@ -128,9 +143,15 @@ class Plugin:
     stopped_at: float | None = None  # time.monotonic() when the stream ended
 
     def report(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "version": self.version, "options": self.options,
-                "devices": self.devices, "numa": self.numa, "updates": self.updates,
-                "error": self.error}
+        return {
+            "endpoint": self.endpoint,
+            "version": self.version,
+            "options": self.options,
+            "devices": self.devices,
+            "numa": self.numa,
+            "updates": self.updates,
+            "error": self.error,
+        }
 
 
 class DeviceManager:
@@ -161,10 +182,17 @@ class DeviceManager:
                 self.refused.append(reason)
                 self.changed.notify_all()
             context.abort(grpc.StatusCode.UNKNOWN, reason)
-        plugin = Plugin(resource, endpoint, str(request.version), {
-            "pre_start_required": bool(request.options.pre_start_required),
-            "get_preferred_allocation_available":
-                bool(request.options.get_preferred_allocation_available)})
+        plugin = Plugin(
+            resource,
+            endpoint,
+            str(request.version),
+            {
+                "pre_start_required": bool(request.options.pre_start_required),
+                "get_preferred_allocation_available": bool(
+                    request.options.get_preferred_allocation_available
+                ),
+            },
+        )
         with self.changed:
             previous = self.plugins.get(resource)
             if previous is not None:
@@ -172,8 +200,9 @@ class DeviceManager:
                 plugin.carried = None if known is None else dict.fromkeys(known, UNHEALTHY)
             self.plugins[resource] = plugin  # a re-registration replaces the plugin
             self.changed.notify_all()
-        threading.Thread(target=self._watch, args=(plugin,), daemon=True,
-                         name=f"list-and-watch {resource}").start()
+        threading.Thread(
+            target=self._watch, args=(plugin,), daemon=True, name=f"list-and-watch {resource}"
+        ).start()
         return MESSAGES["Empty"]()
 
     def _channel(self, endpoint: str) -> Any:
@@ -184,23 +213,32 @@ class DeviceManager:
     def _watch(self, plugin: Plugin) -> None:
         channel = self._channel(plugin.endpoint)
         options = channel.unary_unary(
-            f"/{DEVICE_PLUGIN}/GetDevicePluginOptions", request_serializer=_serialize,
-            response_deserializer=MESSAGES["DevicePluginOptions"].FromString)
+            f"/{DEVICE_PLUGIN}/GetDevicePluginOptions",
+            request_serializer=_serialize,
+            response_deserializer=MESSAGES["DevicePluginOptions"].FromString,
+        )
         watch = channel.unary_stream(
-            f"/{DEVICE_PLUGIN}/ListAndWatch", request_serializer=_serialize,
-            response_deserializer=MESSAGES["ListAndWatchResponse"].FromString)
+            f"/{DEVICE_PLUGIN}/ListAndWatch",
+            request_serializer=_serialize,
+            response_deserializer=MESSAGES["ListAndWatchResponse"].FromString,
+        )
         try:
             opts = options(MESSAGES["Empty"](), timeout=10)
             with self.changed:
                 plugin.options = {
                     "pre_start_required": bool(opts.pre_start_required),
-                    "get_preferred_allocation_available":
-                        bool(opts.get_preferred_allocation_available)}
+                    "get_preferred_allocation_available": bool(
+                        opts.get_preferred_allocation_available
+                    ),
+                }
             for response in watch(MESSAGES["Empty"]()):
                 with self.changed:
                     plugin.devices = {str(d.ID): str(d.health) for d in response.devices}
-                    plugin.numa = {str(d.ID): [int(n.ID) for n in d.topology.nodes]
-                                   for d in response.devices if d.topology.nodes}
+                    plugin.numa = {
+                        str(d.ID): [int(n.ID) for n in d.topology.nodes]
+                        for d in response.devices
+                        if d.topology.nodes
+                    }
                     plugin.updates += 1
                     self.changed.notify_all()
             error = "ListAndWatch ended"
@@ -217,10 +255,13 @@ class DeviceManager:
             os.unlink(self.socket_path)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         handler = grpc.unary_unary_rpc_method_handler(
-            self._register, request_deserializer=MESSAGES["RegisterRequest"].FromString,
-            response_serializer=_serialize)
+            self._register,
+            request_deserializer=MESSAGES["RegisterRequest"].FromString,
+            response_serializer=_serialize,
+        )
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(REGISTRATION, {"Register": handler}),))
+            (grpc.method_handlers_generic_handler(REGISTRATION, {"Register": handler}),)
+        )
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
@@ -248,21 +289,31 @@ class DeviceManager:
         ``stop_grace_s`` ago are forgotten here."""
         now = time.monotonic()
         with self.changed:
-            for r in [r for r, p in self.plugins.items()
-                      if p.stopped_at is not None and now - p.stopped_at >= self.stop_grace_s]:
+            for r in [
+                r
+                for r, p in self.plugins.items()
+                if p.stopped_at is not None and now - p.stopped_at >= self.stop_grace_s
+            ]:
                 del self.plugins[r]
-            listed = {r: p.devices if p.devices is not None else p.carried
-                      for r, p in self.plugins.items()}
-            return {r: dict(d) if self.plugins[r].stopped_at is None
-                    else dict.fromkeys(d, UNHEALTHY)
-                    for r, d in listed.items() if d is not None}
+            listed = {
+                r: p.devices if p.devices is not None else p.carried
+                for r, p in self.plugins.items()
+            }
+            return {
+                r: dict(d) if self.plugins[r].stopped_at is None else dict.fromkeys(d, UNHEALTHY)
+                for r, d in listed.items()
+                if d is not None
+            }
 
     def expires_in(self) -> float | None:
         """Seconds until the next stopped plugin's resource is forgotten (None: none is)."""
         now = time.monotonic()
         with self.changed:
-            left = [p.stopped_at + self.stop_grace_s - now for p in self.plugins.values()
-                    if p.stopped_at is not None]
+            left = [
+                p.stopped_at + self.stop_grace_s - now
+                for p in self.plugins.values()
+                if p.stopped_at is not None
+            ]
         return max(0.0, min(left)) if left else None
 
     def capacity(self) -> dict[str, int]:
@@ -308,14 +359,17 @@ class DeviceManager:
                 pass
         return True
 
-    def allocate(self, resource: str, device_ids: Sequence[str],
-                 timeout_s: float = 10.0) -> dict[str, str]:
+    def allocate(
+        self, resource: str, device_ids: Sequence[str], timeout_s: float = 10.0
+    ) -> dict[str, str]:
         """The plugin's Allocate for one container holding ``device_ids``: its environment."""
         with self.changed:
             endpoint = self.plugins[resource].endpoint
         call = self._channel(endpoint).unary_unary(
-            f"/{DEVICE_PLUGIN}/Allocate", request_serializer=_serialize,
-            response_deserializer=MESSAGES["AllocateResponse"].FromString)
+            f"/{DEVICE_PLUGIN}/Allocate",
+            request_serializer=_serialize,
+            response_deserializer=MESSAGES["AllocateResponse"].FromString,
+        )
         request = MESSAGES["AllocateRequest"]()
         request.container_requests.add().devices_ids.extend(device_ids)
         response = call(request, timeout=timeout_s)
@@ -323,8 +377,10 @@ class DeviceManager:
 
     def report(self) -> dict[str, Any]:
         with self.changed:
-            return {"plugins": {r: p.report() for r, p in sorted(self.plugins.items())},
-                    "refused": list(self.refused)}
+            return {
+                "plugins": {r: p.report() for r, p in sorted(self.plugins.items())},
+                "refused": list(self.refused),
+            }
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -346,19 +402,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd: list[str] = []
     if "--" in args:
         at = args.index("--")
-        args, cmd = args[:at], args[at + 1:]
-    p = argparse.ArgumentParser(prog="python -m migsim.kubelet", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        args, cmd = args[:at], args[at + 1 :]
+    p = argparse.ArgumentParser(
+        prog="python -m migsim.kubelet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--dir", default=DEFAULT_DIR, help="device-plugin folder (kubelet.sock)")
     p.add_argument("--report", required=True, help="JSON file to write what was seen to")
-    p.add_argument("--resources", type=int, default=1,
-                   help="stop once this many resources have listed their devices")
+    p.add_argument(
+        "--resources",
+        type=int,
+        default=1,
+        help="stop once this many resources have listed their devices",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait at most")
-    p.add_argument("--allocate", action="append", default=[], metavar="RESOURCE",
-                   help="then Allocate the first device of RESOURCE (its env is reported)")
-    p.add_argument("--then", default="", metavar="COMMAND",
-                   help="once the resources are there, run COMMAND (e.g. raise an Xid: python "
-                        "-m migsim.nvml xid 0 79) and wait for the plugins' next update")
+    p.add_argument(
+        "--allocate",
+        action="append",
+        default=[],
+        metavar="RESOURCE",
+        help="then Allocate the first device of RESOURCE (its env is reported)",
+    )
+    p.add_argument(
+        "--then",
+        default="",
+        metavar="COMMAND",
+        help="once the resources are there, run COMMAND (e.g. raise an Xid: python "
+        "-m migsim.nvml xid 0 79) and wait for the plugins' next update",
+    )
     opts = p.parse_args(args)
     if not cmd:
         p.error("a device plugin command is needed after --")
@@ -376,7 +448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seen = manager.updates()
             subprocess.run(shlex.split(opts.then), check=True)  # noqa: S603 - the caller's
             report["then_updated"] = manager.wait_for_update(
-                seen, max(1.0, deadline - time.monotonic()))
+                seen, max(1.0, deadline - time.monotonic())
+            )
         report.update(manager.report())
         report["allocated"] = {}
         for resource in opts.allocate:

@@ -85,8 +85,12 @@ class Child:
     def start(self) -> None:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with self.log_file.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,  # noqa: S603
-                                         stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,  # noqa: S603
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.started_at = time.monotonic()
         self.starts += 1
         log.info("node_runtime.started", process=self.name, pid=self.proc.pid)
@@ -127,8 +131,9 @@ def device_places(sim_state: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def offered(listed: Mapping[str, Mapping[str, str]],
-            places: Mapping[str, tuple[int, int, int]]) -> tuple[Device, ...]:
+def offered(
+    listed: Mapping[str, Mapping[str, str]], places: Mapping[str, tuple[int, int, int]]
+) -> tuple[Device, ...]:
     """The devices the plugins list, as the device table offers them: ordered by GPU, GI, CI,
     then id (a time-sliced replica ``<uuid>::<n>`` sits on its device). A device whose UUID the
     GPUs no longer have (a stopped plugin's, after a repartition) is offered unhealthy."""
@@ -137,8 +142,16 @@ def offered(listed: Mapping[str, Mapping[str, str]],
         for device_id, health in devices.items():
             place = places.get(device_id.split("::", 1)[0])
             gpu, gi, ci = place if place is not None else (-1, -1, -1)
-            out.append(Device(resource, device_id, gpu, gi, ci,
-                              healthy=health == HEALTHY and place is not None))
+            out.append(
+                Device(
+                    resource,
+                    device_id,
+                    gpu,
+                    gi,
+                    ci,
+                    healthy=health == HEALTHY and place is not None,
+                )
+            )
     return tuple(sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id, _replica(d.id), d.id)))
 
 
@@ -150,16 +163,16 @@ def _replica(device_id: str) -> int:
 # -- node status and labels ---------------------------------------------------------------------
 
 
-def status_patch(node_status: Mapping[str, Any], capacity: Mapping[str, int],
-                 allocatable: Mapping[str, int]) -> dict[str, Any] | None:
+def status_patch(
+    node_status: Mapping[str, Any], capacity: Mapping[str, int], allocatable: Mapping[str, int]
+) -> dict[str, Any] | None:
     """The merge patch that makes the node's status say ``capacity``/``allocatable`` for the
     device plugins' resources: GPU resources no plugin lists any more are removed, others kept.
     None when nothing would change."""
     patch: dict[str, dict[str, str | None]] = {}
     for key, want in (("capacity", capacity), ("allocatable", allocatable)):
         have = dict(node_status.get(key) or {})
-        diff: dict[str, str | None] = {r: str(n) for r, n in want.items()
-                                       if have.get(r) != str(n)}
+        diff: dict[str, str | None] = {r: str(n) for r, n in want.items() if have.get(r) != str(n)}
         diff |= {r: None for r in have if is_gpu_resource(r) and r not in want}
         if diff:
             patch[key] = diff
@@ -182,8 +195,9 @@ def read_features(path: Path) -> dict[str, str] | None:
     return out
 
 
-def label_patch(labels: Mapping[str, str], annotations: Mapping[str, str],
-                features: Mapping[str, str]) -> tuple[dict[str, str | None], str]:
+def label_patch(
+    labels: Mapping[str, str], annotations: Mapping[str, str], features: Mapping[str, str]
+) -> tuple[dict[str, str | None], str]:
     """(label changes, new annotation value) that make the node carry ``features`` as NFD does:
     set them, and remove the ones NFD set before (named in its annotation) that are gone."""
     before = {n for n in annotations.get(FEATURE_LABELS_ANNOTATION, "").split(",") if n}
@@ -223,12 +237,18 @@ class Runtime:
         self.manager = DeviceManager(opts.plugin_dir, stop_grace_s=opts.stop_grace_s)
         self.table = Allocations()
         self.processes = PodProcesses(opts.sim_state)
-        self.plugin = Child("nvidia-device-plugin", self._plugin_argv(),
-                            opts.log_dir / f"nvidia-device-plugin-{opts.node}.log")
+        self.plugin = Child(
+            "nvidia-device-plugin",
+            self._plugin_argv(),
+            opts.log_dir / f"nvidia-device-plugin-{opts.node}.log",
+        )
         self.gfd: Child | None = None
         if opts.gfd:
-            self.gfd = Child("gpu-feature-discovery", self._gfd_argv(),
-                             opts.log_dir / f"gpu-feature-discovery-{opts.node}.log")
+            self.gfd = Child(
+                "gpu-feature-discovery",
+                self._gfd_argv(),
+                opts.log_dir / f"gpu-feature-discovery-{opts.node}.log",
+            )
         self.pod_uid: str | None = None  # the plugin pod the running plugin belongs to
         self.backoff = RESTART_BACKOFF[0]
         self.restart_at: float | None = None
@@ -240,17 +260,24 @@ class Runtime:
         self.gfd_retry_at = 0.0
 
     def _plugin_argv(self) -> list[str]:
-        argv = [str(self.o.nvidia_bin / "nvidia-device-plugin"),
-                f"--mig-strategy={self.o.mig_strategy}"]
+        argv = [
+            str(self.o.nvidia_bin / "nvidia-device-plugin"),
+            f"--mig-strategy={self.o.mig_strategy}",
+        ]
         if self.o.config_file:
             argv.append(f"--config-file={self.o.config_file}")
         return argv + self.o.extra_plugin_args
 
     def _gfd_argv(self) -> list[str]:
         assert self.o.features_file is not None
-        argv = [str(self.o.nvidia_bin / "gpu-feature-discovery"), "--oneshot",
-                "--use-node-feature-api=false", "--no-timestamp",
-                f"--mig-strategy={self.o.mig_strategy}", f"--output-file={self.o.features_file}"]
+        argv = [
+            str(self.o.nvidia_bin / "gpu-feature-discovery"),
+            "--oneshot",
+            "--use-node-feature-api=false",
+            "--no-timestamp",
+            f"--mig-strategy={self.o.mig_strategy}",
+            f"--output-file={self.o.features_file}",
+        ]
         if self.o.config_file:
             argv.append(f"--config-file={self.o.config_file}")
         return argv
@@ -283,9 +310,13 @@ class Runtime:
         if uid is None or self.plugin.running():
             return
         if self.restart_at is None:  # it exited while its pod runs: restart after a back-off
-            log.warning("node_runtime.plugin_exited", node=self.o.node,
-                        code=self.plugin.exit_code(), restart_in_s=self.backoff,
-                        log=str(self.plugin.log_file))
+            log.warning(
+                "node_runtime.plugin_exited",
+                node=self.o.node,
+                code=self.plugin.exit_code(),
+                restart_in_s=self.backoff,
+                log=str(self.plugin.log_file),
+            )
             self.restart_at = now + self.backoff
             self.backoff = min(self.backoff * 2, RESTART_BACKOFF[1])
         elif now >= self.restart_at:
@@ -301,34 +332,58 @@ class Runtime:
         node = self.api.get(f"/api/v1/nodes/{self.o.node}")
         patch = status_patch(node.get("status") or {}, capacity, allocatable)
         if patch is not None:
-            self.api.request("PATCH", f"/api/v1/nodes/{self.o.node}/status", patch,
-                             content_type="application/merge-patch+json")
+            self.api.request(
+                "PATCH",
+                f"/api/v1/nodes/{self.o.node}/status",
+                patch,
+                content_type="application/merge-patch+json",
+            )
             if self.registered_at is None and allocatable and self.plugin.running():
                 self.registered_at = time.monotonic()
-                log.info("node_runtime.advertised", node=self.o.node, resources=allocatable,
-                         after_s=round(self.registered_at - self.plugin.started_at, 3))
+                log.info(
+                    "node_runtime.advertised",
+                    node=self.o.node,
+                    resources=allocatable,
+                    after_s=round(self.registered_at - self.plugin.started_at, 3),
+                )
             else:
-                log.info("node_runtime.resources", node=self.o.node, capacity=capacity,
-                         allocatable=allocatable)
+                log.info(
+                    "node_runtime.resources",
+                    node=self.o.node,
+                    capacity=capacity,
+                    allocatable=allocatable,
+                )
         self.written = want
 
     def _allocate(self, listed: Mapping[str, Mapping[str, str]], pods: list[PodView]) -> None:
         devices = offered(listed, device_places(self.o.sim_state))
         for ref, device in self.table.offer(devices):
-            log.info("node_runtime.device_gone", node=self.o.node, pod=str(ref),
-                     device=device.id, resource=device.resource)
+            log.info(
+                "node_runtime.device_gone",
+                node=self.o.node,
+                pod=str(ref),
+                device=device.id,
+                resource=device.resource,
+            )
         sync_pods(self.o.node, self.table, self.processes, pods, admit=self._admit)
         held = self.table.held()
         for ref in [r for r in self.envs if r not in held]:
             del self.envs[ref]
         if self.o.allocations_file is not None:
-            _write_json(self.o.allocations_file, {
-                f"{ref.namespace}/{ref.name}": {
-                    "uid": ref.uid,
-                    "devices": {r: [d.id for d in got if d.resource == r]
-                                for r in sorted({d.resource for d in got})},
-                    "env": self.envs.get(ref, {})}
-                for ref, got in sorted(held.items(), key=lambda kv: str(kv[0]))})
+            _write_json(
+                self.o.allocations_file,
+                {
+                    f"{ref.namespace}/{ref.name}": {
+                        "uid": ref.uid,
+                        "devices": {
+                            r: [d.id for d in got if d.resource == r]
+                            for r in sorted({d.resource for d in got})
+                        },
+                        "env": self.envs.get(ref, {}),
+                    }
+                    for ref, got in sorted(held.items(), key=lambda kv: str(kv[0]))
+                },
+            )
 
     def _admit(self, ref: PodRef, devices: tuple[Device, ...]) -> bool:
         """The kubelet's Allocate call, one per resource the pod gets."""
@@ -338,12 +393,21 @@ class Runtime:
             try:
                 env |= self.manager.allocate(resource, ids)
             except Exception as exc:  # noqa: BLE001 - grpc errors, a plugin gone: admission fails
-                log.warning("node_runtime.allocate_failed", node=self.o.node, pod=str(ref),
-                            resource=resource, error=str(exc))
+                log.warning(
+                    "node_runtime.allocate_failed",
+                    node=self.o.node,
+                    pod=str(ref),
+                    resource=resource,
+                    error=str(exc),
+                )
                 return False
         self.envs[ref] = env
-        log.info("node_runtime.allocate", node=self.o.node, pod=str(ref),
-                 visible=env.get("NVIDIA_VISIBLE_DEVICES", ""))
+        log.info(
+            "node_runtime.allocate",
+            node=self.o.node,
+            pod=str(ref),
+            visible=env.get("NVIDIA_VISIBLE_DEVICES", ""),
+        )
         return True
 
     def _gfd(self) -> None:
@@ -354,8 +418,12 @@ class Runtime:
         if code is not None:  # a run ended
             self.gfd.proc = None
             if code != 0:
-                log.warning("node_runtime.gfd_failed", node=self.o.node, code=code,
-                            log=str(self.gfd.log_file))
+                log.warning(
+                    "node_runtime.gfd_failed",
+                    node=self.o.node,
+                    code=code,
+                    log=str(self.gfd.log_file),
+                )
                 self.gfd_due, self.gfd_retry_at = True, time.monotonic() + 10
                 return
             self._publish_features()
@@ -376,8 +444,9 @@ class Runtime:
         node = self.cluster.get_node(self.o.node)
         changes, owned = label_patch(node.labels, node.annotations, features)
         if changes or node.annotations.get(FEATURE_LABELS_ANNOTATION) != owned:
-            self.cluster.patch_node(self.o.node, labels=changes,
-                                    annotations={FEATURE_LABELS_ANNOTATION: owned})
+            self.cluster.patch_node(
+                self.o.node, labels=changes, annotations={FEATURE_LABELS_ANNOTATION: owned}
+            )
             log.info("node_runtime.labels", node=self.o.node, changed=changes)
         self.features_text = text
 
@@ -385,10 +454,15 @@ class Runtime:
         self.manager.start()
         server = None
         if self.o.pod_resources_socket:
-            server = podresources_server.serve(self.o.pod_resources_socket, self.table.by_pod,
-                                               allocatable=self.table.allocatable)
-        log.info("node_runtime.serving", node=self.o.node, kubelet=self.manager.socket_path,
-                 pod_resources=self.o.pod_resources_socket)
+            server = podresources_server.serve(
+                self.o.pod_resources_socket, self.table.by_pod, allocatable=self.table.allocatable
+            )
+        log.info(
+            "node_runtime.serving",
+            node=self.o.node,
+            kubelet=self.manager.socket_path,
+            pod_resources=self.o.pod_resources_socket,
+        )
         try:
             while not stop.is_set():
                 try:
@@ -413,8 +487,14 @@ def plugin_pods(pods: Sequence[PodView], namespace: str, selector: str) -> list[
     the API, which the node-lifecycle controller sets False when it misses the node's heartbeats
     (after an API server restart, say) and a kubelet sets True again; kwok plays a pod's stages
     once and never does, so a plugin stopped on it would stay stopped for good."""
-    return [p for p in pods if p.ref.namespace == namespace and _selected(p, selector)
-            and p.phase == "Running" and not p.terminating]
+    return [
+        p
+        for p in pods
+        if p.ref.namespace == namespace
+        and _selected(p, selector)
+        and p.phase == "Running"
+        and not p.terminating
+    ]
 
 
 def _selected(pod: PodView, selector: str) -> bool:
@@ -436,27 +516,46 @@ def _write_json(path: Path, data: object) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m migsim.node_runtime", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m migsim.node_runtime",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--node", required=True)
     p.add_argument("--cluster-dir", required=True, type=Path, help="the local cluster's folder")
     p.add_argument("--kubeconfig", default="", help="default: the cluster's admin kubeconfig")
     p.add_argument("--sim-state", required=True, help="the node's simulated GPU state file")
-    p.add_argument("--nvidia-bin", required=True, type=Path,
-                   help="folder of nvidia-device-plugin and gpu-feature-discovery")
+    p.add_argument(
+        "--nvidia-bin",
+        required=True,
+        type=Path,
+        help="folder of nvidia-device-plugin and gpu-feature-discovery",
+    )
     p.add_argument("--log-dir", type=Path, default=None, help="default: <cluster-dir>/logs")
     p.add_argument("--pod-resources-socket", default="")
-    p.add_argument("--allocations-file", type=Path, default=None,
-                   help="write each pod's devices and Allocate environment there (JSON)")
+    p.add_argument(
+        "--allocations-file",
+        type=Path,
+        default=None,
+        help="write each pod's devices and Allocate environment there (JSON)",
+    )
     p.add_argument("--mig-strategy", choices=["mixed", "single", "none"], default="mixed")
     p.add_argument("--config-file", default="", help="the device plugin's (and GFD's) config")
     p.add_argument("--gfd", action="store_true", help="run gpu-feature-discovery, label the node")
-    p.add_argument("--features-file", type=Path, default=None,
-                   help="GFD's output (default: <log-dir>/../nodes/<node>/features.d/gfd)")
+    p.add_argument(
+        "--features-file",
+        type=Path,
+        default=None,
+        help="GFD's output (default: <log-dir>/../nodes/<node>/features.d/gfd)",
+    )
     p.add_argument("--namespace", default=PLUGIN_NS)
     p.add_argument("--selector", default=PLUGIN_SELECTOR)
-    p.add_argument("--stop-grace", type=float, default=300.0,
-                   help="seconds a stopped plugin's resource stays (the kubelet's 5 min)")
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=300.0,
+        help="seconds a stopped plugin's resource stays (the kubelet's 5 min)",
+    )
     p.add_argument("--log-format", choices=["json", "console"], default="json")
     return p
 
@@ -467,20 +566,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     local = LocalCluster.load(args.cluster_dir)
     node_dir = local.node_dir(args.node)
     opts = Options(
-        node=args.node, cluster_dir=local.dir, sim_state=args.sim_state,
-        nvidia_bin=args.nvidia_bin, log_dir=args.log_dir or local.dir / "logs",
-        pod_resources_socket=args.pod_resources_socket, mig_strategy=args.mig_strategy,
-        config_file=args.config_file, gfd=args.gfd,
+        node=args.node,
+        cluster_dir=local.dir,
+        sim_state=args.sim_state,
+        nvidia_bin=args.nvidia_bin,
+        log_dir=args.log_dir or local.dir / "logs",
+        pod_resources_socket=args.pod_resources_socket,
+        mig_strategy=args.mig_strategy,
+        config_file=args.config_file,
+        gfd=args.gfd,
         features_file=args.features_file or node_dir / "features.d" / "gfd",
-        allocations_file=args.allocations_file, namespace=args.namespace,
-        selector=args.selector, stop_grace_s=args.stop_grace)
+        allocations_file=args.allocations_file,
+        namespace=args.namespace,
+        selector=args.selector,
+        stop_grace_s=args.stop_grace,
+    )
     assert opts.features_file is not None
     opts.features_file.parent.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = KubernetesCluster.connect(args.kubeconfig or str(local.kubeconfig),
-                                        component="sim-node-runtime")
+    cluster = KubernetesCluster.connect(
+        args.kubeconfig or str(local.kubeconfig), component="sim-node-runtime"
+    )
     try:
         Runtime(opts, cluster, local.api).run(stop)
     finally:
@@ -491,4 +599,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
         sys.exit(main())
-

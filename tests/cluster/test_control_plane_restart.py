@@ -28,23 +28,36 @@ def _pods(cluster: Cluster) -> list[dict[str, Any]]:
 
 
 def _running(cluster: Cluster) -> list[str]:
-    return [p["metadata"]["uid"] for p in _pods(cluster)
-            if p.get("status", {}).get("phase") == "Running"]
+    return [
+        p["metadata"]["uid"]
+        for p in _pods(cluster)
+        if p.get("status", {}).get("phase") == "Running"
+    ]
 
 
 def test_after_an_outage_longer_than_the_renew_deadline_the_controllers_act_at_once(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     cluster = Cluster.up(tmp_path / "c", gpu_nodes=0, cpu_nodes=1)
     try:
         cluster.api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NS}})
-        cluster.api.request("POST", f"/apis/apps/v1/namespaces/{NS}/daemonsets", {
-            "metadata": {"name": "ds"},
-            "spec": {"selector": {"matchLabels": {"app": "ds"}},
-                     "template": {"metadata": {"labels": {"app": "ds"}},
-                                  "spec": {"containers": [{"name": "c",
-                                                           "image": SIMULATED_IMAGE}]}}}})
-        wait_until(lambda: len(_running(cluster)) == 1, timeout=60,
-                   what="the DaemonSet's pod to run")
+        cluster.api.request(
+            "POST",
+            f"/apis/apps/v1/namespaces/{NS}/daemonsets",
+            {
+                "metadata": {"name": "ds"},
+                "spec": {
+                    "selector": {"matchLabels": {"app": "ds"}},
+                    "template": {
+                        "metadata": {"labels": {"app": "ds"}},
+                        "spec": {"containers": [{"name": "c", "image": SIMULATED_IMAGE}]},
+                    },
+                },
+            },
+        )
+        wait_until(
+            lambda: len(_running(cluster)) == 1, timeout=60, what="the DaemonSet's pod to run"
+        )
         before = {p.name: p.pid for p in cluster.state.procs}
 
         down = cluster.restart(down_s=RENEW_DEADLINE_S, timeout=120)
@@ -59,10 +72,14 @@ def test_after_an_outage_longer_than_the_renew_deadline_the_controllers_act_at_o
         name = next(p["metadata"]["name"] for p in _pods(cluster))
         deleted = time.monotonic()
         with contextlib.suppress(ApiError):  # already gone
-            cluster.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{name}",
-                                {"gracePeriodSeconds": 0})
-        wait_until(lambda: any(uid != old for uid in _running(cluster)), timeout=60,
-                   what="a new DaemonSet pod")
+            cluster.api.request(
+                "DELETE", f"/api/v1/namespaces/{NS}/pods/{name}", {"gracePeriodSeconds": 0}
+            )
+        wait_until(
+            lambda: any(uid != old for uid in _running(cluster)),
+            timeout=60,
+            what="a new DaemonSet pod",
+        )
         assert time.monotonic() - deleted < 10  # 0.2 s here; 19 s without the restart
     finally:
         cluster.down()

@@ -54,30 +54,45 @@ def test_simulated_gpu_nodes_carry_gpu_labels_and_resources(core: client.CoreV1A
 
 
 def test_daemonset_gets_a_pod_on_each_simulated_gpu_node(
-        api_client: client.ApiClient, core: client.CoreV1Api, namespace: str) -> None:
+    api_client: client.ApiClient, core: client.CoreV1Api, namespace: str
+) -> None:
     apps = client.AppsV1Api(api_client)
     selector = {"nvidia.com/gpu.deploy.device-plugin": "true"}
-    apps.create_namespaced_daemon_set(namespace, {
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
-        "metadata": {"name": "device-plugin"},
-        "spec": {
-            "selector": {"matchLabels": {"app": "device-plugin"}},
-            "template": {
-                "metadata": {"labels": {"app": "device-plugin"}},
-                "spec": {"nodeSelector": selector,
-                         "containers": [{"name": "plugin", "image": SIMULATED_IMAGE,
-                                         "securityContext": {"privileged": True}}]},
+    apps.create_namespaced_daemon_set(
+        namespace,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "device-plugin"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "device-plugin"}},
+                "template": {
+                    "metadata": {"labels": {"app": "device-plugin"}},
+                    "spec": {
+                        "nodeSelector": selector,
+                        "containers": [
+                            {
+                                "name": "plugin",
+                                "image": SIMULATED_IMAGE,
+                                "securityContext": {"privileged": True},
+                            }
+                        ],
+                    },
+                },
             },
         },
-    })
-    gpu_nodes = {n.metadata.name for n in core.list_node(
-        label_selector="nvidia.com/gpu.deploy.device-plugin=true").items}
+    )
+    gpu_nodes = {
+        n.metadata.name
+        for n in core.list_node(label_selector="nvidia.com/gpu.deploy.device-plugin=true").items
+    }
     assert {"gpu-node-0", "gpu-node-1"} <= gpu_nodes
 
     def ready_everywhere() -> bool:
         ds = apps.read_namespaced_daemon_set("device-plugin", namespace)
-        return (ds.status.desired_number_scheduled == len(gpu_nodes)
-                and ds.status.number_ready == len(gpu_nodes))
+        return ds.status.desired_number_scheduled == len(
+            gpu_nodes
+        ) and ds.status.number_ready == len(gpu_nodes)
 
     wait_until(ready_everywhere, timeout=60, what="the DaemonSet to be ready on every GPU node")
     pods = core.list_namespaced_pod(namespace, label_selector="app=device-plugin").items
@@ -86,30 +101,39 @@ def test_daemonset_gets_a_pod_on_each_simulated_gpu_node(
 
 
 def test_pdb_gets_status_and_an_eviction_it_forbids_is_answered_429(
-        api_client: client.ApiClient, core: client.CoreV1Api, namespace: str,
-        gpu_pod: GpuPodFactory) -> None:
+    api_client: client.ApiClient, core: client.CoreV1Api, namespace: str, gpu_pod: GpuPodFactory
+) -> None:
     policy = client.PolicyV1Api(api_client)
     gpu_pod(namespace, "trainer", labels={"app": "trainer"})
-    wait_until(lambda: _running_on(core, namespace, "trainer"), timeout=60,
-               what="the pod to run")
-    pdb = policy.create_namespaced_pod_disruption_budget(namespace, {
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": {"name": "trainer"},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "trainer"}}},
-    })
+    wait_until(lambda: _running_on(core, namespace, "trainer"), timeout=60, what="the pod to run")
+    pdb = policy.create_namespaced_pod_disruption_budget(
+        namespace,
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "trainer"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "trainer"}}},
+        },
+    )
 
     def observed() -> Any:
         got = policy.read_namespaced_pod_disruption_budget("trainer", namespace)
         st = got.status
-        return (st is not None and st.observed_generation == pdb.metadata.generation
-                and st.current_healthy == 1) and st
+        return (
+            st is not None
+            and st.observed_generation == pdb.metadata.generation
+            and st.current_healthy == 1
+        ) and st
 
     status = wait_until(observed, timeout=60, what="the disruption controller to fill PDB status")
     assert status.disruptions_allowed == 0
     assert status.desired_healthy == 1
 
-    eviction = {"apiVersion": "policy/v1", "kind": "Eviction",
-                "metadata": {"name": "trainer", "namespace": namespace}}
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": "trainer", "namespace": namespace},
+    }
     with pytest.raises(client.ApiException) as refused:
         core.create_namespaced_pod_eviction("trainer", namespace, eviction)
     assert refused.value.status == 429
@@ -117,24 +141,34 @@ def test_pdb_gets_status_and_an_eviction_it_forbids_is_answered_429(
 
     # Relaxing the budget makes the same eviction go through.
     policy.patch_namespaced_pod_disruption_budget(
-        "trainer", namespace, {"spec": {"minAvailable": 0}})
-    wait_until(lambda: policy.read_namespaced_pod_disruption_budget(
-        "trainer", namespace).status.disruptions_allowed == 1, timeout=60,
-        what="the PDB to allow a disruption")
+        "trainer", namespace, {"spec": {"minAvailable": 0}}
+    )
+    wait_until(
+        lambda: (
+            policy.read_namespaced_pod_disruption_budget(
+                "trainer", namespace
+            ).status.disruptions_allowed
+            == 1
+        ),
+        timeout=60,
+        what="the PDB to allow a disruption",
+    )
     core.create_namespaced_pod_eviction("trainer", namespace, eviction)
     wait_until(lambda: _gone(core, namespace, "trainer"), timeout=30, what="the evicted pod to go")
 
 
 def test_pod_asking_for_a_mig_device_waits_until_a_node_advertises_it(
-        core: client.CoreV1Api, namespace: str, gpu_node_factory: GpuNodeFactory,
-        gpu_pod: GpuPodFactory) -> None:
+    core: client.CoreV1Api, namespace: str, gpu_node_factory: GpuNodeFactory, gpu_pod: GpuPodFactory
+) -> None:
     node = gpu_node_factory("8xH200")
     gpu_pod(namespace, "mig-user", resources={"nvidia.com/mig-1g.18gb": 1})
 
     def unschedulable() -> bool:
         pod = core.read_namespaced_pod("mig-user", namespace)
-        return any(c.type == "PodScheduled" and c.status == "False"
-                   and c.reason == "Unschedulable" for c in pod.status.conditions or [])
+        return any(
+            c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+            for c in pod.status.conditions or []
+        )
 
     wait_until(unschedulable, timeout=60, what="the scheduler to find no node for the pod")
     assert core.read_namespaced_pod("mig-user", namespace).spec.node_name is None
@@ -143,15 +177,19 @@ def test_pod_asking_for_a_mig_device_waits_until_a_node_advertises_it(
     mig = {"nvidia.com/mig-1g.18gb": "7", "nvidia.com/gpu": "0"}
     core.patch_node_status(node, {"status": {"capacity": mig, "allocatable": mig}})
 
-    scheduled = wait_until(lambda: _running_on(core, namespace, "mig-user"), timeout=60,
-                           what="the pod to be scheduled and run once the resource exists")
+    scheduled = wait_until(
+        lambda: _running_on(core, namespace, "mig-user"),
+        timeout=60,
+        what="the pod to be scheduled and run once the resource exists",
+    )
     assert scheduled == node
     # kwok keeps the advertised resources (its heartbeat only refreshes conditions).
     assert core.read_node(node).status.allocatable["nvidia.com/mig-1g.18gb"] == "7"
 
 
 def test_serviceaccount_without_rights_is_refused(
-        api_client: client.ApiClient, namespace: str, sa_kubeconfig: SaKubeconfig) -> None:
+    api_client: client.ApiClient, namespace: str, sa_kubeconfig: SaKubeconfig
+) -> None:
     as_sa = config.new_client_from_config(config_file=str(sa_kubeconfig(namespace, "nobody")))
     try:
         with pytest.raises(client.ApiException) as refused:
@@ -165,18 +203,30 @@ def test_serviceaccount_without_rights_is_refused(
         # The same token works once RBAC grants the right: 403 above was authorisation, not a
         # broken credential.
         rbac = client.RbacAuthorizationV1Api(api_client)
-        rbac.create_namespaced_role(namespace, {
-            "metadata": {"name": "pod-reader"},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
-        })
-        rbac.create_namespaced_role_binding(namespace, {
-            "metadata": {"name": "nobody-reads-pods"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                        "name": "pod-reader"},
-            "subjects": [{"kind": "ServiceAccount", "name": "nobody", "namespace": namespace}],
-        })
-        wait_until(lambda: _can_list_pods(as_sa, namespace), timeout=30,
-                   what="the RoleBinding to take effect")
+        rbac.create_namespaced_role(
+            namespace,
+            {
+                "metadata": {"name": "pod-reader"},
+                "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+            },
+        )
+        rbac.create_namespaced_role_binding(
+            namespace,
+            {
+                "metadata": {"name": "nobody-reads-pods"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "Role",
+                    "name": "pod-reader",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": "nobody", "namespace": namespace}],
+            },
+        )
+        wait_until(
+            lambda: _can_list_pods(as_sa, namespace),
+            timeout=30,
+            what="the RoleBinding to take effect",
+        )
     finally:
         as_sa.close()
 
@@ -192,15 +242,24 @@ def _can_list_pods(api: client.ApiClient, namespace: str) -> bool:
 
 
 def test_token_bound_to_a_pod_names_the_pods_node(
-        cluster: Cluster, api_client: client.ApiClient, core: client.CoreV1Api,
-        namespace: str, gpu_pod: GpuPodFactory) -> None:
+    cluster: Cluster,
+    api_client: client.ApiClient,
+    core: client.CoreV1Api,
+    namespace: str,
+    gpu_pod: GpuPodFactory,
+) -> None:
     core.create_namespaced_service_account(namespace, {"metadata": {"name": "agent"}})
-    pod = core.create_namespaced_pod(namespace, {
-        "metadata": {"name": "agent"},
-        "spec": {"serviceAccountName": "agent", "nodeSelector": {"kubernetes.io/hostname":
-                                                                 "gpu-node-1"},
-                 "containers": [{"name": "agent", "image": SIMULATED_IMAGE}]},
-    })
+    pod = core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": "agent"},
+            "spec": {
+                "serviceAccountName": "agent",
+                "nodeSelector": {"kubernetes.io/hostname": "gpu-node-1"},
+                "containers": [{"name": "agent", "image": SIMULATED_IMAGE}],
+            },
+        },
+    )
     wait_until(lambda: _running_on(core, namespace, "agent"), timeout=60, what="the pod to run")
     token = cluster.token_for(namespace, "agent", bound_pod=(pod.metadata.name, pod.metadata.uid))
     cfg = client.Configuration()
@@ -209,14 +268,16 @@ def test_token_bound_to_a_pod_names_the_pods_node(
     cfg.api_key = {"authorization": f"Bearer {token}"}
     with client.ApiClient(cfg) as as_pod:
         review = client.AuthenticationV1Api(as_pod).create_self_subject_review(
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+        )
     user = review.status.user_info
     assert user.username == f"system:serviceaccount:{namespace}:agent"
     assert user.extra["authentication.kubernetes.io/node-name"] == ["gpu-node-1"]
 
 
 def test_deleted_pods_linger_like_a_kubelet_stopping_them(
-        core: client.CoreV1Api, namespace: str, gpu_pod: GpuPodFactory) -> None:
+    core: client.CoreV1Api, namespace: str, gpu_pod: GpuPodFactory
+) -> None:
     gpu_pod(namespace, "default-delay", resources={})
     gpu_pod(namespace, "slow", resources={}, annotations={DELETE_DELAY_ANNOTATION: "6s"})
     gpu_pod(namespace, "short-grace", resources={}, grace_period=1)
@@ -243,30 +304,52 @@ def test_deleted_pods_linger_like_a_kubelet_stopping_them(
 
 
 def test_validating_admission_policy_is_enforced(
-        api_client: client.ApiClient, core: client.CoreV1Api, namespace: str) -> None:
+    api_client: client.ApiClient, core: client.CoreV1Api, namespace: str
+) -> None:
     admission = client.AdmissionregistrationV1Api(api_client)
     name = f"deny-forbidden-{namespace}"
-    admission.create_validating_admission_policy({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-        "metadata": {"name": name},
-        "spec": {
-            "failurePolicy": "Fail",
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
-                "resources": ["configmaps"]}]},
-            "validations": [{"expression": "!has(object.data) || !('forbidden' in object.data)",
-                             "message": "key 'forbidden' is not allowed"}],
-        },
-    })
-    admission.create_validating_admission_policy_binding({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": {"name": name},
-        "spec": {"policyName": name, "validationActions": ["Deny"],
-                 "matchResources": {"namespaceSelector": {"matchLabels": {
-                     "kubernetes.io/metadata.name": namespace}}}},
-    })
+    admission.create_validating_admission_policy(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE"],
+                            "resources": ["configmaps"],
+                        }
+                    ]
+                },
+                "validations": [
+                    {
+                        "expression": "!has(object.data) || !('forbidden' in object.data)",
+                        "message": "key 'forbidden' is not allowed",
+                    }
+                ],
+            },
+        }
+    )
+    admission.create_validating_admission_policy_binding(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {
+                "policyName": name,
+                "validationActions": ["Deny"],
+                "matchResources": {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+                },
+            },
+        }
+    )
     try:
+
         def denied() -> bool:
             cm = {"metadata": {"generateName": "cm-"}, "data": {"forbidden": "1"}}
             try:
@@ -278,8 +361,9 @@ def test_validating_admission_policy_is_enforced(
             return False  # the policy is not loaded yet
 
         wait_until(denied, timeout=30, interval=0.2, what="the policy to deny")
-        core.create_namespaced_config_map(namespace, {"metadata": {"name": "fine"},
-                                                      "data": {"allowed": "1"}})
+        core.create_namespaced_config_map(
+            namespace, {"metadata": {"name": "fine"}, "data": {"allowed": "1"}}
+        )
     finally:
         admission.delete_validating_admission_policy_binding(name)
         admission.delete_validating_admission_policy(name)
@@ -287,14 +371,23 @@ def test_validating_admission_policy_is_enforced(
 
 def test_cli_status_and_env_describe_the_running_cluster(cluster: Cluster) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(REPO / "scripts" / "local-cluster"), *args,
-                               "--dir", str(cluster.dir)],
-                              capture_output=True, text=True, check=False, timeout=60)
+        return subprocess.run(
+            [str(REPO / "scripts" / "local-cluster"), *args, "--dir", str(cluster.dir)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
 
     status = cli("status")
     assert status.returncode == 0, status.stderr
-    for component in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-                      "kwok"):
+    for component in (
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kwok",
+    ):
         assert f"{component} " in status.stdout
     assert "UNHEALTHY" not in status.stdout and "STOPPED" not in status.stdout
     assert "gpu-node-0" in status.stdout and "NVIDIA-H100-80GB-HBM3" in status.stdout
@@ -307,22 +400,35 @@ def test_up_then_down_leaves_no_process_behind(tmp_path: Path, cluster: Cluster)
     # A second, node-less cluster beside the session's: ports are picked free, folders differ.
     other = Cluster.up(tmp_path / "other", gpu_nodes=0)
     procs = other.state.procs
-    assert {p.name for p in procs} == {"etcd", "kube-apiserver", "kube-controller-manager",
-                                       "kube-scheduler", "kwok"}
+    assert {p.name for p in procs} == {
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kwok",
+    }
     assert other.server != cluster.server
     assert Cluster.up(tmp_path / "other", gpu_nodes=0).state.procs == procs  # reused, not restarted
     assert other.down() == []  # all stopped by SIGTERM
     assert not any(p.alive() for p in procs)
     assert cluster.healthy()  # the session's cluster was not touched
-    status = subprocess.run([sys.executable, "-m", "migsim.cluster", "status",
-                             "--dir", str(other.dir)], capture_output=True, text=True,
-                            check=False, cwd=REPO)
+    status = subprocess.run(
+        [sys.executable, "-m", "migsim.cluster", "status", "--dir", str(other.dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=REPO,
+    )
     assert status.returncode == 3, status.stdout
 
 
 def test_the_agents_pod_watch_sees_a_deletion_as_it_happens(
-        cluster: Cluster, core: client.CoreV1Api, namespace: str, gpu_pod: GpuPodFactory,
-        gpu_node_factory: GpuNodeFactory) -> None:
+    cluster: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    gpu_pod: GpuPodFactory,
+    gpu_node_factory: GpuNodeFactory,
+) -> None:
     """The drain's waits watch the node's pods: one list and one watch per slice, and a pod's
     going is seen when the API server tells it, not at the next look."""
     from mig_agent.kube.client import KubernetesCluster
@@ -341,8 +447,12 @@ def test_the_agents_pod_watch_sees_a_deletion_as_it_happens(
         core.delete_namespaced_pod("goes", namespace)
         seen: list[tuple[set[str], bool]] = []
         for pods in watch:
-            seen.append(({p.ref.name for p in pods},
-                         any(p.terminating for p in pods if p.ref.name == "goes")))
+            seen.append(
+                (
+                    {p.ref.name for p in pods},
+                    any(p.terminating for p in pods if p.ref.name == "goes"),
+                )
+            )
             if "goes" not in seen[-1][0]:
                 break
         took = time.monotonic() - start

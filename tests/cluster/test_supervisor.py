@@ -43,12 +43,30 @@ def _wait(path: Path, pred: Any, timeout: float = 15.0) -> dict[str, Any]:
 
 
 def test_a_killed_process_is_restarted_with_back_off_and_a_stopped_one_is_not(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     status_file = tmp_path / "status.json"
-    sup = spawn("supervisor", [
-        sys.executable, "-m", "migsim.cluster.supervisor", "--name", "sleeper",
-        "--log", str(tmp_path / "sleeper.log"), "--status", str(status_file),
-        "--backoff", "0.3", "--backoff-max", "0.6", "--", *SLEEPER], tmp_path / "sup.log")
+    sup = spawn(
+        "supervisor",
+        [
+            sys.executable,
+            "-m",
+            "migsim.cluster.supervisor",
+            "--name",
+            "sleeper",
+            "--log",
+            str(tmp_path / "sleeper.log"),
+            "--status",
+            str(status_file),
+            "--backoff",
+            "0.3",
+            "--backoff-max",
+            "0.6",
+            "--",
+            *SLEEPER,
+        ],
+        tmp_path / "sup.log",
+    )
     try:
         first = _wait(status_file, lambda s: s.get("state") == "running")
         assert first["restarts"] == 0
@@ -59,14 +77,15 @@ def test_a_killed_process_is_restarted_with_back_off_and_a_stopped_one_is_not(
             backoff = _wait(status_file, lambda s: s.get("state") == "back-off")
             assert backoff["last_exit"] == "killed by SIGKILL"
             delays.append(backoff["restart_at"] - time.time())
-            again = _wait(status_file, lambda s, n=n: s.get("state") == "running"
-                          and s["restarts"] == n)
+            again = _wait(
+                status_file, lambda s, n=n: s.get("state") == "running" and s["restarts"] == n
+            )
             agent = Proc(**again["agent"])
             assert agent.alive() and agent.pid != first["agent"]["pid"]
         # 0.3, then 0.6, then capped at 0.6 (less the moments between exit and this read)
         assert 0.1 < delays[0] <= 0.3 and 0.4 < delays[1] <= 0.6 and 0.4 < delays[2] <= 0.6
         # stopped on purpose: the supervisor stops its process and does not restart it
-        sup_log = (tmp_path / "sup.log")
+        sup_log = tmp_path / "sup.log"
         assert stop([sup]) == []
         assert not agent.alive() and not sup.alive()
         final = _status(status_file)
@@ -81,12 +100,29 @@ def test_a_killed_process_is_restarted_with_back_off_and_a_stopped_one_is_not(
 
 def test_a_process_that_exits_by_itself_is_restarted_too(tmp_path: Path) -> None:
     status_file = tmp_path / "status.json"
-    sup = spawn("supervisor", [
-        sys.executable, "-m", "migsim.cluster.supervisor", "--name", "quitter",
-        "--log", str(tmp_path / "q.log"), "--status", str(status_file),
-        "--backoff", "0.1", "--backoff-max", "0.2", "--",
-        sys.executable, "-c", "import sys, time; time.sleep(0.2); sys.exit(3)"],
-        tmp_path / "sup.log")
+    sup = spawn(
+        "supervisor",
+        [
+            sys.executable,
+            "-m",
+            "migsim.cluster.supervisor",
+            "--name",
+            "quitter",
+            "--log",
+            str(tmp_path / "q.log"),
+            "--status",
+            str(status_file),
+            "--backoff",
+            "0.1",
+            "--backoff-max",
+            "0.2",
+            "--",
+            sys.executable,
+            "-c",
+            "import sys, time; time.sleep(0.2); sys.exit(3)",
+        ],
+        tmp_path / "sup.log",
+    )
     try:
         status = _wait(status_file, lambda s: s.get("restarts", 0) >= 2)
         assert status["last_exit"] == "exit status 3"
@@ -100,9 +136,13 @@ def test_cli_up_status_and_down_agree_on_a_killed_agent(tmp_path: Path, cluster:
     directory = tmp_path / "cli"
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(REPO / "scripts" / "local-cluster"), *args,
-                               "--dir", str(directory)],
-                              capture_output=True, text=True, check=False, timeout=240)
+        return subprocess.run(
+            [str(REPO / "scripts" / "local-cluster"), *args, "--dir", str(directory)],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=240,
+        )
 
     up = cli("up", "--nodes", "1", "--restart-backoff", "0.5", "--restart-backoff-max", "2")
     try:
@@ -133,8 +173,9 @@ def test_cli_up_status_and_down_agree_on_a_killed_agent(tmp_path: Path, cluster:
         kill(Proc(**record["agent"]))
         status = cli("status")
         assert status.returncode == 1
-        assert "STOPPED" in next(ln for ln in status.stdout.splitlines()
-                                 if ln.startswith("mig-agent@"))
+        assert "STOPPED" in next(
+            ln for ln in status.stdout.splitlines() if ln.startswith("mig-agent@")
+        )
         again = cli("up", "--nodes", "1", "--restart-backoff", "0.5")
         assert again.returncode == 0, again.stderr
         assert "gpu-node-0: restarting mig-agent" in again.stderr
@@ -158,8 +199,12 @@ def test_cli_up_status_and_down_agree_on_a_killed_agent(tmp_path: Path, cluster:
 def _record_many(directory: str, worker: int) -> None:
     for i in range(25):
         proc = Proc(f"agent-{worker}-{i}", 1, 1)
-        agents._record(Path(directory), agents.NodeAgents(
-            f"node-{worker}-{i}", proc, proc, metrics_port=0, sim_state="", kubeconfig=""))
+        agents._record(
+            Path(directory),
+            agents.NodeAgents(
+                f"node-{worker}-{i}", proc, proc, metrics_port=0, sim_state="", kubeconfig=""
+            ),
+        )
 
 
 def test_nodes_started_side_by_side_all_keep_their_record(tmp_path: Path) -> None:

@@ -36,8 +36,11 @@ def installed(cluster: Cluster) -> Cluster:
     agents.install(cluster)
     if agents.default_device_plugin() != "nvidia" and "MIG_AGENT_DEVICE_PLUGIN" not in os.environ:
         # said out loud (warnings summary): these nodes do not run NVIDIA's plugin
-        warnings.warn("not root: the e2e nodes run the simulated device plugin, not NVIDIA's "
-                      "(test_nvidia_plugin.py skips)", stacklevel=1)
+        warnings.warn(
+            "not root: the e2e nodes run the simulated device plugin, not NVIDIA's "
+            "(test_nvidia_plugin.py skips)",
+            stacklevel=1,
+        )
     return cluster
 
 
@@ -48,11 +51,16 @@ def nvidia_binaries() -> Path:
     """NVIDIA's binaries (scripts/nvidia-binaries build: once, cached); a test that needs them
     skips loudly when not root (the plugin runs in a private mount namespace)."""
     if os.geteuid() != 0:
-        pytest.skip("NVIDIA's device plugin runs in a private mount namespace (unshare -m): "
-                    "run as root")
+        pytest.skip(
+            "NVIDIA's device plugin runs in a private mount namespace (unshare -m): run as root"
+        )
     if not _built:
-        out = subprocess.run([str(REPO / "scripts" / "nvidia-binaries"), "build"],
-                             capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [str(REPO / "scripts" / "nvidia-binaries"), "build"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert out.returncode == 0, f"scripts/nvidia-binaries build failed:\n{out.stderr}"
         _built.append(Path(out.stdout.strip()))
     return _built[0]
@@ -82,8 +90,7 @@ class AgentNode:
     def label(self, layout: str | None) -> None:
         self.core.patch_node(self.name, {"metadata": {"labels": {CONFIG: layout}}})
 
-    def wait_state(self, *states: str, timeout: float = 60.0,
-                   seen: list[str] | None = None) -> str:
+    def wait_state(self, *states: str, timeout: float = 60.0, seen: list[str] | None = None) -> str:
         """Poll until the state label is one of ``states``; every state seen goes to ``seen``."""
         deadline = time.monotonic() + timeout
         while True:
@@ -93,14 +100,15 @@ class AgentNode:
             if state in states:
                 return state
             if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: state {state!r}, not {states} after "
-                                     f"{timeout} s; agent log:\n{self.log_tail()}")
+                raise AssertionError(
+                    f"{self.name}: state {state!r}, not {states} after "
+                    f"{timeout} s; agent log:\n{self.log_tail()}"
+                )
             time.sleep(0.1)
 
     def gpu_resources(self) -> dict[str, int]:
         alloc = self.node().status.allocatable or {}
-        return {k: int(v) for k, v in alloc.items()
-                if k.startswith("nvidia.com/") and int(v) > 0}
+        return {k: int(v) for k, v in alloc.items() if k.startswith("nvidia.com/") and int(v) > 0}
 
     def log_tail(self, lines: int = 30, *, skip: tuple[str, ...] = ()) -> str:
         """The agent's last `lines` log lines, leaving out those that hold any of `skip`."""
@@ -115,7 +123,8 @@ class AgentNode:
         the node advertises healthy devices again: NVIDIA's plugin marks every device unhealthy
         for good when NVML fails under its health check, until it is restarted."""
         for pod in self.core.list_namespaced_pod(
-                agents.PLUGIN_NS, field_selector=f"spec.nodeName={self.name}").items:
+            agents.PLUGIN_NS, field_selector=f"spec.nodeName={self.name}"
+        ).items:
             self.core.delete_namespaced_pod(pod.metadata.name, agents.PLUGIN_NS)
         deadline = time.monotonic() + timeout
         while not self.gpu_resources():
@@ -134,12 +143,15 @@ class AgentNode:
             if record.get("restarts", 0) >= restarts and agents.agent_state(record) == "running":
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: agent not restarted {restarts} time(s) "
-                                     f"after {timeout} s: {record}")
+                raise AssertionError(
+                    f"{self.name}: agent not restarted {restarts} time(s) "
+                    f"after {timeout} s: {record}"
+                )
             time.sleep(0.05)
 
-    def restart_agent(self, settings: Mapping[str, str] | None = None,
-                      profiles: Path | None = None) -> None:
+    def restart_agent(
+        self, settings: Mapping[str, str] | None = None, profiles: Path | None = None
+    ) -> None:
         """An agent that was killed: wait for its supervisor to restart it, as a kubelet does.
         New settings or profiles (or an agent still running): stop it and start it anew; the
         node's device plugin keeps running."""
@@ -153,9 +165,13 @@ class AgentNode:
                 self.known_agent = record["agent"]
                 return
         # the device plugin keeps running, as when the agent's DaemonSet rolls
-        self.procs = agents.restart_agent(self.cluster, self.name, settings=settings,
-                                          profiles=profiles or agents.PROFILES,
-                                          restart_backoff=RESTART_BACKOFF)
+        self.procs = agents.restart_agent(
+            self.cluster,
+            self.name,
+            settings=settings,
+            profiles=profiles or agents.PROFILES,
+            restart_backoff=RESTART_BACKOFF,
+        )
         self.known_agent = asdict(self.procs.agent)
 
 
@@ -170,8 +186,9 @@ def wait_node_runtime(node: AgentNode, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         text = log.read_text() if log.exists() else ""
-        if '"node_runtime.advertised"' in text and \
-                NFD_ANNOTATION in (node.node().metadata.annotations or {}):
+        if '"node_runtime.advertised"' in text and NFD_ANNOTATION in (
+            node.node().metadata.annotations or {}
+        ):
             return
         assert time.monotonic() < deadline, f"{node.name}: node runtime not ready:\n{text[-3000:]}"
         time.sleep(0.1)
@@ -182,19 +199,31 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
     """Creates GPU nodes with a running agent; stops the agents and deletes the nodes after."""
     made: list[AgentNode] = []
 
-    def make(gpus: str = "8xH100-80GB", *, settings: Mapping[str, str] | None = None,
-             profiles: Path | None = None, sim: Mapping[str, Any] | None = None,
-             name: str | None = None, plugin_args: Sequence[str] = (),
-             device_plugin: str | None = None) -> AgentNode:
+    def make(
+        gpus: str = "8xH100-80GB",
+        *,
+        settings: Mapping[str, str] | None = None,
+        profiles: Path | None = None,
+        sim: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        plugin_args: Sequence[str] = (),
+        device_plugin: str | None = None,
+    ) -> AgentNode:
         kind = device_plugin or agents.default_device_plugin()
         if kind == "nvidia":
             nvidia_binaries()
         name = name or f"e2e-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         installed.add_gpu_node(name, gpus)
-        procs = agents.start_node(installed, name, settings=settings,
-                                  profiles=profiles or agents.PROFILES, sim=sim,
-                                  plugin_args=plugin_args, restart_backoff=RESTART_BACKOFF,
-                                  device_plugin=kind)
+        procs = agents.start_node(
+            installed,
+            name,
+            settings=settings,
+            profiles=profiles or agents.PROFILES,
+            sim=sim,
+            plugin_args=plugin_args,
+            restart_backoff=RESTART_BACKOFF,
+            device_plugin=kind,
+        )
         node = AgentNode(name, installed, core, procs)
         made.append(node)
         # the agent has published the GPUs' state once it is up

@@ -61,15 +61,18 @@ def wait_clean(node: AgentNode, timeout: float = 15.0) -> None:
             time.sleep(0.1)
 
 
-def wait_unschedulable(core: client.CoreV1Api, namespace: str, name: str,
-                       timeout: float = 30.0) -> Any:
+def wait_unschedulable(
+    core: client.CoreV1Api, namespace: str, name: str, timeout: float = 30.0
+) -> Any:
     """The pod once the scheduler has tried it and found no node for it (its PodScheduled
     condition False, reason Unschedulable)."""
     deadline = time.monotonic() + timeout
     while True:
         pod = core.read_namespaced_pod(name, namespace)
-        if any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
-               for c in pod.status.conditions or ()):
+        if any(
+            c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+            for c in pod.status.conditions or ()
+        ):
             return pod
         assert time.monotonic() < deadline, f"{name} not found unschedulable: {pod.status}"
         time.sleep(0.1)
@@ -82,24 +85,34 @@ def applied(node: AgentNode, layout: str) -> bool:
 
     backend = open_node(node.sim_state)
     try:
-        the_plan = planner.plan(catalog.get(layout), backend.observe(), backend.models(),
-                                destroy_in_use=True)
-        stray = [gi for g in backend.observe().gpus for gi in g.gpu_instances
-                 if not gi.compute_instances]
+        the_plan = planner.plan(
+            catalog.get(layout), backend.observe(), backend.models(), destroy_in_use=True
+        )
+        stray = [
+            gi for g in backend.observe().gpus for gi in g.gpu_instances if not gi.compute_instances
+        ]
     finally:
         backend.close()
     return the_plan.is_empty and not stray
 
 
 def test_label_repartitions_node_and_evicts_only_gpu_pods(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB")
-    gpu = gpu_pod(namespace, "trainer", node=node.name, resources={"nvidia.com/gpu": 1},
-                  grace_period=2)
-    cpu = core.create_namespaced_pod(namespace, {
-        "metadata": {"name": "web"},
-        "spec": {"nodeSelector": {"kubernetes.io/hostname": node.name},
-                 "containers": [{"name": "web", "image": "registry.invalid/web:1"}]}})
+    gpu = gpu_pod(
+        namespace, "trainer", node=node.name, resources={"nvidia.com/gpu": 1}, grace_period=2
+    )
+    cpu = core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": "web"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node.name},
+                "containers": [{"name": "web", "image": "registry.invalid/web:1"}],
+            },
+        },
+    )
     wait_running(core, namespace, "trainer")
     wait_running(core, namespace, "web")
     seen: list[str] = []
@@ -113,13 +126,15 @@ def test_label_repartitions_node_and_evicts_only_gpu_pods(
     assert applied(node, "all-1g.10gb")
     conditions = {c.type: c for c in node.node().status.conditions}
     assert conditions["MIGConfigApplied"].status == "True"
-    events = core.list_namespaced_event("default", field_selector=(
-        f"involvedObject.kind=Node,involvedObject.name={node.name}")).items
+    events = core.list_namespaced_event(
+        "default", field_selector=(f"involvedObject.kind=Node,involvedObject.name={node.name}")
+    ).items
     assert {"MIGReconfiguring", "MIGConfigApplied"} <= {e.reason for e in events}
 
 
 def test_per_gpu_layout_mutates_only_the_changed_gpus(
-        agent_node: NodeFactory, extra_profiles: Any) -> None:
+    agent_node: NodeFactory, extra_profiles: Any
+) -> None:
     profiles: Path = extra_profiles("""version: v1
 mig-configs:
   e2e-two-changed:
@@ -136,8 +151,10 @@ mig-configs:
     simstate.reset_call_counts(node.sim_state)
     node.label("e2e-two-changed")
     deadline = time.monotonic() + 60
-    while node.labels().get("nvidia.com/mig.config.state") != "success" or \
-            node.gpu_resources().get("nvidia.com/mig-3g.40gb") != 4:
+    while (
+        node.labels().get("nvidia.com/mig.config.state") != "success"
+        or node.gpu_resources().get("nvidia.com/mig-3g.40gb") != 4
+    ):
         assert time.monotonic() < deadline, node.log_tail()
         time.sleep(0.1)
     assert mig_counts(node.sim_state).gpus == {2, 5}
@@ -145,17 +162,26 @@ mig-configs:
 
 
 def test_pdb_blocks_then_agent_succeeds_on_its_own(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB", settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "4"})
     gpu_pod(namespace, "guarded", node=node.name, labels={"app": "guarded"})
     wait_running(core, namespace, "guarded")
-    client.PolicyV1Api(core.api_client).create_namespaced_pod_disruption_budget(namespace, {
-        "metadata": {"name": "keep-guarded"},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}}})
+    client.PolicyV1Api(core.api_client).create_namespaced_pod_disruption_budget(
+        namespace,
+        {
+            "metadata": {"name": "keep-guarded"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}},
+        },
+    )
     deadline = time.monotonic() + 20
     policy = client.PolicyV1Api(core.api_client)
-    while policy.read_namespaced_pod_disruption_budget(
-            "keep-guarded", namespace).status.observed_generation is None:
+    while (
+        policy.read_namespaced_pod_disruption_budget(
+            "keep-guarded", namespace
+        ).status.observed_generation
+        is None
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     simstate.reset_call_counts(node.sim_state)
@@ -165,16 +191,21 @@ def test_pdb_blocks_then_agent_succeeds_on_its_own(
     assert f"{namespace}/keep-guarded" in reason
     assert mig_counts(node.sim_state).total == 0
     wait_clean(node, timeout=10)  # clean-up ran before the failure was reported
-    policy.patch_namespaced_pod_disruption_budget("keep-guarded", namespace,
-                                                  {"spec": {"minAvailable": 0}})
+    policy.patch_namespaced_pod_disruption_budget(
+        "keep-guarded", namespace, {"spec": {"minAvailable": 0}}
+    )
     assert node.wait_state("success", timeout=90) == "success", node.log_tail()
     assert node.gpu_resources() == {"nvidia.com/mig-3g.40gb": 16}
     assert_clean(node)
 
 
 def test_unknown_and_misfit_layouts_fail_without_drain_or_gpu_mutation(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api,
-        extra_profiles: Any) -> None:
+    agent_node: NodeFactory,
+    namespace: str,
+    gpu_pod: Any,
+    core: client.CoreV1Api,
+    extra_profiles: Any,
+) -> None:
     profiles: Path = extra_profiles("""version: v1
 mig-configs:
   e2e-too-big:
@@ -186,8 +217,10 @@ mig-configs:
     pod = gpu_pod(namespace, "busy", node=node.name)
     wait_running(core, namespace, "busy")
     simstate.reset_call_counts(node.sim_state)
-    for layout, fragment in [("all-1g.10gbx", "unknown layout 'all-1g.10gbx'"),
-                             ("e2e-too-big", "layout needs 12 memory slices")]:
+    for layout, fragment in [
+        ("all-1g.10gbx", "unknown layout 'all-1g.10gbx'"),
+        ("e2e-too-big", "layout needs 12 memory slices"),
+    ]:
         node.label(layout)
         assert node.wait_state("failed", "success") == "failed"
         assert fragment in node.node().metadata.annotations[REASON]
@@ -200,7 +233,8 @@ mig-configs:
 
 
 def test_pending_mig_pod_is_scheduled_once_the_node_succeeds(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB")
     gpu_pod(namespace, "wants-mig", node=node.name, resources={"nvidia.com/mig-1g.10gb": 1})
     pod = wait_unschedulable(core, namespace, "wants-mig")  # the scheduler looked: no node fits
@@ -212,11 +246,17 @@ def test_pending_mig_pod_is_scheduled_once_the_node_succeeds(
 
 
 def test_agent_killed_during_drain_is_replaced_and_node_converges(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB")
     # a pod whose deletion takes long: the drain is still waiting when the agent dies
-    gpu_pod(namespace, "slow", node=node.name, grace_period=30,
-            annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "6s"})
+    gpu_pod(
+        namespace,
+        "slow",
+        node=node.name,
+        grace_period=30,
+        annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "6s"},
+    )
     wait_running(core, namespace, "slow")
     node.label("all-2g.20gb")
     node.wait_state("pending")
@@ -232,8 +272,7 @@ def test_agent_killed_during_drain_is_replaced_and_node_converges(
     assert_clean(node)  # ... and the new agent finished the job
 
 
-def test_agent_killed_during_apply_is_replaced_and_node_converges(
-        agent_node: NodeFactory) -> None:
+def test_agent_killed_during_apply_is_replaced_and_node_converges(agent_node: NodeFactory) -> None:
     node = agent_node("8xH100-80GB")
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed") == "success"
@@ -250,20 +289,26 @@ def test_agent_killed_during_apply_is_replaced_and_node_converges(
     node.restart_agent()
     assert node.wait_state("success", "failed", timeout=90) == "success", node.log_tail()
     assert applied(node, "all-balanced")
-    assert node.gpu_resources() == {"nvidia.com/mig-1g.10gb": 16, "nvidia.com/mig-2g.20gb": 8,
-                                    "nvidia.com/mig-3g.40gb": 8}
+    assert node.gpu_resources() == {
+        "nvidia.com/mig-1g.10gb": 16,
+        "nvidia.com/mig-2g.20gb": 8,
+        "nvidia.com/mig-3g.40gb": 8,
+    }
     assert_clean(node)
     text = node.node().metadata.annotations["mig-agent.dev/gpu-state"]
     import json
 
     state, models = snapshot.from_json(json.loads(text))
-    assert planner.plan(load_catalog([agents.PROFILES]).get("all-balanced"), state,
-                        models).is_empty
+    assert planner.plan(load_catalog([agents.PROFILES]).get("all-balanced"), state, models).is_empty
 
 
 def test_only_pods_on_changing_gpus_are_evicted(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api,
-        extra_profiles: Any) -> None:
+    agent_node: NodeFactory,
+    namespace: str,
+    gpu_pod: Any,
+    core: client.CoreV1Api,
+    extra_profiles: Any,
+) -> None:
     """The simulated device plugin hands out MIG devices lowest GPU first and tells the agent
     through the kubelet's PodResources API which pod holds which: 7 pods land on GPU 0, one on
     GPU 1; a layout that changes only GPU 0 evicts exactly those 7."""
@@ -282,8 +327,16 @@ mig-configs:
     node = agent_node("8xH100-80GB", profiles=profiles)
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed") == "success", node.log_tail()
-    pods = [gpu_pod(namespace, f"infer-{i}", node=node.name, grace_period=1,
-                    resources={"nvidia.com/mig-1g.10gb": 1}) for i in range(8)]
+    pods = [
+        gpu_pod(
+            namespace,
+            f"infer-{i}",
+            node=node.name,
+            grace_period=1,
+            resources={"nvidia.com/mig-1g.10gb": 1},
+        )
+        for i in range(8)
+    ]
     socket = str(node.cluster.node_dir(node.name) / "pod-resources.sock")
     deadline = time.monotonic() + 30
     while len(held := list_pod_devices(socket)) < 8:
@@ -291,11 +344,16 @@ mig-configs:
         time.sleep(0.2)
     node.label("e2e-gpu0-changes")
     deadline = time.monotonic() + 60
-    while node.labels().get("nvidia.com/mig.config.state") != "success" or \
-            node.gpu_resources().get("nvidia.com/mig-3g.40gb") != 2:
+    while (
+        node.labels().get("nvidia.com/mig.config.state") != "success"
+        or node.gpu_resources().get("nvidia.com/mig-3g.40gb") != 2
+    ):
         assert time.monotonic() < deadline, node.log_tail()
         time.sleep(0.1)
-    alive = [p.metadata.name for p in pods
-             if pod_exists(core, namespace, p.metadata.name, p.metadata.uid)]
+    alive = [
+        p.metadata.name
+        for p in pods
+        if pod_exists(core, namespace, p.metadata.name, p.metadata.uid)
+    ]
     assert alive == ["infer-7"], alive
     assert node.gpu_resources() == {"nvidia.com/mig-1g.10gb": 49, "nvidia.com/mig-3g.40gb": 2}

@@ -41,7 +41,8 @@ def wait_for(check: Any, what: str, node: AgentNode, timeout: float = 30.0) -> N
 
 
 def test_whole_gpus_to_mig_and_back_drain_the_pods_holding_them(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("2xH100-80GB")
     whole = gpu_pod(namespace, "whole", node=node.name, grace_period=1)
     wait_running(core, namespace, "whole")
@@ -53,8 +54,9 @@ def test_whole_gpus_to_mig_and_back_drain_the_pods_holding_them(
     assert applied(node, "all-1g.10gb") and not pod_processes(node)
     assert_clean(node)
 
-    mig = gpu_pod(namespace, "mig", node=node.name, grace_period=1,
-                  resources={"nvidia.com/mig-1g.10gb": 1})
+    mig = gpu_pod(
+        namespace, "mig", node=node.name, grace_period=1, resources={"nvidia.com/mig-1g.10gb": 1}
+    )
     wait_running(core, namespace, "mig", timeout=60)
     wait_for(lambda: len(pod_processes(node)) == 1, "the pod's process on its MIG device", node)
     assert pod_processes(node)[0][1].gi is not None
@@ -67,7 +69,8 @@ def test_whole_gpus_to_mig_and_back_drain_the_pods_holding_them(
 
 
 def test_a_process_no_pod_owns_is_named_and_the_gpus_are_left_alone(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     """No drain ends such a process, so the pass fails before the cordon: the pod running on
     the node stays (before: it was evicted, then the pass failed all the same)."""
     node = agent_node("2xH100-80GB", settings={"MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "1"})
@@ -87,10 +90,16 @@ def test_a_process_no_pod_owns_is_named_and_the_gpus_are_left_alone(
 
 
 def test_an_interrupted_pass_then_a_typo_leaves_the_node_clean(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB")
-    gpu_pod(namespace, "slow", node=node.name, grace_period=30,
-            annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "6s"})
+    gpu_pod(
+        namespace,
+        "slow",
+        node=node.name,
+        grace_period=30,
+        annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "6s"},
+    )
     wait_running(core, namespace, "slow")
     node.label("all-2g.20gb")
     wait_for(lambda: "drain.started" in node.log_tail(5), "the drain to start", node)
@@ -104,10 +113,16 @@ def test_an_interrupted_pass_then_a_typo_leaves_the_node_clean(
 
 
 def test_a_relabel_during_the_drain_never_reports_the_old_layout(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB")
-    gpu_pod(namespace, "slow", node=node.name, grace_period=30,
-            annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "4s"})
+    gpu_pod(
+        namespace,
+        "slow",
+        node=node.name,
+        grace_period=30,
+        annotations={"pod-delete.stage.kwok.x-k8s.io/delay": "4s"},
+    )
     wait_running(core, namespace, "slow")
     # every version of the node, from a watch: a short-lived false "success" is not missed
     versions: list[tuple[str | None, str | None, dict[str, str]]] = []
@@ -116,13 +131,22 @@ def test_a_relabel_during_the_drain_never_reports_the_old_layout(
 
     def record() -> None:
         try:
-            for event in w.stream(core.list_node, field_selector=f"metadata.name={node.name}",
-                                  timeout_seconds=120):
+            for event in w.stream(
+                core.list_node, field_selector=f"metadata.name={node.name}", timeout_seconds=120
+            ):
                 n = event["object"]
                 labels = n.metadata.labels or {}
-                versions.append((labels.get(CONFIG), labels.get(STATE),
-                                 {k: v for k, v in (n.status.allocatable or {}).items()
-                                  if k.startswith("nvidia.com/") and v != "0"}))
+                versions.append(
+                    (
+                        labels.get(CONFIG),
+                        labels.get(STATE),
+                        {
+                            k: v
+                            for k, v in (n.status.allocatable or {}).items()
+                            if k.startswith("nvidia.com/") and v != "0"
+                        },
+                    )
+                )
                 if stop.is_set():
                     return
         except Exception:  # the test cut the watch short
@@ -135,9 +159,15 @@ def test_a_relabel_during_the_drain_never_reports_the_old_layout(
     wait_for(lambda: "drain.started" in node.log_tail(5), "the drain to start", node)
     # as `repartition` does: the new layout, the state cleared
     core.patch_node(node.name, {"metadata": {"labels": {CONFIG: "all-3g.40gb", STATE: None}}})
-    wait_for(lambda: node.labels().get(STATE) == "success"
-             and node.gpu_resources() == {"nvidia.com/mig-3g.40gb": 16},
-             "success with the new layout's resources", node, timeout=90)
+    wait_for(
+        lambda: (
+            node.labels().get(STATE) == "success"
+            and node.gpu_resources() == {"nvidia.com/mig-3g.40gb": 16}
+        ),
+        "success with the new layout's resources",
+        node,
+        timeout=90,
+    )
     stop.set()
     w.stop()
     watcher.join(10)
@@ -149,8 +179,11 @@ def test_a_relabel_during_the_drain_never_reports_the_old_layout(
 
 
 def test_a_failing_reboot_command_is_failed_with_its_reason(agent_node: NodeFactory) -> None:
-    node = agent_node("2xA100-40GB", sim={"reset_supported": False},
-                      settings={"MIG_AGENT_REBOOT_COMMAND": "/bin/false --reboot"})
+    node = agent_node(
+        "2xA100-40GB",
+        sim={"reset_supported": False},
+        settings={"MIG_AGENT_REBOOT_COMMAND": "/bin/false --reboot"},
+    )
     node.label("all-1g.5gb")
     assert node.wait_state("failed", "success", timeout=60) == "failed", node.log_tail()
     annotations = node.node().metadata.annotations or {}
@@ -163,26 +196,42 @@ def test_a_failing_reboot_command_is_failed_with_its_reason(agent_node: NodeFact
 
 
 def test_paused_operands_without_a_device_plugin_do_not_wait_for_one(
-        agent_node: NodeFactory, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, core: client.CoreV1Api
+) -> None:
     node = agent_node("2xH100-80GB", settings={"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "5"})
 
     def plugin_pods() -> list[Any]:
-        return [p for p in core.list_namespaced_pod(
-            agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items
-            if not p.metadata.deletion_timestamp]
+        return [
+            p
+            for p in core.list_namespaced_pod(
+                agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}"
+            ).items
+            if not p.metadata.deletion_timestamp
+        ]
 
     # the DaemonSet has placed its plugin pod: removing the label now cannot race its creation
-    wait_for(lambda: any(p.status.phase == "Running" for p in plugin_pods()),
-             "the device plugin pod to run", node, timeout=60)
+    wait_for(
+        lambda: any(p.status.phase == "Running" for p in plugin_pods()),
+        "the device plugin pod to run",
+        node,
+        timeout=60,
+    )
     # no device plugin on this node, only a DCGM exporter among the operands
-    core.patch_node(node.name, {"metadata": {"labels": {
-        "nvidia.com/gpu.deploy.device-plugin": None,
-        "nvidia.com/gpu.deploy.dcgm-exporter": "true"}}})
+    core.patch_node(
+        node.name,
+        {
+            "metadata": {
+                "labels": {
+                    "nvidia.com/gpu.deploy.device-plugin": None,
+                    "nvidia.com/gpu.deploy.dcgm-exporter": "true",
+                }
+            }
+        },
+    )
     wait_for(lambda: not plugin_pods(), "the device plugin pod to go", node, timeout=60)
     seen: list[str] = []
     node.label("all-1g.10gb")
-    assert node.wait_state("success", "failed", timeout=60, seen=seen) == "success", \
-        node.log_tail()
+    assert node.wait_state("success", "failed", timeout=60, seen=seen) == "success", node.log_tail()
     assert "failed" not in seen and "DevicePluginTimeout" not in node.log_tail(200), seen
     assert node.labels()["nvidia.com/gpu.deploy.dcgm-exporter"] == "true"
     assert not node.node().spec.unschedulable

@@ -55,20 +55,34 @@ class Targets:
 
 
 def _pod(name: str, namespace: str, node: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "labels": labels},
-            "spec": {"nodeName": node, "tolerations": [{"operator": "Exists"}],
-                     "containers": [{"name": "c", "image": "registry.invalid/x:1",
-                                     "env": [{"name": "DB_PASSWORD", "value": SECRET_ENV}]}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "nodeName": node,
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "registry.invalid/x:1",
+                    "env": [{"name": "DB_PASSWORD", "value": SECRET_ENV}],
+                }
+            ],
+        },
+    }
 
 
 def _plugin_pod(cluster: Cluster, node: str) -> str:
-    path = (f"/api/v1/namespaces/{PLUGIN_NS}/pods?labelSelector={PLUGIN_SELECTOR}"
-            f"&fieldSelector=spec.nodeName%3D{node}")
+    path = (
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods?labelSelector={PLUGIN_SELECTOR}"
+        f"&fieldSelector=spec.nodeName%3D{node}"
+    )
 
     def found() -> str | None:
-        items = [p for p in cluster.api.get(path)["items"]
-                 if not p["metadata"].get("deletionTimestamp")]
+        items = [
+            p for p in cluster.api.get(path)["items"] if not p["metadata"].get("deletionTimestamp")
+        ]
         return str(items[0]["metadata"]["name"]) if items else None
 
     name = wait_until(found, timeout=60, what=f"the device plugin pod on {node}")
@@ -84,55 +98,90 @@ def targets(installed: Cluster) -> Iterator[Targets]:
     try:
         for name in (own, other):
             installed.add_gpu_node(name)
-        pod = wait_until(lambda: agent_pod_on(installed, own), timeout=60,
-                         what=f"the mig-agent pod on {own}")
+        pod = wait_until(
+            lambda: agent_pod_on(installed, own), timeout=60, what=f"the mig-agent pod on {own}"
+        )
         assert pod is not None
         meta = pod["metadata"]
-        bound = as_user(installed, installed.token_for(AGENT_NS, AGENT_SA,
-                                                       bound_pod=(meta["name"], meta["uid"])))
+        bound = as_user(
+            installed,
+            installed.token_for(AGENT_NS, AGENT_SA, bound_pod=(meta["name"], meta["uid"])),
+        )
         unbound = as_user(installed, installed.token_for(AGENT_NS, AGENT_SA))
         installed.kubectl("create", "namespace", TEAM_NS, check=False)
         driver, workload = f"nvidia-driver-{stamp}", f"training-{stamp}"
-        api.request("POST", f"/api/v1/namespaces/{PLUGIN_NS}/pods",
-                    _pod(driver, PLUGIN_NS, own, {"app": "nvidia-driver-daemonset"}))
-        api.request("POST", f"/api/v1/namespaces/{TEAM_NS}/pods",
-                    _pod(workload, TEAM_NS, other, {"app": "training"}))
-        names = {"own": own, "other": other, "own_plugin": _plugin_pod(installed, own),
-                 "other_plugin": _plugin_pod(installed, other), "own_driver": driver,
-                 "workload": workload}
+        api.request(
+            "POST",
+            f"/api/v1/namespaces/{PLUGIN_NS}/pods",
+            _pod(driver, PLUGIN_NS, own, {"app": "nvidia-driver-daemonset"}),
+        )
+        api.request(
+            "POST",
+            f"/api/v1/namespaces/{TEAM_NS}/pods",
+            _pod(workload, TEAM_NS, other, {"app": "training"}),
+        )
+        names = {
+            "own": own,
+            "other": other,
+            "own_plugin": _plugin_pod(installed, own),
+            "other_plugin": _plugin_pod(installed, other),
+            "own_driver": driver,
+            "workload": workload,
+        }
         t = Targets(own, other, bound, unbound, names)
         _wait_policies(t)
         yield t
     finally:
         for ns, name in ((PLUGIN_NS, f"nvidia-driver-{stamp}"), (TEAM_NS, f"training-{stamp}")):
-            installed.kubectl("delete", "pod", "-n", ns, name, "--grace-period=0", "--force",
-                              "--ignore-not-found", check=False)
+            installed.kubectl(
+                "delete",
+                "pod",
+                "-n",
+                ns,
+                name,
+                "--grace-period=0",
+                "--force",
+                "--ignore-not-found",
+                check=False,
+            )
         for name in (own, other):
             installed.delete_node(name)
 
 
 def _wait_policies(t: Targets) -> None:
     """The API server loads new policies asynchronously: wait until both refuse."""
-    for attempt in (ATTEMPTS["delete-other-nodes-device-plugin"],
-                    ATTEMPTS["event-about-other-node"]):
+    for attempt in (
+        ATTEMPTS["delete-other-nodes-device-plugin"],
+        ATTEMPTS["event-about-other-node"],
+    ):
+
         def refused(a: Attempt = attempt) -> bool:
             status, message = a.send(t)
             return status == 403 and str(a.expect) in message
 
-        wait_until(refused, timeout=60, what="the admission policies to be enforced",
-                   interval=0.5)
+        wait_until(refused, timeout=60, what="the admission policies to be enforced", interval=0.5)
 
 
 def _event(about: str = "{own}", reason: str = "MIGDraining", **extra: Any) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "attack."},
-            "involvedObject": {"kind": "Node", "name": about, "apiVersion": "v1"},
-            "reason": reason, "message": "from the attack table", "type": "Normal",
-            "source": {"component": "mig-agent", "host": "{own}"}, **extra}
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": "attack."},
+        "involvedObject": {"kind": "Node", "name": about, "apiVersion": "v1"},
+        "reason": reason,
+        "message": "from the attack table",
+        "type": "Normal",
+        "source": {"component": "mig-agent", "host": "{own}"},
+        **extra,
+    }
 
 
 def _eviction(name: str, namespace: str, grace: int | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
-                            "metadata": {"name": name, "namespace": namespace}}
+    body: dict[str, Any] = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+    }
     if grace is not None:
         body["deleteOptions"] = {"gracePeriodSeconds": grace}
     return body
@@ -169,95 +218,190 @@ EVENTS = f"/api/v1/namespaces/default/events{DRY}"
 ATTEMPTS: dict[str, Attempt] = {
     # pods: the agent restarts the device plugin on its node, nothing else
     "delete-own-device-plugin": Attempt(
-        "bound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}{DRY}",
-        expect=ALLOWED),
+        "bound",
+        "DELETE",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}{DRY}",
+        expect=ALLOWED,
+    ),
     "delete-other-nodes-device-plugin": Attempt(
-        "bound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{other_plugin}}{DRY}",
-        expect=DELETE_POLICY, fragment="may delete pods only on the node it runs on ({own}), "
-        "not on {other}"),
+        "bound",
+        "DELETE",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{other_plugin}}{DRY}",
+        expect=DELETE_POLICY,
+        fragment="may delete pods only on the node it runs on ({own}), not on {other}",
+    ),
     "delete-own-nodes-driver": Attempt(
-        "bound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_driver}}{DRY}",
-        expect=DELETE_POLICY, fragment="may delete only the device plugin's pod"),
+        "bound",
+        "DELETE",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_driver}}{DRY}",
+        expect=DELETE_POLICY,
+        fragment="may delete only the device plugin's pod",
+    ),
     "delete-device-plugin-unbound": Attempt(
-        "unbound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}{DRY}",
-        expect=DELETE_POLICY, fragment="(its token names no node)"),
+        "unbound",
+        "DELETE",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}{DRY}",
+        expect=DELETE_POLICY,
+        fragment="(its token names no node)",
+    ),
     "delete-workload": Attempt(
-        "bound", "DELETE", f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}{DRY}"),
+        "bound", "DELETE", f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}{DRY}"
+    ),
     "delete-all-gpu-operator-pods": Attempt(
-        "bound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods{DRY}"),
+        "bound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods{DRY}"
+    ),
     "patch-device-plugin-pod": Attempt(
-        "bound", "PATCH", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}{DRY}",
-        {"metadata": {"labels": {"x": "y"}}}),
-    "create-pod": Attempt("bound", "POST", f"/api/v1/namespaces/{PLUGIN_NS}/pods{DRY}",
-                          _pod("sneaky", PLUGIN_NS, "{own}", {})),
+        "bound",
+        "PATCH",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}{DRY}",
+        {"metadata": {"labels": {"x": "y"}}},
+    ),
+    "create-pod": Attempt(
+        "bound",
+        "POST",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods{DRY}",
+        _pod("sneaky", PLUGIN_NS, "{own}", {}),
+    ),
     "exec-into-device-plugin": Attempt(
-        "bound", "POST",
-        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}/exec?command=id&stdout=true"),
+        "bound",
+        "POST",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}/exec?command=id&stdout=true",
+    ),
     "read-device-plugin-log": Attempt(
-        "bound", "GET", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}/log"),
+        "bound", "GET", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}/log"
+    ),
     # events: about its own node, with its own reasons
     "event-about-own-node": Attempt("bound", "POST", EVENTS, _event(), expect=ALLOWED),
-    "event-failed-warning": Attempt("bound", "POST", EVENTS,
-                                    _event(reason="MIGConfigFailed", type="Warning"),
-                                    expect=ALLOWED),
-    "event-about-other-node": Attempt("bound", "POST", EVENTS, _event(about="{other}"),
-                                      expect=EVENT_POLICY,
-                                      fragment="only about the node it runs on ({own}), "
-                                      "not about Node {other}"),
-    "event-node-not-ready-own-node": Attempt("bound", "POST", EVENTS,
-                                             _event(reason="NodeNotReady"), expect=EVENT_POLICY,
-                                             fragment="may report only its own events"),
+    "event-failed-warning": Attempt(
+        "bound", "POST", EVENTS, _event(reason="MIGConfigFailed", type="Warning"), expect=ALLOWED
+    ),
+    "event-about-other-node": Attempt(
+        "bound",
+        "POST",
+        EVENTS,
+        _event(about="{other}"),
+        expect=EVENT_POLICY,
+        fragment="only about the node it runs on ({own}), not about Node {other}",
+    ),
+    "event-node-not-ready-own-node": Attempt(
+        "bound",
+        "POST",
+        EVENTS,
+        _event(reason="NodeNotReady"),
+        expect=EVENT_POLICY,
+        fragment="may report only its own events",
+    ),
     "event-about-a-pod": Attempt(
-        "bound", "POST", EVENTS,
+        "bound",
+        "POST",
+        EVENTS,
         _event(involvedObject={"kind": "Pod", "name": "x", "namespace": "default"}),
-        expect=EVENT_POLICY, fragment="not about Pod x"),
+        expect=EVENT_POLICY,
+        fragment="not about Pod x",
+    ),
     "event-related-to-other-node": Attempt(
-        "bound", "POST", EVENTS,
+        "bound",
+        "POST",
+        EVENTS,
         _event(related={"kind": "Node", "name": "{other}", "apiVersion": "v1"}),
-        expect=EVENT_POLICY, fragment="only about the node it runs on"),
+        expect=EVENT_POLICY,
+        fragment="only about the node it runs on",
+    ),
     "event-from-other-host": Attempt(
-        "bound", "POST", EVENTS, _event(source={"component": "mig-agent", "host": "{other}"}),
-        expect=EVENT_POLICY, fragment="only about the node it runs on"),
+        "bound",
+        "POST",
+        EVENTS,
+        _event(source={"component": "mig-agent", "host": "{other}"}),
+        expect=EVENT_POLICY,
+        fragment="only about the node it runs on",
+    ),
     "event-as-kubelet": Attempt(
-        "bound", "POST", EVENTS, _event(source={"component": "kubelet", "host": "{own}"}),
-        expect=EVENT_POLICY, fragment="may report only its own events"),
-    "event-unbound": Attempt("unbound", "POST", EVENTS, _event(), expect=EVENT_POLICY,
-                             fragment="(its token names no node)"),
-    "event-in-kube-system": Attempt("bound", "POST", f"/api/v1/namespaces/kube-system/events{DRY}",
-                                    _event()),
+        "bound",
+        "POST",
+        EVENTS,
+        _event(source={"component": "kubelet", "host": "{own}"}),
+        expect=EVENT_POLICY,
+        fragment="may report only its own events",
+    ),
+    "event-unbound": Attempt(
+        "unbound",
+        "POST",
+        EVENTS,
+        _event(),
+        expect=EVENT_POLICY,
+        fragment="(its token names no node)",
+    ),
+    "event-in-kube-system": Attempt(
+        "bound", "POST", f"/api/v1/namespaces/kube-system/events{DRY}", _event()
+    ),
     "event-through-events-api": Attempt(
-        "bound", "POST", f"/apis/events.k8s.io/v1/namespaces/default/events{DRY}",
-        {"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"generateName": "x."},
-         "regarding": {"kind": "Node", "name": "{other}"}, "reason": "NodeNotReady",
-         "action": "x", "reportingController": "x", "reportingInstance": "x",
-         "eventTime": "2026-01-01T00:00:00.000000Z", "type": "Normal"}),
+        "bound",
+        "POST",
+        f"/apis/events.k8s.io/v1/namespaces/default/events{DRY}",
+        {
+            "apiVersion": "events.k8s.io/v1",
+            "kind": "Event",
+            "metadata": {"generateName": "x."},
+            "regarding": {"kind": "Node", "name": "{other}"},
+            "reason": "NodeNotReady",
+            "action": "x",
+            "reportingController": "x",
+            "reportingInstance": "x",
+            "eventTime": "2026-01-01T00:00:00.000000Z",
+            "type": "Normal",
+        },
+    ),
     # residual (README, Security): RBAC cannot scope these to a node, an Eviction names no node
     "evict-pod-on-other-node": Attempt(
-        "bound", "POST", f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}/eviction{DRY}",
-        _eviction("{workload}", TEAM_NS), expect=RESIDUAL),
+        "bound",
+        "POST",
+        f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}/eviction{DRY}",
+        _eviction("{workload}", TEAM_NS),
+        expect=RESIDUAL,
+    ),
     "evict-pod-grace-0": Attempt(
-        "bound", "POST", f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}/eviction{DRY}",
-        _eviction("{workload}", TEAM_NS, grace=0), expect=RESIDUAL),
+        "bound",
+        "POST",
+        f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}/eviction{DRY}",
+        _eviction("{workload}", TEAM_NS, grace=0),
+        expect=RESIDUAL,
+    ),
     "evict-pod-unbound": Attempt(
-        "unbound", "POST", f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}/eviction{DRY}",
-        _eviction("{workload}", TEAM_NS), expect=RESIDUAL),
+        "unbound",
+        "POST",
+        f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}/eviction{DRY}",
+        _eviction("{workload}", TEAM_NS),
+        expect=RESIDUAL,
+    ),
     "read-pod-on-other-node": Attempt(
-        "bound", "GET", f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}", expect=RESIDUAL,
-        fragment=SECRET_ENV),
-    "list-pods-everywhere": Attempt("bound", "GET", "/api/v1/pods", expect=RESIDUAL,
-                                    fragment=SECRET_ENV),
+        "bound",
+        "GET",
+        f"/api/v1/namespaces/{TEAM_NS}/pods/{{workload}}",
+        expect=RESIDUAL,
+        fragment=SECRET_ENV,
+    ),
+    "list-pods-everywhere": Attempt(
+        "bound", "GET", "/api/v1/pods", expect=RESIDUAL, fragment=SECRET_ENV
+    ),
     "list-nodes": Attempt("bound", "GET", "/api/v1/nodes", expect=RESIDUAL),
     # what RBAC refuses to any token of the account
     "list-secrets": Attempt("bound", "GET", "/api/v1/secrets"),
-    "read-kube-system-configmaps": Attempt("bound", "GET",
-                                           "/api/v1/namespaces/kube-system/configmaps"),
+    "read-kube-system-configmaps": Attempt(
+        "bound", "GET", "/api/v1/namespaces/kube-system/configmaps"
+    ),
     "node-proxy": Attempt("bound", "GET", "/api/v1/nodes/{own}/proxy/pods"),
     "mint-a-token": Attempt(
-        "bound", "POST", f"/api/v1/namespaces/{AGENT_NS}/serviceaccounts/{AGENT_SA}/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}),
-    "replace-own-node": Attempt("bound", "PUT", f"/api/v1/nodes/{{own}}{DRY}",
-                                {"apiVersion": "v1", "kind": "Node",
-                                 "metadata": {"name": "{own}"}}),
+        "bound",
+        "POST",
+        f"/api/v1/namespaces/{AGENT_NS}/serviceaccounts/{AGENT_SA}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
+    ),
+    "replace-own-node": Attempt(
+        "bound",
+        "PUT",
+        f"/api/v1/nodes/{{own}}{DRY}",
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "{own}"}},
+    ),
     "delete-own-node": Attempt("bound", "DELETE", f"/api/v1/nodes/{{own}}{DRY}"),
 }
 

@@ -16,13 +16,20 @@ pytestmark = pytest.mark.slow
 
 
 def bench(*argv: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True,
-                          check=False, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.native
-@pytest.mark.skipif(os.geteuid() != 0, reason="MIG Manager needs a private mount namespace: "
-                                              "run as root")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="MIG Manager needs a private mount namespace: run as root"
+)
 def test_vs_mig_manager_quick_runs() -> None:
     out = bench("benchmarks/vs_mig_manager.py", "--quick")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -45,21 +52,31 @@ def test_vs_mig_manager_quick_runs() -> None:
 def test_pool_rollout_quick_runs() -> None:
     out = bench("benchmarks/pool_rollout.py", "--quick", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for measure in ("rollout wall time", "per node to success, p95",
-                    "agents' RSS after the rollout, total", "idle agent's API requests per minute",
-                    "API server CPU during the rollout"):
+    for measure in (
+        "rollout wall time",
+        "per node to success, p95",
+        "agents' RSS after the rollout, total",
+        "idle agent's API requests per minute",
+        "API server CPU during the rollout",
+    ):
         assert measure in out.stdout, out.stdout
 
 
 def test_agent_overhead_quick_runs() -> None:
     out = bench("benchmarks/agent_overhead.py", "--quick", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for table in ("## Label change to success", "## With a GPU pod on every device",
-                  "## Idle agent over"):
+    for table in (
+        "## Label change to success",
+        "## With a GPU pod on every device",
+        "## Idle agent over",
+    ):
         assert table in out.stdout, out.stdout
     # the split with pods: each transition evicted pods and its parts are figures
-    rows = [line for line in out.stdout.splitlines()
-            if line.startswith(("| a all-disabled", "| d1 all-balanced"))]
+    rows = [
+        line
+        for line in out.stdout.splitlines()
+        if line.startswith(("| a all-disabled", "| d1 all-balanced"))
+    ]
     assert len(rows) == 2, out.stdout
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]

@@ -51,8 +51,10 @@ STRATEGIC = "application/strategic-merge-patch+json"
 
 def agent_pod_on(cluster: Cluster, node: str) -> dict[str, Any] | None:
     """The live mig-agent pod scheduled on `node`, if any."""
-    path = (f"/api/v1/namespaces/{AGENT_NS}/pods?labelSelector={AGENT_PODS}"
-            f"&fieldSelector=spec.nodeName%3D{node}")
+    path = (
+        f"/api/v1/namespaces/{AGENT_NS}/pods?labelSelector={AGENT_PODS}"
+        f"&fieldSelector=spec.nodeName%3D{node}"
+    )
     pods = [p for p in cluster.api.get(path)["items"] if not p["metadata"].get("deletionTimestamp")]
     assert len(pods) <= 1, f"{len(pods)} agent pods on {node}"
     return pods[0] if pods else None
@@ -71,7 +73,8 @@ def as_user(cluster: Cluster, token: str) -> Api:
 
 
 def test_dry_run_then_apply_runs_an_agent_on_every_gpu_node_only(
-        cluster: Cluster, core: client.CoreV1Api, gpu_node_factory: GpuNodeFactory) -> None:
+    cluster: Cluster, core: client.CoreV1Api, gpu_node_factory: GpuNodeFactory
+) -> None:
     # A server-side dry run checks each object against the live API server (schemas, admission,
     # the CEL of the policy) but persists nothing, so it cannot create the Namespace first: every
     # namespaced object of the file would fail with "namespaces mig-agent not found". So the
@@ -80,8 +83,12 @@ def test_dry_run_then_apply_runs_an_agent_on_every_gpu_node_only(
     docs = [d for d in yaml.safe_load_all(DAEMONSET.read_text()) if d]
     namespaces = [d for d in docs if d["kind"] == "Namespace"]
     namespaces.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": PLUGIN_NS}})
-    cluster.kubectl("apply", "-f", "-",
-                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": namespaces}))
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": namespaces}),
+    )
 
     out = cluster.kubectl("apply", "--dry-run=server", "-f", str(DAEMONSET))
     lines = out.strip().splitlines()
@@ -96,12 +103,18 @@ def test_dry_run_then_apply_runs_an_agent_on_every_gpu_node_only(
         # A GPU node added after the CPU node: once its agent pod exists, the DaemonSet
         # controller has synced after the CPU node appeared, so "no pod there" is not "not yet".
         late = gpu_node_factory()
-        gpu_nodes = [n.metadata.name for n in core.list_node(label_selector=GPU_NODES).items
-                     if n.metadata.deletion_timestamp is None]
+        gpu_nodes = [
+            n.metadata.name
+            for n in core.list_node(label_selector=GPU_NODES).items
+            if n.metadata.deletion_timestamp is None
+        ]
         assert late in gpu_nodes and "gpu-node-0" in gpu_nodes and "gpu-node-1" in gpu_nodes
         for node in gpu_nodes:
-            wait_until(partial(running_agent_on, cluster, node), timeout=60,
-                       what=f"a running mig-agent pod on {node}")
+            wait_until(
+                partial(running_agent_on, cluster, node),
+                timeout=60,
+                what=f"a running mig-agent pod on {node}",
+            )
         assert agent_pod_on(cluster, cpu) is None
         ds = client.AppsV1Api(core.api_client).read_namespaced_daemon_set(AGENT_SA, AGENT_NS)
         assert ds.status.desired_number_scheduled == len(gpu_nodes)
@@ -122,48 +135,83 @@ def agent_sa(installed: Cluster) -> Api:
 
 def can(api: Api, verb: str, resource: str, namespace: str = "", group: str = "") -> bool:
     resource, _, sub = resource.partition("/")
-    attrs = {"verb": verb, "group": group, "resource": resource, "subresource": sub,
-             "namespace": namespace}
-    review = api.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
-        "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-        "spec": {"resourceAttributes": attrs}})
+    attrs = {
+        "verb": verb,
+        "group": group,
+        "resource": resource,
+        "subresource": sub,
+        "namespace": namespace,
+    }
+    review = api.request(
+        "POST",
+        "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": attrs},
+        },
+    )
     return bool(review["status"].get("allowed"))
 
 
 def test_agent_token_is_the_daemonsets_service_account(agent_sa: Api) -> None:
-    review = agent_sa.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", {
-        "apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+    review = agent_sa.request(
+        "POST",
+        "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+    )
     assert review["status"]["userInfo"]["username"] == AGENT_USER
 
 
 RBAC = "rbac.authorization.k8s.io"
 NEEDED = [
-    ("get", "nodes", ""), ("list", "nodes", ""), ("watch", "nodes", ""), ("patch", "nodes", ""),
+    ("get", "nodes", ""),
+    ("list", "nodes", ""),
+    ("watch", "nodes", ""),
+    ("patch", "nodes", ""),
     ("patch", "nodes/status", ""),
-    ("get", "pods", ""), ("list", "pods", ""), ("get", "pods", "default"),
+    ("get", "pods", ""),
+    ("list", "pods", ""),
+    ("get", "pods", "default"),
     ("list", "pods", "team-a"),
-    ("create", "pods/eviction", ""), ("create", "pods/eviction", "team-a"),
+    ("create", "pods/eviction", ""),
+    ("create", "pods/eviction", "team-a"),
     ("delete", "pods", PLUGIN_NS),
     ("create", "events", "default"),
 ]
 REFUSED = [
-    *[(verb, "secrets", ns) for verb in ("get", "list", "watch")
-      for ns in ("", AGENT_NS, "kube-system", "default", PLUGIN_NS)],
-    ("delete", "nodes", ""), ("create", "nodes", ""), ("update", "nodes", ""),
+    *[
+        (verb, "secrets", ns)
+        for verb in ("get", "list", "watch")
+        for ns in ("", AGENT_NS, "kube-system", "default", PLUGIN_NS)
+    ],
+    ("delete", "nodes", ""),
+    ("create", "nodes", ""),
+    ("update", "nodes", ""),
     ("update", "nodes/status", ""),
-    ("patch", "pods", ""), ("patch", "pods", "default"), ("update", "pods", "default"),
+    ("patch", "pods", ""),
+    ("patch", "pods", "default"),
+    ("update", "pods", "default"),
     ("patch", "pods/status", "default"),
-    ("delete", "pods", ""), ("delete", "pods", "default"), ("delete", "pods", AGENT_NS),
-    ("delete", "pods", "kube-system"), ("deletecollection", "pods", PLUGIN_NS),
-    ("create", "pods", "default"), ("create", "pods", PLUGIN_NS),
-    ("list", "configmaps", "kube-system"), ("get", "configmaps", "kube-system"),
+    ("delete", "pods", ""),
+    ("delete", "pods", "default"),
+    ("delete", "pods", AGENT_NS),
+    ("delete", "pods", "kube-system"),
+    ("deletecollection", "pods", PLUGIN_NS),
+    ("create", "pods", "default"),
+    ("create", "pods", PLUGIN_NS),
+    ("list", "configmaps", "kube-system"),
+    ("get", "configmaps", "kube-system"),
     ("create", "events", "kube-system"),
     ("create", "serviceaccounts/token", AGENT_NS),
     ("impersonate", "users", ""),
 ]
 REFUSED_RBAC = [
-    ("create", "clusterrolebindings", ""), ("create", "rolebindings", PLUGIN_NS),
-    ("create", "clusterroles", ""), ("escalate", "clusterroles", ""), ("bind", "clusterroles", ""),
+    ("create", "clusterrolebindings", ""),
+    ("create", "rolebindings", PLUGIN_NS),
+    ("create", "clusterroles", ""),
+    ("escalate", "clusterroles", ""),
+    ("bind", "clusterroles", ""),
     ("patch", "clusterroles", ""),
 ]
 
@@ -183,22 +231,35 @@ def test_agent_lacks_the_right(agent_sa: Api, verb: str, resource: str, namespac
 
 
 @pytest.mark.parametrize(("verb", "resource", "namespace"), REFUSED_RBAC, ids=_ids(REFUSED_RBAC))
-def test_agent_cannot_grant_itself_rbac(agent_sa: Api, verb: str, resource: str,
-                                        namespace: str) -> None:
+def test_agent_cannot_grant_itself_rbac(
+    agent_sa: Api, verb: str, resource: str, namespace: str
+) -> None:
     assert not can(agent_sa, verb, resource, namespace, group=RBAC)
 
 
 DRY = "?dryRun=All"
-POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sneaky"},
-       "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1"}]}}
+POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "sneaky"},
+    "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1"}]},
+}
 ADMIN_BINDING = {
-    "apiVersion": f"{RBAC}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "sneaky"},
+    "apiVersion": f"{RBAC}/v1",
+    "kind": "ClusterRoleBinding",
+    "metadata": {"name": "sneaky"},
     "roleRef": {"apiGroup": RBAC, "kind": "ClusterRole", "name": "cluster-admin"},
     "subjects": [{"kind": "ServiceAccount", "name": AGENT_SA, "namespace": AGENT_NS}],
 }
-EVENT = {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "deploy-test."},
-         "involvedObject": {"kind": "Node", "name": "gpu-node-0", "apiVersion": "v1"},
-         "reason": "Test", "message": "dry run", "type": "Normal"}
+EVENT = {
+    "apiVersion": "v1",
+    "kind": "Event",
+    "metadata": {"generateName": "deploy-test."},
+    "involvedObject": {"kind": "Node", "name": "gpu-node-0", "apiVersion": "v1"},
+    "reason": "Test",
+    "message": "dry run",
+    "type": "Normal",
+}
 EVICTION = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "nope"}}
 
 
@@ -216,24 +277,30 @@ class Call:
 CALLS = {
     "list-nodes": Call("GET", "/api/v1/nodes", refused=False),
     "list-pods-everywhere": Call("GET", "/api/v1/pods", refused=False),
-    "evict-pod": Call("POST", f"/api/v1/namespaces/default/pods/nope/eviction{DRY}", EVICTION,
-                      refused=False),
-    "delete-device-plugin-pod": Call("DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/nope{DRY}",
-                                     refused=False),
+    "evict-pod": Call(
+        "POST", f"/api/v1/namespaces/default/pods/nope/eviction{DRY}", EVICTION, refused=False
+    ),
+    "delete-device-plugin-pod": Call(
+        "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/nope{DRY}", refused=False
+    ),
     # RBAC allows it, the policy mig-agent-own-events refuses it: this token names no node
-    "create-node-event": Call("POST", f"/api/v1/namespaces/default/events{DRY}", EVENT,
-                              policy="mig-agent-own-events"),
+    "create-node-event": Call(
+        "POST", f"/api/v1/namespaces/default/events{DRY}", EVENT, policy="mig-agent-own-events"
+    ),
     "list-secrets-everywhere": Call("GET", "/api/v1/secrets"),
     "list-secrets-kube-system": Call("GET", "/api/v1/namespaces/kube-system/secrets"),
     "list-secrets-own-namespace": Call("GET", f"/api/v1/namespaces/{AGENT_NS}/secrets"),
     "delete-node": Call("DELETE", f"/api/v1/nodes/gpu-node-0{DRY}"),
-    "patch-pod": Call("PATCH", f"/api/v1/namespaces/default/pods/nope{DRY}",
-                      {"metadata": {"labels": {"x": "y"}}}, MERGE),
+    "patch-pod": Call(
+        "PATCH",
+        f"/api/v1/namespaces/default/pods/nope{DRY}",
+        {"metadata": {"labels": {"x": "y"}}},
+        MERGE,
+    ),
     "delete-pod-elsewhere": Call("DELETE", f"/api/v1/namespaces/default/pods/nope{DRY}"),
     "create-pod": Call("POST", f"/api/v1/namespaces/default/pods{DRY}", POD),
     "list-configmaps-kube-system": Call("GET", "/api/v1/namespaces/kube-system/configmaps"),
-    "bind-cluster-admin": Call("POST", f"/apis/{RBAC}/v1/clusterrolebindings{DRY}",
-                               ADMIN_BINDING),
+    "bind-cluster-admin": Call("POST", f"/apis/{RBAC}/v1/clusterrolebindings{DRY}", ADMIN_BINDING),
 }
 
 
@@ -269,16 +336,23 @@ def nodes(installed: Cluster) -> Iterator[Nodes]:
     try:
         for name in (own, other):
             installed.add_gpu_node(name)
-        pod = wait_until(lambda: agent_pod_on(installed, own), timeout=60,
-                         what=f"the mig-agent pod on {own}")
-        wait_until(lambda: agent_pod_on(installed, other), timeout=60,
-                   what=f"the mig-agent pod on {other}")
+        pod = wait_until(
+            lambda: agent_pod_on(installed, own), timeout=60, what=f"the mig-agent pod on {own}"
+        )
+        wait_until(
+            lambda: agent_pod_on(installed, other), timeout=60, what=f"the mig-agent pod on {other}"
+        )
         assert pod is not None
         meta = pod["metadata"]
         bound = installed.token_for(AGENT_NS, AGENT_SA, bound_pod=(meta["name"], meta["uid"]))
-        n = Nodes(own, other, as_user(installed, bound),
-                  as_user(installed, installed.token_for(AGENT_NS, AGENT_SA)), installed.api,
-                  {"own": own, "other": other})
+        n = Nodes(
+            own,
+            other,
+            as_user(installed, bound),
+            as_user(installed, installed.token_for(AGENT_NS, AGENT_SA)),
+            installed.api,
+            {"own": own, "other": other},
+        )
         wait_policy_active(n)
         yield n
     finally:
@@ -291,8 +365,12 @@ def wait_policy_active(n: Nodes) -> None:
 
     def refused() -> bool:
         try:
-            n.own_agent.request("PATCH", f"/api/v1/nodes/{n.other}",
-                                {"metadata": {"labels": {STATE: "probe"}}}, content_type=MERGE)
+            n.own_agent.request(
+                "PATCH",
+                f"/api/v1/nodes/{n.other}",
+                {"metadata": {"labels": {STATE: "probe"}}},
+                content_type=MERGE,
+            )
         except ApiError as exc:
             if exc.status in (403, 422) and POLICY in str(exc):
                 return True
@@ -302,11 +380,18 @@ def wait_policy_active(n: Nodes) -> None:
     wait_until(refused, timeout=60, what=f"the policy {POLICY} to be enforced", interval=0.5)
 
 
-def condition(kind: str, status: str = "True", reason: str = "Applied",
-              message: str = "from the test") -> dict[str, str]:
+def condition(
+    kind: str, status: str = "True", reason: str = "Applied", message: str = "from the test"
+) -> dict[str, str]:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return {"type": kind, "status": status, "reason": reason, "message": message,
-            "lastHeartbeatTime": now, "lastTransitionTime": now}
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
 
 
 @dataclass(frozen=True)
@@ -325,10 +410,12 @@ class Change:
 OTHER_NODE = "may change only the node it runs on ({own}), not {other}"
 NO_NODE = "may change only the node it runs on (its token names no node)"
 LABELS = "may change only the MIG state and operand labels, not: "
-ANNOTATIONS = ("may change only its own annotations (mig-agent.dev/cordoned, "
-               "mig-agent.dev/paused-operands, mig-agent.dev/reason, mig-agent.dev/gpu-state, "
-               "mig-agent.dev/reboot-attempted, mig-agent.dev/post-apply-pending, "
-               "mig-agent.dev/stopped-host-services), not: ")
+ANNOTATIONS = (
+    "may change only its own annotations (mig-agent.dev/cordoned, "
+    "mig-agent.dev/paused-operands, mig-agent.dev/reason, mig-agent.dev/gpu-state, "
+    "mig-agent.dev/reboot-attempted, mig-agent.dev/post-apply-pending, "
+    "mig-agent.dev/stopped-host-services), not: "
+)
 STATE_VALUE = f"may set {STATE} only to pending, rebooting, success, failed, not "
 OPERANDS = "may move an operand label only to true or paused-for-mig-change, "
 SIZE = "annotations are capped at 4096 characters"
@@ -341,136 +428,282 @@ STATUS = "may change only its own node condition (MIGConfigApplied) in the statu
 CHANGES = {
     # allowed: what the agent does to its own node
     "own-state-label": Change("own_agent", "own", {"metadata": {"labels": {STATE: "pending"}}}),
-    "own-state-label-removed": Change("own_agent", "own", {"metadata": {"labels": {STATE: None}}},
-                                      before={"metadata": {"labels": {STATE: "failed"}}}),
-    "own-annotation": Change("own_agent", "own",
-                             {"metadata": {"annotations": {"mig-agent.dev/reason": "test"}}}),
-    "own-cordon": Change("own_agent", "own", {"spec": {"unschedulable": True}},
-                         before={"spec": {"unschedulable": None}}),
-    "own-uncordon": Change("own_agent", "own", {"spec": {"unschedulable": None}},
-                           before={"spec": {"unschedulable": True}}),
-    "own-device-plugin-paused": Change("own_agent", "own",
-                                       {"metadata": {"labels": {DP_LABEL: PAUSED}}},
-                                       before={"metadata": {"labels": {DP_LABEL: "true"}}}),
-    "own-device-plugin-resumed": Change("own_agent", "own",
-                                        {"metadata": {"labels": {DP_LABEL: "true"}}},
-                                        before={"metadata": {"labels": {DP_LABEL: PAUSED}}}),
+    "own-state-label-removed": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {STATE: None}}},
+        before={"metadata": {"labels": {STATE: "failed"}}},
+    ),
+    "own-annotation": Change(
+        "own_agent", "own", {"metadata": {"annotations": {"mig-agent.dev/reason": "test"}}}
+    ),
+    "own-cordon": Change(
+        "own_agent",
+        "own",
+        {"spec": {"unschedulable": True}},
+        before={"spec": {"unschedulable": None}},
+    ),
+    "own-uncordon": Change(
+        "own_agent",
+        "own",
+        {"spec": {"unschedulable": None}},
+        before={"spec": {"unschedulable": True}},
+    ),
+    "own-device-plugin-paused": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {DP_LABEL: PAUSED}}},
+        before={"metadata": {"labels": {DP_LABEL: "true"}}},
+    ),
+    "own-device-plugin-resumed": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {DP_LABEL: "true"}}},
+        before={"metadata": {"labels": {DP_LABEL: PAUSED}}},
+    ),
     "own-state-failed": Change("own_agent", "own", {"metadata": {"labels": {STATE: "failed"}}}),
-    "own-all-annotations": Change("own_agent", "own", {"metadata": {"annotations": {
-        "mig-agent.dev/cordoned": "true", "mig-agent.dev/paused-operands": DP_LABEL,
-        "mig-agent.dev/reason": "r" * 4096, "mig-agent.dev/gpu-state": "{" * 30000,
-        "mig-agent.dev/reboot-attempted": "all-balanced"}}}),
-    "own-condition-failed": Change("own_agent", "own", {"status": {"conditions": [
-        condition("MIGConfigApplied", "False", "EvictionBlocked", "m" * 1024)]}}, status=True),
-    "own-condition": Change("own_agent", "own",
-                            {"status": {"conditions": [condition("MIGConfigApplied")]}},
-                            status=True),
+    "own-all-annotations": Change(
+        "own_agent",
+        "own",
+        {
+            "metadata": {
+                "annotations": {
+                    "mig-agent.dev/cordoned": "true",
+                    "mig-agent.dev/paused-operands": DP_LABEL,
+                    "mig-agent.dev/reason": "r" * 4096,
+                    "mig-agent.dev/gpu-state": "{" * 30000,
+                    "mig-agent.dev/reboot-attempted": "all-balanced",
+                }
+            }
+        },
+    ),
+    "own-condition-failed": Change(
+        "own_agent",
+        "own",
+        {
+            "status": {
+                "conditions": [
+                    condition("MIGConfigApplied", "False", "EvictionBlocked", "m" * 1024)
+                ]
+            }
+        },
+        status=True,
+    ),
+    "own-condition": Change(
+        "own_agent", "own", {"status": {"conditions": [condition("MIGConfigApplied")]}}, status=True
+    ),
     # denied: another node
-    "other-state-label": Change("own_agent", "other", {"metadata": {"labels": {STATE: "x"}}},
-                                denied=OTHER_NODE),
-    "other-annotation": Change("own_agent", "other",
-                               {"metadata": {"annotations": {"mig-agent.dev/reason": "x"}}},
-                               denied=OTHER_NODE),
-    "other-foreign-annotation": Change("own_agent", "other",
-                                       {"metadata": {"annotations": {"example.com/x": "y"}}},
-                                       denied=OTHER_NODE),
-    "other-cordon": Change("own_agent", "other", {"spec": {"unschedulable": True}},
-                           denied=OTHER_NODE),
-    "other-condition": Change("own_agent", "other",
-                              {"status": {"conditions": [condition("MIGConfigApplied")]}},
-                              status=True, denied=OTHER_NODE),
+    "other-state-label": Change(
+        "own_agent", "other", {"metadata": {"labels": {STATE: "x"}}}, denied=OTHER_NODE
+    ),
+    "other-annotation": Change(
+        "own_agent",
+        "other",
+        {"metadata": {"annotations": {"mig-agent.dev/reason": "x"}}},
+        denied=OTHER_NODE,
+    ),
+    "other-foreign-annotation": Change(
+        "own_agent",
+        "other",
+        {"metadata": {"annotations": {"example.com/x": "y"}}},
+        denied=OTHER_NODE,
+    ),
+    "other-cordon": Change(
+        "own_agent", "other", {"spec": {"unschedulable": True}}, denied=OTHER_NODE
+    ),
+    "other-condition": Change(
+        "own_agent",
+        "other",
+        {"status": {"conditions": [condition("MIGConfigApplied")]}},
+        status=True,
+        denied=OTHER_NODE,
+    ),
     # denied: non-MIG parts of its own node
-    "own-team-label": Change("own_agent", "own", {"metadata": {"labels": {"team": "x"}}},
-                             denied=LABELS + "team"),
-    "own-layout-label": Change("own_agent", "own",
-                               {"metadata": {"labels": {"nvidia.com/mig.config": "all-disabled"}}},
-                               denied=LABELS + "nvidia.com/mig.config"),
-    "own-gpu-present-removed": Change("own_agent", "own",
-                                      {"metadata": {"labels": {"nvidia.com/gpu.present": None}}},
-                                      denied=LABELS + "nvidia.com/gpu.present"),
-    "own-foreign-annotation": Change("own_agent", "own",
-                                     {"metadata": {"annotations": {"example.com/x": "y"}}},
-                                     denied=ANNOTATIONS + "example.com/x"),
-    "own-taint": Change("own_agent", "own",
-                        {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}},
-                        denied=SPEC),
-    "own-provider-id": Change("own_agent", "own", {"spec": {"providerID": "kwok://x"}},
-                              denied=SPEC),
+    "own-team-label": Change(
+        "own_agent", "own", {"metadata": {"labels": {"team": "x"}}}, denied=LABELS + "team"
+    ),
+    "own-layout-label": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {"nvidia.com/mig.config": "all-disabled"}}},
+        denied=LABELS + "nvidia.com/mig.config",
+    ),
+    "own-gpu-present-removed": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {"nvidia.com/gpu.present": None}}},
+        denied=LABELS + "nvidia.com/gpu.present",
+    ),
+    "own-foreign-annotation": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"annotations": {"example.com/x": "y"}}},
+        denied=ANNOTATIONS + "example.com/x",
+    ),
+    "own-taint": Change(
+        "own_agent",
+        "own",
+        {"spec": {"taints": [{"key": "x", "effect": "NoSchedule"}]}},
+        denied=SPEC,
+    ),
+    "own-provider-id": Change(
+        "own_agent", "own", {"spec": {"providerID": "kwok://x"}}, denied=SPEC
+    ),
     # denied: inside the MIG parts, values the agent never writes
-    "own-state-made-up": Change("own_agent", "own", {"metadata": {"labels": {STATE: "x"}}},
-                                denied=STATE_VALUE + "x"),
+    "own-state-made-up": Change(
+        "own_agent", "own", {"metadata": {"labels": {STATE: "x"}}}, denied=STATE_VALUE + "x"
+    ),
     "own-driver-operand-disabled": Change(
-        "own_agent", "own", {"metadata": {"labels": {"nvidia.com/gpu.deploy.driver": "false"}}},
-        denied=LABELS + "nvidia.com/gpu.deploy.driver"),
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {"nvidia.com/gpu.deploy.driver": "false"}}},
+        denied=LABELS + "nvidia.com/gpu.deploy.driver",
+    ),
     "own-made-up-operand": Change(
-        "own_agent", "own", {"metadata": {"labels": {"nvidia.com/gpu.deploy.x": PAUSED}}},
-        denied=LABELS + "nvidia.com/gpu.deploy.x"),
-    "own-device-plugin-false": Change("own_agent", "own",
-                                      {"metadata": {"labels": {DP_LABEL: "false"}}},
-                                      before={"metadata": {"labels": {DP_LABEL: "true"}}},
-                                      denied=OPERANDS),
-    "own-device-plugin-from-false": Change("own_agent", "own",
-                                           {"metadata": {"labels": {DP_LABEL: "true"}}},
-                                           before={"metadata": {"labels": {DP_LABEL: "false"}}},
-                                           denied=OPERANDS),
-    "own-device-plugin-removed": Change("own_agent", "own",
-                                        {"metadata": {"labels": {DP_LABEL: None}}},
-                                        before={"metadata": {"labels": {DP_LABEL: "true"}}},
-                                        denied=OPERANDS),
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {"nvidia.com/gpu.deploy.x": PAUSED}}},
+        denied=LABELS + "nvidia.com/gpu.deploy.x",
+    ),
+    "own-device-plugin-false": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {DP_LABEL: "false"}}},
+        before={"metadata": {"labels": {DP_LABEL: "true"}}},
+        denied=OPERANDS,
+    ),
+    "own-device-plugin-from-false": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {DP_LABEL: "true"}}},
+        before={"metadata": {"labels": {DP_LABEL: "false"}}},
+        denied=OPERANDS,
+    ),
+    "own-device-plugin-removed": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {DP_LABEL: None}}},
+        before={"metadata": {"labels": {DP_LABEL: "true"}}},
+        denied=OPERANDS,
+    ),
     "own-operand-added": Change(
-        "own_agent", "own", {"metadata": {"labels": {"nvidia.com/gpu.deploy.dcgm": PAUSED}}},
-        denied=OPERANDS),
+        "own_agent",
+        "own",
+        {"metadata": {"labels": {"nvidia.com/gpu.deploy.dcgm": PAUSED}}},
+        denied=OPERANDS,
+    ),
     "own-made-up-annotation": Change(
-        "own_agent", "own", {"metadata": {"annotations": {"mig-agent.dev/anything": "x"}}},
-        denied=ANNOTATIONS),
+        "own_agent",
+        "own",
+        {"metadata": {"annotations": {"mig-agent.dev/anything": "x"}}},
+        denied=ANNOTATIONS,
+    ),
     "own-annotation-too-long": Change(
-        "own_agent", "own", {"metadata": {"annotations": {"mig-agent.dev/reason": "r" * 4097}}},
-        denied=SIZE),
+        "own_agent",
+        "own",
+        {"metadata": {"annotations": {"mig-agent.dev/reason": "r" * 4097}}},
+        denied=SIZE,
+    ),
     "own-gpu-state-too-long": Change(
-        "own_agent", "own",
-        {"metadata": {"annotations": {"mig-agent.dev/gpu-state": "{" * 32769}}}, denied=SIZE),
-    "own-managed-fields-cleared": Change("own_agent", "own",
-                                         {"metadata": {"managedFields": [{}]}}, denied=MANAGED),
-    "own-managed-fields-forged": Change("own_agent", "own", {"metadata": {"managedFields": [
-        {"manager": "forged", "operation": "Apply", "apiVersion": "v1", "fieldsType": "FieldsV1",
-         "fieldsV1": {"f:spec": {"f:taints": {}}}}]}}, denied=MANAGED),
+        "own_agent",
+        "own",
+        {"metadata": {"annotations": {"mig-agent.dev/gpu-state": "{" * 32769}}},
+        denied=SIZE,
+    ),
+    "own-managed-fields-cleared": Change(
+        "own_agent", "own", {"metadata": {"managedFields": [{}]}}, denied=MANAGED
+    ),
+    "own-managed-fields-forged": Change(
+        "own_agent",
+        "own",
+        {
+            "metadata": {
+                "managedFields": [
+                    {
+                        "manager": "forged",
+                        "operation": "Apply",
+                        "apiVersion": "v1",
+                        "fieldsType": "FieldsV1",
+                        "fieldsV1": {"f:spec": {"f:taints": {}}},
+                    }
+                ]
+            }
+        },
+        denied=MANAGED,
+    ),
     "own-condition-made-up-reason": Change(
-        "own_agent", "own",
+        "own_agent",
+        "own",
         {"status": {"conditions": [condition("MIGConfigApplied", "False", "NodeNotReady")]}},
-        status=True, denied=CONDITION),
+        status=True,
+        denied=CONDITION,
+    ),
     "own-condition-unknown": Change(
-        "own_agent", "own",
+        "own_agent",
+        "own",
         {"status": {"conditions": [condition("MIGConfigApplied", "Unknown")]}},
-        status=True, denied=CONDITION),
+        status=True,
+        denied=CONDITION,
+    ),
     "own-condition-long-message": Change(
-        "own_agent", "own",
+        "own_agent",
+        "own",
         {"status": {"conditions": [condition("MIGConfigApplied", message="m" * 1025)]}},
-        status=True, denied=CONDITION),
-    "own-ready-condition": Change("own_agent", "own",
-                                  {"status": {"conditions": [condition("Ready", "False")]}},
-                                  status=True, denied=STATUS),
-    "own-capacity": Change("own_agent", "own",
-                           {"status": {"capacity": {"nvidia.com/mig-1g.10gb": "56"},
-                                       "allocatable": {"nvidia.com/mig-1g.10gb": "56"}}},
-                           status=True, denied=STATUS),
+        status=True,
+        denied=CONDITION,
+    ),
+    "own-ready-condition": Change(
+        "own_agent",
+        "own",
+        {"status": {"conditions": [condition("Ready", "False")]}},
+        status=True,
+        denied=STATUS,
+    ),
+    "own-capacity": Change(
+        "own_agent",
+        "own",
+        {
+            "status": {
+                "capacity": {"nvidia.com/mig-1g.10gb": "56"},
+                "allocatable": {"nvidia.com/mig-1g.10gb": "56"},
+            }
+        },
+        status=True,
+        denied=STATUS,
+    ),
     # where the API server reaches the kubelet (logs, exec): must stay the node's own
-    "own-address": Change("own_agent", "own",
-                          {"status": {"addresses": [{"type": "InternalIP",
-                                                     "address": "192.0.2.66"}]}},
-                          status=True, denied=STATUS),
-    "own-kubelet-port": Change("own_agent", "own",
-                               {"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": 1}}}},
-                               status=True, denied=STATUS),
+    "own-address": Change(
+        "own_agent",
+        "own",
+        {"status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.66"}]}},
+        status=True,
+        denied=STATUS,
+    ),
+    "own-kubelet-port": Change(
+        "own_agent",
+        "own",
+        {"status": {"daemonEndpoints": {"kubeletEndpoint": {"Port": 1}}}},
+        status=True,
+        denied=STATUS,
+    ),
     # denied: a token bound to no pod names no node
-    "unbound-state-label": Change("unbound", "own", {"metadata": {"labels": {STATE: "x"}}},
-                                  denied=NO_NODE),
-    "unbound-annotation": Change("unbound", "own",
-                                 {"metadata": {"annotations": {"mig-agent.dev/reason": "x"}}},
-                                 denied=NO_NODE),
+    "unbound-state-label": Change(
+        "unbound", "own", {"metadata": {"labels": {STATE: "x"}}}, denied=NO_NODE
+    ),
+    "unbound-annotation": Change(
+        "unbound",
+        "own",
+        {"metadata": {"annotations": {"mig-agent.dev/reason": "x"}}},
+        denied=NO_NODE,
+    ),
     "unbound-cordon": Change("unbound", "own", {"spec": {"unschedulable": True}}, denied=NO_NODE),
-    "unbound-condition": Change("unbound", "own",
-                                {"status": {"conditions": [condition("MIGConfigApplied")]}},
-                                status=True, denied=NO_NODE),
+    "unbound-condition": Change(
+        "unbound",
+        "own",
+        {"status": {"conditions": [condition("MIGConfigApplied")]}},
+        status=True,
+        denied=NO_NODE,
+    ),
 }
 
 
@@ -500,8 +733,9 @@ def test_policy(nodes: Nodes, change: Change) -> None:
     api: Api = getattr(nodes, change.token)
     url = change.url(nodes)
     if change.before:
-        nodes.admin.request("PATCH", f"/api/v1/nodes/{nodes.names[change.node]}", change.before,
-                            content_type=MERGE)
+        nodes.admin.request(
+            "PATCH", f"/api/v1/nodes/{nodes.names[change.node]}", change.before, content_type=MERGE
+        )
     content = STRATEGIC if change.status else MERGE
     if change.denied is None:
         answer = api.request("PATCH", url, change.patch, content_type=content)
@@ -528,11 +762,14 @@ def _managers(node: Mapping[str, Any]) -> set[tuple[str, str]]:
 def test_status_subresource_cannot_carry_label_changes(nodes: Nodes) -> None:
     # Whether the API server drops metadata changes sent to nodes/status or the policy refuses
     # them, the label must not land.
-    patch = {"metadata": {"labels": {"team": "x"}},
-             "status": {"conditions": [condition("MIGConfigApplied")]}}
+    patch = {
+        "metadata": {"labels": {"team": "x"}},
+        "status": {"conditions": [condition("MIGConfigApplied")]},
+    }
     try:
-        nodes.own_agent.request("PATCH", f"/api/v1/nodes/{nodes.own}/status", patch,
-                                content_type=STRATEGIC)
+        nodes.own_agent.request(
+            "PATCH", f"/api/v1/nodes/{nodes.own}/status", patch, content_type=STRATEGIC
+        )
     except ApiError as exc:
         assert exc.status in (403, 422) and POLICY in str(exc)
     assert "team" not in (_read(nodes, nodes.own)["metadata"].get("labels") or {})

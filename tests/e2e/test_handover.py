@@ -234,8 +234,15 @@ def last_success(port: int) -> float:
             text = r.read().decode()
     except OSError:
         return 0.0
-    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
-                 if s.name == "mig_agent_last_success_timestamp_seconds"), 0.0)
+    return next(
+        (
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "mig_agent_last_success_timestamp_seconds"
+        ),
+        0.0,
+    )
 
 
 def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(handover_node: Node) -> None:
@@ -265,8 +272,10 @@ def test_mig_manager_to_mig_agent_touches_nothing_then_keeps_what_fits(handover_
     port = start_agent(node).metrics_port
     # the agent's first pass has ended in success: it looked, and found nothing to change (or
     # changed something, which the counters below would show)
-    wait(f"mig-agent's first pass to end in success (log: {node.logs()})",
-         lambda: last_success(port) > 0)
+    wait(
+        f"mig-agent's first pass to end in success (log: {node.logs()})",
+        lambda: last_success(port) > 0,
+    )
     assert GPU_STATE in (node.core.read_node(node.name).metadata.annotations or {})
     assert node.mutations() == {}, "mig-agent changed GPUs that already held the layout"
     assert node.labels().get(STATE) == "success"

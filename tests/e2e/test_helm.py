@@ -35,16 +35,24 @@ from mig_agent.config.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "mig-agent"
 # as the GPU Operator creates it (tests/conftest.py adds it to the session's cluster)
-NVIDIA_RUNTIME_CLASS = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                        "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+NVIDIA_RUNTIME_CLASS = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "nvidia"},
+    "handler": "nvidia",
+}
 POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 Doc = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    return subprocess.run([str(REPO / "scripts" / "helm-binary"), "build"], check=True,
-                          stdout=subprocess.PIPE, text=True).stdout.strip()
+    return subprocess.run(
+        [str(REPO / "scripts" / "helm-binary"), "build"],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout.strip()
 
 
 def run(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -85,13 +93,21 @@ def test_lint(helm: str) -> None:
 def test_template_defaults(helm: str) -> None:
     docs = template(helm)
     assert kinds(docs) == {
-        ("ServiceAccount", "mig-agent"), ("ClusterRole", "mig-agent"),
-        ("ClusterRoleBinding", "mig-agent"), ("Role", "mig-agent-device-plugin"),
-        ("RoleBinding", "mig-agent-device-plugin"), ("Role", "mig-agent-events"),
-        ("RoleBinding", "mig-agent-events"), ("ConfigMap", "mig-agent-profiles"),
-        ("ConfigMap", "mig-agent-gpu-clients"), ("DaemonSet", "mig-agent"),
-        *((k, f"mig-agent-own-{n}") for k in POLICY_KINDS
-          for n in ("node", "device-plugin", "events")),
+        ("ServiceAccount", "mig-agent"),
+        ("ClusterRole", "mig-agent"),
+        ("ClusterRoleBinding", "mig-agent"),
+        ("Role", "mig-agent-device-plugin"),
+        ("RoleBinding", "mig-agent-device-plugin"),
+        ("Role", "mig-agent-events"),
+        ("RoleBinding", "mig-agent-events"),
+        ("ConfigMap", "mig-agent-profiles"),
+        ("ConfigMap", "mig-agent-gpu-clients"),
+        ("DaemonSet", "mig-agent"),
+        *(
+            (k, f"mig-agent-own-{n}")
+            for k in POLICY_KINDS
+            for n in ("node", "device-plugin", "events")
+        ),
     }
     spec = pod_spec(docs)
     assert spec["runtimeClassName"] == "nvidia"
@@ -101,8 +117,11 @@ def test_template_defaults(helm: str) -> None:
     assert e["MIG_AGENT_OPERAND_LABELS"] == ",".join(Settings().operand_labels)
     assert e["MIG_AGENT_MIG_STRATEGY"] == "mixed"
     assert "MIG_AGENT_REBOOT_COMMAND" not in e and "MIG_AGENT_DRAIN_TIMEOUT_S" not in e
-    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"
-             and d["metadata"]["name"] == "mig-agent-profiles"]
+    (cm,) = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "mig-agent-profiles"
+    ]
     assert set(cm["data"]) == {f.name for f in (REPO / "profiles").glob("*.yaml")}
     # rendered from the chart's defaults, daemonset.yaml holds the same objects (and a Namespace)
     manifest = [d for d in yaml.safe_load_all((REPO / "daemonset.yaml").read_text()) if d]
@@ -110,19 +129,39 @@ def test_template_defaults(helm: str) -> None:
 
 
 def test_template_values(helm: str) -> None:
-    docs = template(helm, "--set", "runtimeClassName=", "--set", "migStrategy=single",
-                    "--set", "rebootCommand=systemctl reboot", "--set", "timeouts.drain=42",
-                    "--set", "timeouts.reboot=600", "--set", "metrics.port=9500",
-                    "--set", "nodeSelector.pool=gpu",
-                    "--set", "config.existingConfigMap=default-mig-parted-config",
-                    "--set", "image.tag=9.9.9", "--set", "resources.limits.memory=1Gi",
-                    "--set", "extraEnv.backoff_max_s=120")
+    docs = template(
+        helm,
+        "--set",
+        "runtimeClassName=",
+        "--set",
+        "migStrategy=single",
+        "--set",
+        "rebootCommand=systemctl reboot",
+        "--set",
+        "timeouts.drain=42",
+        "--set",
+        "timeouts.reboot=600",
+        "--set",
+        "metrics.port=9500",
+        "--set",
+        "nodeSelector.pool=gpu",
+        "--set",
+        "config.existingConfigMap=default-mig-parted-config",
+        "--set",
+        "image.tag=9.9.9",
+        "--set",
+        "resources.limits.memory=1Gi",
+        "--set",
+        "extraEnv.backoff_max_s=120",
+    )
     spec = pod_spec(docs)
     assert "runtimeClassName" not in spec
     assert spec["nodeSelector"] == {"pool": "gpu"}
     e = env(docs)
-    assert (e["MIG_AGENT_MIG_STRATEGY"], e["MIG_AGENT_REBOOT_COMMAND"]) == ("single",
-                                                                          "systemctl reboot")
+    assert (e["MIG_AGENT_MIG_STRATEGY"], e["MIG_AGENT_REBOOT_COMMAND"]) == (
+        "single",
+        "systemctl reboot",
+    )
     assert (e["MIG_AGENT_DRAIN_TIMEOUT_S"], e["MIG_AGENT_METRICS_PORT"]) == ("42", "9500")
     assert e["MIG_AGENT_BACKOFF_MAX_S"] == "120"
     assert Settings.from_env(e).backoff_max_s == 120.0
@@ -131,7 +170,8 @@ def test_template_values(helm: str) -> None:
     assert c["image"].endswith(":9.9.9") and c["resources"]["limits"]["memory"] == "1Gi"
     assert c["ports"] == [{"name": "metrics", "containerPort": 9500}]
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"] == [
-        "mig-agent-gpu-clients"]  # the profiles come from the existing ConfigMap
+        "mig-agent-gpu-clients"
+    ]  # the profiles come from the existing ConfigMap
     (vol,) = [v for v in spec["volumes"] if v["name"] == "profiles"]
     assert vol["configMap"]["name"] == "default-mig-parted-config"
     renamed = template(helm, "--set", "runtimeClassName=nvidia-cdi")
@@ -147,20 +187,38 @@ def test_operator_duties_values(helm: str) -> None:
     assert s.restart_validators and not s.stop_host_gpu_clients
     assert (s.hooks_file, s.pre_apply_command, s.post_apply_command) == ("", "", "")
     assert s.host_gpu_clients_file == "/etc/mig-agent/gpu-clients/clients.yaml"
-    (clients,) = [d for d in defaults if d["kind"] == "ConfigMap"
-                  and d["metadata"]["name"] == "mig-agent-gpu-clients"]
+    (clients,) = [
+        d
+        for d in defaults
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "mig-agent-gpu-clients"
+    ]
     listed = yaml.safe_load(clients["data"]["clients.yaml"])
     assert listed["version"] == "v1" and "nvidia-dcgm.service" in listed["systemd-services"]
     assert "host-root" not in {v["name"] for v in pod_spec(defaults)["volumes"]}
 
-    cdi = ("chroot /host nvidia-ctk cdi generate --mode=management "
-           "--output=/var/run/cdi/management.nvidia.com-gpu.yaml")
-    docs = template(helm, "--set", "gpuOperator.restartValidators=false",
-                    "--set", f"hooks.postApply={cdi}", "--set", "hooks.preApply=/bin/true",
-                    "--set", "hooks.existingConfigMap=site-hooks", "--set", "hooks.timeout=30",
-                    "--set", "hostGpuClients.stop=true",
-                    "--set", "hostGpuClients.existingConfigMap=default-gpu-clients",
-                    "--set", "hostGpuClients.command=chroot /host /bin/systemctl")
+    cdi = (
+        "chroot /host nvidia-ctk cdi generate --mode=management "
+        "--output=/var/run/cdi/management.nvidia.com-gpu.yaml"
+    )
+    docs = template(
+        helm,
+        "--set",
+        "gpuOperator.restartValidators=false",
+        "--set",
+        f"hooks.postApply={cdi}",
+        "--set",
+        "hooks.preApply=/bin/true",
+        "--set",
+        "hooks.existingConfigMap=site-hooks",
+        "--set",
+        "hooks.timeout=30",
+        "--set",
+        "hostGpuClients.stop=true",
+        "--set",
+        "hostGpuClients.existingConfigMap=default-gpu-clients",
+        "--set",
+        "hostGpuClients.command=chroot /host /bin/systemctl",
+    )
     s = Settings.from_env(env(docs))
     assert not s.restart_validators and s.stop_host_gpu_clients
     assert (s.post_apply_command, s.pre_apply_command) == (cdi, "/bin/true")
@@ -184,27 +242,45 @@ def test_service_monitor_only_with_the_prometheus_operators_api(helm: str) -> No
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert svc["spec"]["ports"][0]["port"] == 9400
     assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "mig-agent"}
-    off = template(helm, "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
-                   "--set", "metrics.serviceMonitor.enabled=false")
+    off = template(
+        helm,
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+        "--set",
+        "metrics.serviceMonitor.enabled=false",
+    )
     assert "ServiceMonitor" not in {k for k, _ in kinds(off)}
 
 
-OTHER = Settings(state_label="example.com/mig-state", operand_labels=("example.com/a", "b"),
-                 annotation_prefix="mig.example.com", condition_type="GpuLayout",
-                 device_plugin_namespace="nvidia",
-                 device_plugin_selector="app = dp, !legacy, tier!=canary, release==x",
-                 restart_validators=False)
+OTHER = Settings(
+    state_label="example.com/mig-state",
+    operand_labels=("example.com/a", "b"),
+    annotation_prefix="mig.example.com",
+    condition_type="GpuLayout",
+    device_plugin_namespace="nvidia",
+    device_plugin_selector="app = dp, !legacy, tier!=canary, release==x",
+    restart_validators=False,
+)
 
 
 def as_values(s: Settings) -> list[str]:
     selector = s.device_plugin_selector.replace(",", "\\,")  # --set splits at commas
-    return ["--set", f"labels.state={s.state_label}",
-            "--set", f"labels.operands={{{','.join(s.operand_labels)}}}",
-            "--set", f"annotationPrefix={s.annotation_prefix}",
-            "--set", f"conditionType={s.condition_type}",
-            "--set", f"devicePlugin.namespace={s.device_plugin_namespace}",
-            "--set-string", f"devicePlugin.selector={selector}",
-            "--set", f"gpuOperator.restartValidators={str(s.restart_validators).lower()}"]
+    return [
+        "--set",
+        f"labels.state={s.state_label}",
+        "--set",
+        f"labels.operands={{{','.join(s.operand_labels)}}}",
+        "--set",
+        f"annotationPrefix={s.annotation_prefix}",
+        "--set",
+        f"conditionType={s.condition_type}",
+        "--set",
+        f"devicePlugin.namespace={s.device_plugin_namespace}",
+        "--set-string",
+        f"devicePlugin.selector={selector}",
+        "--set",
+        f"gpuOperator.restartValidators={str(s.restart_validators).lower()}",
+    ]
 
 
 @pytest.mark.parametrize("settings", [Settings(), OTHER], ids=["defaults", "other"])
@@ -221,15 +297,22 @@ def test_policies_are_those_of_deploy_policies(helm: str, settings: Settings) ->
         assert chart != by_name([d for d in yaml.safe_load_all(policies.render()) if d])
 
 
-@pytest.mark.parametrize("values", [["--set", "labels.state=a'b"],
-                                    ["--set-string", "devicePlugin.selector=app in (x)"],
-                                    ["--set-string", "devicePlugin.selector=!a=b"],
-                                    ["--set", "migStrategy=none"]])
+@pytest.mark.parametrize(
+    "values",
+    [
+        ["--set", "labels.state=a'b"],
+        ["--set-string", "devicePlugin.selector=app in (x)"],
+        ["--set-string", "devicePlugin.selector=!a=b"],
+        ["--set", "migStrategy=none"],
+    ],
+)
 def test_values_the_agent_or_policy_cannot_take_fail(helm: str, values: list[str]) -> None:
     res = run(helm, "template", "x", str(CHART), *values, check=False)
-    assert res.returncode != 0 and ("admission policy" in res.stderr
-                                    or "supported in the policy" in res.stderr
-                                    or "mixed or single" in res.stderr), res.stderr
+    assert res.returncode != 0 and (
+        "admission policy" in res.stderr
+        or "supported in the policy" in res.stderr
+        or "mixed or single" in res.stderr
+    ), res.stderr
 
 
 # ---- on a cluster ---------------------------------------------------------------------------
@@ -263,14 +346,17 @@ def agent_settings(cluster: Cluster, state_label: str) -> dict[str, str]:
             e = {v["name"]: v["value"] for v in c["env"] if "value" in v}
             if e.get("MIG_AGENT_STATE_LABEL") == state_label:
                 assert pod["spec"]["runtimeClassName"] == "nvidia"
-                return {k: v for k, v in e.items() if k.startswith("MIG_AGENT_")
-                        and k not in ("MIG_AGENT_CONFIG", "MIG_AGENT_METRICS_PORT")}
+                return {
+                    k: v
+                    for k, v in e.items()
+                    if k.startswith("MIG_AGENT_")
+                    and k not in ("MIG_AGENT_CONFIG", "MIG_AGENT_METRICS_PORT")
+                }
         assert time.monotonic() < deadline, f"no agent pod with {state_label}"
         time.sleep(0.3)
 
 
-def wait_label(cluster: Cluster, node: str, key: str, value: str,
-               timeout: float = 90) -> list[str]:
+def wait_label(cluster: Cluster, node: str, key: str, value: str, timeout: float = 90) -> list[str]:
     """Wait for the node's label `key` to read `value`; the values it showed on the way."""
     deadline = time.monotonic() + timeout
     seen: list[str] = []
@@ -283,14 +369,18 @@ def wait_label(cluster: Cluster, node: str, key: str, value: str,
         log = cluster.dir / "logs" / f"agent-{node}.log"
         assert time.monotonic() < deadline, (
             f"{key}={labels.get(key)!r}, not {value}\n"
-            + "\n".join(log.read_text().splitlines()[-20:]) if log.exists() else "")
+            + "\n".join(log.read_text().splitlines()[-20:])
+            if log.exists()
+            else ""
+        )
         time.sleep(0.3)
 
 
 def mig_events(cluster: Cluster, node: str) -> dict[str, int]:
     """The agent's Events about `node`: reason -> count."""
-    items = kube_json(cluster, "get", "events", "-n", "default", "--field-selector",
-                      f"involvedObject.name={node}")["items"]
+    items = kube_json(
+        cluster, "get", "events", "-n", "default", "--field-selector", f"involvedObject.name={node}"
+    )["items"]
     counts: dict[str, int] = {}
     for e in items:
         if e["reason"].startswith("MIG"):
@@ -310,8 +400,14 @@ def test_install_upgrade_uninstall(helm: str, own_cluster: Cluster) -> None:
     kc = ["--kubeconfig", str(c.kubeconfig)]
     # as the GPU Operator does: the nvidia RuntimeClass, and the device plugin in gpu-operator
     c.kubectl("apply", "-f", "-", input=json.dumps(NVIDIA_RUNTIME_CLASS))
-    c.kubectl("apply", "-f", "-", input=json.dumps(
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": agents.PLUGIN_NS}}))
+    c.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": agents.PLUGIN_NS}}
+        ),
+    )
     c.kubectl("apply", "-f", "-", input=json.dumps(agents.DEVICE_PLUGIN))
 
     run(helm, *kc, "install", "mig-agent", str(CHART), "-n", "mig-agent", "--create-namespace")
@@ -323,8 +419,20 @@ def test_install_upgrade_uninstall(helm: str, own_cluster: Cluster) -> None:
 
     # upgrade: another state label key and drain timeout reach the pod and the policy
     new_key = "example.com/mig-state"
-    run(helm, *kc, "upgrade", "mig-agent", str(CHART), "-n", "mig-agent", "--reuse-values",
-        "--set", f"labels.state={new_key}", "--set", "timeouts.drain=77")
+    run(
+        helm,
+        *kc,
+        "upgrade",
+        "mig-agent",
+        str(CHART),
+        "-n",
+        "mig-agent",
+        "--reuse-values",
+        "--set",
+        f"labels.state={new_key}",
+        "--set",
+        "timeouts.drain=77",
+    )
     policy = kube_json(c, "get", "validatingadmissionpolicy", "mig-agent-own-node")
     variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     assert variables["stateLabel"] == f"'{new_key}'"
@@ -346,17 +454,20 @@ def test_install_upgrade_uninstall(helm: str, own_cluster: Cluster) -> None:
     now = mig_events(c, node)
     assert [now.get(r, 0) for r in work] == [events.get(r, 0) for r in work], (events, now)
     # cleared with the relabel, as `mig-agent repartition` does: a stale `success` is no answer
-    c.kubectl("label", "node", node, "--overwrite", "nvidia.com/mig.config=all-2g.20gb",
-              f"{new_key}-")
+    c.kubectl(
+        "label", "node", node, "--overwrite", "nvidia.com/mig.config=all-2g.20gb", f"{new_key}-"
+    )
     wait_label(c, node, new_key, "success")  # the policy lets the agent write the new key
     assert gpu_instances(c, node) == [3] * 8  # 2g.20gb: three per H100
     agents.stop_node(c.dir, node)
 
     # uninstall: none of the chart's objects remain
     run(helm, *kc, "uninstall", "mig-agent", "-n", "mig-agent", "--wait")
-    chart_kinds = ("serviceaccounts,configmaps,daemonsets,roles,rolebindings,clusterroles,"
-                   "clusterrolebindings,validatingadmissionpolicies,"
-                   "validatingadmissionpolicybindings")
+    chart_kinds = (
+        "serviceaccounts,configmaps,daemonsets,roles,rolebindings,clusterroles,"
+        "clusterrolebindings,validatingadmissionpolicies,"
+        "validatingadmissionpolicybindings"
+    )
     left = kube_json(c, "get", chart_kinds, "-A", "-l", "app.kubernetes.io/name=mig-agent")
     assert [(i["kind"], i["metadata"]["name"]) for i in left["items"]] == []
     named = c.kubectl("get", chart_kinds, "-A", "-o", "name")

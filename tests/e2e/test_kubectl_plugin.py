@@ -19,15 +19,25 @@ from .conftest import STATE, NodeFactory
 def kubectl_mig(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     plugin = shutil.which("kubectl-mig")
     assert plugin, "kubectl-mig is installed with the package (pip install -e .)"
-    env = {**os.environ, "PATH": f"{Path(plugin).parent}:{os.environ.get('PATH', '')}",
-           "KUBECONFIG": str(cluster.kubeconfig)}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(plugin).parent}:{os.environ.get('PATH', '')}",
+        "KUBECONFIG": str(cluster.kubeconfig),
+    }
     env.pop("NO_COLOR", None)
-    return subprocess.run([str(cluster.bin_dir / "kubectl"), "mig", *args], capture_output=True,
-                          text=True, env=env, timeout=120, check=False)
+    return subprocess.run(
+        [str(cluster.bin_dir / "kubectl"), "mig", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_status_plan_and_repartition_through_kubectl(
-        agent_node: NodeFactory, installed: Cluster) -> None:
+    agent_node: NodeFactory, installed: Cluster
+) -> None:
     cluster = installed
     node = agent_node("2xH100-80GB")
     done = kubectl_mig(cluster, "status", "-o", "json")

@@ -32,13 +32,20 @@ DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 pytestmark = pytest.mark.native
 
 if os.geteuid() != 0:  # said out loud in the summary (-ra), never a silent pass
-    pytest.skip("nvidia-mig-manager runs in a private mount namespace (unshare -m): run as root",
-                allow_module_level=True)
+    pytest.skip(
+        "nvidia-mig-manager runs in a private mount namespace (unshare -m): run as root",
+        allow_module_level=True,
+    )
 
 
 class ManagedNode:
-    def __init__(self, cluster: Cluster, core: client.CoreV1Api, name: str,
-                 record: mig_manager.NodeMigManager) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        core: client.CoreV1Api,
+        name: str,
+        record: mig_manager.NodeMigManager,
+    ) -> None:
         self.cluster, self.core, self.name, self.record = cluster, core, name, record
 
     def labels(self) -> dict[str, str]:
@@ -59,7 +66,8 @@ class ManagedNode:
                 return state, seen
             assert time.monotonic() < deadline, (
                 f"{self.name}: state {state!r} after {timeout} s; MIG Manager's log:\n"
-                + Path(self.record.log).read_text()[-3000:])
+                + Path(self.record.log).read_text()[-3000:]
+            )
             time.sleep(0.1)
 
     def gpu_resources(self) -> dict[str, int]:
@@ -74,8 +82,10 @@ def layout_of(sim_state: str) -> list[tuple[bool, dict[str, int]]]:
     """Per simulated GPU: MIG mode now, and its GPU instances by profile name."""
     out = []
     for gpu in simstate.load_node(sim_state).gpus:
-        names = Counter(gpu.model.gi_profile_by_id(gi.profile_id).name  # type: ignore[union-attr]
-                        for gi in gpu.gpu_instances)
+        names = Counter(
+            gpu.model.gi_profile_by_id(gi.profile_id).name  # type: ignore[union-attr]
+            for gi in gpu.gpu_instances
+        )
         out.append((gpu.mig_current, dict(names)))
     return out
 
@@ -116,8 +126,11 @@ def test_label_change_reaches_success_and_the_gpus_hold_the_layout(managed_node:
     assert node.labels()[DP_LABEL] == "true"  # operands resumed
     # the device plugin's pod was paused and came back, and advertises the new devices
     deadline = time.monotonic() + 60
-    while node.gpu_resources() != {"nvidia.com/mig-1g.10gb": 4, "nvidia.com/mig-2g.20gb": 2,
-                                   "nvidia.com/mig-3g.40gb": 2}:
+    while node.gpu_resources() != {
+        "nvidia.com/mig-1g.10gb": 4,
+        "nvidia.com/mig-2g.20gb": 2,
+        "nvidia.com/mig-3g.40gb": 2,
+    }:
         assert time.monotonic() < deadline, node.gpu_resources()
         time.sleep(0.2)
 

@@ -45,8 +45,10 @@ def wait_for(check: Callable[[], bool], what: str, node: AgentNode, timeout: flo
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"{node.name}: no {what} after {timeout} s\n"
-                                 f"node runtime:\n{runtime_log(node)}\nagent:\n{node.log_tail()}")
+            raise AssertionError(
+                f"{node.name}: no {what} after {timeout} s\n"
+                f"node runtime:\n{runtime_log(node)}\nagent:\n{node.log_tail()}"
+            )
         time.sleep(0.2)
 
 
@@ -66,15 +68,20 @@ def plugin_log(node: AgentNode) -> str:
 
 def registrations(node: AgentNode) -> list[str]:
     """The resources NVIDIA's plugin registered with the kubelet, in order, from its own log."""
-    return [line.split("'")[1] for line in plugin_log(node).splitlines()
-            if "Registered device plugin for '" in line]
+    return [
+        line.split("'")[1]
+        for line in plugin_log(node).splitlines()
+        if "Registered device plugin for '" in line
+    ]
 
 
 def status(node: AgentNode) -> tuple[dict[str, str], dict[str, str]]:
     """(capacity, allocatable) of the node's nvidia.com resources."""
     s = node.node().status
-    return ({k: v for k, v in (s.capacity or {}).items() if k.startswith("nvidia.com/")},
-            {k: v for k, v in (s.allocatable or {}).items() if k.startswith("nvidia.com/")})
+    return (
+        {k: v for k, v in (s.capacity or {}).items() if k.startswith("nvidia.com/")},
+        {k: v for k, v in (s.allocatable or {}).items() if k.startswith("nvidia.com/")},
+    )
 
 
 def allocations(node: AgentNode) -> dict[str, Any]:
@@ -98,7 +105,8 @@ def mig_uuids(node: AgentNode) -> set[str]:
 
 
 def test_a_mixed_node_advertises_what_nvidias_plugin_lists_before_and_after_a_repartition(
-        agent_node: NodeFactory) -> None:
+    agent_node: NodeFactory,
+) -> None:
     node = nvidia_node(agent_node)
     assert node.procs.device_plugin_kind == "nvidia"
     wait_for(lambda: registrations(node) == ["nvidia.com/gpu"], "a registration", node)
@@ -109,8 +117,9 @@ def test_a_mixed_node_advertises_what_nvidias_plugin_lists_before_and_after_a_re
     assert labels["nvidia.com/gpu.memory"] == str(H100.memory_total_mib)
     assert labels["nvidia.com/gpu.product"] == H100.product
     assert labels["nvidia.com/gpu.count"] == "2"
-    assert "nvidia.com/gpu.memory" in \
-        node.node().metadata.annotations["nfd.node.kubernetes.io/feature-labels"].split(",")
+    assert "nvidia.com/gpu.memory" in node.node().metadata.annotations[
+        "nfd.node.kubernetes.io/feature-labels"
+    ].split(",")
 
     node.label("all-balanced")
     assert node.wait_state("success", "failed", timeout=120) == "success", runtime_log(node)
@@ -123,22 +132,29 @@ def test_a_mixed_node_advertises_what_nvidias_plugin_lists_before_and_after_a_re
     # stop grace period)
     assert capacity == {**{k: str(v) for k, v in want.items()}, "nvidia.com/gpu": "2"}
     assert allocatable == {**{k: str(v) for k, v in want.items()}, "nvidia.com/gpu": "0"}
-    wait_for(lambda: node.labels().get("nvidia.com/mig-1g.10gb.count") == "4",
-             "GFD's MIG labels", node, timeout=30)
+    wait_for(
+        lambda: node.labels().get("nvidia.com/mig-1g.10gb.count") == "4",
+        "GFD's MIG labels",
+        node,
+        timeout=30,
+    )
     assert node.labels()["nvidia.com/mig-3g.40gb.product"] == f"{H100.product}-MIG-3g.40gb"
 
 
-def test_single_strategy_advertises_and_labels_mig_devices_as_gpus(
-        agent_node: NodeFactory) -> None:
-    node = nvidia_node(agent_node, settings={"MIG_AGENT_MIG_STRATEGY": "single"},
-                       plugin_args=["--mig-strategy", "single"])
+def test_single_strategy_advertises_and_labels_mig_devices_as_gpus(agent_node: NodeFactory) -> None:
+    node = nvidia_node(
+        agent_node,
+        settings={"MIG_AGENT_MIG_STRATEGY": "single"},
+        plugin_args=["--mig-strategy", "single"],
+    )
     wait_for(lambda: node.labels().get("nvidia.com/mig.strategy") == "single", "GFD labels", node)
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed", timeout=120) == "success", runtime_log(node)
     assert node.gpu_resources() == {"nvidia.com/gpu": 14}
     # GFD labels the MIG device, not the GPU, under single
-    wait_for(lambda: node.labels().get("nvidia.com/gpu.count") == "14", "GFD's count", node,
-             timeout=30)
+    wait_for(
+        lambda: node.labels().get("nvidia.com/gpu.count") == "14", "GFD's count", node, timeout=30
+    )
     assert node.labels()["nvidia.com/gpu.product"] == f"{H100.product}-MIG-1g.10gb"
 
 
@@ -146,24 +162,40 @@ def test_a_time_sliced_node_advertises_replicas(agent_node: NodeFactory, tmp_pat
     configs = tmp_path / "device-plugin-configs"
     configs.mkdir()
     (configs / "ts-1g").write_text(TIME_SLICING)
-    node = nvidia_node(agent_node, settings={"MIG_AGENT_DEVICE_PLUGIN_CONFIG": str(configs)},
-                       plugin_args=["--config-file", str(configs / "ts-1g")])
-    node.core.patch_node(node.name, {"metadata": {"labels": {
-        "nvidia.com/device-plugin.config": "ts-1g", "nvidia.com/mig.config": "all-1g.10gb"}}})
+    node = nvidia_node(
+        agent_node,
+        settings={"MIG_AGENT_DEVICE_PLUGIN_CONFIG": str(configs)},
+        plugin_args=["--config-file", str(configs / "ts-1g")],
+    )
+    node.core.patch_node(
+        node.name,
+        {
+            "metadata": {
+                "labels": {
+                    "nvidia.com/device-plugin.config": "ts-1g",
+                    "nvidia.com/mig.config": "all-1g.10gb",
+                }
+            }
+        },
+    )
     assert node.wait_state("success", "failed", timeout=120) == "success", runtime_log(node)
     assert node.gpu_resources() == {"nvidia.com/mig-1g.10gb.shared": 56}
     assert "nvidia.com/mig-1g.10gb.shared" in registrations(node)
 
 
-def test_the_plugin_runs_only_while_its_pod_runs(agent_node: NodeFactory,
-                                                core: client.CoreV1Api) -> None:
+def test_the_plugin_runs_only_while_its_pod_runs(
+    agent_node: NodeFactory, core: client.CoreV1Api
+) -> None:
     node = nvidia_node(agent_node)
     wait_for(lambda: registrations(node) == ["nvidia.com/gpu"], "a registration", node)
     wait_for(lambda: node.gpu_resources() == {"nvidia.com/gpu": 2}, "whole GPUs", node)
     t0 = time.monotonic()
     core.patch_node(node.name, {"metadata": {"labels": {DP_LABEL: "paused-for-mig-change"}}})
-    wait_for(lambda: status(node) == ({"nvidia.com/gpu": "2"}, {"nvidia.com/gpu": "0"}),
-             "capacity kept with nothing allocatable", node)
+    wait_for(
+        lambda: status(node) == ({"nvidia.com/gpu": "2"}, {"nvidia.com/gpu": "0"}),
+        "capacity kept with nothing allocatable",
+        node,
+    )
     paused_s = time.monotonic() - t0
     assert "Received signal" in plugin_log(node)  # stopped, not crashed
     starts = len(registrations(node))
@@ -173,9 +205,13 @@ def test_the_plugin_runs_only_while_its_pod_runs(agent_node: NodeFactory,
     resumed_s = time.monotonic() - t0
     assert len(registrations(node)) == starts + 1
     # restarting the plugin pod (what the agent does after a repartition) restarts the plugin
-    pod, = [p for p in core.list_namespaced_pod(
-        agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items
-        if not p.metadata.deletion_timestamp]
+    (pod,) = [
+        p
+        for p in core.list_namespaced_pod(
+            agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}"
+        ).items
+        if not p.metadata.deletion_timestamp
+    ]
     core.delete_namespaced_pod(pod.metadata.name, agents.PLUGIN_NS)
     wait_for(lambda: len(registrations(node)) == starts + 2, "a new registration", node)
     wait_for(lambda: node.gpu_resources() == {"nvidia.com/gpu": 2}, "the plugin back", node)
@@ -183,12 +219,14 @@ def test_the_plugin_runs_only_while_its_pod_runs(agent_node: NodeFactory,
 
 
 def test_a_gpu_pod_gets_devices_through_allocate_and_holds_processes(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = nvidia_node(agent_node)
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed", timeout=120) == "success", runtime_log(node)
-    pod = gpu_pod(namespace, "cuda", node=node.name, grace_period=1,
-                  resources={"nvidia.com/mig-1g.10gb": 2})
+    pod = gpu_pod(
+        namespace, "cuda", node=node.name, grace_period=1, resources={"nvidia.com/mig-1g.10gb": 2}
+    )
     wait_running(core, namespace, "cuda")
     key = f"{namespace}/cuda"
     wait_for(lambda: key in allocations(node), "an allocation", node, timeout=30)
@@ -206,8 +244,9 @@ def test_a_gpu_pod_gets_devices_through_allocate_and_holds_processes(
     # the layout applies
     relabel(node, "all-3g.40gb")
     assert node.wait_state("success", "failed", timeout=120) == "success", node.log_tail()
-    assert not [p for p in core.list_namespaced_pod(namespace).items
-                if p.metadata.uid == pod.metadata.uid]
+    assert not [
+        p for p in core.list_namespaced_pod(namespace).items if p.metadata.uid == pod.metadata.uid
+    ]
     assert owner not in simstate.processes_by_owner(node.sim_state)
     assert node.gpu_resources() == {"nvidia.com/mig-3g.40gb": 4}
     assert key not in allocations(node)

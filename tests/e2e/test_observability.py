@@ -40,8 +40,14 @@ from .conftest import AgentNode, NodeFactory, wait_running
 LAYOUT = "all-1g.10gb"  # 8 x H100-80GB: MIG mode on 8 GPUs, 7 GIs and 7 CIs on each
 BAD_LAYOUT = "no-such-layout"
 PHASES = ["drain", "apply", "verify", "device_plugin"]
-PHASE_EVENTS = ["MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying",
-                "MIGDevicePluginRestart", "MIGConfigApplied"]
+PHASE_EVENTS = [
+    "MIGReconfiguring",
+    "MIGDraining",
+    "MIGApplying",
+    "MIGVerifying",
+    "MIGDevicePluginRestart",
+    "MIGConfigApplied",
+]
 LATENCY_S = 0.02  # per mutating NVML call: 8 + 56 + 56 calls, about 2.4 s of apply
 
 Sample = tuple[str, frozenset[tuple[str, str]]]
@@ -54,7 +60,8 @@ class Scrape:
         self.text = text
         self.values: dict[Sample, float] = {
             (s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
         }
 
     def get(self, name: str, **labels: str) -> float | None:
@@ -65,8 +72,11 @@ class Scrape:
         return self.get(name, **labels) or 0.0
 
     def by_label(self, name: str, label: str) -> dict[str, float]:
-        return {dict(lbls)[label]: v for (n, lbls), v in self.values.items()
-                if n == name and label in dict(lbls)}
+        return {
+            dict(lbls)[label]: v
+            for (n, lbls), v in self.values.items()
+            if n == name and label in dict(lbls)
+        }
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:
@@ -105,7 +115,8 @@ def log_lines(node: AgentNode) -> tuple[str, list[dict[str, Any]]]:
 
 def node_events(core: client.CoreV1Api, node: str) -> list[Any]:
     events = core.list_event_for_all_namespaces(
-        field_selector=f"involvedObject.kind=Node,involvedObject.name={node}").items
+        field_selector=f"involvedObject.kind=Node,involvedObject.name={node}"
+    ).items
     return sorted(events, key=lambda e: int(e.metadata.resource_version))
 
 
@@ -138,7 +149,8 @@ def readiness_follows_nvml(node: AgentNode) -> None:
 
 
 def test_metrics_health_logs_and_events_of_a_reconfiguration(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB")
     readiness_follows_nvml(node)
     if node.procs.device_plugin_kind == "nvidia":  # its health check marked every GPU unhealthy
@@ -163,7 +175,8 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
         if s("mig_agent_state", state="pending") == 1:
             during.append(s)
         assert time.monotonic() < deadline, node.log_tail(
-            60, skip=("instance_created", "mig_mode_set"))  # the phases, not every creation
+            60, skip=("instance_created", "mig_mode_set")
+        )  # the phases, not every creation
         time.sleep(0.05)
     simstate.clear_faults(node.sim_state)
     node.wait_state("success")
@@ -180,8 +193,9 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     assert after("mig_agent_reconfigurations_total", result="failed", layout=LAYOUT) == 0
     for phase in PHASES:
         assert after("mig_agent_reconfiguration_phase_seconds_count", phase=phase) == 1, phase
-        assert after("mig_agent_reconfiguration_phase_seconds_bucket", phase=phase,
-                     le="+Inf") == 1, phase
+        assert (
+            after("mig_agent_reconfiguration_phase_seconds_bucket", phase=phase, le="+Inf") == 1
+        ), phase
     apply_s = after("mig_agent_reconfiguration_phase_seconds_sum", phase="apply")
     assert apply_s >= 120 * LATENCY_S * 0.9, apply_s  # the slowed NVML calls are in there
     assert after("mig_agent_reconfiguration_phase_seconds_sum", phase="drain") > 0
@@ -195,9 +209,16 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     errors = after.by_label("mig_agent_nvml_errors_total", "call")
     assert "observe" in errors and set(errors) <= {"observe", "models"}  # only while moved away
     assert after.by_label("mig_agent_state", "state") == {
-        "pending": 0, "rebooting": 0, "success": 1, "failed": 0}
-    devices = {(dict(lbls)["gpu"], dict(lbls)["profile"]): v
-               for (n, lbls), v in after.values.items() if n == "mig_agent_mig_devices"}
+        "pending": 0,
+        "rebooting": 0,
+        "success": 1,
+        "failed": 0,
+    }
+    devices = {
+        (dict(lbls)["gpu"], dict(lbls)["profile"]): v
+        for (n, lbls), v in after.values.items()
+        if n == "mig_agent_mig_devices"
+    }
     assert devices == {(str(g), "1g.10gb"): 7 for g in range(8)}
     last = after("mig_agent_last_success_timestamp_seconds")
     assert time.time() - 300 < last <= time.time()
@@ -206,15 +227,23 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     # -- a failing layout -----------------------------------------------------------------------
     node.label(BAD_LAYOUT)
     node.wait_state("failed")
+
     def failure_counted() -> Scrape | None:
         s = scrape(node)
-        return s if s("mig_agent_reconfigurations_total", result="failed",
-                      layout=BAD_LAYOUT) == 1 else None
+        return (
+            s
+            if s("mig_agent_reconfigurations_total", result="failed", layout=BAD_LAYOUT) == 1
+            else None
+        )
 
     failed = poll("failure counted", failure_counted, node)
     assert failed("mig_agent_reconfigurations_total", result="success", layout=LAYOUT) == 1
     assert failed.by_label("mig_agent_state", "state") == {
-        "pending": 0, "rebooting": 0, "success": 0, "failed": 1}
+        "pending": 0,
+        "rebooting": 0,
+        "success": 0,
+        "failed": 1,
+    }
     for phase in PHASES:  # refused before any phase began
         assert failed("mig_agent_reconfiguration_phase_seconds_count", phase=phase) == 1
 
@@ -241,13 +270,22 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     assert all(line["layout"] == LAYOUT and line["duration_s"] >= 0 for line in finished)
     logged_apply_s = next(line["duration_s"] for line in finished if line["phase"] == "apply")
     assert abs(logged_apply_s - apply_s) < 0.5, (logged_apply_s, apply_s)
-    order = [events.index(e) for e in ("reconcile.started", "phase.started", "phase.finished",
-                                       "reconcile.succeeded", "reconcile.finished")]
+    order = [
+        events.index(e)
+        for e in (
+            "reconcile.started",
+            "phase.started",
+            "phase.finished",
+            "reconcile.succeeded",
+            "reconcile.finished",
+        )
+    ]
     assert order == sorted(order)
     created = [line for line in lines if line["event"] == "gpu.instance_created"]
     assert len(created) == 56
     assert {(line["gpu"], line["profile"]) for line in created} == {
-        (g, "1g.10gb") for g in range(8)}
+        (g, "1g.10gb") for g in range(8)
+    }
     assert all(isinstance(line["placement"], str) for line in created)
     (failure,) = [line for line in lines if line["event"] == "reconcile.failed"]
     assert failure["level"] == "error" and failure["layout"] == BAD_LAYOUT
@@ -266,7 +304,7 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     assert warning.message.startswith(f"unknown layout {BAD_LAYOUT!r}"), warning.message
     assert all(e.source.host == node.name and e.count == 1 for e in ours)
     described = node.cluster.kubectl("describe", "node", node.name)
-    events_part = described[described.index("Events:"):]
+    events_part = described[described.index("Events:") :]
     for reason in [*PHASE_EVENTS, "MIGConfigFailed"]:
         assert reason in events_part, described
     assert f"unknown layout {BAD_LAYOUT!r}" in events_part, events_part

@@ -37,11 +37,17 @@ NS = agents.PLUGIN_NS  # the GPU Operator's namespace, where its validators run
 
 def validator_pod(core: client.CoreV1Api, name: str, node: str, app: str) -> Any:
     """A pod as the GPU Operator's validators are, bound to ``node`` (kwok runs it)."""
-    body = {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": {"app": app}},
-            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 0,
-                     "tolerations": [{"operator": "Exists"}],
-                     "containers": [{"name": "validator", "image": "nvcr.io/nvidia/validator"}]}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 0,
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{"name": "validator", "image": "nvcr.io/nvidia/validator"}],
+        },
+    }
     return core.create_namespaced_pod(NS, body)
 
 
@@ -74,21 +80,23 @@ def as_agent(node: AgentNode) -> client.CoreV1Api:
 
 
 def test_validators_go_with_a_change_on_the_own_node_only(
-        agent_node: NodeFactory, core: client.CoreV1Api, pods: list[Any]) -> None:
+    agent_node: NodeFactory, core: client.CoreV1Api, pods: list[Any]
+) -> None:
     node = agent_node("2xH100-80GB")
     tag = node.name
     cuda = validator_pod(core, f"cuda-{tag}", node.name, "nvidia-cuda-validator")
     plugin = validator_pod(core, f"plugin-{tag}", node.name, "nvidia-device-plugin-validator")
     operator = validator_pod(core, f"operator-{tag}", node.name, "nvidia-operator-validator")
     dcgm = validator_pod(core, f"dcgm-{tag}", node.name, "nvidia-dcgm")
-    elsewhere = validator_pod(core, f"cuda-elsewhere-{tag}", "gpu-node-0",
-                              "nvidia-cuda-validator")
+    elsewhere = validator_pod(core, f"cuda-elsewhere-{tag}", "gpu-node-0", "nvidia-cuda-validator")
     pods.extend([cuda, plugin, operator, dcgm, elsewhere])
 
     # the policy: the agent's own credentials may not delete other pods, nor on other nodes
     agent = as_agent(node)
-    for pod, fragment in ((dcgm, "may delete only the device plugin's pod"),
-                          (elsewhere, f"only on the node it runs on ({node.name})")):
+    for pod, fragment in (
+        (dcgm, "may delete only the device plugin's pod"),
+        (elsewhere, f"only on the node it runs on ({node.name})"),
+    ):
         with pytest.raises(client.ApiException) as err:
             agent.delete_namespaced_pod(pod.metadata.name, NS)
         assert err.value.status == 403 and fragment in err.value.body, err.value.body
@@ -108,7 +116,8 @@ def test_validators_go_with_a_change_on_the_own_node_only(
 def event_reasons(node: AgentNode) -> set[str]:
     """The reasons of the Events about the node (the agent's pass through the events policy)."""
     events = node.core.list_namespaced_event(
-        "default", field_selector=f"involvedObject.name={node.name}").items
+        "default", field_selector=f"involvedObject.name={node.name}"
+    ).items
     return {e.reason for e in events}
 
 
@@ -124,7 +133,8 @@ def write_script(path: Path, body: str) -> str:
 
 
 def test_hooks_run_with_the_nodes_context_and_a_failing_one_is_failed_with_its_output(
-        agent_node: NodeFactory, tmp_path: Path) -> None:
+    agent_node: NodeFactory, tmp_path: Path
+) -> None:
     log = tmp_path / "hooks.log"
     spec = tmp_path / "management.nvidia.com-gpu.yaml"
     hooks_file = tmp_path / "hooks.yaml"
@@ -139,34 +149,48 @@ hooks:
     args: ["-c", "echo apply-exit $MIG_AGENT_RESULT >> {log}"]
 """)
     # stands in for `nvidia-ctk cdi generate --mode=management ...`
-    cdi = write_script(tmp_path / "cdi-generate", f"""\
+    cdi = write_script(
+        tmp_path / "cdi-generate",
+        f"""\
 echo "post-apply $NODE_NAME $MIG_AGENT_LAYOUT gpus=$MIG_AGENT_CHANGED_GPUS" >> {log}
 echo "devices: $MIG_AGENT_CHANGED_GPU_UUIDS" > {spec}
-""")
+""",
+    )
     pre = write_script(tmp_path / "pre-apply", f"echo pre-apply $MIG_AGENT_MODE_CHANGE >> {log}\n")
-    settings = {"MIG_AGENT_HOOKS_FILE": str(hooks_file), "MIG_AGENT_PRE_APPLY_COMMAND": pre,
-                "MIG_AGENT_POST_APPLY_COMMAND": cdi}
+    settings = {
+        "MIG_AGENT_HOOKS_FILE": str(hooks_file),
+        "MIG_AGENT_PRE_APPLY_COMMAND": pre,
+        "MIG_AGENT_POST_APPLY_COMMAND": cdi,
+    }
     node = agent_node("2xH100-80GB", settings=settings)
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed", timeout=90) == "success", node.log_tail()
     assert log.read_text().splitlines() == [
-        "apply-start all-1g.10gb rack-7", "pre-apply true", "apply-exit success",
-        f"post-apply {node.name} all-1g.10gb gpus=0,1"]
+        "apply-start all-1g.10gb rack-7",
+        "pre-apply true",
+        "apply-exit success",
+        f"post-apply {node.name} all-1g.10gb gpus=0,1",
+    ]
     assert spec.read_text().startswith("devices: GPU-")
     assert "MIGPostApply" in event_reasons(node)
     assert_clean(node)
 
-    broken = write_script(tmp_path / "cdi-broken", """\
+    broken = write_script(
+        tmp_path / "cdi-broken",
+        """\
 echo "generating the management CDI spec"
 echo "nvidia-ctk: failed to locate libnvidia-ml.so.1" >&2
 exit 4
-""")
+""",
+    )
     node.restart_agent({**settings, "MIG_AGENT_POST_APPLY_COMMAND": broken})
     relabel(node, "all-balanced")
     assert node.wait_state("failed", "success", timeout=90) == "failed", node.log_tail()
     reason = node.node().metadata.annotations[REASON]
-    assert reason == (f"post-apply hook `{broken}` exited with status 4: generating the "
-                      "management CDI spec | nvidia-ctk: failed to locate libnvidia-ml.so.1")
+    assert reason == (
+        f"post-apply hook `{broken}` exited with status 4: generating the "
+        "management CDI spec | nvidia-ctk: failed to locate libnvidia-ml.so.1"
+    )
     assert applied(node, "all-balanced")  # the GPUs are done; the hook is what is left
     wait_clean(node)
     # fixed: the restarted agent runs what was left, and only that
@@ -200,13 +224,17 @@ elif action == "start" and not running:
 
 
 def test_host_gpu_clients_block_an_a100_reset_or_are_stopped_and_started_again(
-        agent_node: NodeFactory, tmp_path: Path) -> None:
+    agent_node: NodeFactory, tmp_path: Path
+) -> None:
     clients = tmp_path / "clients.yaml"
     clients.write_text("version: v1\nsystemd-services: [nvsm.service, nvidia-dcgm.service]\n")
     script = tmp_path / "systemctl.py"
     script.write_text(SYSTEMCTL)
-    off = {"MIG_AGENT_HOST_GPU_CLIENTS_FILE": str(clients),
-           "MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "1", "MIG_AGENT_BACKOFF_S": "30"}
+    off = {
+        "MIG_AGENT_HOST_GPU_CLIENTS_FILE": str(clients),
+        "MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "1",
+        "MIG_AGENT_BACKOFF_S": "30",
+    }
     node = agent_node("1xA100-40GB", settings=off)
     command = f"{sys.executable} {script} {node.sim_state}"
     pid = simstate.start_process(node.sim_state, 0, owner="nvidia-dcgm.service")
@@ -215,19 +243,29 @@ def test_host_gpu_clients_block_an_a100_reset_or_are_stopped_and_started_again(
     assert node.wait_state("failed", "success", timeout=60) == "failed", node.log_tail()
     reason = node.node().metadata.annotations[REASON]
     assert f"MIG mode change is in use by process(es) {pid}" in reason, reason
-    assert ("GPU(s) [0] need a reset for the MIG mode change; host GPU client service(s) "
-            "running: nvidia-dcgm.service") in reason, reason
+    assert (
+        "GPU(s) [0] need a reset for the MIG mode change; host GPU client service(s) "
+        "running: nvidia-dcgm.service"
+    ) in reason, reason
     assert not simstate.load_node(node.sim_state).gpus[0].mig_current
     wait_clean(node)
 
     calls = Path(node.sim_state + ".systemctl.log")
     calls.unlink()
-    node.restart_agent({**off, "MIG_AGENT_HOST_SERVICE_COMMAND": command,
-                        "MIG_AGENT_STOP_HOST_GPU_CLIENTS": "true"})
+    node.restart_agent(
+        {
+            **off,
+            "MIG_AGENT_HOST_SERVICE_COMMAND": command,
+            "MIG_AGENT_STOP_HOST_GPU_CLIENTS": "true",
+        }
+    )
     assert node.wait_state("success", timeout=90) == "success", node.log_tail()
     assert calls.read_text().splitlines() == [
-        "is-active nvsm.service", "is-active nvidia-dcgm.service", "stop nvidia-dcgm.service",
-        "start nvidia-dcgm.service"]
+        "is-active nvsm.service",
+        "is-active nvidia-dcgm.service",
+        "stop nvidia-dcgm.service",
+        "start nvidia-dcgm.service",
+    ]
     gpu = simstate.load_node(node.sim_state).gpus[0]
     assert gpu.mig_current and len(gpu.gpu_instances) == 7
     assert "nvidia-dcgm.service" in simstate.processes_by_owner(node.sim_state)  # runs again

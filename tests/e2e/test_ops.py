@@ -44,8 +44,12 @@ _pools = iter(range(10**6))
 # Helpers
 
 
-def make_pool(agent_node: NodeFactory, core: client.CoreV1Api, size: int,
-              settings: Mapping[str, str] | None = None) -> tuple[str, list[AgentNode]]:
+def make_pool(
+    agent_node: NodeFactory,
+    core: client.CoreV1Api,
+    size: int,
+    settings: Mapping[str, str] | None = None,
+) -> tuple[str, list[AgentNode]]:
     """``size`` agent nodes carrying a label of their own; (label selector, nodes by name)."""
     pool = f"p{next(_pools)}-{int(time.time() * 1000) % 100000}"
     nodes = [agent_node("8xH100-80GB", settings=settings) for _ in range(size)]
@@ -58,14 +62,32 @@ def mig_agent_cli(*args: str, timeout: float = 150.0) -> subprocess.CompletedPro
     """``python -m mig_agent ARGS`` from the checkout, without the test process's MIG_AGENT_*."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "mig_agent", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "mig_agent", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
-def repartition(cluster: Cluster, layout: str, selector: str, *extra: str,
-                timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
-    return mig_agent_cli("repartition", layout, "-l", selector, "--poll", "0.2",
-                         "--kubeconfig", str(cluster.kubeconfig), *extra, timeout=timeout)
+def repartition(
+    cluster: Cluster, layout: str, selector: str, *extra: str, timeout: float = 150.0
+) -> subprocess.CompletedProcess[str]:
+    return mig_agent_cli(
+        "repartition",
+        layout,
+        "-l",
+        selector,
+        "--poll",
+        "0.2",
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        *extra,
+        timeout=timeout,
+    )
 
 
 def summary_rows(stdout: str) -> dict[str, tuple[str, str]]:
@@ -126,15 +148,20 @@ class PoolWatch:
         try:
             while not self._stop.is_set():
                 w = watch.Watch()
-                for event in w.stream(self.core.list_node, label_selector=self.selector,
-                                      resource_version=self._rv, timeout_seconds=2):
+                for event in w.stream(
+                    self.core.list_node,
+                    label_selector=self.selector,
+                    resource_version=self._rv,
+                    timeout_seconds=2,
+                ):
                     node = event["object"]
                     self._rv = node.metadata.resource_version
                     name, marks = node.metadata.name, _marks(node)
                     if event["type"] != "DELETED" and last.get(name) != marks:
                         last[name] = marks
                         self.transitions.append(
-                            Transition(time.monotonic() - self._t0, name, *marks))
+                            Transition(time.monotonic() - self._t0, name, *marks)
+                        )
                     if self._stop.is_set():
                         w.stop()
         except BaseException as exc:  # reported by the test, not lost in the thread
@@ -153,8 +180,9 @@ class PoolWatch:
         return most
 
     def timeline(self) -> str:
-        return "\n".join(f"{t.t:6.2f}s {t.node} layout={t.layout} state={t.state}"
-                         for t in self.transitions)
+        return "\n".join(
+            f"{t.t:6.2f}s {t.node} layout={t.layout} state={t.state}" for t in self.transitions
+        )
 
 
 def _marks(node: Any) -> tuple[str | None, str | None]:
@@ -182,7 +210,8 @@ def labels_of(core: client.CoreV1Api, nodes: Sequence[AgentNode]) -> dict[str, d
 
 
 def test_pool_of_six_rolls_out_two_at_a_time_and_status_shows_it(
-        agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster) -> None:
+    agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster
+) -> None:
     layout = "all-1g.10gb"
     selector, nodes = make_pool(agent_node, core, 6)
     names = [n.name for n in nodes]
@@ -191,8 +220,9 @@ def test_pool_of_six_rolls_out_two_at_a_time_and_status_shows_it(
         res = repartition(installed, layout, selector, "-p", "2")
         # the last state changes may still be on their way through the watch
         deadline = time.monotonic() + 10
-        while any(seen.states(n)[-1:] != ["success"] for n in names) and \
-                time.monotonic() < deadline:
+        while (
+            any(seen.states(n)[-1:] != ["success"] for n in names) and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
     assert not seen.errors, seen.errors
     assert res.returncode == 0, explain(res, nodes)
@@ -208,7 +238,8 @@ def test_pool_of_six_rolls_out_two_at_a_time_and_status_shows_it(
     timeline = seen.timeline()
     assert seen.max_concurrent(lambda _, state: state == "pending") <= 2, timeline
     in_flight = seen.max_concurrent(
-        lambda label, state: label == layout and state not in ("success", "failed"))
+        lambda label, state: label == layout and state not in ("success", "failed")
+    )
     assert in_flight == 2, timeline  # never more than 2, and the parallelism was used
     for name in names:
         states = seen.states(name)
@@ -218,8 +249,16 @@ def test_pool_of_six_rolls_out_two_at_a_time_and_status_shows_it(
         assert states.index("pending") < len(states) - 1
 
     # status -o json on the pool after the rollout.
-    st = mig_agent_cli("status", "-l", selector, "-o", "json",
-                       "--kubeconfig", str(installed.kubeconfig), timeout=60)
+    st = mig_agent_cli(
+        "status",
+        "-l",
+        selector,
+        "-o",
+        "json",
+        "--kubeconfig",
+        str(installed.kubeconfig),
+        timeout=60,
+    )
     assert st.returncode == 0, explain(st)
     report = json.loads(st.stdout)
     assert [r["node"] for r in report] == names
@@ -237,16 +276,23 @@ def test_pool_of_six_rolls_out_two_at_a_time_and_status_shows_it(
 
 
 def test_pdb_failure_stops_the_rollout_and_the_summary_names_node_and_pdb(
-        agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster, namespace: str,
-        gpu_pod: Any) -> None:
-    selector, nodes = make_pool(agent_node, core, 3,
-                                settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "4"})
+    agent_node: NodeFactory,
+    core: client.CoreV1Api,
+    installed: Cluster,
+    namespace: str,
+    gpu_pod: Any,
+) -> None:
+    selector, nodes = make_pool(agent_node, core, 3, settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "4"})
     guarded, rest = nodes[0], nodes[1:]  # the rollout goes in name order: it is first
     gpu_pod(namespace, "guarded", node=guarded.name, labels={"app": "guarded"})
     wait_running(core, namespace, "guarded")
-    client.PolicyV1Api(core.api_client).create_namespaced_pod_disruption_budget(namespace, {
-        "metadata": {"name": "keep-guarded"},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}}})
+    client.PolicyV1Api(core.api_client).create_namespaced_pod_disruption_budget(
+        namespace,
+        {
+            "metadata": {"name": "keep-guarded"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}},
+        },
+    )
     wait_pdb_observed(core, namespace, "keep-guarded")
 
     res = repartition(installed, "all-3g.40gb", selector, "-p", "1")
@@ -272,7 +318,8 @@ def test_pdb_failure_stops_the_rollout_and_the_summary_names_node_and_pdb(
 
 
 def test_layout_typo_is_refused_before_any_node_is_touched(
-        agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster) -> None:
+    agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster
+) -> None:
     selector, nodes = make_pool(agent_node, core, 2)
     before = labels_of(core, nodes)
     typo = "all-1g.10gbb"

@@ -33,12 +33,20 @@ def guard(core: client.CoreV1Api, namespace: str, app: str) -> client.PolicyV1Ap
     """A PodDisruptionBudget that refuses every eviction of the pods labelled app=``app``,
     once the disruption controller has seen it."""
     policy = client.PolicyV1Api(core.api_client)
-    policy.create_namespaced_pod_disruption_budget(namespace, {
-        "metadata": {"name": f"keep-{app}"},
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": app}}}})
+    policy.create_namespaced_pod_disruption_budget(
+        namespace,
+        {
+            "metadata": {"name": f"keep-{app}"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": app}}},
+        },
+    )
     deadline = time.monotonic() + 20
-    while policy.read_namespaced_pod_disruption_budget(
-            f"keep-{app}", namespace).status.observed_generation is None:
+    while (
+        policy.read_namespaced_pod_disruption_budget(
+            f"keep-{app}", namespace
+        ).status.observed_generation
+        is None
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     return policy
@@ -66,7 +74,8 @@ def log_events(node: AgentNode) -> list[dict[str, Any]]:
 
 
 def test_a_cordon_an_admin_sets_during_the_pass_survives_it(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB", settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "120"})
     gpu_pod(namespace, "guarded", node=node.name, labels={"app": "guarded"})
     wait_running(core, namespace, "guarded")
@@ -75,10 +84,12 @@ def test_a_cordon_an_admin_sets_during_the_pass_survives_it(
     wait_cordoned_by_agent(node)  # the drain waits on the budget
     # kubectl uncordon, then kubectl cordon: maintenance begins while the agent drains
     for value in (None, True):
-        core.patch_node(node.name, {"spec": {"unschedulable": value}},
-                        field_manager="kubectl-cordon")
-    policy.patch_namespaced_pod_disruption_budget("keep-guarded", namespace,
-                                                  {"spec": {"minAvailable": 0}})
+        core.patch_node(
+            node.name, {"spec": {"unschedulable": value}}, field_manager="kubectl-cordon"
+        )
+    policy.patch_namespaced_pod_disruption_budget(
+        "keep-guarded", namespace, {"spec": {"minAvailable": 0}}
+    )
     assert node.wait_state("success", timeout=90) == "success", node.log_tail()
     n = node.node()
     assert n.spec.unschedulable, "the admin's cordon was undone"
@@ -88,7 +99,8 @@ def test_a_cordon_an_admin_sets_during_the_pass_survives_it(
 
 
 def test_the_agents_own_cordon_is_undone_when_nobody_else_touched_it(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     """The other side of the rule: managedFields name the agent, so it uncordons."""
     node = agent_node("8xH100-80GB")
     gpu_pod(namespace, "job", node=node.name)
@@ -99,7 +111,8 @@ def test_the_agents_own_cordon_is_undone_when_nobody_else_touched_it(
 
 
 def test_a_bare_gpu_pod_is_refused_before_the_cordon_by_default(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     node = agent_node("8xH100-80GB", settings={"MIG_AGENT_EVICT_UNMANAGED_PODS": "false"})
     gpu_pod(namespace, "notebook", node=node.name)
     wait_running(core, namespace, "notebook")
@@ -113,7 +126,8 @@ def test_a_bare_gpu_pod_is_refused_before_the_cordon_by_default(
 
 
 def test_sigterm_mid_drain_stops_the_agent_at_once_and_undoes_its_marks(
-        agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, namespace: str, gpu_pod: Any, core: client.CoreV1Api
+) -> None:
     """Before: the drain's wait (up to 300 s) never looked at the stop: SIGKILL at the end of
     the pod's grace period."""
     node = agent_node("8xH100-80GB", settings={"MIG_AGENT_DRAIN_TIMEOUT_S": "120"})
@@ -137,12 +151,13 @@ def test_sigterm_mid_drain_stops_the_agent_at_once_and_undoes_its_marks(
     events = [e.get("event") for e in log_events(node)]
     assert "reconcile.stopped" in events, node.log_tail()
     stopped = len(events) - 1 - events[::-1].index("reconcile.stopped")
-    assert "node.resumed" in events[events.index("node.paused"):stopped + 1]
+    assert "node.resumed" in events[events.index("node.paused") : stopped + 1]
     assert took < 5.0, took
 
 
 def test_an_xid_on_a_device_is_reported_and_never_repeats_a_change(
-        agent_node: NodeFactory, core: client.CoreV1Api) -> None:
+    agent_node: NodeFactory, core: client.CoreV1Api
+) -> None:
     """NVIDIA's device plugin marks the devices of a GPU that raised Xid 79 unhealthy; the
     kubelet's side keeps them in capacity and out of allocatable. Before: with the state
     'failed' (an earlier pass's) and allocatable short, the next pass counted as interrupted:
@@ -152,13 +167,19 @@ def test_an_xid_on_a_device_is_reported_and_never_repeats_a_change(
     node = agent_node("2xH100-80GB")
     node.label("all-1g.10gb")
     assert node.wait_state("success", timeout=90) == "success", node.log_tail()
-    plugins = {p.metadata.uid for p in core.list_namespaced_pod(
-        agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items}
+    plugins = {
+        p.metadata.uid
+        for p in core.list_namespaced_pod(
+            agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}"
+        ).items
+    }
     # every line from here on: a pass the agent runs for another reason (GFD's labels arriving
     # late wake one) may be the one that notices the devices first
     at_xid = len(log_events(node))
-    subprocess.run([sys.executable, "-m", "migsim.nvml", "--state", node.sim_state,
-                    "xid", "0", "79"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "migsim.nvml", "--state", node.sim_state, "xid", "0", "79"],
+        check=True,
+    )
     deadline = time.monotonic() + 60
     while node.gpu_resources().get("nvidia.com/mig-1g.10gb", 0) == 14:  # allocatable
         assert time.monotonic() < deadline, "the plugin never marked GPU 0's devices unhealthy"
@@ -172,12 +193,22 @@ def test_an_xid_on_a_device_is_reported_and_never_repeats_a_change(
         time.sleep(0.2)
     events = [e.get("event") for e in log_events(node)[at_xid:]]
     assert "node.paused" not in events and "device_plugin.restarted" not in events, events
-    assert plugins == {p.metadata.uid for p in core.list_namespaced_pod(
-        agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}").items}
+    assert plugins == {
+        p.metadata.uid
+        for p in core.list_namespaced_pod(
+            agents.PLUGIN_NS, field_selector=f"spec.nodeName={node.name}"
+        ).items
+    }
 
     def condition_message() -> str:
-        return next((c.message for c in node.node().status.conditions or ()
-                     if c.type == "MIGConfigApplied"), "")
+        return next(
+            (
+                c.message
+                for c in node.node().status.conditions or ()
+                if c.type == "MIGConfigApplied"
+            ),
+            "",
+        )
 
     # the condition is written after the state label and the log line: wait for it
     deadline = time.monotonic() + 30

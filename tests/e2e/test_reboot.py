@@ -19,8 +19,7 @@ from .conftest import REASON, AgentNode, NodeFactory
 
 
 def _reboot_command(node_state: str) -> str:
-    return shlex.join([sys.executable, "-m", "migsim.nvml", "--state", node_state,
-                       "reboot"])
+    return shlex.join([sys.executable, "-m", "migsim.nvml", "--state", node_state, "reboot"])
 
 
 def _uncordoned(node: AgentNode) -> None:
@@ -31,15 +30,19 @@ def _uncordoned(node: AgentNode) -> None:
 
 
 def test_mode_change_needing_a_reboot_reboots_once_and_finishes(
-        agent_node: NodeFactory, installed: Cluster) -> None:
+    agent_node: NodeFactory, installed: Cluster
+) -> None:
     name = f"e2e-reboot-{int(time.time() * 1000) % 100000}"
     command = _reboot_command(str(agents.sim_state_path(installed, name)))
-    node = agent_node("2xA100-40GB", name=name, sim={"reset_supported": False},
-                      settings={"MIG_AGENT_REBOOT_COMMAND": command})
+    node = agent_node(
+        "2xA100-40GB",
+        name=name,
+        sim={"reset_supported": False},
+        settings={"MIG_AGENT_REBOOT_COMMAND": command},
+    )
     seen: list[str] = []
     node.label("all-1g.5gb")
-    assert node.wait_state("success", "failed", timeout=90, seen=seen) == "success", \
-        node.log_tail()
+    assert node.wait_state("success", "failed", timeout=90, seen=seen) == "success", node.log_tail()
     assert "rebooting" in seen, seen
     assert node.log_tail(400).count('"node.rebooting"') == 1
     gpus = simstate.load_node(node.sim_state).gpus
@@ -50,14 +53,16 @@ def test_mode_change_needing_a_reboot_reboots_once_and_finishes(
 
 
 def test_a_reboot_that_does_not_help_is_not_repeated(agent_node: NodeFactory) -> None:
-    node = agent_node("2xA100-40GB", sim={"reset_supported": False},
-                      settings={"MIG_AGENT_REBOOT_COMMAND": "/bin/true"})
+    node = agent_node(
+        "2xA100-40GB",
+        sim={"reset_supported": False},
+        settings={"MIG_AGENT_REBOOT_COMMAND": "/bin/true"},
+    )
     seen: list[str] = []
     node.label("all-1g.5gb")
     assert node.wait_state("failed", "success", timeout=90, seen=seen) == "failed"
     assert "rebooting" in seen, seen
     assert "did not take effect after rebooting once" in node.node().metadata.annotations[REASON]
     assert node.log_tail(400).count('"node.rebooting"') == 1
-    assert all(g.mig_pending and not g.mig_current
-               for g in simstate.load_node(node.sim_state).gpus)
+    assert all(g.mig_pending and not g.mig_current for g in simstate.load_node(node.sim_state).gpus)
     _uncordoned(node)

@@ -77,7 +77,8 @@ class Point:
 
     def matches(self, line: Mapping[str, Any]) -> bool:
         return line.get("event") == self.event and all(
-            line.get(k) == v for k, v in self.fields.items())
+            line.get(k) == v for k, v in self.fields.items()
+        )
 
 
 def _phase(name: str, edge: str) -> Point:
@@ -149,14 +150,39 @@ class Scenario:
     stay_pod_limits: Mapping[str, str] | None = None
 
 
-H100 = Scenario("h100", GPUS, START, TARGET, OTHER, TYPO, {"nvidia.com/mig-1g.10gb": "3"},
-                ("nvidia.com/mig-1g.10gb", 7), POINTS, {"nvidia.com/mig-1g.10gb": "1"})
-A100 = Scenario("a100-mig-on", "1xA100-40GB", "all-disabled", "all-1g.5gb", "all-2g.10gb",
-                "all-1g.5gbx", {"nvidia.com/gpu": "1"}, ("nvidia.com/gpu", 1), A100_POINTS)
+H100 = Scenario(
+    "h100",
+    GPUS,
+    START,
+    TARGET,
+    OTHER,
+    TYPO,
+    {"nvidia.com/mig-1g.10gb": "3"},
+    ("nvidia.com/mig-1g.10gb", 7),
+    POINTS,
+    {"nvidia.com/mig-1g.10gb": "1"},
+)
+A100 = Scenario(
+    "a100-mig-on",
+    "1xA100-40GB",
+    "all-disabled",
+    "all-1g.5gb",
+    "all-2g.10gb",
+    "all-1g.5gbx",
+    {"nvidia.com/gpu": "1"},
+    ("nvidia.com/gpu", 1),
+    A100_POINTS,
+)
 SCENARIOS = (H100, A100)
 
-QUICK_POINTS = ("node.paused", "drain.pod_evicted", "gpu.instance_destroyed#3",
-                "gpu.compute_instance_created#1", "phase.started(device_plugin)", "node.resumed")
+QUICK_POINTS = (
+    "node.paused",
+    "drain.pod_evicted",
+    "gpu.instance_destroyed#3",
+    "gpu.compute_instance_created#1",
+    "phase.started(device_plugin)",
+    "node.resumed",
+)
 
 LABEL_FAULTS = ("kill", "relabel-other", "relabel-typo", "relabel-removed", "repartition-other")
 # Between the agent and the API server (migsim.cluster.api_faults): the agent's kubeconfig names
@@ -178,8 +204,17 @@ WATCH_TIMEOUT_S = 20
 # etcd and the API server stopped and started again (Cluster.restart), under every agent's feet
 CONTROL_PLANE_FAULTS = ("apiserver-restart",)
 # On the node: NVML, the GPUs, the device plugin, the profile config (each trial's own copy).
-NODE_FAULTS = ("nvml-error", "nvml-half", "gpu-busy", "reset-fails", "reboot-hangs",
-               "plugin-gone", "plugin-wrong", "config-invalid", "config-changed")
+NODE_FAULTS = (
+    "nvml-error",
+    "nvml-half",
+    "gpu-busy",
+    "reset-fails",
+    "reboot-hangs",
+    "plugin-gone",
+    "plugin-wrong",
+    "config-invalid",
+    "config-changed",
+)
 # reboot-hangs: the node's reboot command, a shell whose child never returns (the marker is in
 # the command line of both, none of which may outlive the agent's time limit)
 REBOOT_MARKER = "sleep 3599.25"
@@ -189,8 +224,10 @@ NODE_FAULT_SETTINGS = {  # shorter waits, so that a trial ends in a minute
     "gpu-busy": {"MIG_AGENT_GPU_RELEASE_TIMEOUT_S": "5"},
     "plugin-gone": {"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "15"},
     "plugin-wrong": {"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "15"},
-    "reboot-hangs": {"MIG_AGENT_REBOOT_COMMAND": REBOOT_HANGS,
-                     "MIG_AGENT_REBOOT_TIMEOUT_S": f"{REBOOT_TIMEOUT_S:g}"},
+    "reboot-hangs": {
+        "MIG_AGENT_REBOOT_COMMAND": REBOOT_HANGS,
+        "MIG_AGENT_REBOOT_TIMEOUT_S": f"{REBOOT_TIMEOUT_S:g}",
+    },
 }
 # How long a trial may take to settle after its fault, where a wait that is not the agent's
 # outlasts the default 90 s: an agent that does not read MIG_AGENT_REBOOT_TIMEOUT_S waits 120 s
@@ -200,13 +237,25 @@ FAULT_SETTLE = {"reboot-hangs": 120.0 + 60.0}
 # DaemonSet controller is slow to place the agent's and the device plugin's pods)
 SETUP_TIMEOUT_S = 120.0
 # NVML faults land before each kind of mutating call; the others once per phase.
-NVML_POINTS = ("phase.started(apply)", "gpu.compute_instance_destroyed#1",
-               "gpu.instance_destroyed#1", "gpu.instance_destroyed#5", "gpu.instance_created#1",
-               "gpu.instance_created#2", "gpu.compute_instance_created#1")
+NVML_POINTS = (
+    "phase.started(apply)",
+    "gpu.compute_instance_destroyed#1",
+    "gpu.instance_destroyed#1",
+    "gpu.instance_destroyed#5",
+    "gpu.instance_created#1",
+    "gpu.instance_created#2",
+    "gpu.compute_instance_created#1",
+)
 NODE_POINTS = {
-    "nvml-error": NVML_POINTS, "nvml-half": NVML_POINTS,
-    "gpu-busy": ("node.paused", "drain.pod_evicted", "phase.started(apply)",
-                 "gpu.instance_destroyed#1", "gpu.instance_created#1"),
+    "nvml-error": NVML_POINTS,
+    "nvml-half": NVML_POINTS,
+    "gpu-busy": (
+        "node.paused",
+        "drain.pod_evicted",
+        "phase.started(apply)",
+        "gpu.instance_destroyed#1",
+        "gpu.instance_created#1",
+    ),
     "reset-fails": ("node.paused", "phase.started(apply)", "gpu.mig_mode_set"),  # A100
     # A100: its mode change needs a reset, made impossible before the agent gets to it
     # (later, the injection could race the agent's reset)
@@ -215,24 +264,44 @@ NODE_POINTS = {
     # the kubelet's runtime would: stopped before the drain, the GPUs would stay busy)
     "plugin-gone": ("phase.finished(apply)", "phase.started(device_plugin)"),
     "plugin-wrong": ("phase.finished(apply)", "phase.started(device_plugin)"),
-    "config-invalid": ("labels.patched(pending)", "drain.pod_evicted", "phase.started(apply)",
-                       "gpu.instance_created#1", "phase.started(device_plugin)",
-                       "node.resumed"),
-    "config-changed": ("labels.patched(pending)", "drain.pod_evicted", "phase.started(apply)",
-                       "gpu.instance_created#1", "phase.started(device_plugin)",
-                       "node.resumed"),
+    "config-invalid": (
+        "labels.patched(pending)",
+        "drain.pod_evicted",
+        "phase.started(apply)",
+        "gpu.instance_created#1",
+        "phase.started(device_plugin)",
+        "node.resumed",
+    ),
+    "config-changed": (
+        "labels.patched(pending)",
+        "drain.pod_evicted",
+        "phase.started(apply)",
+        "gpu.instance_created#1",
+        "phase.started(device_plugin)",
+        "node.resumed",
+    ),
 }
 # the H100's all-balanced in the trial's copy of the profiles, before and after config-changed
-BALANCED_H100 = ('- device-filter: ["0x233010DE", "0x233110DE"]\n      devices: all\n'
-                 '      mig-enabled: true\n      mig-devices: {"1g.10gb": 2, "2g.20gb": 1, '
-                 '"3g.40gb": 1}')
-CHANGED_H100 = BALANCED_H100.replace('{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}',
-                                     '{"3g.40gb": 2}')
+BALANCED_H100 = (
+    '- device-filter: ["0x233010DE", "0x233110DE"]\n      devices: all\n'
+    '      mig-enabled: true\n      mig-devices: {"1g.10gb": 2, "2g.20gb": 1, '
+    '"3g.40gb": 1}'
+)
+CHANGED_H100 = BALANCED_H100.replace('{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}', '{"3g.40gb": 2}')
 FAULTS = LABEL_FAULTS + tuple(API_FAULTS) + CONTROL_PLANE_FAULTS + NODE_FAULTS
 # API faults land at one point of each phase (the H100 scenario).
-API_POINTS = ("labels.patched(pending)", "node.paused", "drain.started", "drain.pod_evicted",
-              "phase.started(apply)", "gpu.instance_created#1", "phase.started(device_plugin)",
-              "device_plugin.resources_match", "node.resumed", "reconcile.succeeded")
+API_POINTS = (
+    "labels.patched(pending)",
+    "node.paused",
+    "drain.started",
+    "drain.pod_evicted",
+    "phase.started(apply)",
+    "gpu.instance_created#1",
+    "phase.started(device_plugin)",
+    "device_plugin.resources_match",
+    "node.resumed",
+    "reconcile.succeeded",
+)
 
 
 @dataclass(slots=True)
@@ -250,9 +319,15 @@ class Result:
 class FaultNode:
     """One fresh GPU node with its agent, set up at START with a GPU pod, for one trial."""
 
-    def __init__(self, cluster: Cluster, scenario: Scenario | None = None, *,
-                 proxy: bool = False, settings: Mapping[str, str] | None = None,
-                 own_profiles: bool = False) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        scenario: Scenario | None = None,
+        *,
+        proxy: bool = False,
+        settings: Mapping[str, str] | None = None,
+        own_profiles: bool = False,
+    ) -> None:
         self.cluster = cluster
         # the trial's pods (name -> UID) and the devices they hold, as `prepare` leaves them
         self.pods_at_start: dict[str, str] = {}
@@ -267,16 +342,24 @@ class FaultNode:
         settings = dict(settings or {})
         via: Cluster = cluster
         if proxy:
-            self.proxy = ApiFaultProxy(cluster.server, cert=cluster.dir / "pki" / "serving.crt",
-                                       key=cluster.dir / "pki" / "serving.key",
-                                       ca=cluster.ca_cert)
+            self.proxy = ApiFaultProxy(
+                cluster.server,
+                cert=cluster.dir / "pki" / "serving.crt",
+                key=cluster.dir / "pki" / "serving.key",
+                ca=cluster.ca_cert,
+            )
             via = ViaProxy(cluster, self.proxy.url)
             settings["MIG_AGENT_WATCH_TIMEOUT_S"] = str(WATCH_TIMEOUT_S)
         cluster.add_gpu_node(self.name, self.scenario.gpus)
         try:
-            self.procs = agents.start_node(via, self.name, restart_backoff=BACKOFF,
-                                           settings=settings, profiles=self.profiles,
-                                           timeout=SETUP_TIMEOUT_S)
+            self.procs = agents.start_node(
+                via,
+                self.name,
+                restart_backoff=BACKOFF,
+                settings=settings,
+                profiles=self.profiles,
+                timeout=SETUP_TIMEOUT_S,
+            )
         except BaseException:
             if self.proxy:
                 self.proxy.stop()
@@ -294,9 +377,12 @@ class FaultNode:
         return data
 
     def patch_labels(self, labels: Mapping[str, str | None]) -> None:
-        self.cluster.api.request("PATCH", f"/api/v1/nodes/{self.name}",
-                                 {"metadata": {"labels": dict(labels)}},
-                                 content_type="application/merge-patch+json")
+        self.cluster.api.request(
+            "PATCH",
+            f"/api/v1/nodes/{self.name}",
+            {"metadata": {"labels": dict(labels)}},
+            content_type="application/merge-patch+json",
+        )
 
     def labels(self) -> dict[str, str]:
         return dict(self.node()["metadata"].get("labels") or {})
@@ -305,8 +391,9 @@ class FaultNode:
         deadline = time.monotonic() + timeout
         while not pred():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: no {what} after {timeout:g} s; log:\n"
-                                   + self.log_tail())
+                raise TimeoutError(
+                    f"{self.name}: no {what} after {timeout:g} s; log:\n" + self.log_tail()
+                )
             time.sleep(0.1)
 
     # -- the agent's log ---------------------------------------------------------------------
@@ -339,20 +426,35 @@ class FaultNode:
     # -- set-up ------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        self.wait("gpu-state annotation", lambda: "mig-agent.dev/gpu-state" in (
-            self.node()["metadata"].get("annotations") or {}), SETUP_TIMEOUT_S)
+        self.wait(
+            "gpu-state annotation",
+            lambda: "mig-agent.dev/gpu-state" in (self.node()["metadata"].get("annotations") or {}),
+            SETUP_TIMEOUT_S,
+        )
         sc = self.scenario
         self.patch_labels({CONFIG: sc.start})
-        self.wait(f"success of {sc.start}", lambda: self.labels().get(STATE) == "success",
-                  SETUP_TIMEOUT_S)
-        self.wait("GPU resources", lambda: int(self.node()["status"].get(
-            "allocatable", {}).get(sc.ready[0], "0")) == sc.ready[1], SETUP_TIMEOUT_S)
+        self.wait(
+            f"success of {sc.start}", lambda: self.labels().get(STATE) == "success", SETUP_TIMEOUT_S
+        )
+        self.wait(
+            "GPU resources",
+            lambda: (
+                int(self.node()["status"].get("allocatable", {}).get(sc.ready[0], "0"))
+                == sc.ready[1]
+            ),
+            SETUP_TIMEOUT_S,
+        )
         if self.procs.device_plugin_kind == "nvidia":
             # GFD's labels are on the node (the node's own nvidia.com/gpu may be there before
             # the node runtime runs): none lands mid-pass, where its MIG strategy label would
             # rightly wake the agent for a second pass
-            self.wait("GFD's labels", lambda: FEATURE_LABELS_ANNOTATION in (
-                self.node()["metadata"].get("annotations") or {}), SETUP_TIMEOUT_S)
+            self.wait(
+                "GFD's labels",
+                lambda: (
+                    FEATURE_LABELS_ANNOTATION in (self.node()["metadata"].get("annotations") or {})
+                ),
+                SETUP_TIMEOUT_S,
+            )
         # first a pod on the first 1g.10gb device, which the pass keeps (H100), then a GPU pod
         # on three of the others: the drain has work to do, and a pod to leave alone
         if sc.stay_pod_limits:
@@ -371,23 +473,43 @@ class FaultNode:
         return f"{self.name}-stays"
 
     def _run_pod(self, name: str, limits: Mapping[str, str]) -> None:
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": NAMESPACE},
-               "spec": {"terminationGracePeriodSeconds": 1,
-                        "nodeSelector": {"kubernetes.io/hostname": self.name},
-                        "containers": [{"name": "cuda", "image": SIMULATED_IMAGE, "resources": {
-                            "limits": dict(limits), "requests": dict(limits)}}]}}
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {
+                "terminationGracePeriodSeconds": 1,
+                "nodeSelector": {"kubernetes.io/hostname": self.name},
+                "containers": [
+                    {
+                        "name": "cuda",
+                        "image": SIMULATED_IMAGE,
+                        "resources": {"limits": dict(limits), "requests": dict(limits)},
+                    }
+                ],
+            },
+        }
         self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
-        self.wait(f"the GPU pod {name} to run", lambda: self.cluster.api.get(
-            f"/api/v1/namespaces/{NAMESPACE}/pods/{name}").get(
-            "status", {}).get("phase") == "Running", SETUP_TIMEOUT_S)
+        self.wait(
+            f"the GPU pod {name} to run",
+            lambda: (
+                self.cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
+                .get("status", {})
+                .get("phase")
+                == "Running"
+            ),
+            SETUP_TIMEOUT_S,
+        )
 
     def pods_left(self) -> dict[str, str]:
         """The trial's GPU pods there and not terminating: name -> UID."""
         pods = self.cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]
         mine = {self.name, self.stay_pod}
-        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods
-                if p["metadata"]["name"] in mine and not p["metadata"].get("deletionTimestamp")}
+        return {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in pods
+            if p["metadata"]["name"] in mine and not p["metadata"].get("deletionTimestamp")
+        }
 
     def held_devices(self) -> dict[str, set[tuple[int, int]]]:
         """Pod UID -> the devices its processes hold: (GPU, GI serial; -1 for the whole GPU).
@@ -410,8 +532,13 @@ class FaultNode:
             return not gpu.mig_current if device[1] < 0 else gpu.gi_by_serial(device[1]) is not None
 
         left = set(self.pods_left().values())
-        return sorted(name for name, uid in self.pods_at_start.items() if uid not in left
-                      and self.held_at_start.get(uid) and all(map(alive, self.held_at_start[uid])))
+        return sorted(
+            name
+            for name, uid in self.pods_at_start.items()
+            if uid not in left
+            and self.held_at_start.get(uid)
+            and all(map(alive, self.held_at_start[uid]))
+        )
 
     def close(self) -> None:
         agents.stop_node(self.cluster.dir, self.name)
@@ -424,13 +551,17 @@ class FaultNode:
             self.proxy.stop()
         with contextlib.suppress(ApiError):  # gone already
             self.cluster.api.request(
-                "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}",
-                {"gracePeriodSeconds": 0})
+                "DELETE",
+                f"/api/v1/namespaces/{NAMESPACE}/pods/{self.name}",
+                {"gracePeriodSeconds": 0},
+            )
         if self.scenario.stay_pod_limits:
             with contextlib.suppress(ApiError):
                 self.cluster.api.request(
-                    "DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{self.stay_pod}",
-                    {"gracePeriodSeconds": 0})
+                    "DELETE",
+                    f"/api/v1/namespaces/{NAMESPACE}/pods/{self.stay_pod}",
+                    {"gracePeriodSeconds": 0},
+                )
         self.cluster.delete_node(self.name)
 
     # -- checks ------------------------------------------------------------------------------
@@ -449,11 +580,19 @@ class FaultNode:
         backend = open_node(self.procs.sim_state)
         try:
             observed = backend.observe()
-            stray = [f"GPU {g.index} GI {gi.id}" for g in observed.gpus for gi in g.gpu_instances
-                     if not gi.compute_instances]
-            applied = planner.plan(catalog.get(layout), observed, backend.models(),
-                                   destroy_in_use=True).is_empty if layout in catalog.layouts \
+            stray = [
+                f"GPU {g.index} GI {gi.id}"
+                for g in observed.gpus
+                for gi in g.gpu_instances
+                if not gi.compute_instances
+            ]
+            applied = (
+                planner.plan(
+                    catalog.get(layout), observed, backend.models(), destroy_in_use=True
+                ).is_empty
+                if layout in catalog.layouts
                 else False
+            )
         finally:
             backend.close()
         return applied, stray
@@ -463,8 +602,7 @@ def ensure_namespace(cluster: Cluster) -> None:
     try:
         cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}")
     except ApiError:  # not there yet
-        cluster.api.request("POST", "/api/v1/namespaces",
-                            {"metadata": {"name": NAMESPACE}})
+        cluster.api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
 
 
 def inject(node: FaultNode, fault: str) -> None:
@@ -485,8 +623,7 @@ def inject(node: FaultNode, fault: str) -> None:
         node.restart_seconds = node.cluster.restart(timeout=120)
     elif fault in API_FAULTS:
         assert node.proxy is not None
-        node.proxy.add(dataclasses.replace(API_FAULTS[fault]),
-                       seconds=API_FAULT_SECONDS.get(fault))
+        node.proxy.add(dataclasses.replace(API_FAULTS[fault]), seconds=API_FAULT_SECONDS.get(fault))
     else:
         raise ValueError(fault)
 
@@ -510,9 +647,12 @@ def inject_node_fault(node: FaultNode, fault: str) -> None:
         if fault == "plugin-wrong":  # what it advertised last time, one device short
             res = node.scenario.ready[0]
             value = str(node.scenario.ready[1] - 1)
-            node.cluster.api.request("PATCH", f"/api/v1/nodes/{node.name}/status", {
-                "status": {"capacity": {res: value}, "allocatable": {res: value}}},
-                content_type="application/merge-patch+json")
+            node.cluster.api.request(
+                "PATCH",
+                f"/api/v1/nodes/{node.name}/status",
+                {"status": {"capacity": {res: value}, "allocatable": {res: value}}},
+                content_type="application/merge-patch+json",
+            )
     elif fault == "config-invalid":
         (node.profiles / "all.yaml").write_text("mig-configs: [unclosed\n")
     elif fault == "config-changed":
@@ -526,11 +666,14 @@ def inject_node_fault(node: FaultNode, fault: str) -> None:
 
 def expected_cause(fault: str, scenario: Scenario) -> str:
     """What a `failed` reason must name for a trial with `fault` to count as failed-with-reason."""
-    return {"relabel-typo": scenario.typo, "gpu-busy": "in use by",
-            "plugin-gone": "node resources do not match",
-            "plugin-wrong": "node resources do not match",
-            "reset-fails": "reset",
-            "reboot-hangs": f"reboot command {REBOOT_HANGS!r} did not return within"}.get(fault, "")
+    return {
+        "relabel-typo": scenario.typo,
+        "gpu-busy": "in use by",
+        "plugin-gone": "node resources do not match",
+        "plugin-wrong": "node resources do not match",
+        "reset-fails": "reset",
+        "reboot-hangs": f"reboot command {REBOOT_HANGS!r} did not return within",
+    }.get(fault, "")
 
 
 _clean: dict[str, dict[str, int]] = {}
@@ -545,35 +688,61 @@ def clean_calls(cluster: Cluster, scenario: Scenario) -> dict[str, int]:
             node.patch_labels({CONFIG: scenario.target})
             outcome, detail = settle_and_check(node, "none", 90)
             if (outcome, detail) != ("converged", f"{scenario.target} applied"):
-                raise RuntimeError(f"the pass without a fault: {outcome}: {detail}\n"
-                                   + node.log_tail())
+                raise RuntimeError(
+                    f"the pass without a fault: {outcome}: {detail}\n" + node.log_tail()
+                )
             _clean[scenario.name] = node.instance_calls()
         finally:
             node.close()
     return dict(_clean[scenario.name])
 
 
-def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.0,
-              scenario: Scenario | None = None) -> Result:
+def run_trial(
+    cluster: Cluster,
+    point: Point,
+    fault: str,
+    *,
+    settle: float = 90.0,
+    scenario: Scenario | None = None,
+) -> Result:
     sc = scenario or H100
     settle = max(settle, FAULT_SETTLE.get(fault, 0.0))
     keeps_label = fault in ("kill", *CONTROL_PLANE_FAULTS) or (
-        fault in API_FAULTS and fault != "watch-silent")
+        fault in API_FAULTS and fault != "watch-silent"
+    )
     reference = clean_calls(cluster, sc) if keeps_label else None
     started = time.monotonic()
     try:
-        node = FaultNode(cluster, sc, proxy=fault in API_FAULTS,
-                         settings=NODE_FAULT_SETTINGS.get(fault),
-                         own_profiles=fault.startswith("config-"))
+        node = FaultNode(
+            cluster,
+            sc,
+            proxy=fault in API_FAULTS,
+            settings=NODE_FAULT_SETTINGS.get(fault),
+            own_profiles=fault.startswith("config-"),
+        )
     except (DevClusterError, ApiError, OSError) as e:  # no node, no agent: no verdict
-        return Result(point.name, fault, "not-reached", f"set-up: {str(e).splitlines()[0]}",
-                      time.monotonic() - started, "", sc.name)
+        return Result(
+            point.name,
+            fault,
+            "not-reached",
+            f"set-up: {str(e).splitlines()[0]}",
+            time.monotonic() - started,
+            "",
+            sc.name,
+        )
     try:
         try:
             node.prepare()
         except TimeoutError as e:  # the trial never started: no verdict on the agent
-            return Result(point.name, fault, "not-reached", f"set-up: {str(e).splitlines()[0]}",
-                          time.monotonic() - started, node.log_tail(), sc.name)
+            return Result(
+                point.name,
+                fault,
+                "not-reached",
+                f"set-up: {str(e).splitlines()[0]}",
+                time.monotonic() - started,
+                node.log_tail(),
+                sc.name,
+            )
         node.patch_labels({CONFIG: sc.target})
         seen = 0
         deadline = time.monotonic() + 60
@@ -590,50 +759,95 @@ def run_trial(cluster: Cluster, point: Point, fault: str, *, settle: float = 90.
                     deadline = 0.0  # the pass ended without the point
             time.sleep(0.005)
         if not reached:
-            return Result(point.name, fault, "not-reached", "the pass never logged this point",
-                          time.monotonic() - started, node.log_tail(), sc.name)
+            return Result(
+                point.name,
+                fault,
+                "not-reached",
+                "the pass never logged this point",
+                time.monotonic() - started,
+                node.log_tail(),
+                sc.name,
+            )
         if fault == "watch-silent":  # the pass ends; then a relabel only the watch would tell
-            node.wait("the pass to end", lambda: node.labels().get(STATE) in (
-                "success", "failed"), settle)
+            node.wait(
+                "the pass to end", lambda: node.labels().get(STATE) in ("success", "failed"), settle
+            )
             time.sleep(1.0)
             node.patch_labels({CONFIG: sc.other})
             try:  # noticed by the node watch (a new one, once the dead one's read timed out)
-                node.wait(f"a pass for {sc.other}", lambda: any(
-                    line.get("event") == "reconcile.started" and line.get("layout") == sc.other
-                    for line in node.log_lines()), WATCH_TIMEOUT_S + 30)
+                node.wait(
+                    f"a pass for {sc.other}",
+                    lambda: any(
+                        line.get("event") == "reconcile.started" and line.get("layout") == sc.other
+                        for line in node.log_lines()
+                    ),
+                    WATCH_TIMEOUT_S + 30,
+                )
             except TimeoutError as e:
-                return Result(point.name, fault, "violated",
-                              f"relabel not noticed: {str(e).splitlines()[0]}",
-                              time.monotonic() - started, node.log_tail(), sc.name)
+                return Result(
+                    point.name,
+                    fault,
+                    "violated",
+                    f"relabel not noticed: {str(e).splitlines()[0]}",
+                    time.monotonic() - started,
+                    node.log_tail(),
+                    sc.name,
+                )
         outcome, detail = settle_and_check(node, fault, settle)
         calls = node.instance_calls()
         if reference is not None and outcome != "violated" and calls != reference:
             # the same label throughout: a restarted agent must finish the pass, not redo it
-            outcome, detail = "violated", (f"GPU/compute instance calls {calls}, a pass without "
-                                           f"the fault makes {reference}")
+            outcome, detail = (
+                "violated",
+                (f"GPU/compute instance calls {calls}, a pass without the fault makes {reference}"),
+            )
         # by the agent (after an API server restart the node-lifecycle controller may evict
         # too), knowing who holds what (else every GPU pod goes, by design)
-        evicted = {line.get("pod") for line in node.lines
-                   if line.get("event") == "drain.pod_evicted"}
+        evicted = {
+            line.get("pod") for line in node.lines if line.get("event") == "drain.pod_evicted"
+        }
         wrongly = [p for p in node.evicted_though_kept() if p in evicted]
         if any(line.get("event") == "drain.pod_resources_unavailable" for line in node.lines):
             wrongly = []
         if reference is not None and outcome != "violated" and wrongly:
             # the label the same throughout: a pod whose devices all outlived the pass stays
             outcome, detail = "violated", f"evicted though every device it held stays: {wrongly}"
-        hits = ", ".join(f"{k} x{v}" for k, v in sorted(node.proxy.hits.items())) \
-            if node.proxy else ""
+        hits = (
+            ", ".join(f"{k} x{v}" for k, v in sorted(node.proxy.hits.items())) if node.proxy else ""
+        )
         if node.restart_seconds:
             hits = f"API server down {node.restart_seconds:.1f} s"
-        return Result(point.name, fault, outcome, detail, time.monotonic() - started,
-                      node.log_tail() if outcome == "violated" else "", sc.name, hits)
+        return Result(
+            point.name,
+            fault,
+            outcome,
+            detail,
+            time.monotonic() - started,
+            node.log_tail() if outcome == "violated" else "",
+            sc.name,
+            hits,
+        )
     except TimeoutError as e:
-        return Result(point.name, fault, "violated", str(e).splitlines()[0],
-                      time.monotonic() - started, node.log_tail(), sc.name)
+        return Result(
+            point.name,
+            fault,
+            "violated",
+            str(e).splitlines()[0],
+            time.monotonic() - started,
+            node.log_tail(),
+            sc.name,
+        )
     except (OSError, ApiError, DevClusterError) as e:  # the harness's own request failed, or
         # the restarted API server was not healthy in time (an overloaded machine)
-        return Result(point.name, fault, "not-reached", f"harness: {e}",
-                      time.monotonic() - started, node.log_tail(), sc.name)
+        return Result(
+            point.name,
+            fault,
+            "not-reached",
+            f"harness: {e}",
+            time.monotonic() - started,
+            node.log_tail(),
+            sc.name,
+        )
     finally:
         node.close()
 
@@ -643,7 +857,8 @@ def agent_reported_state(node: FaultNode) -> str | None:
     ended in ("" when no layout is asked for); None before its first pass or when unreachable."""
     try:
         with urllib.request.urlopen(
-                f"http://127.0.0.1:{node.procs.metrics_port}/metrics", timeout=2) as r:
+            f"http://127.0.0.1:{node.procs.metrics_port}/metrics", timeout=2
+        ) as r:
             text = r.read().decode()
     except OSError:
         return None
@@ -684,22 +899,27 @@ def verdict_due(layout: str | None, state: str | None, lines: list[dict[str, Any
         return state is None
     if state not in ("success", "failed"):
         return False
-    if not any(line.get("event") in PASS_ENDS and line.get("layout") == layout
-               for line in lines):
+    if not any(line.get("event") in PASS_ENDS and line.get("layout") == layout for line in lines):
         return False
     fails = [line for line in lines if line.get("event") == "reconcile.failed"]
     # a retry is due: settled once the failure outlived one retry
-    return not (state == "failed" and fails and fails[-1].get("retry_in_s") is not None
-                and len(fails) < 2)
+    return not (
+        state == "failed" and fails and fails[-1].get("retry_in_s") is not None and len(fails) < 2
+    )
 
 
 def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, str]:
     """Wait until the agent has settled; then (outcome, detail)."""
     deadline = time.monotonic() + timeout
     if fault.startswith("config-"):  # the agent reads its config files between passes
-        node.wait("the agent to read the changed config", lambda: any(
-            line.get("event") in ("config.loaded", "config.invalid")
-            for line in node.log_lines()), timeout)
+        node.wait(
+            "the agent to read the changed config",
+            lambda: any(
+                line.get("event") in ("config.loaded", "config.invalid")
+                for line in node.log_lines()
+            ),
+            timeout,
+        )
     while True:
         labels = node.labels()
         layout = labels.get(CONFIG)
@@ -709,8 +929,9 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
         if verdict_due(layout, state, node.lines) and _settled(node, state, 2.0):
             break
         if time.monotonic() > deadline:
-            return "violated", (f"not settled after {timeout:g} s: layout {layout!r}, "
-                                f"state {state!r}")
+            return "violated", (
+                f"not settled after {timeout:g} s: layout {layout!r}, state {state!r}"
+            )
         time.sleep(0.05)
     node.log_lines()
     # settled: now the invariants
@@ -730,8 +951,9 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
     record = agents.running(node.cluster.dir).get(node.name, {})
     if agents.agent_state(record) != "running":
         problems.append(f"agent not running: {record.get('last_exit')}")
-    applied, stray = (node.gpus_match(layout) if layout
-                      else (False, node.gpus_match(node.scenario.start)[1]))
+    applied, stray = (
+        node.gpus_match(layout) if layout else (False, node.gpus_match(node.scenario.start)[1])
+    )
     if stray:
         problems.append(f"stray GPU instance(s) without a compute instance: {stray}")
     if state == "success" and not applied:
@@ -803,9 +1025,13 @@ def false_success(node: FaultNode) -> str:
     layout L, and the agent later started a pass that had to change GPUs for L. The run of
     `success` samples that the trial starts with is left out: a relabel keeps the old state label
     until the agent's next pass (`repartition` clears it), which is no report of the agent's."""
-    starts = [(_epoch(line["timestamp"]), line.get("layout")) for line in node.lines
-              if line.get("event") == "reconcile.started" and line.get("changed_gpus")
-              and "timestamp" in line]
+    starts = [
+        (_epoch(line["timestamp"]), line.get("layout"))
+        for line in node.lines
+        if line.get("event") == "reconcile.started"
+        and line.get("changed_gpus")
+        and "timestamp" in line
+    ]
     samples = list(node.samples)
     while samples and samples[0][2] == "success":
         samples.pop(0)
@@ -819,23 +1045,27 @@ def false_success(node: FaultNode) -> str:
     return ""
 
 
-def points(names: tuple[str, ...] | None = None,
-           scenario: Scenario | None = None) -> list[Point]:
+def points(names: tuple[str, ...] | None = None, scenario: Scenario | None = None) -> list[Point]:
     return [p for p in (scenario or H100).points if names is None or p.name in names]
 
 
-def fault_points(fault: str, scenario: Scenario,
-                 names: tuple[str, ...] | None = None) -> list[Point]:
+def fault_points(
+    fault: str, scenario: Scenario, names: tuple[str, ...] | None = None
+) -> list[Point]:
     """The points of the matrix where `fault` is injected: every point of the scenario for the
     label faults, one per phase of the H100 pass for the API and control-plane faults."""
     if fault in ("reset-fails", "reboot-hangs"):  # only the A100 resets
-        return [] if scenario is H100 else [
-            p for p in points(NODE_POINTS[fault], scenario) if names is None or p.name in names]
+        return (
+            []
+            if scenario is H100
+            else [
+                p for p in points(NODE_POINTS[fault], scenario) if names is None or p.name in names
+            ]
+        )
     if fault in NODE_POINTS:
         if scenario is not H100:
             return []
-        return [p for p in points(NODE_POINTS[fault], scenario)
-                if names is None or p.name in names]
+        return [p for p in points(NODE_POINTS[fault], scenario) if names is None or p.name in names]
     if fault in API_FAULTS or fault in CONTROL_PLANE_FAULTS:
         if scenario is not H100:
             return []

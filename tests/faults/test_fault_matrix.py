@@ -16,17 +16,25 @@ pytestmark = [pytest.mark.faults, pytest.mark.cluster]
 
 # What each fault must end in: the layout the label names at the end, or the typo's failure.
 EXPECTED: dict[str, set[str]] = {
-    "kill": {"converged"}, "relabel-other": {"converged"}, "relabel-typo": {"failed"},
-    "relabel-removed": {"converged"}, "repartition-other": {"converged"},
+    "kill": {"converged"},
+    "relabel-other": {"converged"},
+    "relabel-typo": {"failed"},
+    "relabel-removed": {"converged"},
+    "repartition-other": {"converged"},
     # an API fault is transient: retried, the pass ends as the label asks
-    **{f: {"converged"} for f in harness.API_FAULTS}, "apiserver-restart": {"converged"},
+    **{f: {"converged"} for f in harness.API_FAULTS},
+    "apiserver-restart": {"converged"},
     # an NVML call that fails (or half succeeds) is retried from what NVML then says; a config
     # made invalid leaves the last good one in force, a changed one is applied
-    "nvml-error": {"converged"}, "nvml-half": {"converged"}, "config-invalid": {"converged"},
+    "nvml-error": {"converged"},
+    "nvml-half": {"converged"},
+    "config-invalid": {"converged"},
     "config-changed": {"converged"},
     # lasting: failed naming the cause (checked by the harness), retried meanwhile; a busy GPU
     # is no obstacle once what it holds is no longer to be destroyed
-    "gpu-busy": {"failed", "converged"}, "reset-fails": {"failed"}, "plugin-gone": {"failed"},
+    "gpu-busy": {"failed", "converged"},
+    "reset-fails": {"failed"},
+    "plugin-gone": {"failed"},
     "plugin-wrong": {"failed"},
     # a reboot command that never returns: killed at its time limit, failed naming it (the
     # harness checks the guard is not armed and nothing of the command is left)
@@ -50,11 +58,17 @@ QUICK_A100 = {"kill": ("gpu.reset",), "reboot-hangs": ("node.paused",)}
 
 def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
     if full_matrix():
-        return [(sc, p, f) for sc in harness.SCENARIOS for f in harness.FAULTS
-                for p in harness.fault_points(f, sc)]
-    return ([(harness.H100, p, f) for f, names in QUICK.items() for p in harness.points(names)]
-            + [(harness.A100, p, f) for f, names in QUICK_A100.items()
-               for p in harness.points(names, harness.A100)])
+        return [
+            (sc, p, f)
+            for sc in harness.SCENARIOS
+            for f in harness.FAULTS
+            for p in harness.fault_points(f, sc)
+        ]
+    return [(harness.H100, p, f) for f, names in QUICK.items() for p in harness.points(names)] + [
+        (harness.A100, p, f)
+        for f, names in QUICK_A100.items()
+        for p in harness.points(names, harness.A100)
+    ]
 
 
 def _id(value: object) -> str:
@@ -63,11 +77,12 @@ def _id(value: object) -> str:
 
 @pytest.mark.parametrize(("scenario", "point", "fault"), _cases(), ids=_id)
 def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
-        fault_cluster: Cluster, scenario: harness.Scenario, point: harness.Point,
-        fault: str) -> None:
+    fault_cluster: Cluster, scenario: harness.Scenario, point: harness.Point, fault: str
+) -> None:
     result = harness.run_trial(fault_cluster, point, fault, scenario=scenario)
     assert result.outcome in EXPECTED[fault], (
-        f"{fault} at {point.name}: {result.outcome}: {result.detail}\n{result.log}")
+        f"{fault} at {point.name}: {result.outcome}: {result.detail}\n{result.log}"
+    )
     if fault == "relabel-typo":
         assert f"unknown layout '{scenario.typo}'" in result.detail
     elif fault == "relabel-removed":
@@ -75,15 +90,19 @@ def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
     elif result.outcome == "failed":
         assert result.detail == result.detail.strip() and result.detail, result
     else:
-        want = scenario.other if fault.endswith("-other") or fault == "watch-silent" \
+        want = (
+            scenario.other
+            if fault.endswith("-other") or fault == "watch-silent"
             else scenario.target
+        )
         assert result.detail == f"{want} applied"
     if fault in harness.API_FAULTS:  # the fault was answered to the agent, not lost
         assert result.hits, f"{fault} at {point.name}: the proxy answered nothing"
 
 
 def test_the_eviction_check_tells_a_kept_device_from_a_destroyed_one(
-        fault_cluster: Cluster) -> None:
+    fault_cluster: Cluster,
+) -> None:
     """What the trials that keep the label are held to, on a pass without a fault: each pod
     evicted held a device that the pass destroyed; and a pod whose devices all stay, evicted
     by hand, is caught."""
@@ -93,8 +112,11 @@ def test_the_eviction_check_tells_a_kept_device_from_a_destroyed_one(
         node.patch_labels({harness.CONFIG: harness.H100.target})
         assert harness.settle_and_check(node, "none", 90)[0] == "converged"
         assert len(node.pods_left()) < len(node.pods_at_start)  # the drain evicted some
-        drain = [line for line in node.lines if str(line.get("event", "")).startswith(
-            ("drain.", "gpu.waiting"))]
+        drain = [
+            line
+            for line in node.lines
+            if str(line.get("event", "")).startswith(("drain.", "gpu.waiting"))
+        ]
         assert node.evicted_though_kept() == [], (node.held_at_start, drain)
         # the pass kept some instances: a pod made now holds one of them; gone, it is caught
         node.pods_at_start, node.held_at_start = {}, {}
@@ -102,25 +124,31 @@ def test_the_eviction_check_tells_a_kept_device_from_a_destroyed_one(
         node.wait("the new pod's process on its device", node.held_devices, 30)
         node.pods_at_start, node.held_at_start = node.pods_left(), node.held_devices()
         fault_cluster.api.request(
-            "DELETE", f"/api/v1/namespaces/{harness.NAMESPACE}/pods/{node.stay_pod}",
-            {"gracePeriodSeconds": 0})
+            "DELETE",
+            f"/api/v1/namespaces/{harness.NAMESPACE}/pods/{node.stay_pod}",
+            {"gracePeriodSeconds": 0},
+        )
         node.wait("the pod to go", lambda: node.stay_pod not in node.pods_left(), 60)
         assert node.evicted_though_kept() == [node.stay_pod]
     finally:
         node.close()
 
 
-def test_a_killed_agent_is_restarted_by_the_cluster_and_converges(
-        fault_cluster: Cluster) -> None:
+def test_a_killed_agent_is_restarted_by_the_cluster_and_converges(fault_cluster: Cluster) -> None:
     """No test restarts it: the node's supervisor does, as a kubelet would."""
     node = harness.FaultNode(fault_cluster)
     try:
         node.prepare()
         first = agents.running(fault_cluster.dir)[node.name]["agent"]
         node.patch_labels({harness.CONFIG: harness.TARGET})
-        node.wait("the apply to start", lambda: any(
-            line.get("event") == "phase.started" and line.get("phase") == "apply"
-            for line in node.log_lines()), 60)
+        node.wait(
+            "the apply to start",
+            lambda: any(
+                line.get("event") == "phase.started" and line.get("phase") == "apply"
+                for line in node.log_lines()
+            ),
+            60,
+        )
         killed = agents.kill_agent(fault_cluster.dir, node.name)
         assert killed is not None and not killed.alive()
         outcome, detail = harness.settle_and_check(node, "kill", 90)

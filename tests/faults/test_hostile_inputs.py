@@ -35,13 +35,15 @@ def _mutations(node: harness.FaultNode) -> int:
 
 
 def test_a_config_built_to_crash_the_parser_is_refused_and_nothing_moves(
-        fault_cluster: Cluster) -> None:
+    fault_cluster: Cluster,
+) -> None:
     node = harness.FaultNode(fault_cluster, own_profiles=True)
     try:
         node.prepare()
         # added while the agent runs, then the agent restarted: it starts with this config
         (node.profiles / "zz-hostile.yaml").write_text(
-            "version: v1\nmig-configs:\n  evil: " + "[" * 200_000 + "\n")
+            "version: v1\nmig-configs:\n  evil: " + "[" * 200_000 + "\n"
+        )
         agents.kill_agent(fault_cluster.dir, node.name)
         node.patch_labels({harness.CONFIG: harness.TARGET})
         outcome, detail = harness.settle_and_check(node, "hostile-config", 90)
@@ -70,26 +72,44 @@ def test_a_layout_only_in_another_file_is_refused_by_name(fault_cluster: Cluster
 
 
 def test_our_annotations_forged_with_garbage_move_no_gpu_and_leave_the_node_clean(
-        fault_cluster: Cluster) -> None:
+    fault_cluster: Cluster,
+) -> None:
     # no resync comes to the rescue within the test: the forged values themselves wake a pass
     node = harness.FaultNode(fault_cluster, settings={"MIG_AGENT_RESYNC_S": "3600"})
     try:
         node.prepare()
         garbage = "\u202e;rm -rf /;" + "x" * 300
-        forged = {f"{PREFIX}/{k}": garbage for k in (
-            "cordoned", "paused-operands", "gpu-state", "reason", "reboot-attempted")}
-        fault_cluster.api.request("PATCH", f"/api/v1/nodes/{node.name}",
-                                  {"metadata": {"annotations": forged}},
-                                  content_type="application/merge-patch+json")
-        node.wait("the agent to clear the forged trail", lambda: not any(
-            f"{PREFIX}/{k}" in (node.node()["metadata"].get("annotations") or {})
-            for k in ("cordoned", "paused-operands")), 30)
+        forged = {
+            f"{PREFIX}/{k}": garbage
+            for k in ("cordoned", "paused-operands", "gpu-state", "reason", "reboot-attempted")
+        }
+        fault_cluster.api.request(
+            "PATCH",
+            f"/api/v1/nodes/{node.name}",
+            {"metadata": {"annotations": forged}},
+            content_type="application/merge-patch+json",
+        )
+        node.wait(
+            "the agent to clear the forged trail",
+            lambda: (
+                not any(
+                    f"{PREFIX}/{k}" in (node.node()["metadata"].get("annotations") or {})
+                    for k in ("cordoned", "paused-operands")
+                )
+            ),
+            30,
+        )
         outcome, detail = harness.settle_and_check(node, "forged-annotations", 90)
         assert (outcome, detail) == ("converged", f"{harness.START} applied")
         assert _mutations(node) == 0
-        node.wait("the GPU state rewritten from NVML", lambda: (
-            node.node()["metadata"].get("annotations") or {}).get(f"{PREFIX}/gpu-state")
-            not in (None, garbage), 30)
+        node.wait(
+            "the GPU state rewritten from NVML",
+            lambda: (
+                (node.node()["metadata"].get("annotations") or {}).get(f"{PREFIX}/gpu-state")
+                not in (None, garbage)
+            ),
+            30,
+        )
         annotations = node.node()["metadata"].get("annotations") or {}
         assert annotations.get(f"{PREFIX}/reason") is None  # success: no stale reason
         _node_clean(node)

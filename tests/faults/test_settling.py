@@ -17,17 +17,21 @@ def test_a_state_label_from_before_the_layout_was_asked_for_is_no_verdict() -> N
     # the label was set a moment ago; the agent has not begun its pass: `success` is still its
     # word on the layout before (a CI run once took it for the new layout's)
     assert not harness.verdict_due(TARGET, "success", [])
-    assert not harness.verdict_due(TARGET, "success", [
-        _line("reconcile.succeeded", "all-disabled")])
-    assert not harness.verdict_due(TARGET, "success", [
-        _line("reconcile.started", TARGET)])
+    assert not harness.verdict_due(
+        TARGET, "success", [_line("reconcile.succeeded", "all-disabled")]
+    )
+    assert not harness.verdict_due(TARGET, "success", [_line("reconcile.started", TARGET)])
 
 
 def test_the_end_of_a_pass_for_the_layout_is_a_verdict() -> None:
-    assert harness.verdict_due(TARGET, "success", [
-        _line("reconcile.started", TARGET), _line("reconcile.succeeded", TARGET)])
-    assert harness.verdict_due(TARGET, "failed", [
-        _line("reconcile.failed", TARGET, retry_in_s=None)])
+    assert harness.verdict_due(
+        TARGET,
+        "success",
+        [_line("reconcile.started", TARGET), _line("reconcile.succeeded", TARGET)],
+    )
+    assert harness.verdict_due(
+        TARGET, "failed", [_line("reconcile.failed", TARGET, retry_in_s=None)]
+    )
     assert not harness.verdict_due(TARGET, "pending", [_line("reconcile.succeeded", TARGET)])
 
 

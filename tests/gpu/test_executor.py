@@ -54,7 +54,7 @@ from mig_agent.core.planner import (
     observed_devices,
 )
 from mig_agent.gpu.nvml import NvmlGpuBackend
-from mig_agent.node.apply import apply_layout
+from mig_agent.node.apply import apply_layout, split
 
 from .conftest import REPO, MakeNode
 
@@ -185,8 +185,7 @@ def _keepable(m: GpuModel, gi: GpuInstance) -> bool:
     if profile is None:
         return False
     cis = [profile.ci_profile_by_id(c.profile_id) for c in gi.compute_instances]
-    return len(cis) <= 1 and all(c is not None and profile.ci_name(c) == profile.name
-                                 for c in cis)
+    return len(cis) <= 1 and all(c is not None and profile.ci_name(c) == profile.name for c in cis)
 
 
 def _min_destroyed(m: GpuModel, gpu: GpuState, target: GpuLayout) -> int:
@@ -393,9 +392,11 @@ _FUNCTION = {
 
 
 def expected_calls(the_plan: Plan, models: Mapping[int, GpuModel]) -> list[tuple[int, str]]:
-    """The mutating calls (GPU, function) a plan makes, in order; Ampere mode changes reset."""
+    """The mutating calls (GPU, function) a plan makes, in order: as mig-parted applies, every
+    GPU's destroys and mode change first, then the instances; Ampere mode changes reset."""
     calls: list[tuple[int, str]] = []
-    for step in the_plan.steps:
+    mode, config = split(the_plan)
+    for step in (*mode.steps, *config.steps):
         calls.append((step.gpu, _FUNCTION[type(step)]))
         if isinstance(step, SetMigMode) and models[step.gpu].architecture.mig_mode_needs_reset:
             calls.append((step.gpu, RESET))

@@ -23,15 +23,17 @@ OpenSim = Callable[[str], NvmlGpuBackend]
 
 
 @pytest.mark.parametrize("key", sorted(MODELS))
-def test_models_from_hardware_equal_the_catalog(key: str, make_node: MakeNode,
-                                                open_sim: OpenSim) -> None:
+def test_models_from_hardware_equal_the_catalog(
+    key: str, make_node: MakeNode, open_sim: OpenSim
+) -> None:
     gpus = open_sim(make_node(key)).models()
     assert gpus[0] == MODELS[key]
     assert dict(gpus[0].gi_by_name) == dict(MODELS[key].gi_by_name)
 
 
-def test_models_are_read_again_when_the_mig_mode_changes(make_node: MakeNode,
-                                                         open_sim: OpenSim) -> None:
+def test_models_are_read_again_when_the_mig_mode_changes(
+    make_node: MakeNode, open_sim: OpenSim
+) -> None:
     path = make_node("H200")
     b = open_sim(path)
     before = b.models()
@@ -43,8 +45,9 @@ def test_models_are_read_again_when_the_mig_mode_changes(make_node: MakeNode,
     assert b.models() == before
 
 
-def test_profiles_unanswered_while_mig_is_off_are_read_again(make_node: MakeNode,
-                                                             open_sim: OpenSim) -> None:
+def test_profiles_unanswered_while_mig_is_off_are_read_again(
+    make_node: MakeNode, open_sim: OpenSim
+) -> None:
     # A driver that answers NOT_SUPPORTED for GPU-instance profile info while MIG is off.
     path = make_node("H200,A100-40GB,DGX-Display", profile_info_needs_mig=True)
     b = open_sim(path)
@@ -80,27 +83,40 @@ def test_observe_round_trip(make_node: MakeNode, open_sim: OpenSim) -> None:
 
     node = b.observe()
     assert [g.info.name for g in node.gpus] == [
-        "NVIDIA H200", "NVIDIA A100-SXM4-40GB", "NVIDIA A30", "DGX Display"]
+        "NVIDIA H200",
+        "NVIDIA A100-SXM4-40GB",
+        "NVIDIA A30",
+        "DGX Display",
+    ]
     assert [g.info.pci_bus_id for g in node.gpus] == sorted(g.info.pci_bus_id for g in node.gpus)
     assert node.gpu(0).info.pci_device_id == 0x233510DE
     assert node.gpu(0).info.memory_total_mib == 143771
     assert [g.mig_capable for g in node.gpus] == [True, True, True, False]
     gpu0 = node.gpu(0)
     assert [(gi.id, gi.profile_id, gi.placement) for gi in gpu0.gpu_instances] == [
-        (1, 9, Placement(4, 4)), (3, 15, Placement(2, 2))]
+        (1, 9, Placement(4, 4)),
+        (3, 15, Placement(2, 2)),
+    ]
     cis = gpu0.gpu_instances[0].compute_instances
     assert [(c.id, c.profile_id, c.placement) for c in cis] == [
-        (0, 0, Placement(2, 1)), (1, 1, Placement(0, 2))]
+        (0, 0, Placement(2, 1)),
+        (1, 1, Placement(0, 2)),
+    ]
     assert all(c.uuid.startswith("MIG-") for c in cis)
     assert gpu0.processes == (GpuProcess(1234, g1, 1, 512),)
     assert gpu0.processes_on(g1) == gpu0.processes
     gpu1 = node.gpu(1)
     assert gpu1.gpu_instances[0].compute_instances == (
-        ComputeInstance(0, 4, Placement(0, 7), gpu1.gpu_instances[0].compute_instances[0].uuid),)
+        ComputeInstance(0, 4, Placement(0, 7), gpu1.gpu_instances[0].compute_instances[0].uuid),
+    )
 
     devices = b.mig_devices()
-    by_uuid = {c.uuid: (g.index, gi.id, c.id)
-               for g in node.gpus for gi in g.gpu_instances for c in gi.compute_instances}
+    by_uuid = {
+        c.uuid: (g.index, gi.id, c.id)
+        for g in node.gpus
+        for gi in g.gpu_instances
+        for c in gi.compute_instances
+    }
     assert {d.uuid: (d.gpu, d.gi_id, d.ci_id) for d in devices} == by_uuid
     assert [d.name for d in devices] == ["1c.3g.71gb", "2c.3g.71gb", "1g.35gb", "7g.40gb"]
     assert devices[0] == MigDevice(0, 1, 0, cis[0].uuid, "1c.3g.71gb")
@@ -121,8 +137,11 @@ def test_destroy_and_errors(make_node: MakeNode, open_sim: OpenSim) -> None:
     assert str(err.value) == "create GPU instance 3g.71gb at 4:4 on GPU 0: Insufficient Resources"
     assert type(err.value) is GpuError
     assert err.value.context["nvml_code"] == INSUFFICIENT_RESOURCES
-    with pytest.raises(GpuError, match=r"create compute instance 3g.71gb at 0:3 in GPU instance "
-                                       r"1 on GPU 0: Insufficient Resources"):
+    with pytest.raises(
+        GpuError,
+        match=r"create compute instance 3g.71gb at 0:3 in GPU instance "
+        r"1 on GPU 0: Insufficient Resources",
+    ):
         b.create_compute_instance(0, gi, 2, Placement(0, 3))
     with pytest.raises(GpuError, match="Invalid Argument"):
         b.create_gpu_instance(0, 14, Placement(1, 2))
@@ -190,8 +209,9 @@ def test_open_backend_errors(tmp_path: object, monkeypatch: pytest.MonkeyPatch) 
         assert pynvml.nvmlLib is None
 
 
-def test_env_state_close_and_two_nodes(make_node: MakeNode,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_state_close_and_two_nodes(
+    make_node: MakeNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b_path = make_node("H200", mig_enabled=True), make_node("2xA30", mig_enabled=True)
     monkeypatch.setenv("MIG_AGENT_SIM_STATE", a)
     with open_node() as first, open_node(b_path) as second:

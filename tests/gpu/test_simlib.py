@@ -51,12 +51,14 @@ def placements(nv: ModuleType, h: Any, profile_id: int) -> list[list[int]]:
 
 def create_gi(nv: ModuleType, h: Any, profile_id: int, start: int, size: int) -> Any:
     return nv.nvmlDeviceCreateGpuInstanceWithPlacement(
-        h, profile_id, byref(nv.c_nvmlGpuInstancePlacement_t(start, size)))
+        h, profile_id, byref(nv.c_nvmlGpuInstancePlacement_t(start, size))
+    )
 
 
 def create_ci(nv: ModuleType, gi: Any, profile_id: int, start: int, size: int) -> Any:
     return nv.nvmlGpuInstanceCreateComputeInstanceWithPlacement(
-        gi, profile_id, byref(nv.c_nvmlComputeInstancePlacement_t(start, size)))
+        gi, profile_id, byref(nv.c_nvmlComputeInstancePlacement_t(start, size))
+    )
 
 
 def gi_ids(nv: ModuleType, h: Any, profile_id: int, capacity: int = 8) -> list[int]:
@@ -100,8 +102,12 @@ def test_h200_reproduces_the_real_capture(make_node: MakeNode, nvml_on: NvmlOn) 
 
     values = nv.nvmlDeviceGetFieldValues(h, [184, 199])
     for v in values:
-        assert {"nvmlReturn": v.nvmlReturn, "valueType": v.valueType, "ui": v.value.uiVal,
-                "ull": v.value.ullVal} == want["fieldValues"][str(v.fieldId)]
+        assert {
+            "nvmlReturn": v.nvmlReturn,
+            "valueType": v.valueType,
+            "ui": v.value.uiVal,
+            "ull": v.value.ullVal,
+        } == want["fieldValues"][str(v.fieldId)]
 
     assert len(want["giProfiles"]) == 19
     for entry in want["giProfiles"]:
@@ -189,13 +195,16 @@ def test_non_mig_gpu(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     assert nv.nvmlDeviceGetMaxMigDeviceCount(h) == 0
 
 
-def test_a_driver_without_profile_info_while_mig_is_off(make_node: MakeNode,
-                                                        nvml_on: NvmlOn) -> None:
+def test_a_driver_without_profile_info_while_mig_is_off(
+    make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
     nv = nvml_on(make_node("H200", profile_info_needs_mig=True))
     h = nv.nvmlDeviceGetHandleByIndex(0)
-    for call in (lambda: nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0),
-                 lambda: nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0, 1),
-                 lambda: nv.nvmlDeviceGetGpuInstanceProfileInfoById(h, 19)):
+    for call in (
+        lambda: nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0),
+        lambda: nv.nvmlDeviceGetGpuInstanceProfileInfo(h, 0, 1),
+        lambda: nv.nvmlDeviceGetGpuInstanceProfileInfoById(h, 19),
+    ):
         with pytest.raises(nv.NVMLError_NotSupported):
             call()
     assert placements(nv, h, 19) == [[s, 1] for s in range(7)]  # placements still answer
@@ -292,19 +301,29 @@ def test_mig_devices_and_uuids(make_node: MakeNode, nvml_on: NvmlOn) -> None:
         assert nv.nvmlDeviceGetIndex(r) == i
         parent = nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(r)
         assert nv.nvmlDeviceGetUUID(parent) == nv.nvmlDeviceGetUUID(h)
-        listed.append((nv.nvmlDeviceGetGpuInstanceId(r), nv.nvmlDeviceGetComputeInstanceId(r),
-                       nv.nvmlDeviceGetUUID(r), nv.nvmlDeviceGetName(r)))
+        listed.append(
+            (
+                nv.nvmlDeviceGetGpuInstanceId(r),
+                nv.nvmlDeviceGetComputeInstanceId(r),
+                nv.nvmlDeviceGetUUID(r),
+                nv.nvmlDeviceGetName(r),
+            )
+        )
     assert [(g, c) for g, c, _, _ in listed] == [(1, 0), (1, 1), (2, 0)]  # dense, by (GI, CI)
     assert {n for *_, n in listed} == {"NVIDIA H200 MIG 1c.3g.71gb"}
-    uuids = {nv.nvmlDeviceGetUUID(nv.nvmlComputeInstanceGetInfo(c).device)
-             for c in (c_a, c_b, c_c)}
+    uuids = {nv.nvmlDeviceGetUUID(nv.nvmlComputeInstanceGetInfo(c).device) for c in (c_a, c_b, c_c)}
     assert uuids == {u for _, _, u, _ in listed}
     assert all(u.startswith("MIG-") for u in uuids)
     by_uuid = nv.nvmlDeviceGetHandleByUUID(listed[0][2])
     assert nv.nvmlDeviceGetComputeInstanceId(by_uuid) == 0
     a = nv.nvmlDeviceGetAttributes(by_uuid)
-    assert (a.multiprocessorCount, a.gpuInstanceSliceCount, a.computeInstanceSliceCount,
-            a.memorySizeMB, a.sharedDecoderCount) == (16, 3, 1, 71424, 3)
+    assert (
+        a.multiprocessorCount,
+        a.gpuInstanceSliceCount,
+        a.computeInstanceSliceCount,
+        a.memorySizeMB,
+        a.sharedDecoderCount,
+    ) == (16, 3, 1, 71424, 3)
     # UUIDs are stable while the CI lives.
     nv.nvmlComputeInstanceDestroy(c_b)
     after = {nv.nvmlDeviceGetUUID(nv.nvmlComputeInstanceGetInfo(c).device) for c in (c_a, c_c)}
@@ -351,14 +370,16 @@ def test_caller_bugs_fail_loudly(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     fn = nv._nvmlGetFunctionPointer("nvmlDeviceGetGpuInstanceProfileInfoV")
     assert fn(h, 0, byref(info)) == 25  # ARGUMENT_VERSION_MISMATCH
     assert simlib.call_counts(nv.nvmlLib.state_file).by_function == {
-        "nvmlDeviceCreateGpuInstanceWithPlacement": 3}  # the by-value call never got through
+        "nvmlDeviceCreateGpuInstanceWithPlacement": 3
+    }  # the by-value call never got through
 
 
 # -- (d) IN_USE ------------------------------------------------------------------------------------
 
 
-def test_in_use_while_compute_instances_or_processes_remain(make_node: MakeNode,
-                                                            nvml_on: NvmlOn) -> None:
+def test_in_use_while_compute_instances_or_processes_remain(
+    make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
     path = make_node("H200", mig_enabled=True)
     nv = nvml_on(path)
     h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -370,7 +391,11 @@ def test_in_use_while_compute_instances_or_processes_remain(make_node: MakeNode,
     simlib.add_process(path, 0, 4242, gi=gi_id, ci=0, used_memory_mib=2048)
     (proc,) = nv.nvmlDeviceGetComputeRunningProcesses(h)
     assert (proc.pid, proc.gpuInstanceId, proc.computeInstanceId, proc.usedGpuMemory) == (
-        4242, gi_id, 0, 2048 << 20)
+        4242,
+        gi_id,
+        0,
+        2048 << 20,
+    )
     mig = nv.nvmlComputeInstanceGetInfo(ci).device
     assert [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(mig)] == [4242]
     assert nv.nvmlDeviceGetMemoryInfo(mig).used == 2048 << 20
@@ -387,8 +412,9 @@ def test_in_use_while_compute_instances_or_processes_remain(make_node: MakeNode,
 # -- (e) MIG mode and reset ------------------------------------------------------------------------
 
 
-def test_ampere_mode_is_pending_until_reset_and_persists(make_node: MakeNode,
-                                                         nvml_on: NvmlOn) -> None:
+def test_ampere_mode_is_pending_until_reset_and_persists(
+    make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
     path = make_node("A100-40GB,A30")
     nv = nvml_on(path)
     h = nv.nvmlDeviceGetHandleByIndex(0)
@@ -439,8 +465,9 @@ def test_ampere_driver_self_reset_option(make_node: MakeNode, nvml_on: NvmlOn) -
     assert nv.nvmlDeviceGetMigMode(h) == [1, 1]
 
 
-def test_hopper_mode_is_immediate_and_refused_when_busy(make_node: MakeNode,
-                                                        nvml_on: NvmlOn) -> None:
+def test_hopper_mode_is_immediate_and_refused_when_busy(
+    make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
     path = make_node("2xH100-80GB", passthrough=True, reset_supported=False)
     nv = nvml_on(path)
     h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
@@ -485,13 +512,20 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def test_processes_share_one_node_without_lost_updates(make_node: MakeNode,
-                                                       nvml_on: NvmlOn) -> None:
+def test_processes_share_one_node_without_lost_updates(
+    make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
     path = make_node("H200", mig_enabled=True)
     rounds = 8
-    workers = [subprocess.Popen([sys.executable, "-c", _WORKER, path, starts, str(rounds)],
-                                stdout=subprocess.PIPE, text=True, env=_env())
-               for starts in ("0,1,2", "3,4,5,6")]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, path, starts, str(rounds)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for starts in ("0,1,2", "3,4,5,6")
+    ]
     outputs = [w.communicate(timeout=60)[0].strip() for w in workers]
     assert [w.returncode for w in workers] == [0, 0]
     nv = nvml_on(path)
@@ -507,14 +541,17 @@ def test_other_process_sees_changes(make_node: MakeNode, nvml_on: NvmlOn) -> Non
     nv = nvml_on(path)
     h = nv.nvmlDeviceGetHandleByIndex(0)
     create_gi(nv, h, 9, 4, 4)
-    script = ("import sys, pynvml as nv\n"
-              "from migsim.nvml.library import SimulatedNvmlLibrary\n"
-              "nv.nvmlLib = SimulatedNvmlLibrary(sys.argv[1]); nv.nvmlInit()\n"
-              "h = nv.nvmlDeviceGetHandleByIndex(0)\n"
-              "print(nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 9))\n"
-              "nv.nvmlGpuInstanceDestroy(nv.nvmlDeviceGetGpuInstanceById(h, 1))\n")
-    out = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True,
-                         env=_env(), check=True).stdout
+    script = (
+        "import sys, pynvml as nv\n"
+        "from migsim.nvml.library import SimulatedNvmlLibrary\n"
+        "nv.nvmlLib = SimulatedNvmlLibrary(sys.argv[1]); nv.nvmlInit()\n"
+        "h = nv.nvmlDeviceGetHandleByIndex(0)\n"
+        "print(nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 9))\n"
+        "nv.nvmlGpuInstanceDestroy(nv.nvmlDeviceGetGpuInstanceById(h, 1))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, path], capture_output=True, text=True, env=_env(), check=True
+    ).stdout
     assert out.strip() == "1"
     assert gi_ids(nv, h, 9) == []
 
@@ -573,8 +610,10 @@ def test_call_counters(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     counts = simlib.call_counts(path)
     assert counts.gpus == {2, 5}
     assert counts.by_gpu == {2: 2, 5: 3}
-    assert counts.by_function == {"nvmlDeviceCreateGpuInstanceWithPlacement": 3,
-                                  "nvmlGpuInstanceCreateComputeInstanceWithPlacement": 2}
+    assert counts.by_function == {
+        "nvmlDeviceCreateGpuInstanceWithPlacement": 3,
+        "nvmlGpuInstanceCreateComputeInstanceWithPlacement": 2,
+    }
     simlib.reset_call_counts(path)
     for gpu in range(8):  # reading everything is not mutating
         h = nv.nvmlDeviceGetHandleByIndex(gpu)
@@ -583,8 +622,9 @@ def test_call_counters(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     assert simlib.call_counts(path).total == 0
 
 
-def test_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str],
-             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = str(tmp_path / "cli-node.json")
     monkeypatch.setenv("MIG_AGENT_SIM_STATE", path)
 
@@ -607,9 +647,13 @@ def test_cli(tmp_path: Any, capsys: pytest.CaptureFixture[str],
     assert simlib.main(["reset", "9"]) == 1
     assert "no GPU 9" in capsys.readouterr().err
     # and as a program, state from the environment
-    out = subprocess.run([sys.executable, "-m", "migsim.nvml", "show"],
-                         capture_output=True, text=True, check=True,
-                         env={**_env(), "MIG_AGENT_SIM_STATE": path}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "migsim.nvml", "show"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**_env(), "MIG_AGENT_SIM_STATE": path},
+    ).stdout
     assert out.startswith("node cli-node: 2 GPU(s), bare metal")
 
 
@@ -653,12 +697,14 @@ def _random_ops(nv: ModuleType, m: Any, data: st.DataObject) -> None:
     gis: dict[int, tuple[Any, Any, Placement]] = {}  # id -> (handle, profile, placement)
     cis: dict[tuple[int, int], tuple[Any, Any]] = {}  # (gi, ci) -> (handle, ci profile)
     for _ in range(data.draw(st.integers(5, 30), label="steps")):
-        op = data.draw(st.sampled_from(["gi+", "gi+", "gi-", "ci+", "ci+", "ci+", "ci-"]),
-                       label="op")
+        op = data.draw(
+            st.sampled_from(["gi+", "gi+", "gi-", "ci+", "ci+", "ci+", "ci-"]), label="op"
+        )
         if op == "gi+":
             p = data.draw(st.sampled_from(m.gi_profiles), label="profile")
-            start = data.draw(st.sampled_from([*(pl.start for pl in p.placements), 1, 3, 5]),
-                              label="start")
+            start = data.draw(
+                st.sampled_from([*(pl.start for pl in p.placements), 1, 3, 5]), label="start"
+            )
             pl = Placement(start, p.memory_slices)
             same = sum(q.id == p.id for _, q, _ in gis.values())
             if pl not in p.placements:
@@ -673,7 +719,10 @@ def _random_ops(nv: ModuleType, m: Any, data: st.DataObject) -> None:
                 first = m.memory_slices // pl.size - 1
                 assert first <= info.id <= 2 * first and info.id not in gis
                 assert (info.profileId, info.placement.start, info.placement.size) == (
-                    p.id, pl.start, pl.size)
+                    p.id,
+                    pl.start,
+                    pl.size,
+                )
                 gis[info.id] = (result, p, pl)
             else:
                 assert result == {"err": expected(0).value, "name": expected.__name__}
@@ -692,8 +741,9 @@ def _random_ops(nv: ModuleType, m: Any, data: st.DataObject) -> None:
             cp = data.draw(st.sampled_from(p.ci_profiles), label="ci profile")
             cpl = data.draw(st.sampled_from(cp.placements), label="ci placement")
             mine = [(ci_id, c) for (g, ci_id), (_, c) in cis.items() if g == gi_id]
-            taken = [nv.nvmlComputeInstanceGetInfo(cis[gi_id, ci_id][0]).placement
-                     for ci_id, _ in mine]
+            taken = [
+                nv.nvmlComputeInstanceGetInfo(cis[gi_id, ci_id][0]).placement for ci_id, _ in mine
+            ]
             clash = any(cpl.overlaps(Placement(t.start, t.size)) for t in taken)
             full = sum(c.id == cp.id for _, c in mine) >= cp.instance_count
             result = probe(create_ci, nv, handle, cp.id, cpl.start, cpl.size)
@@ -722,8 +772,7 @@ def _check(nv: ModuleType, h: Any, m: Any, gis: dict[int, Any], cis: dict[Any, A
         taken = [pl for _, _, pl in gis.values()]
         free = [pl for pl in p.placements if not any(pl.overlaps(t) for t in taken)]
         left = p.instance_count - sum(q.id == p.id for _, q, _ in gis.values())
-        assert nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, p.id) == max(0, min(left,
-                                                                                  len(free)))
+        assert nv.nvmlDeviceGetGpuInstanceRemainingCapacity(h, p.id) == max(0, min(left, len(free)))
     assert listed == {i: pl for i, (_, _, pl) in gis.items()}
     places = sorted(listed.values())
     assert all(not a.overlaps(b) for a, b in zip(places, places[1:], strict=False))

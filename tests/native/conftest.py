@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def native_lib() -> str:
     """Path of the built libnvidia-ml.so.1 (built once; needs gcc and NVML's header from Go)."""
-    out = subprocess.run([str(REPO / "scripts" / "sim-nvml"), "build"], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        [str(REPO / "scripts" / "sim-nvml"), "build"], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0, f"scripts/sim-nvml build failed:\n{out.stderr}"
     return str(Path(out.stdout.strip()) / "libnvidia-ml.so.1")
 
@@ -49,8 +50,9 @@ class NodeServer:
 
     def __init__(self, state_file: str, socket_path: str) -> None:
         self.server = NvmlServer(state_file, socket_path)
-        self.thread = threading.Thread(target=self.server.serve_forever,
-                                       kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
 
     def stop(self) -> None:
@@ -96,8 +98,9 @@ def c_lib(native_lib: str) -> Iterator[ctypes.CDLL]:
 
 
 @pytest.fixture
-def nvml_on(c_lib: ctypes.CDLL, serve: Callable[[str], str]
-            ) -> Iterator[Callable[[str], ModuleType]]:
+def nvml_on(
+    c_lib: ctypes.CDLL, serve: Callable[[str], str]
+) -> Iterator[Callable[[str], ModuleType]]:
     """``nvml_on(path)`` -> pynvml initialised over the C library serving node ``path``."""
 
     def install(path: str) -> ModuleType:
@@ -115,8 +118,9 @@ def nvml_on(c_lib: ctypes.CDLL, serve: Callable[[str], str]
 
 
 @pytest.fixture
-def open_sim(c_lib: ctypes.CDLL, serve: Callable[[str], str], tmp_path: Path,
-             monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], NvmlGpuBackend]]:
+def open_sim(
+    c_lib: ctypes.CDLL, serve: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[str], NvmlGpuBackend]]:
     """``open_sim(path)`` -> mig-agent's NVML backend over the C library serving node ``path``,
     as on a real node: GPU resets run ``nvidia-smi -r`` (the simulated one on PATH)."""
     opened: list[NvmlGpuBackend] = []

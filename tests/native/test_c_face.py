@@ -64,15 +64,22 @@ def test_every_forwarded_function_is_one_the_library_implements() -> None:
     assert exported - {f.name for f in abi.FUNCTIONS} - set(abi.LOCAL_FUNCTIONS) == set()
 
 
-def test_bad_foreign_and_null_handles(make_node: MakeNode, nvml_on: NvmlOn,
-                                      c_lib: ctypes.CDLL) -> None:
+def test_bad_foreign_and_null_handles(
+    make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL
+) -> None:
     nv = nvml_on(make_node("H200"))
     mode = ctypes.c_uint(7)
     foreign = ctypes.create_string_buffer(16)  # a pointer the library never handed out
-    assert c_lib.nvmlDeviceGetMigMode(ctypes.c_void_p(ctypes.addressof(foreign)),
-                                      ctypes.byref(mode), ctypes.byref(mode)) == st.INVALID_ARGUMENT
-    assert c_lib.nvmlDeviceGetMigMode(None, ctypes.byref(mode), ctypes.byref(mode)) \
+    assert (
+        c_lib.nvmlDeviceGetMigMode(
+            ctypes.c_void_p(ctypes.addressof(foreign)), ctypes.byref(mode), ctypes.byref(mode)
+        )
         == st.INVALID_ARGUMENT
+    )
+    assert (
+        c_lib.nvmlDeviceGetMigMode(None, ctypes.byref(mode), ctypes.byref(mode))
+        == st.INVALID_ARGUMENT
+    )
     assert mode.value == 7  # nothing written on failure
     h = nv.nvmlDeviceGetHandleByIndex(0)
     # A GPU handle where a GPU instance handle is expected.
@@ -84,8 +91,9 @@ def test_bad_foreign_and_null_handles(make_node: MakeNode, nvml_on: NvmlOn,
 
 
 @pytest.mark.parametrize("key", ["H200", "A30", "A100-40GB", "H100-80GB"])
-def test_profile_queries_answer_as_the_python_face(key: str, make_node: MakeNode,
-                                                   nvml_on: NvmlOn) -> None:
+def test_profile_queries_answer_as_the_python_face(
+    key: str, make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
     """Every GI profile index, present, absent (NOT_SUPPORTED) or past the driver's table
     (INVALID_ARGUMENT): the same code and the same struct from both faces."""
     path = make_node(key, mig_enabled=True)
@@ -98,8 +106,9 @@ def test_profile_queries_answer_as_the_python_face(key: str, make_node: MakeNode
     codes = []
     for index in range(20):
         py_info = abi.GpuInstanceProfileInfo()
-        py_code = python_face.nvmlDeviceGetGpuInstanceProfileInfo(py_handle, index,
-                                                                  ctypes.byref(py_info))
+        py_code = python_face.nvmlDeviceGetGpuInstanceProfileInfo(
+            py_handle, index, ctypes.byref(py_info)
+        )
         c_info = nv.c_nvmlGpuInstanceProfileInfo_t()
         c_code = nv.nvmlLib.nvmlDeviceGetGpuInstanceProfileInfo(h, index, ctypes.byref(c_info))
         assert c_code == py_code, index
@@ -109,8 +118,9 @@ def test_profile_queries_answer_as_the_python_face(key: str, make_node: MakeNode
     assert python_face.nvmlShutdown() == st.SUCCESS
 
 
-def test_unimplemented_functions_are_not_supported(make_node: MakeNode, nvml_on: NvmlOn,
-                                                   c_lib: ctypes.CDLL) -> None:
+def test_unimplemented_functions_are_not_supported(
+    make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL
+) -> None:
     nv = nvml_on(make_node("H200"))
     h = nv.nvmlDeviceGetHandleByIndex(0)
     temp = ctypes.c_uint(0)
@@ -133,16 +143,18 @@ def test_error_strings_and_calls_before_init(c_lib: ctypes.CDLL) -> None:
     assert c_lib.nvmlShutdown() == st.UNINITIALIZED
 
 
-def test_init_without_a_simulator_is_driver_not_loaded(c_lib: ctypes.CDLL, tmp_path: object,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_without_a_simulator_is_driver_not_loaded(
+    c_lib: ctypes.CDLL, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(abi.ENV_SOCKET, f"{tmp_path}/absent.sock")
     assert c_lib.nvmlInit_v2() == st.DRIVER_NOT_LOADED
     monkeypatch.delenv(abi.ENV_SOCKET)
     assert c_lib.nvmlInit_v2() == st.DRIVER_NOT_LOADED
 
 
-def test_init_and_shutdown_are_reference_counted(make_node: MakeNode, nvml_on: NvmlOn,
-                                                 c_lib: ctypes.CDLL) -> None:
+def test_init_and_shutdown_are_reference_counted(
+    make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL
+) -> None:
     nv = nvml_on(make_node("2xH200"))
     assert c_lib.nvmlInit_v2() == st.SUCCESS  # nested, as mig-parted's go-nvml instances do
     assert c_lib.nvmlShutdown() == st.SUCCESS
@@ -158,8 +170,10 @@ def test_init_and_shutdown_are_reference_counted(make_node: MakeNode, nvml_on: N
 def test_handles_are_stable_per_object(make_node: MakeNode, nvml_on: NvmlOn) -> None:
     nv = nvml_on(make_node("H200", mig_enabled=True))
     h = nv.nvmlDeviceGetHandleByIndex(0)
-    assert ctypes.cast(h, ctypes.c_void_p).value == ctypes.cast(
-        nv.nvmlDeviceGetHandleByIndex(0), ctypes.c_void_p).value
+    assert (
+        ctypes.cast(h, ctypes.c_void_p).value
+        == ctypes.cast(nv.nvmlDeviceGetHandleByIndex(0), ctypes.c_void_p).value
+    )
     gi = nv.nvmlDeviceCreateGpuInstance(h, 0)
     info = nv.nvmlGpuInstanceGetInfo(gi)
     again = nv.nvmlDeviceGetGpuInstanceById(h, info.id)
@@ -168,8 +182,10 @@ def test_handles_are_stable_per_object(make_node: MakeNode, nvml_on: NvmlOn) -> 
     assert ctypes.cast(info.device, ctypes.c_void_p).value == ctypes.cast(h, ctypes.c_void_p).value
     ci = nv.nvmlGpuInstanceCreateComputeInstance(gi, 0)
     ci_info = nv.nvmlComputeInstanceGetInfo(ci)
-    assert ctypes.cast(ci_info.gpuInstance, ctypes.c_void_p).value == \
-        ctypes.cast(gi, ctypes.c_void_p).value
+    assert (
+        ctypes.cast(ci_info.gpuInstance, ctypes.c_void_p).value
+        == ctypes.cast(gi, ctypes.c_void_p).value
+    )
 
 
 def test_threads_share_the_library(make_node: MakeNode, nvml_on: NvmlOn) -> None:
@@ -200,13 +216,18 @@ XID_CRITICAL = 0x8
 
 
 class EventData(ctypes.Structure):  # nvmlEventData_t
-    _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
-                ("eventData", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
-                ("computeInstanceId", ctypes.c_uint)]
+    _fields_ = [
+        ("device", ctypes.c_void_p),
+        ("eventType", ctypes.c_ulonglong),
+        ("eventData", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
 
 
 def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
-        make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL) -> None:
+    make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL
+) -> None:
     nv = nvml_on(make_node("2xH100-80GB"))
     gpu = nv.nvmlDeviceGetHandleByIndex(0)
     events = ctypes.c_void_p()
@@ -214,13 +235,17 @@ def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
     supported = ctypes.c_ulonglong()
     assert c_lib.nvmlDeviceGetSupportedEventTypes(gpu, ctypes.byref(supported)) == st.SUCCESS
     assert supported.value & XID_CRITICAL
-    assert c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(XID_CRITICAL),
-                                          events) == st.SUCCESS
+    assert (
+        c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(XID_CRITICAL), events) == st.SUCCESS
+    )
     # a type the GPU does not report is refused, as NVML documents
-    assert c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(1 << 40),
-                                          events) == st.NOT_SUPPORTED
-    assert c_lib.nvmlDeviceRegisterEvents(None, ctypes.c_ulonglong(XID_CRITICAL),
-                                          events) == st.INVALID_ARGUMENT
+    assert (
+        c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(1 << 40), events) == st.NOT_SUPPORTED
+    )
+    assert (
+        c_lib.nvmlDeviceRegisterEvents(None, ctypes.c_ulonglong(XID_CRITICAL), events)
+        == st.INVALID_ARGUMENT
+    )
 
     data = EventData()
     calls_meanwhile: list[float] = []
@@ -240,13 +265,16 @@ def test_event_wait_blocks_for_its_timeout_without_holding_the_library(
     assert code == TIMEOUT
     assert 0.69 <= waited < 3.0
     assert len(calls_meanwhile) == 1 and calls_meanwhile[0] < 0.5  # not queued behind the wait
-    assert c_lib.nvmlEventSetWait_v2(None, ctypes.byref(data),
-                                     ctypes.c_uint(10)) == st.INVALID_ARGUMENT
+    assert (
+        c_lib.nvmlEventSetWait_v2(None, ctypes.byref(data), ctypes.c_uint(10))
+        == st.INVALID_ARGUMENT
+    )
     assert c_lib.nvmlEventSetFree(events) == st.SUCCESS
 
 
-def test_cuda_capability_topology_and_versions(make_node: MakeNode, nvml_on: NvmlOn,
-                                               c_lib: ctypes.CDLL) -> None:
+def test_cuda_capability_topology_and_versions(
+    make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL
+) -> None:
     nv = nvml_on(make_node("2xA100-40GB"))
     a, b = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
     assert nv.nvmlDeviceGetCudaComputeCapability(a) == (8, 0)
@@ -259,7 +287,8 @@ def test_cuda_capability_topology_and_versions(make_node: MakeNode, nvml_on: Nvm
 
 
 def test_xid_events_reach_the_sets_registered_on_their_gpu(
-        make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL) -> None:
+    make_node: MakeNode, nvml_on: NvmlOn, c_lib: ctypes.CDLL
+) -> None:
     path = make_node("2xH100-80GB")
     nv = nvml_on(path)
     gpu0, gpu1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
@@ -268,13 +297,14 @@ def test_xid_events_reach_the_sets_registered_on_their_gpu(
     st.raise_xid(path, 1, 31)  # before on1 exists: not its
     assert c_lib.nvmlEventSetCreate(ctypes.byref(on1)) == st.SUCCESS
     for events, gpu in ((on0, gpu0), (on1, gpu1)):
-        assert c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(XID_CRITICAL),
-                                              events) == st.SUCCESS
+        assert (
+            c_lib.nvmlDeviceRegisterEvents(gpu, ctypes.c_ulonglong(XID_CRITICAL), events)
+            == st.SUCCESS
+        )
     data = EventData()
     assert c_lib.nvmlEventSetWait_v2(on1, ctypes.byref(data), ctypes.c_uint(150)) == TIMEOUT
 
-    raiser = threading.Timer(0.3, lambda: (st.raise_xid(path, 1, 79),
-                                           st.raise_xid(path, 0, 48)))
+    raiser = threading.Timer(0.3, lambda: (st.raise_xid(path, 1, 79), st.raise_xid(path, 0, 48)))
     raiser.start()
     start = time.monotonic()
     assert c_lib.nvmlEventSetWait_v2(on1, ctypes.byref(data), ctypes.c_uint(5000)) == st.SUCCESS

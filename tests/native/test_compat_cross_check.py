@@ -35,8 +35,10 @@ COMPAT = REPO / "tests" / "data" / "compat"
 STATION = "mig-parted-dgx-station-80gb-config.yaml"
 
 if os.geteuid() != 0:  # said out loud in the summary (-ra), never a silent pass
-    pytest.skip("nvidia-mig-parted needs a private mount namespace (unshare -m): run as root",
-                allow_module_level=True)
+    pytest.skip(
+        "nvidia-mig-parted needs a private mount namespace (unshare -m): run as root",
+        allow_module_level=True,
+    )
 
 
 def _cases() -> list[tuple[str, str, str]]:
@@ -45,8 +47,11 @@ def _cases() -> list[tuple[str, str, str]]:
         catalog = load_catalog([path])
         for model in MODELS.values():
             if model.mig_capable:
-                cases += [(path.name, r.layout, model.key) for r in fit_report(catalog, model)
-                          if r.applies and r.fits]
+                cases += [
+                    (path.name, r.layout, model.key)
+                    for r in fit_report(catalog, model)
+                    if r.applies and r.fits
+                ]
     return cases
 
 
@@ -67,8 +72,9 @@ def _gpus(file: str, layout: str, model: str) -> str:
 
 def agent(*args: str) -> tuple[int, str]:
     """`mig-agent ARGS` in its own process (its logging set-up stays out of this one)."""
-    done = subprocess.run(["mig-agent", *args], capture_output=True, text=True, check=False,
-                          timeout=120)
+    done = subprocess.run(
+        ["mig-agent", *args], capture_output=True, text=True, check=False, timeout=120
+    )
     return done.returncode, done.stdout if done.returncode == 0 else done.stdout + done.stderr
 
 
@@ -82,8 +88,9 @@ def per_gpu(export: str, state: str, tmp_path: Path) -> list[GpuLayout | None]:
         gpus = backend.observe().gpus
     finally:
         backend.close()
-    return [current.target_for(g.index, g.info.pci_device_id, g.info.pci_subsystem_id)
-            for g in gpus]
+    return [
+        current.target_for(g.index, g.info.pci_device_id, g.info.pci_subsystem_id) for g in gpus
+    ]
 
 
 def test_every_fitting_layout_is_crossed() -> None:
@@ -94,10 +101,14 @@ def test_every_fitting_layout_is_crossed() -> None:
     assert {m for _, _, m in CASES} == {m.key for m in MODELS.values() if m.mig_capable}
 
 
-@pytest.mark.parametrize(("file", "layout", "model"), CASES,
-                         ids=[f"{f.split('-config')[0]}:{lay}:{m}" for f, lay, m in CASES])
-def test_mig_agent_and_mig_parted_agree_both_ways(file: str, layout: str, model: str,
-                                                   tmp_path: Path, nvidia_bin: Path) -> None:
+@pytest.mark.parametrize(
+    ("file", "layout", "model"),
+    CASES,
+    ids=[f"{f.split('-config')[0]}:{lay}:{m}" for f, lay, m in CASES],
+)
+def test_mig_agent_and_mig_parted_agree_both_ways(
+    file: str, layout: str, model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     parted = str(nvidia_bin / "nvidia-mig-parted")
     cfg = ["-f", str(COMPAT / file), "-c", layout]
     gpus = _gpus(file, layout, model)

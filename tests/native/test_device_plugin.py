@@ -40,20 +40,28 @@ from mig_agent.core.gpu_models import parse_gpu_spec
 from .conftest import REPO
 
 if os.geteuid() != 0:  # said out loud in the summary (-ra), never a silent pass
-    pytest.skip("the device plugin runs in a private mount namespace (unshare -m): run as root",
-                allow_module_level=True)
+    pytest.skip(
+        "the device plugin runs in a private mount namespace (unshare -m): run as root",
+        allow_module_level=True,
+    )
 
 SPLIT_CI = {"H100-80GB": "1c.3g.40gb", "A100-40GB": "1c.3g.20gb", "H200": "1c.3g.71gb"}
-MIXED = {"H100-80GB": {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1},
-         "A100-40GB": {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1},
-         "H200": {"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1}}
+MIXED = {
+    "H100-80GB": {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1},
+    "A100-40GB": {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1},
+    "H200": {"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1},
+}
 SINGLE = {"H100-80GB": {"1g.10gb": 7}, "A100-40GB": {"2g.10gb": 3}, "H200": {"3g.71gb": 2}}
 
 
 @pytest.fixture(scope="session")
 def nvidia_bin() -> Path:
-    out = subprocess.run([str(REPO / "scripts" / "nvidia-binaries"), "build"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [str(REPO / "scripts" / "nvidia-binaries"), "build"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, f"scripts/nvidia-binaries build failed:\n{out.stderr}"
     return Path(out.stdout.strip())
 
@@ -73,9 +81,24 @@ def node(tmp_path: Path, gpus: str, devices: dict[str, int] | None) -> str:
     """A simulated node with ``gpus``, laid out by mig-agent (``mig-agent apply``)."""
     state = str(tmp_path / "node.json")
     st.create_node(state, gpus)
-    out = subprocess.run(["mig-agent", "apply", "-f", str(layout_file(tmp_path, devices)),
-                          "-c", "c", "--backend", "simulated", "--sim-state", state],
-                         capture_output=True, text=True, check=False, timeout=120)
+    out = subprocess.run(
+        [
+            "mig-agent",
+            "apply",
+            "-f",
+            str(layout_file(tmp_path, devices)),
+            "-c",
+            "c",
+            "--backend",
+            "simulated",
+            "--sim-state",
+            state,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return state
 
@@ -95,28 +118,48 @@ class Run:
 
     @property
     def devices(self) -> dict[str, dict[str, str]]:
-        return {r: p["devices"] for r, p in self.report["plugins"].items()
-                if p["devices"] is not None}
+        return {
+            r: p["devices"] for r, p in self.report["plugins"].items() if p["devices"] is not None
+        }
 
     def counts(self) -> dict[str, int]:
         return {r: len(d) for r, d in self.devices.items()}
 
 
-def run_plugin(state: str, nvidia_bin: Path, tmp_path: Path, strategy: str, resources: int,
-               *, timeout: float = 40, allocate: str = "", then: str = "",
-               extra: tuple[str, ...] = ()) -> Run:
+def run_plugin(
+    state: str,
+    nvidia_bin: Path,
+    tmp_path: Path,
+    strategy: str,
+    resources: int,
+    *,
+    timeout: float = 40,
+    allocate: str = "",
+    then: str = "",
+    extra: tuple[str, ...] = (),
+) -> Run:
     report = tmp_path / f"kubelet-{strategy}.json"
-    cmd = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", state, "--",
-           "python3", "-m", "migsim.kubelet", "--report", str(report),
-           "--resources", str(resources), "--timeout", str(timeout)]
+    cmd = [
+        str(REPO / "scripts" / "with-sim-gpus"),
+        "--host-view",
+        state,
+        "--",
+        "python3",
+        "-m",
+        "migsim.kubelet",
+        "--report",
+        str(report),
+        "--resources",
+        str(resources),
+        "--timeout",
+        str(timeout),
+    ]
     if allocate:
         cmd += ["--allocate", allocate]
     if then:
         cmd += ["--then", then]
-    cmd += ["--", str(nvidia_bin / "nvidia-device-plugin"), f"--mig-strategy={strategy}",
-            *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          timeout=timeout + 60)
+    cmd += ["--", str(nvidia_bin / "nvidia-device-plugin"), f"--mig-strategy={strategy}", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout + 60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return Run(proc, json.loads(report.read_text()))
 
@@ -145,13 +188,20 @@ def test_mig_minors_list_every_possible_instance_in_the_drivers_numbering() -> N
 
 
 @pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB", "H200"])
-def test_mixed_strategy_advertises_what_mig_agent_expects(model: str, tmp_path: Path,
-                                                          nvidia_bin: Path) -> None:
+def test_mixed_strategy_advertises_what_mig_agent_expects(
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     state = node(tmp_path, f"2x{model}", MIXED[model])
     want = expected(state, "mixed")
     assert len(want) == 3 and all(n >= 2 for n in want.values())  # the test means something
-    run = run_plugin(state, nvidia_bin, tmp_path, "mixed", len(want),
-                     allocate=next(r for r in want if r.startswith("nvidia.com/mig-1g")))
+    run = run_plugin(
+        state,
+        nvidia_bin,
+        tmp_path,
+        "mixed",
+        len(want),
+        allocate=next(r for r in want if r.startswith("nvidia.com/mig-1g")),
+    )
     assert run.report["complete"], run.log
     assert run.counts() == want, run.log
     mig, _ = uuids(state)
@@ -162,7 +212,7 @@ def test_mixed_strategy_advertises_what_mig_agent_expects(model: str, tmp_path: 
     assert "Registered device plugin for 'nvidia.com/mig-" in run.log
     assert run.report["plugin_exit"] is None  # still serving when stopped
     allocated = run.report["allocated"]
-    (resource, env), = allocated.items()
+    ((resource, env),) = allocated.items()
     assert env["NVIDIA_VISIBLE_DEVICES"] in run.devices[resource]
     for p in run.report["plugins"].values():
         assert p["version"] == "v1beta1" and p["error"] == ""
@@ -186,8 +236,7 @@ def test_single_strategy_refuses_a_mixed_layout(tmp_path: Path, nvidia_bin: Path
     assert run.report["plugin_exit"] not in (None, 0), run.log
 
 
-def test_none_strategy_with_mig_off_advertises_whole_gpus(tmp_path: Path,
-                                                          nvidia_bin: Path) -> None:
+def test_none_strategy_with_mig_off_advertises_whole_gpus(tmp_path: Path, nvidia_bin: Path) -> None:
     state = node(tmp_path, "2xA100-40GB", None)
     want = expected(state, "none")
     assert want == {"nvidia.com/gpu": 2}
@@ -195,41 +244,60 @@ def test_none_strategy_with_mig_off_advertises_whole_gpus(tmp_path: Path,
     assert run.counts() == want, run.log
     _, gpus = uuids(state)
     assert set(run.devices["nvidia.com/gpu"]) == gpus
-    assert run.report["plugins"]["nvidia.com/gpu"]["options"][
-        "get_preferred_allocation_available"] is True
+    assert (
+        run.report["plugins"]["nvidia.com/gpu"]["options"]["get_preferred_allocation_available"]
+        is True
+    )
 
 
 @pytest.mark.parametrize("rename", [False, True])
-def test_time_slicing_multiplies_as_mig_agent_expects(rename: bool, tmp_path: Path,
-                                                      nvidia_bin: Path) -> None:
+def test_time_slicing_multiplies_as_mig_agent_expects(
+    rename: bool, tmp_path: Path, nvidia_bin: Path
+) -> None:
     state = node(tmp_path, "2xH100-80GB", MIXED["H100-80GB"])
-    config: dict[str, Any] = {"version": "v1", "sharing": {"timeSlicing": {
-        "renameByDefault": rename,
-        "resources": [{"name": "nvidia.com/mig-1g.10gb", "replicas": 4},
-                      {"name": "nvidia.com/mig-3g.40gb", "replicas": 2}]}}}
+    config: dict[str, Any] = {
+        "version": "v1",
+        "sharing": {
+            "timeSlicing": {
+                "renameByDefault": rename,
+                "resources": [
+                    {"name": "nvidia.com/mig-1g.10gb", "replicas": 4},
+                    {"name": "nvidia.com/mig-3g.40gb", "replicas": 2},
+                ],
+            }
+        },
+    }
     path = tmp_path / "plugin-config.json"
     path.write_text(json.dumps(config))
     want = expected(state, "mixed", parse_sharing(config, source=str(path)))
     one_g = "nvidia.com/mig-1g.10gb" + (".shared" if rename else "")
     assert want[one_g] == 16  # 4 devices x 4 replicas: the test means something
-    run = run_plugin(state, nvidia_bin, tmp_path, "mixed", len(want),
-                     extra=(f"--config-file={path}",))
+    run = run_plugin(
+        state, nvidia_bin, tmp_path, "mixed", len(want), extra=(f"--config-file={path}",)
+    )
     assert run.counts() == want, run.log
     mig, _ = uuids(state)
     assert {i.split("::")[0] for d in run.devices.values() for i in d} == mig
     assert all("::" in i for i in run.devices[one_g])
 
 
-def test_an_xid_makes_the_plugin_mark_that_gpus_devices_unhealthy(tmp_path: Path,
-                                                                  nvidia_bin: Path) -> None:
+def test_an_xid_makes_the_plugin_mark_that_gpus_devices_unhealthy(
+    tmp_path: Path, nvidia_bin: Path
+) -> None:
     """The plugin's health check (an event set per plugin, nvmlEventSetWait_v2) sees an Xid the
     simulated GPU 0 raises. What NVIDIA's plugin then does (internal/rm/health.go keys its devices
     by parent GPU UUID, one per GPU and plugin): it marks *one* MIG device per resource of GPU 0
     unhealthy, not all of them; the kubelet's allocatable drops by those."""
     state = node(tmp_path, "2xH100-80GB", MIXED["H100-80GB"])
     want = expected(state, "mixed")
-    run = run_plugin(state, nvidia_bin, tmp_path, "mixed", len(want),
-                     then=f"python3 -m migsim.nvml --state {state} xid 0 79")
+    run = run_plugin(
+        state,
+        nvidia_bin,
+        tmp_path,
+        "mixed",
+        len(want),
+        then=f"python3 -m migsim.nvml --state {state} xid 0 79",
+    )
     assert run.report["then_updated"], run.log
     assert run.report["capacity"] == want
     gpus = st.load_node(state).gpus
@@ -244,18 +312,40 @@ def test_an_xid_makes_the_plugin_mark_that_gpus_devices_unhealthy(tmp_path: Path
 
 @pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB"])
 def test_mixed_strategy_refuses_to_start_on_split_compute_instances(
-        model: str, tmp_path: Path, nvidia_bin: Path) -> None:
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     """The fact mig-agent's mixed_strategy_problem states: not even the whole GPU is advertised."""
     state = str(tmp_path / "node.json")
     st.create_node(state, f"2x{model}")
     # GPU 0 split into compute instances, GPU 1 with MIG off
-    cfg = {"version": "v1", "mig-configs": {"c": [
-        {"devices": [0], "mig-enabled": True, "mig-devices": {SPLIT_CI[model]: 3}},
-        {"devices": [1], "mig-enabled": False}]}}
+    cfg = {
+        "version": "v1",
+        "mig-configs": {
+            "c": [
+                {"devices": [0], "mig-enabled": True, "mig-devices": {SPLIT_CI[model]: 3}},
+                {"devices": [1], "mig-enabled": False},
+            ]
+        },
+    }
     (tmp_path / "split.json").write_text(json.dumps(cfg))
-    out = subprocess.run(["mig-agent", "apply", "-f", str(tmp_path / "split.json"), "-c", "c",
-                          "--backend", "simulated", "--sim-state", state],
-                         capture_output=True, text=True, check=False, timeout=120)
+    out = subprocess.run(
+        [
+            "mig-agent",
+            "apply",
+            "-f",
+            str(tmp_path / "split.json"),
+            "-c",
+            "c",
+            "--backend",
+            "simulated",
+            "--sim-state",
+            state,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert expected(state, "mixed") == {}
     run = run_plugin(state, nvidia_bin, tmp_path, "mixed", 1, timeout=20)
@@ -269,10 +359,23 @@ def test_mixed_strategy_refuses_to_start_on_split_compute_instances(
 def gfd(state: str, nvidia_bin: Path, tmp_path: Path, strategy: str) -> dict[str, str]:
     out_file = tmp_path / f"gfd-{strategy}"
     proc = subprocess.run(
-        [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", state, "--",
-         str(nvidia_bin / "gpu-feature-discovery"), "--oneshot", "--use-node-feature-api=false",
-         "--no-timestamp", f"--mig-strategy={strategy}", f"--output-file={out_file}"],
-        capture_output=True, text=True, check=False, timeout=120)
+        [
+            str(REPO / "scripts" / "with-sim-gpus"),
+            "--host-view",
+            state,
+            "--",
+            str(nvidia_bin / "gpu-feature-discovery"),
+            "--oneshot",
+            "--use-node-feature-api=false",
+            "--no-timestamp",
+            f"--mig-strategy={strategy}",
+            f"--output-file={out_file}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dict(line.split("=", 1) for line in out_file.read_text().splitlines() if line)
 
@@ -282,7 +385,8 @@ COMPARED = ("nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/mig.ca
 
 @pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB", "H200"])
 def test_gfd_labels_match_the_simulated_nodes_labels_with_mixed(
-        model: str, tmp_path: Path, nvidia_bin: Path) -> None:
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     state = node(tmp_path, f"2x{model}", MIXED[model])
     labels = gfd(state, nvidia_bin, tmp_path, "mixed")
     ours = gpu_node_labels("n", parse_gpu_spec(f"2x{model}"))
@@ -298,10 +402,12 @@ def test_gfd_labels_match_the_simulated_nodes_labels_with_mixed(
         assert labels[f"nvidia.com/{name}.product"] == f"{m.product}-MIG-{name[4:]}"
 
 
-@pytest.mark.parametrize("model", ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL",
-                                   "H200"])
-def test_gfd_with_mig_off_labels_as_the_simulated_node_is(model: str, tmp_path: Path,
-                                                          nvidia_bin: Path) -> None:
+@pytest.mark.parametrize(
+    "model", ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL", "H200"]
+)
+def test_gfd_with_mig_off_labels_as_the_simulated_node_is(
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     state = str(tmp_path / "node.json")
     st.create_node(state, f"2x{model}")
     labels = gfd(state, nvidia_bin, tmp_path, "none")
@@ -311,7 +417,9 @@ def test_gfd_with_mig_off_labels_as_the_simulated_node_is(model: str, tmp_path: 
     assert labels["nvidia.com/gpu.memory"] == str(m.memory_total_mib)
     major = {"ampere": "8", "hopper": "9"}[m.architecture.value]
     assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.family"]) == (
-        major, m.architecture.value)
+        major,
+        m.architecture.value,
+    )
     assert "nvidia.com/mig.strategy" not in labels
 
 
@@ -328,8 +436,9 @@ def test_gfd_does_not_count_a_display_gpu(tmp_path: Path, nvidia_bin: Path) -> N
     assert {k: labels.get(k) for k in COMPARED} == {k: ours[k] for k in COMPARED}
 
 
-def test_gfd_single_strategy_labels_the_mig_device_not_the_gpu(tmp_path: Path,
-                                                               nvidia_bin: Path) -> None:
+def test_gfd_single_strategy_labels_the_mig_device_not_the_gpu(
+    tmp_path: Path, nvidia_bin: Path
+) -> None:
     """Under single, GFD's product and count are the MIG device's, not the GPU's that
     gpu_node_labels puts on a new node (MIG off); where GFD runs on the local cluster (the node
     runtime), its labels replace those as the layout changes (tests/e2e/test_nvidia_plugin.py)."""
@@ -338,7 +447,6 @@ def test_gfd_single_strategy_labels_the_mig_device_not_the_gpu(tmp_path: Path,
     m = parse_gpu_spec("H100-80GB")[0]
     assert labels["nvidia.com/gpu.product"] == f"{m.product}-MIG-1g.10gb"
     assert labels["nvidia.com/gpu.count"] == "14"
-
 
 
 def test_gfd_labels_one_model_of_a_node_with_two(tmp_path: Path, nvidia_bin: Path) -> None:
@@ -357,4 +465,6 @@ def test_gfd_labels_one_model_of_a_node_with_two(tmp_path: Path, nvidia_bin: Pat
     assert labels["nvidia.com/gpu.memory"] == str(one.memory_total_mib)
     ours = gpu_node_labels("n", parse_gpu_spec(spec))
     assert (ours["nvidia.com/gpu.product"], ours["nvidia.com/gpu.count"]) == (
-        parse_gpu_spec("A100-40GB")[0].product, "8")
+        parse_gpu_spec("A100-40GB")[0].product,
+        "8",
+    )

@@ -38,16 +38,23 @@ class FakePlugin:
         handlers = {
             "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
                 lambda _r, _c: MESSAGES["DevicePluginOptions"](pre_start_required=True),
-                request_deserializer=MESSAGES["Empty"].FromString, response_serializer=ser),
+                request_deserializer=MESSAGES["Empty"].FromString,
+                response_serializer=ser,
+            ),
             "ListAndWatch": grpc.unary_stream_rpc_method_handler(
-                self._list_and_watch, request_deserializer=MESSAGES["Empty"].FromString,
-                response_serializer=ser),
+                self._list_and_watch,
+                request_deserializer=MESSAGES["Empty"].FromString,
+                response_serializer=ser,
+            ),
             "Allocate": grpc.unary_unary_rpc_method_handler(
-                self._allocate, request_deserializer=MESSAGES["AllocateRequest"].FromString,
-                response_serializer=ser),
+                self._allocate,
+                request_deserializer=MESSAGES["AllocateRequest"].FromString,
+                response_serializer=ser,
+            ),
         }
         self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(DEVICE_PLUGIN, handlers),))
+            (grpc.method_handlers_generic_handler(DEVICE_PLUGIN, handlers),)
+        )
         self.server.add_insecure_port(f"unix://{plugin_dir / endpoint}")
         self.server.start()
 
@@ -73,11 +80,15 @@ class FakePlugin:
 
 def register(plugin_dir: Path, resource: str, endpoint: str, version: str = "v1beta1") -> None:
     with grpc.insecure_channel(f"unix://{plugin_dir / 'kubelet.sock'}") as channel:
-        call = channel.unary_unary(f"/{REGISTRATION}/Register",
-                                   request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=MESSAGES["Empty"].FromString)
-        call(MESSAGES["RegisterRequest"](version=version, endpoint=endpoint,
-                                         resource_name=resource), timeout=5)
+        call = channel.unary_unary(
+            f"/{REGISTRATION}/Register",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=MESSAGES["Empty"].FromString,
+        )
+        call(
+            MESSAGES["RegisterRequest"](version=version, endpoint=endpoint, resource_name=resource),
+            timeout=5,
+        )
 
 
 @pytest.fixture
@@ -125,18 +136,36 @@ def test_reregistration_replaces_and_other_versions_are_refused(plugin_dir: Path
         register(plugin_dir, "example.com/thing", "two.sock")
         assert kubelet.wait_for_resources(1, timeout_s=10, settle_s=0.5)
         assert kubelet.capacity() == {"example.com/thing": 2}
-        assert kubelet.report()["refused"] == ["example.com/thing: unsupported API version "
-                                               "'v1alpha'"]
+        assert kubelet.report()["refused"] == [
+            "example.com/thing: unsupported API version 'v1alpha'"
+        ]
     first.stop()
     second.stop()
 
 
 def test_command_line_reports_a_plugin_that_exits(plugin_dir: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    out = subprocess.run([sys.executable, "-m", "migsim.kubelet", "--dir", str(plugin_dir),
-                          "--report", str(report), "--timeout", "20", "--",
-                          sys.executable, "-c", "raise SystemExit(3)"],
-                         capture_output=True, text=True, check=False, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "migsim.kubelet",
+            "--dir",
+            str(plugin_dir),
+            "--report",
+            str(report),
+            "--timeout",
+            "20",
+            "--",
+            sys.executable,
+            "-c",
+            "raise SystemExit(3)",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(report.read_text())
     assert seen["plugins"] == {} and seen["complete"] is False
@@ -144,7 +173,8 @@ def test_command_line_reports_a_plugin_that_exits(plugin_dir: Path, tmp_path: Pa
 
 
 def test_a_stopped_plugin_keeps_its_devices_unhealthy_until_the_grace_period_ends(
-        plugin_dir: Path) -> None:
+    plugin_dir: Path,
+) -> None:
     """As the kubelet does when a plugin goes (its stream ends): capacity stays, allocatable is 0,
     until the plugin registers again or the stop grace period passes; then the resource goes."""
     plugin = FakePlugin(plugin_dir, "fake.sock")

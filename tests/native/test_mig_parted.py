@@ -27,28 +27,41 @@ NOT_APPLIED = "not currently applied"
 MODELS = ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL", "H200"]
 
 if os.geteuid() != 0:  # said out loud in the summary (-ra), never a silent pass
-    pytest.skip("nvidia-mig-parted needs a private mount namespace (unshare -m): run as root",
-                allow_module_level=True)
+    pytest.skip(
+        "nvidia-mig-parted needs a private mount namespace (unshare -m): run as root",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(scope="session")
 def nvidia_bin() -> Path:
-    out = subprocess.run([str(REPO / "scripts" / "nvidia-binaries"), "build"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [str(REPO / "scripts" / "nvidia-binaries"), "build"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert out.returncode == 0, f"scripts/nvidia-binaries build failed:\n{out.stderr}"
     return Path(out.stdout.strip())
 
 
-def with_sim_gpus(state: str, *cmd: str,
-                  host_view: bool = True) -> subprocess.CompletedProcess[str]:
+def with_sim_gpus(
+    state: str, *cmd: str, host_view: bool = True
+) -> subprocess.CompletedProcess[str]:
     flags = ["--host-view"] if host_view else []
-    return subprocess.run([str(REPO / "scripts" / "with-sim-gpus"), *flags, state, "--", *cmd],
-                          capture_output=True, text=True, check=False, timeout=300)
+    return subprocess.run(
+        [str(REPO / "scripts" / "with-sim-gpus"), *flags, state, "--", *cmd],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
 
 
 def mig_agent(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["mig-agent", *args], capture_output=True, text=True, check=False,
-                          timeout=120)
+    return subprocess.run(
+        ["mig-agent", *args], capture_output=True, text=True, check=False, timeout=120
+    )
 
 
 def content(export_yaml: str) -> list[tuple[bool, dict[str, int]]]:
@@ -59,8 +72,9 @@ def content(export_yaml: str) -> list[tuple[bool, dict[str, int]]]:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_mig_parted_apply_is_what_mig_agent_sees(model: str, tmp_path: Path,
-                                                  nvidia_bin: Path) -> None:
+def test_mig_parted_apply_is_what_mig_agent_sees(
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     state = str(tmp_path / "node.json")
     st.create_node(state, f"2x{model}")
     parted = str(nvidia_bin / "nvidia-mig-parted")
@@ -83,8 +97,9 @@ def test_mig_parted_apply_is_what_mig_agent_sees(model: str, tmp_path: Path,
     agent = mig_agent("assert", *cfg, "--backend", "simulated", "--sim-state", state)
     assert agent.returncode == 0, agent.stdout + agent.stderr
     # mig-agent's NVML backend over the C library sees the same.
-    agent_c = with_sim_gpus(state, "mig-agent", "assert", *cfg, "--backend", "nvml",
-                            host_view=False)
+    agent_c = with_sim_gpus(
+        state, "mig-agent", "assert", *cfg, "--backend", "nvml", host_view=False
+    )
     assert agent_c.returncode == 0, agent_c.stdout + agent_c.stderr
 
     parted_export = with_sim_gpus(state, parted, "export")
@@ -96,8 +111,9 @@ def test_mig_parted_apply_is_what_mig_agent_sees(model: str, tmp_path: Path,
 
 
 @pytest.mark.parametrize("model", ["A100-40GB", "H200"])
-def test_mig_agent_apply_is_what_mig_parted_asserts(model: str, tmp_path: Path,
-                                                    nvidia_bin: Path) -> None:
+def test_mig_agent_apply_is_what_mig_parted_asserts(
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
     state = str(tmp_path / "node.json")
     st.create_node(state, f"2x{model}")
     parted = str(nvidia_bin / "nvidia-mig-parted")

@@ -29,7 +29,8 @@ from mig_agent.config.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "profiles"
 _NOT_SOURCE = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis")
+    ".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
+)
 
 
 def test_the_default_config_is_the_packaged_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,9 +49,21 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(REPO, source, ignore=_NOT_SOURCE)
     # Build isolation fetches the build backend pyproject.toml asks for, as `pip install .` does.
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
-         "--disable-pip-version-check", "-w", str(tmp / "dist"), str(source)],
-        check=True, cwd=tmp)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-w",
+            str(tmp / "dist"),
+            str(source),
+        ],
+        check=True,
+        cwd=tmp,
+    )
     (built,) = (tmp / "dist").glob("mig_agent-*.whl")
     return built
 
@@ -59,20 +72,43 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
     """A fresh virtual environment holding the wheel; the dependencies come from the system's."""
     home = tmp_path_factory.mktemp("venv") / "env"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip",
-                    str(home)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(home)],
+        check=True,
+    )
     # where the tests run in a virtual environment of their own, the dependencies are in its
     # site-packages, not the system's: listed after the venv's own (the wheel's) so that they
     # are found; a plain path entry, so the checkout's editable install there stays out
-    own = Path(subprocess.run([home / "bin" / "python", "-c", "import sysconfig; "
-                               "print(sysconfig.get_path('purelib'))"],
-                              check=True, capture_output=True, text=True).stdout.strip())
+    own = Path(
+        subprocess.run(
+            [
+                home / "bin" / "python",
+                "-c",
+                "import sysconfig; print(sysconfig.get_path('purelib'))",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     (own / "_test_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     # --force-reinstall: the editable install of this checkout is the same version.
     subprocess.run(
-        [home / "bin" / "python", "-m", "pip", "install", "--no-deps", "--force-reinstall",
-         "--quiet", "--disable-pip-version-check", str(wheel)],
-        check=True, cwd=home, env=_outside_env())
+        [
+            home / "bin" / "python",
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--force-reinstall",
+            "--quiet",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        check=True,
+        cwd=home,
+        env=_outside_env(),
+    )
     return home
 
 
@@ -100,15 +136,27 @@ def test_the_wheel_holds_the_agent_only(wheel: Path) -> None:
 @pytest.mark.slow
 def test_the_installed_command_plans_with_its_own_profiles(venv: Path) -> None:
     where = subprocess.run(
-        [venv / "bin" / "python", "-c",
-         "import mig_agent.config.settings as s; print(s.__file__); print(s.Settings().config)"],
-        check=True, capture_output=True, text=True, cwd=venv, env=_outside_env())
+        [
+            venv / "bin" / "python",
+            "-c",
+            "import mig_agent.config.settings as s; print(s.__file__); print(s.Settings().config)",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=venv,
+        env=_outside_env(),
+    )
     module, config = where.stdout.split()
     assert Path(module).is_relative_to(venv), "the venv imported the checkout, not the wheel"
     assert Path(config).is_relative_to(venv)
     done = subprocess.run(
         [venv / "bin" / "mig-agent", "plan", "-c", "all-balanced", "--gpus", "1xH200"],
-        capture_output=True, text=True, cwd=venv, env=_outside_env())
+        capture_output=True,
+        text=True,
+        cwd=venv,
+        env=_outside_env(),
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("layout all-balanced: 1 of 1 GPU(s) change")
     assert "GPU 0 (H200): 3g.71gb x1, 2g.35gb x1, 1g.18gb x2" in done.stdout

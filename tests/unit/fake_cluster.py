@@ -46,7 +46,13 @@ class FakeCluster(Cluster):
         allocatable: Mapping[str, str] | None = None,
     ) -> NodeView:
         node = NodeView(
-            name, f"uid-{name}", "1", dict(labels or {}), {}, False, dict(allocatable or {}),
+            name,
+            f"uid-{name}",
+            "1",
+            dict(labels or {}),
+            {},
+            False,
+            dict(allocatable or {}),
             capacity=dict(allocatable or {}),
         )
         self.nodes[name] = node
@@ -114,8 +120,11 @@ class FakeCluster(Cluster):
         expect_labels: Mapping[str, str | None] | None = None,
     ) -> NodeView:
         self._check()
-        differ = {k: self.nodes[name].labels.get(k) for k, v in (expect_labels or {}).items()
-                  if self.nodes[name].labels.get(k) != v}
+        differ = {
+            k: self.nodes[name].labels.get(k)
+            for k, v in (expect_labels or {}).items()
+            if self.nodes[name].labels.get(k) != v
+        }
         if differ:
             raise LabelsChanged(f"node {name}: labels changed {differ}", labels=differ)
         if self.fail_patch_after is not None:
@@ -131,8 +140,11 @@ class FakeCluster(Cluster):
             labels=new_labels,
             annotations=new_ann,
             unschedulable=node.unschedulable if unschedulable is None else unschedulable,
-            unschedulable_by=node.unschedulable_by if unschedulable is None
-            else (AGENT_MANAGER,) if unschedulable else (),
+            unschedulable_by=node.unschedulable_by
+            if unschedulable is None
+            else (AGENT_MANAGER,)
+            if unschedulable
+            else (),
             resource_version=str(int(node.resource_version) + 1),
         )
         self.nodes[name] = node

@@ -31,7 +31,7 @@ from mig_agent.core.errors import KubeUnavailable
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.labels import PAUSED
 from mig_agent.kube.cluster import NodeView, PodRef
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
@@ -131,8 +131,9 @@ def make(
     device_plugin(cluster)
     t = FakeTime()
     s = Settings(node_name=NODE, **{"config": PROFILES, **settings})  # type: ignore[arg-type]
-    agent = Agent(s, cluster, gpus, lambda p: load_catalog([p]),
-                  clock=Clock(t.now, t.sleep, t.wait))
+    agent = Agent(
+        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, t.wait)
+    )
     agent.reload_config()
     return agent, cluster, gpus
 
@@ -165,8 +166,13 @@ def test_label_repartitions_node_and_drains_only_gpu_pods() -> None:
     assert_clean(cluster)
     assert any(c.type == "MIGConfigApplied" and c.status == "True" for c in node.conditions)
     assert [e[1] for e in cluster.events] == [
-        "MIGReconfiguring", "MIGDraining", "MIGApplying", "MIGVerifying",
-        "MIGDevicePluginRestart", "MIGConfigApplied"]
+        "MIGReconfiguring",
+        "MIGDraining",
+        "MIGApplying",
+        "MIGVerifying",
+        "MIGDevicePluginRestart",
+        "MIGConfigApplied",
+    ]
 
 
 def test_already_applied_is_success_without_drain_or_gpu_calls() -> None:
@@ -302,8 +308,7 @@ def test_device_plugin_mismatch_fails_naming_both_sides() -> None:
         alloc = dict(c.nodes[NODE].allocatable)
         if "nvidia.com/mig-1g.10gb" in alloc:
             alloc["nvidia.com/mig-1g.10gb"] = "50"
-            c.nodes[NODE] = dataclasses.replace(c.nodes[NODE], allocatable=alloc,
-                                                capacity=alloc)
+            c.nodes[NODE] = dataclasses.replace(c.nodes[NODE], allocatable=alloc, capacity=alloc)
 
     cluster.on_change = lying_plugin
     label(cluster, "all-1g.10gb")
@@ -430,7 +435,6 @@ def test_removing_the_layout_label_clears_the_reported_state() -> None:
 
 def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
 
-
     from mig_agent.core.errors import KubeError
 
     agent, cluster, gpus = make()
@@ -467,7 +471,8 @@ def test_config_change_is_picked_up_and_a_broken_one_keeps_the_last_good(tmp_pat
     assert agent.reload_config() is False  # nothing changed since make() loaded it
     (profiles / "extra.yaml").write_text(
         "version: v1\nmig-configs:\n  late-layout:\n    - devices: all\n"
-        "      mig-enabled: true\n      mig-devices: {\"7g.80gb\": 1}\n")
+        '      mig-enabled: true\n      mig-devices: {"7g.80gb": 1}\n'
+    )
     assert agent.reload_config() is True
     label(cluster, "late-layout")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
@@ -529,8 +534,11 @@ def test_pod_on_kept_instances_of_a_changed_gpu_stays() -> None:
 
     pod = cluster.add_pod("work", "small", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
     _two_changed(agent)
-    the_plan = planner.plan(agent.catalog.get("two-changed"), gpus.observe(),  # type: ignore[union-attr]
-                            gpus.models())
+    the_plan = planner.plan(
+        agent.catalog.get("two-changed"),
+        gpus.observe(),  # type: ignore[union-attr]
+        gpus.models(),
+    )
     kept = next(d.gi_placement for d in the_plan.gpus[5].devices if d.kept)
     gi = next(g for g in gpus.observe().gpu(5).gpu_instances if g.placement == kept)
     agent.pod_devices = lambda: {("work", "small"): frozenset({gi.compute_instances[0].uuid})}
@@ -557,13 +565,19 @@ def test_without_pod_resources_every_gpu_pod_is_drained() -> None:
     assert cluster.evicted == [pod]
 
 
-@pytest.mark.parametrize("layout,fragment", [
-    ("all-balanced", "needs one MIG profile on the whole node, the layout makes 1g.10gb, "
-                     "2g.20gb, 3g.40gb"),
-    ("all-enabled", "at least one MIG device on every MIG GPU"),
-])
+@pytest.mark.parametrize(
+    "layout,fragment",
+    [
+        (
+            "all-balanced",
+            "needs one MIG profile on the whole node, the layout makes 1g.10gb, 2g.20gb, 3g.40gb",
+        ),
+        ("all-enabled", "at least one MIG device on every MIG GPU"),
+    ],
+)
 def test_single_strategy_refuses_layouts_its_device_plugin_cannot_advertise(
-        layout: str, fragment: str) -> None:
+    layout: str, fragment: str
+) -> None:
     agent, cluster, gpus = make(mig_strategy="single")
     label(cluster, layout)
     result = agent.reconcile_once()
@@ -582,8 +596,10 @@ def test_single_strategy_waits_for_nvidia_gpu_resources() -> None:
         node = c.nodes[NODE]
         if node.gpu_resources().get("nvidia.com/mig-1g.10gb"):
             res = expected_resources(gpus.observe(), gpus.models(), "single")
-            listed = {**{k: "0" for k in node.allocatable if k.startswith("nvidia.com/")},
-                      **{k: str(v) for k, v in res.items()}}
+            listed = {
+                **{k: "0" for k in node.allocatable if k.startswith("nvidia.com/")},
+                **{k: str(v) for k, v in res.items()},
+            }
             c.nodes[NODE] = dataclasses.replace(node, allocatable=listed, capacity=listed)
 
     cluster.on_change = single_plugin
@@ -599,7 +615,8 @@ def test_single_strategy_problem_is_pure() -> None:
 
     assert single_strategy_problem({0: Counter({"1g.10gb": 7}), 1: Counter({"1g.10gb": 7})}) == ""
     assert "GPU(s) 1 would have MIG disabled" in single_strategy_problem(
-        {0: Counter({"1g.10gb": 7}), 1: None})
+        {0: Counter({"1g.10gb": 7}), 1: None}
+    )
     assert single_strategy_problem({0: None, 1: None}) == ""
 
 
@@ -665,8 +682,7 @@ def _as_a_killed_pass_left_it(cluster: FakeCluster) -> None:
     cluster.patch_node(
         NODE,
         labels={STATE: "pending", DP_LABEL: PAUSED},
-        annotations={"mig-agent.dev/cordoned": "true",
-                     "mig-agent.dev/paused-operands": DP_LABEL},
+        annotations={"mig-agent.dev/cordoned": "true", "mig-agent.dev/paused-operands": DP_LABEL},
         unschedulable=True,
     )
 
@@ -803,15 +819,15 @@ def test_long_waits_inside_a_pass_keep_the_loop_alive() -> None:
     assert agent.liveness_problem() == ""
 
 
-def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
-        tmp_path: Path) -> None:
+def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(tmp_path: Path) -> None:
     from mig_agent.core.errors import GpuResetRequired
 
     script = tmp_path / "reboot"
     script.write_text("#!/bin/sh\necho 'reboot: permission denied' >&2\nexit 3\n")
     script.chmod(0o755)
-    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2),
-                                reboot_command=f"{script} --now")
+    agent, cluster, gpus = make(
+        FakeGpus([MODELS["A100-40GB"]] * 2), reboot_command=f"{script} --now"
+    )
     assert agent.reboot is None  # the real one: a subprocess
 
     def stuck(gpu: int, *, enabled: bool) -> None:
@@ -836,8 +852,9 @@ def test_a_failing_reboot_command_is_a_failure_with_its_reason_and_no_guard(
 def test_the_reboot_command_is_killed_at_the_reboot_timeout_setting(tmp_path: Path) -> None:
     from mig_agent.core.errors import GpuResetRequired
 
-    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2),
-                                reboot_command="sleep 30", reboot_timeout_s=0.5)
+    agent, cluster, gpus = make(
+        FakeGpus([MODELS["A100-40GB"]] * 2), reboot_command="sleep 30", reboot_timeout_s=0.5
+    )
 
     def stuck(gpu: int, *, enabled: bool) -> None:
         raise GpuResetRequired("GPU 0: MIG mode change pending")
@@ -852,10 +869,13 @@ def test_the_reboot_command_is_killed_at_the_reboot_timeout_setting(tmp_path: Pa
     assert_clean(cluster)
 
 
-@pytest.mark.parametrize("command, fragment", [
-    ("/nonexistent/reboot", "could not run"),
-    ("'unbalanced", "could not run"),
-])
+@pytest.mark.parametrize(
+    "command, fragment",
+    [
+        ("/nonexistent/reboot", "could not run"),
+        ("'unbalanced", "could not run"),
+    ],
+)
 def test_reboot_commands_that_cannot_run_say_why(command: str, fragment: str) -> None:
     from mig_agent.agent import run_reboot
     from mig_agent.core.errors import RebootFailed
@@ -1020,9 +1040,14 @@ def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
         first = len(passes)
         forged_at = agent.clock.now()
         # a forged cordon mark reads as an interrupted pass: the pass finishes it
-        cluster.patch_node(NODE, annotations={"mig-agent.dev/reason": "garbage",
-                                              "mig-agent.dev/cordoned": "garbage",
-                                              "mig-agent.dev/gpu-state": "{not json"})
+        cluster.patch_node(
+            NODE,
+            annotations={
+                "mig-agent.dev/reason": "garbage",
+                "mig-agent.dev/cordoned": "garbage",
+                "mig-agent.dev/gpu-state": "{not json",
+            },
+        )
         while {"mig-agent.dev/reason", "mig-agent.dev/cordoned"} & set(
             cluster.nodes[NODE].annotations
         ) or agent.pass_running:
@@ -1062,8 +1087,11 @@ def test_foreign_marks_are_what_the_agent_never_writes() -> None:
     }
     node = cluster.patch_node(NODE, annotations=forged)
     assert foreign_marks(s, node) == {k: v for k, v in forged.items()}
-    node = cluster.patch_node(NODE, labels={STATE: "failed"}, annotations={
-        **dict.fromkeys(forged), "mig-agent.dev/reason": "why"})
+    node = cluster.patch_node(
+        NODE,
+        labels={STATE: "failed"},
+        annotations={**dict.fromkeys(forged), "mig-agent.dev/reason": "why"},
+    )
     assert foreign_marks(s, node) == {}  # a reason beside the failed state is ours
 
 
@@ -1114,19 +1142,24 @@ def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -
     assert cluster.nodes[NODE].labels[STATE] == "success"
 
 
-@pytest.mark.parametrize("runtime_class, fragment", [
-    ("", "default runtime (no runtimeClassName); set runtimeClassName: nvidia"),
-    ("runc", "RuntimeClass 'runc'"),
-    (None, "own pod was not found"),
-])
+@pytest.mark.parametrize(
+    "runtime_class, fragment",
+    [
+        ("", "default runtime (no runtimeClassName); set runtimeClassName: nvidia"),
+        ("runc", "RuntimeClass 'runc'"),
+        (None, "own pod was not found"),
+    ],
+)
 def test_without_nvml_the_agent_names_its_runtime_class(
-        runtime_class: str | None, fragment: str) -> None:
+    runtime_class: str | None, fragment: str
+) -> None:
     from mig_agent.core.errors import GpuUnavailable
 
     agent, cluster, gpus = make()
     if runtime_class is not None:
-        ref = cluster.add_pod("mig-agent", "mig-agent-x", NODE,
-                              labels={"app.kubernetes.io/name": "mig-agent"})
+        ref = cluster.add_pod(
+            "mig-agent", "mig-agent-x", NODE, labels={"app.kubernetes.io/name": "mig-agent"}
+        )
         cluster.pods[ref] = dataclasses.replace(cluster.pods[ref], runtime_class=runtime_class)
 
     def no_library() -> Any:

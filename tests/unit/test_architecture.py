@@ -24,8 +24,19 @@ ONLY_HERE = {  # third-party import -> the modules allowed to use it
     "tenacity": {"kube/client.py"},
     "prometheus_client": {"observability/metrics.py", "observability/health.py"},
 }
-STDLIB_OK_IN_PURE = {"__future__", "dataclasses", "enum", "re", "typing", "collections",
-                     "itertools", "functools", "math", "difflib", "json"}
+STDLIB_OK_IN_PURE = {
+    "__future__",
+    "dataclasses",
+    "enum",
+    "re",
+    "typing",
+    "collections",
+    "itertools",
+    "functools",
+    "math",
+    "difflib",
+    "json",
+}
 
 
 def _imports(path: Path) -> set[str]:
@@ -51,11 +62,14 @@ def test_outside_libraries_stay_at_their_boundary(path: Path) -> None:
 
 
 def test_importing_the_package_loads_no_hardware_or_cluster_library() -> None:
-    code = ("import sys, mig_agent, mig_agent.core.planner, mig_agent.core.layout, "
-            "mig_agent.agent; "
-            "print(sorted(m for m in ('pynvml', 'kubernetes', 'grpc') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=PKG.parent)
+    code = (
+        "import sys, mig_agent, mig_agent.core.planner, mig_agent.core.layout, "
+        "mig_agent.agent; "
+        "print(sorted(m for m in ('pynvml', 'kubernetes', 'grpc') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PKG.parent
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -75,13 +89,13 @@ def _layer(module: str) -> int:
     for i, (_, members) in enumerate(LAYERS):
         if top in members:
             return i
-    raise AssertionError(f"mig_agent.{top} is in no layer's folder; move it into one "
-                         "(or add its folder to LAYERS)")
+    raise AssertionError(
+        f"mig_agent.{top} is in no layer's folder; move it into one (or add its folder to LAYERS)"
+    )
 
 
 def test_every_module_sits_in_a_layer_folder() -> None:
-    loose = sorted(p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py",
-                                                                     "__main__.py"))
+    loose = sorted(p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert not loose, f"modules at the top of mig_agent/, in no layer: {loose}"
 
 
@@ -104,13 +118,19 @@ def _own_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    + ([base] if base else [])
+                )
             if base.startswith("mig_agent"):
                 for alias in node.names:  # "from mig_agent.agent import node_guard" is a module
                     sub = f"{base}.{alias.name}"
-                    out.add(sub if (PKG.parent / (sub.replace(".", "/") + ".py")).exists()
-                            or (PKG.parent / sub.replace(".", "/")).is_dir() else base)
+                    out.add(
+                        sub
+                        if (PKG.parent / (sub.replace(".", "/") + ".py")).exists()
+                        or (PKG.parent / sub.replace(".", "/")).is_dir()
+                        else base
+                    )
     out.discard(me)
     return {m for m in out if m != "mig_agent"}
 
@@ -123,8 +143,9 @@ def test_modules_import_only_their_own_layer_or_lower() -> None:
             continue
         for dep in _own_imports(path):
             if _layer(dep) > _layer(me):
-                wrong.append(f"{me} ({LAYERS[_layer(me)][0]}) imports {dep} "
-                             f"({LAYERS[_layer(dep)][0]})")
+                wrong.append(
+                    f"{me} ({LAYERS[_layer(me)][0]}) imports {dep} ({LAYERS[_layer(dep)][0]})"
+                )
     assert not wrong, "\n".join(wrong)
 
 
@@ -146,8 +167,9 @@ def _sim_imports(path: Path) -> set[str]:
             bases = [base] + [f"{base}.{a.name}" for a in node.names]
         for b in bases:
             file = SIM.parent / (b.replace(".", "/") + ".py")
-            if b.startswith("migsim") and (file.exists() or (SIM.parent / b.replace(".", "/")
-                                                             / "__init__.py").exists()):
+            if b.startswith("migsim") and (
+                file.exists() or (SIM.parent / b.replace(".", "/") / "__init__.py").exists()
+            ):
                 out.add(b)
     out.discard(me)
     # a package's __init__ re-exports its modules: importing them is no circle through it

@@ -107,23 +107,59 @@ def test_dgx_station_content() -> None:
 # What NVIDIA's comments in the GPU Operator default say each model gets (besides all-disabled,
 # all-enabled and all-balanced, which every model gets).
 OPERATOR_LAYOUTS = {
-    "A100-40GB": {"all-1g.5gb", "all-1g.5gb.me", "all-1g.10gb", "all-2g.10gb", "all-3g.20gb",
-                  "all-4g.20gb", "all-7g.40gb"},
-    "A100-80GB": {"all-1g.10gb", "all-1g.10gb.me", "all-1g.20gb", "all-2g.20gb", "all-3g.40gb",
-                  "all-4g.40gb", "all-7g.80gb"},
-    "H100-80GB": {"all-1g.10gb", "all-1g.10gb.me", "all-1g.20gb", "all-2g.20gb", "all-3g.40gb",
-                  "all-4g.40gb", "all-7g.80gb"},
+    "A100-40GB": {
+        "all-1g.5gb",
+        "all-1g.5gb.me",
+        "all-1g.10gb",
+        "all-2g.10gb",
+        "all-3g.20gb",
+        "all-4g.20gb",
+        "all-7g.40gb",
+    },
+    "A100-80GB": {
+        "all-1g.10gb",
+        "all-1g.10gb.me",
+        "all-1g.20gb",
+        "all-2g.20gb",
+        "all-3g.40gb",
+        "all-4g.40gb",
+        "all-7g.80gb",
+    },
+    "H100-80GB": {
+        "all-1g.10gb",
+        "all-1g.10gb.me",
+        "all-1g.20gb",
+        "all-2g.20gb",
+        "all-3g.40gb",
+        "all-4g.40gb",
+        "all-7g.80gb",
+    },
     "A30": {"all-1g.6gb", "all-1g.6gb.me", "all-2g.12gb", "all-2g.12gb.me", "all-4g.24gb"},
-    "H100-NVL": {"all-1g.12gb", "all-1g.12gb.me", "all-1g.24gb", "all-2g.24gb", "all-3g.47gb",
-                 "all-4g.47gb", "all-7g.94gb"},
-    "H200": {"all-1g.18gb", "all-1g.18gb.me", "all-1g.35gb", "all-2g.35gb", "all-3g.71gb",
-             "all-4g.71gb", "all-7g.141gb"},
+    "H100-NVL": {
+        "all-1g.12gb",
+        "all-1g.12gb.me",
+        "all-1g.24gb",
+        "all-2g.24gb",
+        "all-3g.47gb",
+        "all-4g.47gb",
+        "all-7g.94gb",
+    },
+    "H200": {
+        "all-1g.18gb",
+        "all-1g.18gb.me",
+        "all-1g.35gb",
+        "all-2g.35gb",
+        "all-3g.71gb",
+        "all-4g.71gb",
+        "all-7g.141gb",
+    },
 }
 
 
 @pytest.mark.parametrize("model", MIG_MODELS, ids=lambda m: m.key)
 def test_gpu_operator_default_fits_exactly_the_layouts_meant_for_each_model(
-        model: GpuModel) -> None:
+    model: GpuModel,
+) -> None:
     # NVIDIA's all-<profile> layouts mostly select every GPU (devices: all, no device-filter) and
     # rely on the profile name existing on one model only. So: the layouts that fit are exactly
     # those NVIDIA lists for the model, every one that applies but does not fit fails only for
@@ -147,8 +183,11 @@ def test_fit_report_on_other_configs() -> None:
     a100_80 = fits_of(load_catalog([DGX_STATION]), MODELS["A100-80GB"])
     assert all(r.fits for r in a100_80.values())
     assert a100_80["balanced-k8s-dgx-station-80"].targets == (
-        GpuLayout.of(False), gl({"3g.40gb": 2}), gl({"2g.20gb": 3, "1g.10gb": 1}),
-        gl({"1g.10gb": 7}))
+        GpuLayout.of(False),
+        gl({"3g.40gb": 2}),
+        gl({"2g.20gb": 3, "1g.10gb": 1}),
+        gl({"1g.10gb": 7}),
+    )
     h200 = fits_of(load_catalog([DGX_STATION]), MODELS["H200"])
     assert not any(r.applies for r in h200.values())
     assert h200["all-disabled-dgx-station-80"].reason == "selects no H200 GPU (PCI id 0x233510DE)"
@@ -159,12 +198,15 @@ def test_fit_report_on_other_configs() -> None:
     assert custom.reason.startswith("H200 GPU 4: no MIG profile 1g.5gb")
     assert custom.unknown_profiles == ("1g.5gb", "2g.10gb", "3g.20gb")
     assert fits_of(load_catalog([EXAMPLE]), display)["all-enabled"].reason == (
-        "DGX-Display: DGX Display does not support MIG")
+        "DGX-Display: DGX Display does not support MIG"
+    )
 
 
 def test_fit_report_keeps_the_planner_reason_for_a_layout_too_big() -> None:
-    text = ('version: v1\nmig-configs:\n  too-many:\n    - devices: all\n      mig-enabled: true\n'
-            '      mig-devices: {"3g.71gb": 2, "1g.18gb": 1}\n')
+    text = (
+        "version: v1\nmig-configs:\n  too-many:\n    - devices: all\n      mig-enabled: true\n"
+        '      mig-devices: {"3g.71gb": 2, "1g.18gb": 1}\n'
+    )
     [result] = fit_report(LayoutCatalog.of(load_text(text, "t.yaml")), MODELS["H200"])
     assert result.applies and not result.fits and not result.unknown_profiles
     assert "memory slices" in result.reason or "compute slices" in result.reason
@@ -193,121 +235,386 @@ def enabled(devices: str) -> str:
 # (id, YAML text, fragment of the message, layout, entry, key) - layout/entry/key as expected in
 # the error's context (None: absent).
 MALFORMED: list[tuple[str, str, str, str | None, int | None, str | None]] = [
-    ("unknown-top-level-key", one(OK) + "extra: 1\n", "unknown key (allowed: version, mig-configs)",
-     None, None, "extra"),
-    ("top-level-not-mapping", "- version\n- v1\n", "expected a mapping with 'version'",
-     None, None, None),
-    ("missing-version", "mig-configs:\n  a:\n    - " + OK + "\n", "missing; the only supported",
-     None, None, "version"),
-    ("wrong-version", one(OK).replace("v1", "v2", 1), "unsupported version 'v2'",
-     None, None, "version"),
-    ("version-not-string", one(OK).replace("v1", "1", 1), "must be the string 'v1', got 1",
-     None, None, "version"),
-    ("mig-configs-missing", "version: v1\n", "missing; it maps each layout name",
-     None, None, "mig-configs"),
-    ("mig-configs-not-mapping", "version: v1\nmig-configs: [a, b]\n",
-     "must be a mapping of layout name to a list of entries, got a list", None, None,
-     "mig-configs"),
-    ("mig-configs-empty", "version: v1\nmig-configs: {}\n", "defines no layouts",
-     None, None, "mig-configs"),
-    ("layout-not-list", "version: v1\nmig-configs:\n  a: " + OK + "\n",
-     "must be a list of entries, got a mapping", "a", None, None),
-    ("layout-empty-list", "version: v1\nmig-configs:\n  a: []\n", "has no entries",
-     "a", None, None),
-    ("layout-null", "version: v1\nmig-configs:\n  a:\n", "must be a list of entries, got null",
-     "a", None, None),
+    (
+        "unknown-top-level-key",
+        one(OK) + "extra: 1\n",
+        "unknown key (allowed: version, mig-configs)",
+        None,
+        None,
+        "extra",
+    ),
+    (
+        "top-level-not-mapping",
+        "- version\n- v1\n",
+        "expected a mapping with 'version'",
+        None,
+        None,
+        None,
+    ),
+    (
+        "missing-version",
+        "mig-configs:\n  a:\n    - " + OK + "\n",
+        "missing; the only supported",
+        None,
+        None,
+        "version",
+    ),
+    (
+        "wrong-version",
+        one(OK).replace("v1", "v2", 1),
+        "unsupported version 'v2'",
+        None,
+        None,
+        "version",
+    ),
+    (
+        "version-not-string",
+        one(OK).replace("v1", "1", 1),
+        "must be the string 'v1', got 1",
+        None,
+        None,
+        "version",
+    ),
+    (
+        "mig-configs-missing",
+        "version: v1\n",
+        "missing; it maps each layout name",
+        None,
+        None,
+        "mig-configs",
+    ),
+    (
+        "mig-configs-not-mapping",
+        "version: v1\nmig-configs: [a, b]\n",
+        "must be a mapping of layout name to a list of entries, got a list",
+        None,
+        None,
+        "mig-configs",
+    ),
+    (
+        "mig-configs-empty",
+        "version: v1\nmig-configs: {}\n",
+        "defines no layouts",
+        None,
+        None,
+        "mig-configs",
+    ),
+    (
+        "layout-not-list",
+        "version: v1\nmig-configs:\n  a: " + OK + "\n",
+        "must be a list of entries, got a mapping",
+        "a",
+        None,
+        None,
+    ),
+    (
+        "layout-empty-list",
+        "version: v1\nmig-configs:\n  a: []\n",
+        "has no entries",
+        "a",
+        None,
+        None,
+    ),
+    (
+        "layout-null",
+        "version: v1\nmig-configs:\n  a:\n",
+        "must be a list of entries, got null",
+        "a",
+        None,
+        None,
+    ),
     ("entry-not-mapping", second("all"), "each entry must be a mapping", "a", 2, None),
-    ("unknown-entry-key", second("{devices: all, mig-enabled: true, mig-device: {}}"),
-     "did you mean 'mig-devices'?", "a", 2, "mig-device"),
-    ("devices-missing", second("{mig-enabled: false}"), "missing; use 'all' or a list",
-     "a", 2, "devices"),
-    ("devices-bad-string", second("{devices: every, mig-enabled: false}"),
-     "must be 'all' or a list of GPU indices, got 'every' (a string)", "a", 2, "devices"),
-    ("devices-ALL", second("{devices: ALL, mig-enabled: false}"), "got 'ALL' (a string)",
-     "a", 2, "devices"),
-    ("devices-bare-int", second("{devices: 0, mig-enabled: false}"), "write [0] for one GPU",
-     "a", 2, "devices"),
-    ("devices-negative", second("{devices: [0, -1], mig-enabled: false}"),
-     "GPU index must be an integer >= 0, got -1", "a", 2, "devices"),
-    ("devices-bool", second("{devices: [true], mig-enabled: false}"),
-     "GPU index must be an integer >= 0, got true (a boolean)", "a", 2, "devices"),
-    ("devices-duplicate", second("{devices: [1, 2, 1], mig-enabled: false}"),
-     "GPU index 1 is listed twice", "a", 2, "devices"),
-    ("devices-empty", second("{devices: [], mig-enabled: false}"), "got an empty list",
-     "a", 2, "devices"),
-    ("mig-enabled-missing", second("{devices: all}"), "missing; use true or false",
-     "a", 2, "mig-enabled"),
-    ("mig-enabled-string", second('{devices: all, mig-enabled: "true"}'),
-     "must be true or false, got 'true' (a string)", "a", 2, "mig-enabled"),
-    ("mig-enabled-without-mig-devices", second("{devices: all, mig-enabled: true}"),
-     "required when mig-enabled is true (use {} for", "a", 2, "mig-devices"),
-    ("mig-disabled-with-devices", second("{devices: all, mig-enabled: false, "
-                                         "mig-devices: {1g.10gb: 7}}"),
-     "must be empty or absent when mig-enabled is false", "a", 2, "mig-devices"),
-    ("mig-devices-not-mapping", enabled("[1g.10gb]"),
-     "must be a mapping of MIG profile name to count", "a", 2, "mig-devices"),
+    (
+        "unknown-entry-key",
+        second("{devices: all, mig-enabled: true, mig-device: {}}"),
+        "did you mean 'mig-devices'?",
+        "a",
+        2,
+        "mig-device",
+    ),
+    (
+        "devices-missing",
+        second("{mig-enabled: false}"),
+        "missing; use 'all' or a list",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-bad-string",
+        second("{devices: every, mig-enabled: false}"),
+        "must be 'all' or a list of GPU indices, got 'every' (a string)",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-ALL",
+        second("{devices: ALL, mig-enabled: false}"),
+        "got 'ALL' (a string)",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-bare-int",
+        second("{devices: 0, mig-enabled: false}"),
+        "write [0] for one GPU",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-negative",
+        second("{devices: [0, -1], mig-enabled: false}"),
+        "GPU index must be an integer >= 0, got -1",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-bool",
+        second("{devices: [true], mig-enabled: false}"),
+        "GPU index must be an integer >= 0, got true (a boolean)",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-duplicate",
+        second("{devices: [1, 2, 1], mig-enabled: false}"),
+        "GPU index 1 is listed twice",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "devices-empty",
+        second("{devices: [], mig-enabled: false}"),
+        "got an empty list",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "mig-enabled-missing",
+        second("{devices: all}"),
+        "missing; use true or false",
+        "a",
+        2,
+        "mig-enabled",
+    ),
+    (
+        "mig-enabled-string",
+        second('{devices: all, mig-enabled: "true"}'),
+        "must be true or false, got 'true' (a string)",
+        "a",
+        2,
+        "mig-enabled",
+    ),
+    (
+        "mig-enabled-without-mig-devices",
+        second("{devices: all, mig-enabled: true}"),
+        "required when mig-enabled is true (use {} for",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "mig-disabled-with-devices",
+        second("{devices: all, mig-enabled: false, mig-devices: {1g.10gb: 7}}"),
+        "must be empty or absent when mig-enabled is false",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "mig-devices-not-mapping",
+        enabled("[1g.10gb]"),
+        "must be a mapping of MIG profile name to count",
+        "a",
+        2,
+        "mig-devices",
+    ),
     ("mig-devices-null", enabled("null"), "got null", "a", 2, "mig-devices"),
-    ("profile-bad-grammar", enabled("{1g10gb: 7}"), "'1g10gb' is not a MIG profile name",
-     "a", 2, "mig-devices"),
-    ("profile-c-exceeds-g", enabled("{2c.1g.10gb: 1}"), "compute slices 2c exceed GPU slices 1g",
-     "a", 2, "mig-devices"),
-    ("profile-name-not-string", enabled("{7: 1}"), "MIG profile names must be strings, got 7",
-     "a", 2, "mig-devices"),
-    ("profile-same-after-canonicalisation", enabled("{1g.10gb: 1, 1c.1g.10gb: 2}"),
-     "'1g.10gb' and '1c.1g.10gb' are the same profile 1g.10gb", "a", 2, "mig-devices"),
-    ("count-negative", enabled("{1g.10gb: -1}"),
-     "count for '1g.10gb' must be an integer >= 0, got -1", "a", 2, "mig-devices"),
+    (
+        "profile-bad-grammar",
+        enabled("{1g10gb: 7}"),
+        "'1g10gb' is not a MIG profile name",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "profile-c-exceeds-g",
+        enabled("{2c.1g.10gb: 1}"),
+        "compute slices 2c exceed GPU slices 1g",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "profile-name-not-string",
+        enabled("{7: 1}"),
+        "MIG profile names must be strings, got 7",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "profile-same-after-canonicalisation",
+        enabled("{1g.10gb: 1, 1c.1g.10gb: 2}"),
+        "'1g.10gb' and '1c.1g.10gb' are the same profile 1g.10gb",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "count-negative",
+        enabled("{1g.10gb: -1}"),
+        "count for '1g.10gb' must be an integer >= 0, got -1",
+        "a",
+        2,
+        "mig-devices",
+    ),
     ("count-string", enabled('{1g.10gb: "7"}'), "got '7' (a string)", "a", 2, "mig-devices"),
     ("count-bool", enabled("{1g.10gb: true}"), "got true (a boolean)", "a", 2, "mig-devices"),
     ("count-float", enabled("{1g.10gb: 1.5}"), "got 1.5 (a number)", "a", 2, "mig-devices"),
-    ("all-counts-zero", enabled("{1g.10gb: 0, 2g.20gb: 0}"), "every count is 0",
-     "a", 2, "mig-devices"),
-    ("device-filter-not-pci-id", second('{device-filter: MODEL, devices: all, mig-enabled: false}'),
-     "device-filter 'MODEL' is not a PCI id", "a", 2, "device-filter"),
-    ("device-filter-device-only", second('{device-filter: "0x2330", devices: all, '
-                                         'mig-enabled: false}'),
-     "device-filter '0x2330' is not a PCI id", "a", 2, "device-filter"),
-    ("device-filter-bad-in-list", second('{device-filter: ["0x233010DE", "H100"], devices: all, '
-                                         'mig-enabled: false}'),
-     "device-filter 'H100' is not a PCI id", "a", 2, "device-filter"),
-    ("device-filter-empty-list", second("{device-filter: [], devices: all, mig-enabled: false}"),
-     "must not be an empty list", "a", 2, "device-filter"),
-    ("device-filter-unquoted-hex", second("{device-filter: 0x233010DE, devices: all, "
-                                          "mig-enabled: false}"),
-     'got 590352606; quote PCI ids, e.g. "0x233010DE"', "a", 2, "device-filter"),
-    ("device-filter-int-in-list", second("{device-filter: [0x20B010DE], devices: all, "
-                                         "mig-enabled: false}"),
-     'each filter must be a PCI id string, got 548409566; quote PCI ids, e.g. "0x20B010DE"',
-     "a", 2, "device-filter"),
-    ("layout-name-not-label-value", one(OK, name='"all 1g.10gb"'),
-     "not a valid Kubernetes label value", "all 1g.10gb", None, None),
-    ("layout-name-ends-with-dot", one(OK, name="all-1g."), "not a valid Kubernetes label value",
-     "all-1g.", None, None),
-    ("layout-name-too-long", one(OK, name="a" * 64), "at most 63 characters", "a" * 64,
-     None, None),
+    (
+        "all-counts-zero",
+        enabled("{1g.10gb: 0, 2g.20gb: 0}"),
+        "every count is 0",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "device-filter-not-pci-id",
+        second("{device-filter: MODEL, devices: all, mig-enabled: false}"),
+        "device-filter 'MODEL' is not a PCI id",
+        "a",
+        2,
+        "device-filter",
+    ),
+    (
+        "device-filter-device-only",
+        second('{device-filter: "0x2330", devices: all, mig-enabled: false}'),
+        "device-filter '0x2330' is not a PCI id",
+        "a",
+        2,
+        "device-filter",
+    ),
+    (
+        "device-filter-bad-in-list",
+        second('{device-filter: ["0x233010DE", "H100"], devices: all, mig-enabled: false}'),
+        "device-filter 'H100' is not a PCI id",
+        "a",
+        2,
+        "device-filter",
+    ),
+    (
+        "device-filter-empty-list",
+        second("{device-filter: [], devices: all, mig-enabled: false}"),
+        "must not be an empty list",
+        "a",
+        2,
+        "device-filter",
+    ),
+    (
+        "device-filter-unquoted-hex",
+        second("{device-filter: 0x233010DE, devices: all, mig-enabled: false}"),
+        'got 590352606; quote PCI ids, e.g. "0x233010DE"',
+        "a",
+        2,
+        "device-filter",
+    ),
+    (
+        "device-filter-int-in-list",
+        second("{device-filter: [0x20B010DE], devices: all, mig-enabled: false}"),
+        'each filter must be a PCI id string, got 548409566; quote PCI ids, e.g. "0x20B010DE"',
+        "a",
+        2,
+        "device-filter",
+    ),
+    (
+        "layout-name-not-label-value",
+        one(OK, name='"all 1g.10gb"'),
+        "not a valid Kubernetes label value",
+        "all 1g.10gb",
+        None,
+        None,
+    ),
+    (
+        "layout-name-ends-with-dot",
+        one(OK, name="all-1g."),
+        "not a valid Kubernetes label value",
+        "all-1g.",
+        None,
+        None,
+    ),
+    ("layout-name-too-long", one(OK, name="a" * 64), "at most 63 characters", "a" * 64, None, None),
     ("layout-name-empty", one(OK, name='""'), "layout names must not be empty", "", None, None),
-    ("layout-name-not-string", one(OK, name="5"), "layout names must be strings, got 5",
-     "5", None, None),
-    ("duplicate-layout-in-one-file", one(OK) + "  a:\n    - " + OK + "\n",
-     "defined twice in this file (lines 3 and 5)", "a", None, None),
-    ("duplicate-entry-key", second("{devices: all, mig-enabled: false, devices: [0]}"),
-     "appears twice (line 5)", "a", 2, "devices"),
-    ("duplicate-profile-key", enabled("{1g.10gb: 1, 1g.10gb: 2}"),
-     "profile '1g.10gb' appears twice", "a", 2, "mig-devices"),
-    ("duplicate-top-level-key", one(OK) + "version: v1\n", "appears twice (lines 1 and 5)",
-     None, None, "version"),
-    ("yaml-syntax-error", "version: v1\nmig-configs:\n  a:\n    - {devices: all\n",
-     "invalid YAML: while parsing a flow mapping at line 4: expected ',' or '}'", None, None,
-     None),
+    (
+        "layout-name-not-string",
+        one(OK, name="5"),
+        "layout names must be strings, got 5",
+        "5",
+        None,
+        None,
+    ),
+    (
+        "duplicate-layout-in-one-file",
+        one(OK) + "  a:\n    - " + OK + "\n",
+        "defined twice in this file (lines 3 and 5)",
+        "a",
+        None,
+        None,
+    ),
+    (
+        "duplicate-entry-key",
+        second("{devices: all, mig-enabled: false, devices: [0]}"),
+        "appears twice (line 5)",
+        "a",
+        2,
+        "devices",
+    ),
+    (
+        "duplicate-profile-key",
+        enabled("{1g.10gb: 1, 1g.10gb: 2}"),
+        "profile '1g.10gb' appears twice",
+        "a",
+        2,
+        "mig-devices",
+    ),
+    (
+        "duplicate-top-level-key",
+        one(OK) + "version: v1\n",
+        "appears twice (lines 1 and 5)",
+        None,
+        None,
+        "version",
+    ),
+    (
+        "yaml-syntax-error",
+        "version: v1\nmig-configs:\n  a:\n    - {devices: all\n",
+        "invalid YAML: while parsing a flow mapping at line 4: expected ',' or '}'",
+        None,
+        None,
+        None,
+    ),
     ("empty-file", "", "the file is empty", None, None, None),
     ("comments-only", "# nothing here\n", "the file is empty", None, None, None),
 ]
 
 
-@pytest.mark.parametrize(("text", "fragment", "layout", "entry", "key"),
-                         [case[1:] for case in MALFORMED], ids=[case[0] for case in MALFORMED])
-def test_malformed_config_is_refused_naming_where(text: str, fragment: str, layout: str | None,
-                                                  entry: int | None, key: str | None) -> None:
+@pytest.mark.parametrize(
+    ("text", "fragment", "layout", "entry", "key"),
+    [case[1:] for case in MALFORMED],
+    ids=[case[0] for case in MALFORMED],
+)
+def test_malformed_config_is_refused_naming_where(
+    text: str, fragment: str, layout: str | None, entry: int | None, key: str | None
+) -> None:
     source = "profiles/bad.yaml"
     with pytest.raises(InvalidConfig) as info:
         load_text(text, source)
@@ -334,14 +641,23 @@ def test_malformed_table_covers_distinct_messages() -> None:
 
 
 def test_error_message_format_matches_the_documented_example() -> None:
-    text = ('version: v1\nmig-configs:\n  all-1g.10gb:\n    - {devices: all, mig-enabled: false}\n'
-            '    - {devices: all, mig-enabled: true, mig-devices: {"1g.10gb": -1}}\n')
+    text = (
+        "version: v1\nmig-configs:\n  all-1g.10gb:\n    - {devices: all, mig-enabled: false}\n"
+        '    - {devices: all, mig-enabled: true, mig-devices: {"1g.10gb": -1}}\n'
+    )
     with pytest.raises(InvalidConfig) as info:
         load_text(text, "profiles/h100.yaml")
-    assert str(info.value) == ("profiles/h100.yaml: layout 'all-1g.10gb', entry 2, key "
-                               "'mig-devices': count for '1g.10gb' must be an integer >= 0, got -1")
-    assert info.value.context == {"file": "profiles/h100.yaml", "layout": "all-1g.10gb",
-                                  "entry": 2, "key": "mig-devices", "profile": "1g.10gb"}
+    assert str(info.value) == (
+        "profiles/h100.yaml: layout 'all-1g.10gb', entry 2, key "
+        "'mig-devices': count for '1g.10gb' must be an integer >= 0, got -1"
+    )
+    assert info.value.context == {
+        "file": "profiles/h100.yaml",
+        "layout": "all-1g.10gb",
+        "entry": 2,
+        "key": "mig-devices",
+        "profile": "1g.10gb",
+    }
 
 
 def test_yaml_syntax_error_names_line_and_column() -> None:
@@ -362,20 +678,31 @@ def test_duplicate_layout_error_names_the_lines() -> None:
 
 
 def test_yaml_merge_keys_and_aliases_still_work() -> None:
-    text = ("version: v1\nmig-configs:\n"
-            "  a:\n    - &base {devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}\n"
-            "  b:\n    - <<: *base\n      devices: [0]\n")
+    text = (
+        "version: v1\nmig-configs:\n"
+        "  a:\n    - &base {devices: all, mig-enabled: true, mig-devices: {1g.10gb: 7}}\n"
+        "  b:\n    - <<: *base\n      devices: [0]\n"
+    )
     a, b = load_text(text, "x.yaml")
     assert a.rules[0].gpu_layout == b.rules[0].gpu_layout == gl({"1g.10gb": 7})
     assert b.rules[0].selector.indices == frozenset({0})
 
 
 def test_parse_config_is_pure_and_keeps_file_order() -> None:
-    data = {"version": "v1", "mig-configs": {
-        "z": [{"devices": "all", "mig-enabled": False}],
-        "a": [{"devices": [0, 1], "device-filter": "0x233510de:0x18bf10de", "mig-enabled": True,
-               "mig-devices": {"1g.18gb": 7, "1g.35gb": 0}}],
-    }}
+    data = {
+        "version": "v1",
+        "mig-configs": {
+            "z": [{"devices": "all", "mig-enabled": False}],
+            "a": [
+                {
+                    "devices": [0, 1],
+                    "device-filter": "0x233510de:0x18bf10de",
+                    "mig-enabled": True,
+                    "mig-devices": {"1g.18gb": 7, "1g.35gb": 0},
+                }
+            ],
+        },
+    }
     z, a = parse_config(data, source="mem")
     assert (z.name, a.name, a.source) == ("z", "a", "mem")
     rule = a.rules[0]

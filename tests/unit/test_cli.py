@@ -379,11 +379,29 @@ def test_nvml_backend_without_a_gpu_library(command: list[str]) -> None:
     import sys
 
     extra = ["-f", OPERATOR] if command[0] == "apply" else []
-    env = {k: v for k, v in os.environ.items()
-           if k != "LD_LIBRARY_PATH" and not k.startswith("MIG_AGENT_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "LD_LIBRARY_PATH" and not k.startswith("MIG_AGENT_")
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "mig_agent", "--log-format", "json", *command, *extra,
-         "--backend", "nvml"], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "mig_agent",
+            "--log-format",
+            "json",
+            *command,
+            *extra,
+            "--backend",
+            "nvml",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert "libnvidia-ml" in done.stderr and "--backend simulated" in done.stderr
     assert done.stdout == ""
@@ -408,8 +426,8 @@ def test_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_simulated_backend_without_the_simulated_world_says_how_to_install_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The agent's package does not ship the simulated GPUs: without the package that
     registers them, --backend simulated is a usage error that names the fix."""
     import importlib.metadata
@@ -422,8 +440,17 @@ def test_simulated_backend_without_the_simulated_world_says_how_to_install_it(
         return real(**kwargs)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", without_sim)
-    code = cli.main(["assert", "-c", "all-1g.10gb", "--backend", "simulated",
-                     "--sim-state", str(tmp_path / "node.json")])
+    code = cli.main(
+        [
+            "assert",
+            "-c",
+            "all-1g.10gb",
+            "--backend",
+            "simulated",
+            "--sim-state",
+            str(tmp_path / "node.json"),
+        ]
+    )
     assert code == 2
     assert "pip install -e ./sim" in capsys.readouterr().err
     assert not (tmp_path / "node.json").exists()  # nothing was created

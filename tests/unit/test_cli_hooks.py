@@ -39,15 +39,17 @@ if sys.argv[1] == {failing!r}:
     import sys
 
     names = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit", "post-apply")
-    body = "".join(f"  {n}:\n  - command: {sys.executable}\n    args: [{str(probe)!r}, {n}]\n"
-                   for n in names)
+    body = "".join(
+        f"  {n}:\n  - command: {sys.executable}\n    args: [{str(probe)!r}, {n}]\n" for n in names
+    )
     path = tmp_path / "hooks.yaml"
     path.write_text("version: v1\nhooks:\n" + body)
     return path
 
 
-def test_apply_with_mig_parteds_hooks_file(tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_apply_with_mig_parteds_hooks_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     state = tmp_path / "node.json"
     layout = ["-f", OPERATOR, "-c", "all-balanced"]
     run(capsys, "assert", *layout, *sim(state))  # creates the simulated node
@@ -67,12 +69,15 @@ def test_apply_with_mig_parteds_hooks_file(tmp_path: Path,
     log.unlink()
     code, out, _ = run(capsys, "apply", *layout, "-k", str(hooks), *sim(state))
     assert (code, out) == (0, "layout all-balanced already applied; nothing changed\n")
-    assert log.read_text().splitlines() == ["apply-start all-balanced - True 4",
-                                            "apply-exit all-balanced success True 4"]
+    assert log.read_text().splitlines() == [
+        "apply-start all-balanced - True 4",
+        "apply-exit all-balanced success True 4",
+    ]
 
 
 def test_a_failing_hook_stops_the_apply_and_names_its_output(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     state = tmp_path / "node.json"
     layout = ["-f", OPERATOR, "-c", "all-balanced"]
     run(capsys, "assert", *layout, *sim(state))
@@ -81,12 +86,17 @@ def test_a_failing_hook_stops_the_apply_and_names_its_output(
     assert code != 0
     assert "pre-apply-config hook" in err and "site check: GPU 0 still busy" in err
     assert [ln.split()[0] for ln in (tmp_path / "hooks.log").read_text().splitlines()] == [
-        "apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit"]
+        "apply-start",
+        "pre-apply-mode",
+        "pre-apply-config",
+        "apply-exit",
+    ]
     assert (tmp_path / "hooks.log").read_text().splitlines()[-1].split()[2] == "failed"
 
 
-def test_a_malformed_hooks_file_touches_no_gpu(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_malformed_hooks_file_touches_no_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     state = tmp_path / "node.json"
     layout = ["-f", OPERATOR, "-c", "all-balanced"]
     run(capsys, "assert", *layout, *sim(state))

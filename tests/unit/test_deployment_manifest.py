@@ -53,8 +53,13 @@ def docs() -> list[Doc]:
 
 
 def one(docs: list[Doc], kind: str, name: str, namespace: str | None = None) -> Doc:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name
-             and d["metadata"].get("namespace") == namespace]
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and d["metadata"]["name"] == name
+        and d["metadata"].get("namespace") == namespace
+    ]
     assert len(found) == 1, f"{kind} {namespace}/{name}: {len(found)} documents"
     return found[0]
 
@@ -79,8 +84,12 @@ def env_of(container: Doc) -> dict[str, Doc]:
 
 
 def test_sync_daemonset_check_passes() -> None:
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "sync-daemonset"), "--check"],
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "sync-daemonset"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -124,8 +133,9 @@ def test_rolling_update_never_runs_two_agents_on_a_node(docs: list[Doc]) -> None
     assert strategy["rollingUpdate"]["maxUnavailable"] == 1
 
 
-def test_selector_matches_template_and_service_account_exists(docs: list[Doc],
-                                                              pod_spec: Doc) -> None:
+def test_selector_matches_template_and_service_account_exists(
+    docs: list[Doc], pod_spec: Doc
+) -> None:
     ds = one(docs, "DaemonSet", "mig-agent", "mig-agent")
     labels = ds["spec"]["template"]["metadata"]["labels"]
     assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -135,10 +145,16 @@ def test_selector_matches_template_and_service_account_exists(docs: list[Doc],
 
 
 def test_runs_on_gpu_nodes_only_and_tolerates_the_gpu_taint(pod_spec: Doc) -> None:
-    terms = pod_spec["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms == [{"matchExpressions": [
-        {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
+    terms = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+            ]
+        }
+    ]
     gpu = [t for t in pod_spec["tolerations"] if t["key"] == "nvidia.com/gpu"]
     assert gpu and all(t["operator"] == "Exists" for t in gpu)
     # the agent cordons its node and must stay (and be re-created) there while cordoned
@@ -151,7 +167,8 @@ def test_priority_class_is_system_node_critical(pod_spec: Doc) -> None:
 
 def test_node_name_comes_from_the_downward_api(container: Doc) -> None:
     assert env_of(container)["NODE_NAME"]["valueFrom"] == {
-        "fieldRef": {"fieldPath": "spec.nodeName"}}
+        "fieldRef": {"fieldPath": "spec.nodeName"}
+    }
 
 
 def test_probes_hit_healthz_and_readyz_on_the_agents_port(container: Doc) -> None:
@@ -207,11 +224,20 @@ def test_no_wildcards_and_nothing_on_secrets(docs: list[Doc]) -> None:
 
 
 def test_cluster_role_grants_exactly_what_the_agent_needs(docs: list[Doc]) -> None:
-    granted = {(r, v) for rule in one(docs, "ClusterRole", "mig-agent")["rules"]
-               for r in rule["resources"] for v in rule["verbs"]}
+    granted = {
+        (r, v)
+        for rule in one(docs, "ClusterRole", "mig-agent")["rules"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert granted == {
-        ("nodes", "get"), ("nodes", "list"), ("nodes", "watch"), ("nodes", "patch"),
-        ("nodes/status", "patch"), ("pods", "get"), ("pods", "list"),
+        ("nodes", "get"),
+        ("nodes", "list"),
+        ("nodes", "watch"),
+        ("nodes", "patch"),
+        ("nodes/status", "patch"),
+        ("pods", "get"),
+        ("pods", "list"),
         ("pods/eviction", "create"),
     }
 
@@ -253,17 +279,36 @@ def test_policy_is_bound_and_denies(docs: list[Doc], name: str) -> None:
 
 
 def test_policies_cover_every_write_rbac_grants(docs: list[Doc]) -> None:
-    covered = {(r, o) for name in POLICIES
-               for rule in one(docs, "ValidatingAdmissionPolicy", name)["spec"][
-                   "matchConstraints"]["resourceRules"]
-               for r in rule["resources"] for o in rule["operations"]}
-    assert {("nodes", "UPDATE"), ("nodes/status", "UPDATE"), ("pods", "DELETE"),
-            ("events", "CREATE")} <= covered
+    covered = {
+        (r, o)
+        for name in POLICIES
+        for rule in one(docs, "ValidatingAdmissionPolicy", name)["spec"]["matchConstraints"][
+            "resourceRules"
+        ]
+        for r in rule["resources"]
+        for o in rule["operations"]
+    }
+    assert {
+        ("nodes", "UPDATE"),
+        ("nodes/status", "UPDATE"),
+        ("pods", "DELETE"),
+        ("events", "CREATE"),
+    } <= covered
     # eviction is the one write no policy can scope (README, Security): an Eviction names no node
-    writes = {(r, v) for _, rule in rules_of(docs) for r in rule["resources"]
-              for v in rule["verbs"] if v not in ("get", "list", "watch")}
-    assert writes == {("nodes", "patch"), ("nodes/status", "patch"), ("pods/eviction", "create"),
-                      ("pods", "delete"), ("events", "create")}
+    writes = {
+        (r, v)
+        for _, rule in rules_of(docs)
+        for r in rule["resources"]
+        for v in rule["verbs"]
+        if v not in ("get", "list", "watch")
+    }
+    assert writes == {
+        ("nodes", "patch"),
+        ("nodes/status", "patch"),
+        ("pods/eviction", "create"),
+        ("pods", "delete"),
+        ("events", "create"),
+    }
 
 
 # ---- the policies follow the settings --------------------------------------------------------
@@ -284,10 +329,23 @@ def test_own_node_policy_names_the_default_settings(docs: list[Doc]) -> None:
     assert v["stateLabel"] == f"'{s.state_label}'"
     assert v["states"] == "[" + ", ".join(f"'{x}'" for x in State) + "]"
     assert v["operandLabels"] == "[" + ", ".join(f"'{k}'" for k in s.operand_labels) + "]"
-    assert v["ourAnnotations"] == "[" + ", ".join(
-        f"'{k}'" for k in (s.cordon_annotation, s.paused_annotation, s.reason_annotation,
-                           s.gpu_state_annotation, s.reboot_annotation, s.post_apply_annotation,
-                           s.host_services_annotation)) + "]"
+    assert (
+        v["ourAnnotations"]
+        == "["
+        + ", ".join(
+            f"'{k}'"
+            for k in (
+                s.cordon_annotation,
+                s.paused_annotation,
+                s.reason_annotation,
+                s.gpu_state_annotation,
+                s.reboot_annotation,
+                s.post_apply_annotation,
+                s.host_services_annotation,
+            )
+        )
+        + "]"
+    )
     text = _text(docs, "mig-agent-own-node")
     assert f"c.type != '{s.condition_type}'" in text
     assert f"'{PAUSED}'" in text
@@ -302,39 +360,58 @@ def test_device_plugin_policy_and_role_name_the_default_namespace(docs: list[Doc
     key, value = s.device_plugin_selector.split("=")
     assert f"variables.labels['{key}'] == '{value}'" in text
     # the GPU Operator's validators (restart_validators is on by default), and no other app
-    assert ("variables.labels.?app.orValue('') in ['nvidia-cuda-validator', "
-            "'nvidia-device-plugin-validator', 'nvidia-operator-validator']") in text
+    assert (
+        "variables.labels.?app.orValue('') in ['nvidia-cuda-validator', "
+        "'nvidia-device-plugin-validator', 'nvidia-operator-validator']"
+    ) in text
 
 
 def test_other_settings_render_another_policy() -> None:
-    s = Settings(state_label="example.com/mig.state", operand_labels=("example.com/op",),
-                 annotation_prefix="mig.example.com", condition_type="MIGExample",
-                 device_plugin_namespace="plugins", device_plugin_selector="app=dp,!legacy")
+    s = Settings(
+        state_label="example.com/mig.state",
+        operand_labels=("example.com/op",),
+        annotation_prefix="mig.example.com",
+        condition_type="MIGExample",
+        device_plugin_namespace="plugins",
+        device_plugin_selector="app=dp,!legacy",
+    )
     text = policies.render(s)
     docs = [d for d in yaml.safe_load_all(text) if d]
     v = _variables(docs, "mig-agent-own-node")
     assert v["stateLabel"] == "'example.com/mig.state'"
     assert v["operandLabels"] == "['example.com/op']"
     assert "'mig.example.com/reason'" in v["ourAnnotations"]
-    for default in ("nvidia.com/mig.config.state", "nvidia.com/gpu.deploy.", "mig-agent.dev/",
-                    "type != 'MIGConfigApplied'", '"type":"MIGConfigApplied"', "gpu-operator",
-                    "nvidia-device-plugin-daemonset"):
+    for default in (
+        "nvidia.com/mig.config.state",
+        "nvidia.com/gpu.deploy.",
+        "mig-agent.dev/",
+        "type != 'MIGConfigApplied'",
+        '"type":"MIGConfigApplied"',
+        "gpu-operator",
+        "nvidia-device-plugin-daemonset",
+    ):
         assert default not in text, default
     assert "c.type != 'MIGExample'" in text and '"type":"MIGExample"' in text
-    assert ("request.namespace == 'plugins' && ((('app' in variables.labels && "
-            "variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || "
-            "variables.labels.?app.orValue('') in ['nvidia-cuda-validator', ") in text
+    assert (
+        "request.namespace == 'plugins' && ((('app' in variables.labels && "
+        "variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || "
+        "variables.labels.?app.orValue('') in ['nvidia-cuda-validator', "
+    ) in text
     # without restart_validators the policy allows the device plugin's pod only
     off = policies.render(s.replace(restart_validators=False))
     assert "nvidia-cuda-validator'" not in off
-    assert ("variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || false)"
-            in off)
+    assert "variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || false)" in off
 
 
-@pytest.mark.parametrize("bad", [
-    Settings(state_label="x'y"), Settings(operand_labels=("a) || true || (",)),
-    Settings(device_plugin_selector="app in (a,b)"), Settings(device_plugin_selector=""),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Settings(state_label="x'y"),
+        Settings(operand_labels=("a) || true || (",)),
+        Settings(device_plugin_selector="app in (a,b)"),
+        Settings(device_plugin_selector=""),
+    ],
+)
 def test_settings_the_policy_cannot_express_are_refused(bad: Settings) -> None:
     with pytest.raises(policies.PolicyError):
         policies.render(bad)
@@ -351,8 +428,12 @@ def _calls(name: str, module: str = "") -> Iterator[ast.Call]:
                 continue
             f = node.func
             if module:
-                if (isinstance(f, ast.Attribute) and f.attr == name
-                        and isinstance(f.value, ast.Name) and f.value.id == module):
+                if (
+                    isinstance(f, ast.Attribute)
+                    and f.attr == name
+                    and isinstance(f.value, ast.Name)
+                    and f.value.id == module
+                ):
                     yield node
             elif (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) == name:
                 yield node
@@ -376,16 +457,24 @@ def test_condition_reasons_are_those_the_agent_sets() -> None:
         else:  # a failed pass: the error's class, type(exc).__name__
             assert ast.unparse(reason) == "type(exc).__name__", ast.unparse(reason)
     assert literal == set(policies.CONDITION_REASONS)
-    leaves = {name for name, obj in vars(errors).items()
-              if isinstance(obj, type) and issubclass(obj, errors.MigAgentError)}
+    leaves = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, errors.MigAgentError)
+    }
     assert leaves == set(policies.error_names())
     assert set(policies.condition_reasons()) == literal | leaves
 
 
 def test_event_reasons_are_those_the_agent_emits() -> None:
     emitted: set[str] = set()
-    for name, position in (("event", 2), ("event_on_node", 2), ("phase", 5)):
-        calls = list(_calls(name, "reporting"))
+    # reporting's own, and the pass's phases through Agent._phase (change, name, reason, ...)
+    for name, module, position in (
+        ("event", "reporting", 2),
+        ("event_on_node", "reporting", 2),
+        ("_phase", "self", 2),
+    ):
+        calls = list(_calls(name, module))
         assert calls, name
         for call in calls:
             reason = _argument(call, position, "reason")
@@ -405,14 +494,25 @@ def test_event_component_is_the_clients_default() -> None:
 
 def test_sync_daemonset_renders_the_policies_for_the_environments_settings() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
-    env.update({"MIG_AGENT_STATE_LABEL": "example.com/mig.state",
-                "MIG_AGENT_OPERAND_LABELS": "example.com/op-a,example.com/op-b"})
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "sync-daemonset"), "--policies"],
-                         capture_output=True, text=True, check=False, env=env)
+    env.update(
+        {
+            "MIG_AGENT_STATE_LABEL": "example.com/mig.state",
+            "MIG_AGENT_OPERAND_LABELS": "example.com/op-a,example.com/op-b",
+        }
+    )
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "sync-daemonset"), "--policies"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     docs = [d for d in yaml.safe_load_all(res.stdout) if d]
     v = _variables(docs, "mig-agent-own-node")
     assert v["stateLabel"] == "'example.com/mig.state'"
     assert v["operandLabels"] == "['example.com/op-a', 'example.com/op-b']"
-    assert {d["kind"] for d in docs} == {"ValidatingAdmissionPolicy",
-                                         "ValidatingAdmissionPolicyBinding"}
+    assert {d["kind"] for d in docs} == {
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }

@@ -39,7 +39,7 @@ from mig_agent.core.layout import Layout
 from mig_agent.core.observed import NodeState
 from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.node.apply import apply_layout
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
@@ -49,8 +49,11 @@ PROFILES = str(REPO / "profiles")
 STATION = str(REPO / "tests" / "data" / "compat" / "mig-parted-dgx-station-80gb-config.yaml")
 NODE = "gpu-node-0"
 DP_NS, DP_SEL = "gpu-operator", {"app": "nvidia-device-plugin-daemonset"}
-CONFIG, STATE, REASON = "nvidia.com/mig.config", "nvidia.com/mig.config.state", \
-    "mig-agent.dev/reason"
+CONFIG, STATE, REASON = (
+    "nvidia.com/mig.config",
+    "nvidia.com/mig.config.state",
+    "mig-agent.dev/reason",
+)
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 STRATEGY = "nvidia.com/mig.strategy"
 H100, A100, DISPLAY = MODELS["H100-80GB"], MODELS["A100-80GB"], MODELS["DGX-Display"]
@@ -69,25 +72,41 @@ class FakeTime:
         self.t += s
 
 
-def make(gpus: FakeGpus, advertised: Advertised, *, labels: Mapping[str, str] | None = None,
-         **settings: object) -> tuple[Agent, FakeCluster]:
+def make(
+    gpus: FakeGpus,
+    advertised: Advertised,
+    *,
+    labels: Mapping[str, str] | None = None,
+    **settings: object,
+) -> tuple[Agent, FakeCluster]:
     """An agent on a node whose device plugin advertises ``advertised(GPUs)`` when it starts."""
     cluster = FakeCluster()
-    cluster.add_node(NODE, {DP_LABEL: "true", **(labels or {})},
-                     {k: str(v) for k, v in advertised(gpus.observe()).items()})
+    cluster.add_node(
+        NODE,
+        {DP_LABEL: "true", **(labels or {})},
+        {k: str(v) for k, v in advertised(gpus.observe()).items()},
+    )
 
     def device_plugin(c: FakeCluster) -> None:  # the DaemonSet controller and the plugin
         node = c.nodes[NODE]
-        dp = c.list_pods(node=NODE, namespace=DP_NS,
-                         label_selector="app=nvidia-device-plugin-daemonset")
+        dp = c.list_pods(
+            node=NODE, namespace=DP_NS, label_selector="app=nvidia-device-plugin-daemonset"
+        )
         if dp and node.labels.get(DP_LABEL) != "true":
             c.pods.pop(dp[0].ref)
             c.patch_node_resources(NODE, {k: 0 for k in node.gpu_resources()})
         elif not dp and node.labels.get(DP_LABEL) == "true":
-            c.add_pod(DP_NS, "dp", NODE, labels=DP_SEL, owner="DaemonSet",
-                      node_selector={DP_LABEL: "true"})
-            c.patch_node_resources(NODE, {**{k: 0 for k in node.gpu_resources()},
-                                          **advertised(gpus.observe())})
+            c.add_pod(
+                DP_NS,
+                "dp",
+                NODE,
+                labels=DP_SEL,
+                owner="DaemonSet",
+                node_selector={DP_LABEL: "true"},
+            )
+            c.patch_node_resources(
+                NODE, {**{k: 0 for k in node.gpu_resources()}, **advertised(gpus.observe())}
+            )
 
     cluster.on_change = device_plugin
     device_plugin(cluster)
@@ -133,17 +152,21 @@ def split_profiles(tmp_path: Path) -> str:
 
 
 def test_mixed_strategy_refuses_split_ci_layouts_before_touching_anything(
-        split_profiles: str) -> None:
+    split_profiles: str,
+) -> None:
     gpus = FakeGpus([H100, H100])
     # what the real plugin does with such devices: refuse to start, advertise nothing
-    agent, cluster = make(gpus, lambda s: {} if mig_on(s) else {"nvidia.com/gpu": 2},
-                          config=split_profiles)
+    agent, cluster = make(
+        gpus, lambda s: {} if mig_on(s) else {"nvidia.com/gpu": 2}, config=split_profiles
+    )
     cluster.patch_node(NODE, labels={CONFIG: "split-3g"})
     result = agent.reconcile_once()
     assert result.outcome is Outcome.FAILED and result.retry_after_s is None
     reason = cluster.nodes[NODE].annotations[REASON]
-    assert reason.startswith("layout split-3g: the mixed MIG strategy's device plugin has no "
-                             "resource for MIG devices that split a GPU instance")
+    assert reason.startswith(
+        "layout split-3g: the mixed MIG strategy's device plugin has no "
+        "resource for MIG devices that split a GPU instance"
+    )
     assert "(1c.3g.40gb on GPU(s) 0, 1)" in reason
     assert not gpus.calls
     assert cluster.nodes[NODE].labels[STATE] == "failed"
@@ -152,8 +175,12 @@ def test_mixed_strategy_refuses_split_ci_layouts_before_touching_anything(
 
 def test_single_strategy_applies_split_ci_layouts_as_nvidia_gpu(split_profiles: str) -> None:
     gpus = FakeGpus([H100, H100])
-    agent, cluster = make(gpus, lambda s: {"nvidia.com/gpu": 6 if mig_on(s) else 2},
-                          config=split_profiles, mig_strategy="single")
+    agent, cluster = make(
+        gpus,
+        lambda s: {"nvidia.com/gpu": 6 if mig_on(s) else 2},
+        config=split_profiles,
+        mig_strategy="single",
+    )
     assert apply(cluster, agent, "split-3g") is Outcome.APPLIED
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert_clean(cluster)
@@ -165,8 +192,12 @@ def test_single_strategy_applies_split_ci_layouts_as_nvidia_gpu(split_profiles: 
 def test_a_node_with_a_display_gpu_succeeds() -> None:
     gpus = FakeGpus([A100] * 4 + [DISPLAY])
     # the plugin lists devices through go-nvlib, which skips "DGX Display" by name
-    agent, cluster = make(gpus, lambda s: {"nvidia.com/mig-1g.10gb": 28} if mig_on(s)
-                          else {"nvidia.com/gpu": 4}, config=STATION, device_plugin_timeout_s=5.0)
+    agent, cluster = make(
+        gpus,
+        lambda s: {"nvidia.com/mig-1g.10gb": 28} if mig_on(s) else {"nvidia.com/gpu": 4},
+        config=STATION,
+        device_plugin_timeout_s=5.0,
+    )
     assert apply(cluster, agent, "all-1g.10gb-dgx-station-80") is Outcome.APPLIED
     assert cluster.nodes[NODE].labels[STATE] == "success"
     # nothing to do the next time, and the resources are held right
@@ -196,26 +227,36 @@ def plugin_configmap(tmp_path: Path) -> Path:
 
 
 def test_a_time_sliced_node_succeeds_with_the_multiplied_renamed_counts(
-        plugin_configmap: Path) -> None:
+    plugin_configmap: Path,
+) -> None:
     gpus = FakeGpus([H100, H100])
-    agent, cluster = make(gpus, lambda s: {"nvidia.com/mig-1g.10gb.shared": 56} if mig_on(s)
-                          else {"nvidia.com/gpu": 2}, device_plugin_timeout_s=5.0,
-                          labels={"nvidia.com/device-plugin.config": "ts-1g"},
-                          device_plugin_config=str(plugin_configmap))
+    agent, cluster = make(
+        gpus,
+        lambda s: {"nvidia.com/mig-1g.10gb.shared": 56} if mig_on(s) else {"nvidia.com/gpu": 2},
+        device_plugin_timeout_s=5.0,
+        labels={"nvidia.com/device-plugin.config": "ts-1g"},
+        device_plugin_config=str(plugin_configmap),
+    )
     assert apply(cluster, agent, "all-1g.10gb") is Outcome.APPLIED
     assert cluster.nodes[NODE].gpu_resources() == {"nvidia.com/mig-1g.10gb.shared": 56}
     assert agent.reconcile_once().outcome is Outcome.NOOP
 
 
 def test_a_node_label_naming_a_missing_plugin_config_fails_naming_it(
-        plugin_configmap: Path) -> None:
+    plugin_configmap: Path,
+) -> None:
     gpus = FakeGpus([H100, H100])
-    agent, cluster = make(gpus, lambda s: {"nvidia.com/gpu": 2},
-                          labels={"nvidia.com/device-plugin.config": "ts-2g"},
-                          device_plugin_config=str(plugin_configmap))
+    agent, cluster = make(
+        gpus,
+        lambda s: {"nvidia.com/gpu": 2},
+        labels={"nvidia.com/device-plugin.config": "ts-2g"},
+        device_plugin_config=str(plugin_configmap),
+    )
     assert apply(cluster, agent, "all-1g.10gb") is Outcome.FAILED
-    assert "node label nvidia.com/device-plugin.config names config 'ts-2g'" in \
-        cluster.nodes[NODE].annotations[REASON]
+    assert (
+        "node label nvidia.com/device-plugin.config names config 'ts-2g'"
+        in cluster.nodes[NODE].annotations[REASON]
+    )
     assert not gpus.calls
     assert_clean(cluster)
 
@@ -223,26 +264,32 @@ def test_a_node_label_naming_a_missing_plugin_config_fails_naming_it(
 # -- 10 -----------------------------------------------------------------------------------------
 
 
-BALANCED = {"nvidia.com/mig-1g.10gb": 4, "nvidia.com/mig-2g.20gb": 2,
-            "nvidia.com/mig-3g.40gb": 2}
+BALANCED = {"nvidia.com/mig-1g.10gb": 4, "nvidia.com/mig-2g.20gb": 2, "nvidia.com/mig-3g.40gb": 2}
 
 
 def test_the_strategy_label_single_wins_over_the_mixed_setting() -> None:
     gpus = FakeGpus([H100, H100])
-    agent, cluster = make(gpus, lambda s: {"nvidia.com/gpu": 2}, labels={STRATEGY: "single"},
-                          mig_strategy="mixed")
+    agent, cluster = make(
+        gpus, lambda s: {"nvidia.com/gpu": 2}, labels={STRATEGY: "single"}, mig_strategy="mixed"
+    )
     assert apply(cluster, agent, "all-balanced") is Outcome.FAILED
-    assert "the single MIG strategy needs one MIG profile on the whole node" in \
-        cluster.nodes[NODE].annotations[REASON]
+    assert (
+        "the single MIG strategy needs one MIG profile on the whole node"
+        in cluster.nodes[NODE].annotations[REASON]
+    )
     assert not gpus.calls
     assert_clean(cluster)
 
 
 def test_the_strategy_label_mixed_wins_over_the_single_setting() -> None:
     gpus = FakeGpus([H100, H100])
-    agent, cluster = make(gpus, lambda s: BALANCED if mig_on(s) else {"nvidia.com/gpu": 2},
-                          labels={STRATEGY: "mixed"}, mig_strategy="single",
-                          device_plugin_timeout_s=5.0)
+    agent, cluster = make(
+        gpus,
+        lambda s: BALANCED if mig_on(s) else {"nvidia.com/gpu": 2},
+        labels={STRATEGY: "mixed"},
+        mig_strategy="single",
+        device_plugin_timeout_s=5.0,
+    )
     assert apply(cluster, agent, "all-balanced") is Outcome.APPLIED
     assert cluster.nodes[NODE].gpu_resources() == BALANCED
 
@@ -252,8 +299,8 @@ def test_a_bad_strategy_label_fails_the_pass_naming_it() -> None:
     agent, cluster = make(gpus, lambda s: {"nvidia.com/gpu": 2}, labels={STRATEGY: "mixd"})
     assert apply(cluster, agent, "all-1g.10gb") is Outcome.FAILED
     assert cluster.nodes[NODE].annotations[REASON] == (
-        "node label nvidia.com/mig.strategy='mixd' is not a MIG strategy: expected mixed or "
-        "single")
+        "node label nvidia.com/mig.strategy='mixd' is not a MIG strategy: expected mixed or single"
+    )
     assert not gpus.calls
     assert_clean(cluster)
 
@@ -283,8 +330,9 @@ def node_advertising(gpus: int) -> FakeCluster:
 
 
 def test_the_simulated_plugin_refuses_split_ci_devices_in_mixed(tmp_path: Path) -> None:
-    layout = layout_of(SPLIT + "    - devices: [1]\n      mig-enabled: false\n"
-                               "      mig-devices: {}\n")
+    layout = layout_of(
+        SPLIT + "    - devices: [1]\n      mig-enabled: false\n      mig-devices: {}\n"
+    )
     with simulated(tmp_path, "2xH100-80GB", layout) as gpus:
         cluster = node_advertising(2)
         with structlog.testing.capture_logs() as logs:
@@ -295,12 +343,10 @@ def test_the_simulated_plugin_refuses_split_ci_devices_in_mixed(tmp_path: Path) 
         assert sim_device_plugin.offered_devices(gpus, "mixed") == ()
 
 
-def test_the_simulated_plugin_offers_split_ci_devices_as_gpus_in_single(
-        tmp_path: Path) -> None:
+def test_the_simulated_plugin_offers_split_ci_devices_as_gpus_in_single(tmp_path: Path) -> None:
     with simulated(tmp_path, "2xH100-80GB", layout_of(SPLIT)) as gpus:
         cluster = node_advertising(2)
-        assert sim_device_plugin.advertise(cluster, NODE, gpus, "single") == {
-            "nvidia.com/gpu": 6}
+        assert sim_device_plugin.advertise(cluster, NODE, gpus, "single") == {"nvidia.com/gpu": 6}
         offered = sim_device_plugin.offered_devices(gpus, "single")
         assert [d.resource for d in offered] == ["nvidia.com/gpu"] * 6
         assert all(d.id.startswith("MIG-") for d in offered)
@@ -311,26 +357,29 @@ def test_the_simulated_plugin_skips_display_gpus(tmp_path: Path) -> None:
     with simulated(tmp_path, "2xA100-80GB,1xDGX-Display", layout) as gpus:
         cluster = node_advertising(3)
         assert sim_device_plugin.advertise(cluster, NODE, gpus, "mixed") == {
-            "nvidia.com/mig-1g.10gb": 14}
+            "nvidia.com/mig-1g.10gb": 14
+        }
         assert cluster.nodes[NODE].gpu_resources() == {"nvidia.com/mig-1g.10gb": 14}
         assert all(d.gpu != 2 for d in sim_device_plugin.offered_devices(gpus, "mixed"))
 
 
 def test_the_simulated_plugin_offers_one_device_per_replica(tmp_path: Path) -> None:
     layout = SPLIT.replace('"1c.3g.40gb": 3', '"1g.10gb": 2')
-    ts = Sharing("time-slicing", (SharedResource("nvidia.com/mig-1g.10gb", 3,
-                                                 "nvidia.com/mig-1g.10gb.shared"),))
+    ts = Sharing(
+        "time-slicing",
+        (SharedResource("nvidia.com/mig-1g.10gb", 3, "nvidia.com/mig-1g.10gb.shared"),),
+    )
     with simulated(tmp_path, "1xH100-80GB", layout_of(layout)) as gpus:
         cluster = node_advertising(1)
         assert sim_device_plugin.advertise(cluster, NODE, gpus, "mixed", ts) == {
-            "nvidia.com/mig-1g.10gb.shared": 6}
+            "nvidia.com/mig-1g.10gb.shared": 6
+        }
         # the stale whole-GPU count is withdrawn
         assert cluster.nodes[NODE].gpu_resources() == {"nvidia.com/mig-1g.10gb.shared": 6}
         offered = sim_device_plugin.offered_devices(gpus, "mixed", ts)
         assert Counter(d.resource for d in offered) == {"nvidia.com/mig-1g.10gb.shared": 6}
         uuids = sorted({d.id.split("::")[0] for d in offered})
         assert len(uuids) == 2
-        assert sorted(d.id for d in offered) == sorted(f"{u}::{i}" for u in uuids
-                                                       for i in range(3))
+        assert sorted(d.id for d in offered) == sorted(f"{u}::{i}" for u in uuids for i in range(3))
         unshared = sim_device_plugin.offered_devices(gpus, "mixed", NO_SHARING)
         assert sorted(d.id for d in unshared) == uuids

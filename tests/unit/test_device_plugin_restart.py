@@ -19,7 +19,7 @@ from typing import Any
 
 from mig_agent.agent import Outcome
 from mig_agent.kube.cluster import NodeView
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.test_agent import CONFIG, DP_NS, NODE, STATE, assert_clean, make
 
@@ -92,8 +92,10 @@ def test_a_pass_finishing_an_interrupted_one_restarts_the_plugin_the_pause_left(
     cluster.patch_node(
         NODE,
         labels={STATE: "pending"},
-        annotations={"mig-agent.dev/cordoned": "true",
-                     "mig-agent.dev/paused-operands": "nvidia.com/gpu.deploy.device-plugin"},
+        annotations={
+            "mig-agent.dev/cordoned": "true",
+            "mig-agent.dev/paused-operands": "nvidia.com/gpu.deploy.device-plugin",
+        },
         unschedulable=True,
     )
     before = _plugin_uids(cluster)

@@ -12,7 +12,8 @@ import pytest
 
 from mig_agent.core.errors import DrainTimeout
 from mig_agent.kube.cluster import PodRef, PodView
-from mig_agent.node.drain import WATCH_SLICE_S, Clock, drain_gpu_pods, poll_delays, wait_pods_gone
+from mig_agent.node.drain import drain_gpu_pods, wait_pods_gone
+from mig_agent.node.waits import WATCH_SLICE_S, Clock, poll_delays
 from tests.unit.fake_cluster import FakeCluster
 
 from .test_agent import DP_LABEL, DP_NS, DP_SEL, NODE, FakeTime, label, make
@@ -119,8 +120,7 @@ def test_a_long_wait_costs_a_list_and_a_watch_per_slice() -> None:
     t = FakeTime()
     cluster = WatchedPods(t, after=100.0)  # a pod that checkpoints for 100 s (grace 120)
     cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1}, grace_period_s=120)
-    drain_gpu_pods(cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0,
-                   clock=Clock(t.now, t.sleep))
+    drain_gpu_pods(cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0, clock=Clock(t.now, t.sleep))
     assert t.t == pytest.approx(100.0)
     slices = cluster.calls["watch"]
     assert slices == pytest.approx(100 / WATCH_SLICE_S, abs=2)  # a stop is seen between two
@@ -218,7 +218,8 @@ def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
 
             cluster.add_pod(DP_NS, "dp-new", NODE, labels=DP_SEL, owner="DaemonSet")
             cluster.patch_node_resources(
-                NODE, expected_resources(gpus.observe(), gpus.models(), "mixed"))
+                NODE, expected_resources(gpus.observe(), gpus.models(), "mixed")
+            )
         sleep(seconds)
 
     cluster.list_pods = counted_list  # type: ignore[method-assign]

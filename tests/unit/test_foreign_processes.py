@@ -59,7 +59,8 @@ def test_a_process_no_pod_holds_fails_the_pass_before_the_cordon() -> None:
     assert reason == (
         f"GPU 3 (H100-80GB): 1g.10gb at {gi.placement} (GPU instance {gi.id}) must be destroyed "
         "but is in use by process(es) 777, which no pod holds: no drain would end them, so "
-        "nothing was touched (stop them, and the agent retries)")
+        "nothing was touched (stop them, and the agent retries)"
+    )
     assert "778" not in reason  # the pod's process would go with the pod
     assert not cluster.evicted and mine in cluster.pods
     assert not any(w.get("unschedulable") for w in writes)
@@ -122,16 +123,21 @@ def test_ended_processes_are_those_on_what_the_plan_destroys() -> None:
     assert catalog is not None
 
     def ended(layout: str) -> tuple[set[tuple[int, int, str, frozenset[str]]], str]:
-        the_plan = planner.plan(catalog.get(layout), gpus.observe(), gpus.models(),
-                                destroy_in_use=True)
+        the_plan = planner.plan(
+            catalog.get(layout), gpus.observe(), gpus.models(), destroy_in_use=True
+        )
         found = planner.ended_processes(the_plan, gpus.observe())
-        return ({(p.gpu, p.pid, p.destroyed, p.devices) for p in found},
-                planner.describe_in_use(found))
+        return (
+            {(p.gpu, p.pid, p.destroyed, p.devices) for p in found},
+            planner.describe_in_use(found),
+        )
 
     gpus.add_process(0, 11, None)  # on the whole GPU
     whole = frozenset({gpus.observe().gpu(0).info.uuid})
     assert ended("all-1g.10gb") == (
-        {(0, 11, "", whole)}, "GPU 0 (H100-80GB): MIG mode change is in use by process(es) 11")
+        {(0, 11, "", whole)},
+        "GPU 0 (H100-80GB): MIG mode change is in use by process(es) 11",
+    )
     assert ended("all-disabled") == (set(), "")
     gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())
     label(cluster, "all-1g.10gb")
@@ -144,12 +150,18 @@ def test_ended_processes_are_those_on_what_the_plan_destroys() -> None:
     names = [f"1g.10gb at {gi.placement} (GPU instance {gi.id})" for gi in gis[2:4]]
     found, text = ended("all-7g.80gb")
     assert {(g, pid, d) for g, pid, d, _ in found if g == 0} == {
-        (0, 10, names[0]), (0, 12, names[1])}
+        (0, 10, names[0]),
+        (0, 12, names[1]),
+    }
     assert {pid for g, pid, _, _ in found if g == 1} == {13}
     assert (0, 10, names[0], frozenset({gis[2].compute_instances[0].uuid})) in found
-    assert text.startswith(f"GPU 0 (H100-80GB): {names[0]}, {names[1]} must be destroyed but is "
-                           "in use by process(es) 10, 12; GPU 1 (H100-80GB): 1g.10gb at ")
+    assert text.startswith(
+        f"GPU 0 (H100-80GB): {names[0]}, {names[1]} must be destroyed but is "
+        "in use by process(es) 10, 12; GPU 1 (H100-80GB): 1g.10gb at "
+    )
     found, text = ended("all-disabled")
     assert {(g, pid, d) for g, pid, d, _ in found} == {(0, 10, ""), (0, 12, ""), (1, 13, "")}
-    assert text == ("GPU 0 (H100-80GB): MIG mode change is in use by process(es) 10, 12; "
-                    "GPU 1 (H100-80GB): MIG mode change is in use by process(es) 13")
+    assert text == (
+        "GPU 0 (H100-80GB): MIG mode change is in use by process(es) 10, 12; "
+        "GPU 1 (H100-80GB): MIG mode change is in use by process(es) 13"
+    )

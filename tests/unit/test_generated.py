@@ -1,4 +1,4 @@
-"""We test the layouts generated from a GPU model's own MIG profiles 
+"""We test the layouts generated from a GPU model's own MIG profiles
 (mig_agent.core.generated_layouts):
 
 * for every MIG model, each generated layout is valid: it reads back through the v1 loader and
@@ -32,8 +32,9 @@ from .fake_gpus import FakeGpus
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
 # A model no shipped config knows: the H200's geometry under another PCI id and name.
-NOVEL = dataclasses.replace(MODELS["H200"], key="B-TEST", name="NVIDIA B-TEST",
-                            pci_device_id=0x2BFF10DE)
+NOVEL = dataclasses.replace(
+    MODELS["H200"], key="B-TEST", name="NVIDIA B-TEST", pci_device_id=0x2BFF10DE
+)
 
 
 @pytest.mark.parametrize("model", MIG_MODELS, ids=lambda m: m.key)

@@ -58,40 +58,62 @@ def write(tmp_path: Path, text: str, name: str = "hooks.yaml") -> str:
 
 
 def test_mig_parteds_default_hooks_file_loads(tmp_path: Path) -> None:
-    h = hooks.load_hooks(write(tmp_path, MIG_PARTED_DEFAULT), pre_apply="/bin/true --pre",
-                         post_apply="nvidia-ctk cdi generate --mode=management")
+    h = hooks.load_hooks(
+        write(tmp_path, MIG_PARTED_DEFAULT),
+        pre_apply="/bin/true --pre",
+        post_apply="nvidia-ctk cdi generate --mode=management",
+    )
     assert [str(c) for c in h.of("apply-exit")] == [
         "/bin/bash -x -c 'source hooks.sh; apply-exit'",
-        "/bin/bash -x -c 'source hooks.sh; refresh-cdi'"]
+        "/bin/bash -x -c 'source hooks.sh; refresh-cdi'",
+    ]
     assert h.of("pre-apply-mode")[0].workdir == "/etc/nvidia-mig-manager"
     # the commands of the settings come last of their hooks
     assert h.of("apply-start")[-1].argv == ("/bin/true", "--pre")
-    assert h.of("post-apply") == (commands.Command(("nvidia-ctk", "cdi", "generate",
-                                                 "--mode=management")),)
+    assert h.of("post-apply") == (
+        commands.Command(("nvidia-ctk", "cdi", "generate", "--mode=management")),
+    )
     assert "pre_apply_command" in h.source and "hooks.yaml" in h.source
     assert not hooks.load_hooks() and hooks.load_hooks(post_apply="x")
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("version: v2\nhooks: {}\n", "version must be v1, got 'v2'"),
-    ("version: v1\nhook: {}\n", "unknown key 'hook' (keys: version, hooks); did you mean hooks?"),
-    ("version: v1\nhooks:\n  pre-apply-modes: []\n",
-     "hook 'pre-apply-modes': no such hook (hooks: apply-start, pre-apply-mode, "
-     "pre-apply-config, apply-exit, post-apply); did you mean pre-apply-mode?"),
-    ("version: v1\nhooks:\n  apply-exit: {command: /bin/true}\n", "must be a list of commands"),
-    ("version: v1\nhooks:\n  apply-exit:\n  - {command: /bin/true, arg: [x]}\n",
-     "hook 'apply-exit' command 1: unknown key 'arg'"),
-    ("version: v1\nhooks:\n  apply-exit:\n  - {args: [x]}\n",
-     "hook 'apply-exit' command 1: command must be a non-empty string"),
-    ("version: v1\nhooks:\n  apply-exit:\n  - {command: /bin/true, args: x}\n",
-     "args must be a list of strings"),
-    ("version: v1\nhooks:\n  apply-exit:\n  - {command: /bin/true, envs: [A]}\n",
-     "envs must map names to values"),
-    ("- just a list\n", "a hooks file is a mapping"),
-    ("version: v1\nhooks: [\n", "invalid YAML"),
-])
-def test_malformed_hooks_files_are_refused_naming_the_problem(tmp_path: Path, text: str,
-                                                              fragment: str) -> None:
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("version: v2\nhooks: {}\n", "version must be v1, got 'v2'"),
+        (
+            "version: v1\nhook: {}\n",
+            "unknown key 'hook' (keys: version, hooks); did you mean hooks?",
+        ),
+        (
+            "version: v1\nhooks:\n  pre-apply-modes: []\n",
+            "hook 'pre-apply-modes': no such hook (hooks: apply-start, pre-apply-mode, "
+            "pre-apply-config, apply-exit, post-apply); did you mean pre-apply-mode?",
+        ),
+        ("version: v1\nhooks:\n  apply-exit: {command: /bin/true}\n", "must be a list of commands"),
+        (
+            "version: v1\nhooks:\n  apply-exit:\n  - {command: /bin/true, arg: [x]}\n",
+            "hook 'apply-exit' command 1: unknown key 'arg'",
+        ),
+        (
+            "version: v1\nhooks:\n  apply-exit:\n  - {args: [x]}\n",
+            "hook 'apply-exit' command 1: command must be a non-empty string",
+        ),
+        (
+            "version: v1\nhooks:\n  apply-exit:\n  - {command: /bin/true, args: x}\n",
+            "args must be a list of strings",
+        ),
+        (
+            "version: v1\nhooks:\n  apply-exit:\n  - {command: /bin/true, envs: [A]}\n",
+            "envs must map names to values",
+        ),
+        ("- just a list\n", "a hooks file is a mapping"),
+        ("version: v1\nhooks: [\n", "invalid YAML"),
+    ],
+)
+def test_malformed_hooks_files_are_refused_naming_the_problem(
+    tmp_path: Path, text: str, fragment: str
+) -> None:
     path = write(tmp_path, text)
     with pytest.raises(InvalidConfig) as err:
         hooks.load_hooks(path)
@@ -99,28 +121,35 @@ def test_malformed_hooks_files_are_refused_naming_the_problem(tmp_path: Path, te
 
 
 def test_gpu_clients_file_of_the_gpu_operator_loads(tmp_path: Path) -> None:
-    path = write(tmp_path, "version: v1\nsystemd-services:\n  - nvsm.service\n"
-                           "  - nvidia-dcgm.service\n  - nvsm.service\n", "clients.yaml")
+    path = write(
+        tmp_path,
+        "version: v1\nsystemd-services:\n  - nvsm.service\n"
+        "  - nvidia-dcgm.service\n  - nvsm.service\n",
+        "clients.yaml",
+    )
     assert commands.load_gpu_clients(path) == ("nvsm.service", "nvidia-dcgm.service")
     assert commands.load_gpu_clients(write(tmp_path, "", "empty.yaml")) == ()
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("version: v1\nsystemd-service: [a]\n", "did you mean systemd-services"),
-    ("version: v1\nsystemd-services: a.service\n", "must be a list of unit names"),
-    ("version: v1\nsystemd-services: ['--all']\n", "must be a list of unit names"),
-    ("version: v2\nsystemd-services: []\n", "version must be v1"),
-])
-def test_malformed_gpu_clients_files_are_refused(tmp_path: Path, text: str,
-                                                 fragment: str) -> None:
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("version: v1\nsystemd-service: [a]\n", "did you mean systemd-services"),
+        ("version: v1\nsystemd-services: a.service\n", "must be a list of unit names"),
+        ("version: v1\nsystemd-services: ['--all']\n", "must be a list of unit names"),
+        ("version: v2\nsystemd-services: []\n", "version must be v1"),
+    ],
+)
+def test_malformed_gpu_clients_files_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
     with pytest.raises(InvalidConfig, match=fragment):
         commands.load_gpu_clients(write(tmp_path, text, "clients.yaml"))
 
 
 def test_run_command_returns_status_and_output(tmp_path: Path) -> None:
     script = "echo out; echo err >&2; exit 3"
-    done = commands.run_command(commands.Command(("/bin/sh", "-c", script),
-                                                 workdir=str(tmp_path)), {}, 10)
+    done = commands.run_command(
+        commands.Command(("/bin/sh", "-c", script), workdir=str(tmp_path)), {}, 10
+    )
     assert (done.returncode, done.ok, done.error) == (3, False, "")
     assert done.output.split() == ["out", "err"]
     assert done.failure() == "exited with status 3: out | err"
@@ -160,7 +189,8 @@ def read_to_end(fd: int, *, within_s: float) -> bytes | None:
 
 
 def test_run_hook_gives_mig_parteds_environment_and_stops_at_the_first_failure(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     log = tmp_path / "log"
     text = f"""version: v1
 hooks:
@@ -175,12 +205,18 @@ hooks:
 """
     h = hooks.load_hooks(write(tmp_path, text))
     with pytest.raises(HookFailed) as err:
-        hooks.run_hook(h, "apply-exit", {"B": "context", "MIG_PARTED_SELECTED_CONFIG": "all-x"},
-                       runner=commands.run_command, timeout_s=10)
+        hooks.run_hook(
+            h,
+            "apply-exit",
+            {"B": "context", "MIG_PARTED_SELECTED_CONFIG": "all-x"},
+            runner=commands.run_command,
+            timeout_s=10,
+        )
     # envs, the context over them, and not the agent's own environment (HOME)
     assert log.read_text() == "hook context all-x nohome\n"
-    assert str(err.value) == ("apply-exit hook `/bin/sh -c 'seq 1 3; exit 7'` exited with "
-                              "status 7: 1 | 2 | 3")
+    assert str(err.value) == (
+        "apply-exit hook `/bin/sh -c 'seq 1 3; exit 7'` exited with status 7: 1 | 2 | 3"
+    )
     assert err.value.context["returncode"] == 7
     assert hooks.run_hook(h, "pre-apply-mode", {}, runner=commands.run_command, timeout_s=1) == 0
 
@@ -191,13 +227,18 @@ def test_output_in_a_reason_is_trimmed_to_its_end() -> None:
     assert len(out) == 60 and out.startswith("...") and out.endswith("line 999")
 
 
-@pytest.mark.parametrize("env, fragment", [
-    ({"MIG_AGENT_POST_APPLY_COMMAND": "sh -c 'unbalanced"},
-     "MIG_AGENT_POST_APPLY_COMMAND=\"sh -c 'unbalanced\" is not a valid command"),
-    ({"MIG_AGENT_STOP_HOST_GPU_CLIENTS": "true"}, "no host_gpu_clients_file"),
-    ({"MIG_AGENT_COMMAND_TIMEOUT_S": "0"}, "command timeout must be positive"),
-    ({"MIG_AGENT_RESTART_VALIDATORS": "maybe"}, "is not a valid bool"),
-])
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        (
+            {"MIG_AGENT_POST_APPLY_COMMAND": "sh -c 'unbalanced"},
+            'MIG_AGENT_POST_APPLY_COMMAND="sh -c \'unbalanced" is not a valid command',
+        ),
+        ({"MIG_AGENT_STOP_HOST_GPU_CLIENTS": "true"}, "no host_gpu_clients_file"),
+        ({"MIG_AGENT_COMMAND_TIMEOUT_S": "0"}, "command timeout must be positive"),
+        ({"MIG_AGENT_RESTART_VALIDATORS": "maybe"}, "is not a valid bool"),
+    ],
+)
 def test_settings_refuse_commands_that_cannot_run(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
         Settings.from_env(env)

@@ -25,10 +25,12 @@ from mig_agent.kube.client import KubernetesCluster
 def proxy(tmp_path: Path) -> Iterator[tuple[ApiFaultProxy, Path]]:
     keys = pki.generate(tmp_path / "pki")
     # no API server behind it: every test here is answered by a fault
-    p = ApiFaultProxy("https://127.0.0.1:9", cert=keys.serving_cert, key=keys.serving_key,
-                      ca=keys.ca_cert)
-    config = kubeconfig.write(tmp_path / "kubeconfig", server=p.url, ca_cert=keys.ca_cert,
-                              user="agent", token="t")
+    p = ApiFaultProxy(
+        "https://127.0.0.1:9", cert=keys.serving_cert, key=keys.serving_key, ca=keys.ca_cert
+    )
+    config = kubeconfig.write(
+        tmp_path / "kubeconfig", server=p.url, ca_cert=keys.ca_cert, user="agent", token="t"
+    )
     try:
         yield p, config
     finally:
@@ -51,13 +53,13 @@ def _node(name: str) -> Any:
 
 
 def test_a_hung_api_server_costs_a_timeout_per_attempt_not_the_agent(
-        proxy: tuple[ApiFaultProxy, Path]) -> None:
+    proxy: tuple[ApiFaultProxy, Path],
+) -> None:
     """Before: no request timeout, so a request the server accepted and never answered blocked
     the agent's loop forever."""
     p, config = proxy
     p.add(Fault("hang"))
-    k = KubernetesCluster.connect(str(config), attempts=2, backoff_s=0.01,
-                                  request_timeout_s=0.5)
+    k = KubernetesCluster.connect(str(config), attempts=2, backoff_s=0.01, request_timeout_s=0.5)
     outcome: list[BaseException | None] = []
 
     def read() -> None:
@@ -83,8 +85,7 @@ def test_throttling_waits_as_long_as_the_server_asks(monkeypatch: pytest.MonkeyP
     """Before: a 429's Retry-After was ignored and the next attempt came after the jittered
     backoff's fraction of a second, throttled again."""
     slept: list[float] = []
-    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, backoff_max_s=10.0,
-                          sleep=slept.append)
+    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, backoff_max_s=10.0, sleep=slept.append)
     answers: list[Any] = [ApiException(status=429, reason="Too Many Requests"), _node("n")]
     answers[0].headers = {"Retry-After": "3"}
 
@@ -101,8 +102,7 @@ def test_throttling_waits_as_long_as_the_server_asks(monkeypatch: pytest.MonkeyP
 
 def test_retry_after_is_capped_and_garbage_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, backoff_max_s=10.0,
-                          sleep=slept.append)
+    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, backoff_max_s=10.0, sleep=slept.append)
     errors = [ApiException(status=429, reason="x"), ApiException(status=503, reason="y")]
     errors[0].headers = {"Retry-After": "86400"}
     errors[1].headers = {"Retry-After": "soon"}
@@ -121,7 +121,8 @@ def test_retry_after_is_capped_and_garbage_is_ignored(monkeypatch: pytest.Monkey
 
 
 def test_connection_resets_and_5xx_are_retried_then_named(
-        proxy: tuple[ApiFaultProxy, Path]) -> None:
+    proxy: tuple[ApiFaultProxy, Path],
+) -> None:
     p, config = proxy
     p.add(Fault("reset", times=2))
     p.add(Fault("status", status=503))
@@ -136,8 +137,11 @@ def test_a_conflict_on_a_plain_node_patch_sends_it_again(monkeypatch: pytest.Mon
     """Before: a 409 on a merge patch without a precondition (cordon, pause, a label) failed the
     agent's pass for good, though sending the same patch again cannot spoil anything."""
     k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
-    answers: list[Any] = [ApiException(status=409, reason="Conflict"),
-                          ApiException(status=409, reason="Conflict"), _node("n")]
+    answers: list[Any] = [
+        ApiException(status=409, reason="Conflict"),
+        ApiException(status=409, reason="Conflict"),
+        _node("n"),
+    ]
     bodies: list[Any] = []
 
     def patch_node(name: str, body: Any, **_: Any) -> Any:
@@ -168,7 +172,8 @@ def test_conflicts_without_end_are_named(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize("status", [401, 403])
 def test_a_refusal_of_the_credentials_is_retryable_by_the_agent_not_in_the_request(
-        monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
     from mig_agent.core.errors import KubeForbidden
 
     k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
@@ -188,23 +193,42 @@ def test_pods_and_nodes_are_read_from_the_servers_json() -> None:
     """Answers are parsed as JSON, not into the client's models (five times the cost): the
     fields the agent decides on come from the JSON names the API server writes."""
     pod = {
-        "metadata": {"namespace": "ml", "name": "p", "uid": "u1", "labels": {"a": "b"},
-                     "deletionTimestamp": "2026-12-01T00:00:00Z",
-                     "ownerReferences": [{"kind": "ReplicaSet", "name": "r", "uid": "x"}]},
-        "spec": {"nodeName": "n", "nodeSelector": {"k": "v"}, "runtimeClassName": "nvidia",
-                 "initContainers": [{"name": "i", "resources": {
-                     "limits": {"nvidia.com/mig-1g.10gb": "2"}}}],
-                 "containers": [{"name": "c", "resources": {
-                     "requests": {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"},
-                     "limits": {"nvidia.com/gpu": "1"}}}]},
+        "metadata": {
+            "namespace": "ml",
+            "name": "p",
+            "uid": "u1",
+            "labels": {"a": "b"},
+            "deletionTimestamp": "2026-12-01T00:00:00Z",
+            "ownerReferences": [{"kind": "ReplicaSet", "name": "r", "uid": "x"}],
+        },
+        "spec": {
+            "nodeName": "n",
+            "nodeSelector": {"k": "v"},
+            "runtimeClassName": "nvidia",
+            "initContainers": [
+                {"name": "i", "resources": {"limits": {"nvidia.com/mig-1g.10gb": "2"}}}
+            ],
+            "containers": [
+                {
+                    "name": "c",
+                    "resources": {
+                        "requests": {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"},
+                        "limits": {"nvidia.com/gpu": "1"},
+                    },
+                }
+            ],
+        },
         "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
     node = {
         "metadata": {"name": "n", "uid": "nu", "resourceVersion": "7", "labels": {"l": "1"}},
         "spec": {"unschedulable": True},
-        "status": {"allocatable": {"nvidia.com/mig-1g.10gb": "7"},
-                   "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                   "message": "ok"}]},
+        "status": {
+            "allocatable": {"nvidia.com/mig-1g.10gb": "7"},
+            "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ok"}
+            ],
+        },
     }
     answers = {"pods": _Answer({"items": [pod]}), "node": _Answer(node)}
     k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)

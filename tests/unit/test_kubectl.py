@@ -13,9 +13,18 @@ from mig_agent.cli import kubectl
 from mig_agent.ops import GpuSummary, NodeStatus
 
 ROWS = [
-    NodeStatus("gpu-a", "all-1g.10gb", "success", "", False, {"nvidia.com/mig-1g.10gb": 14},
-               (GpuSummary(0, "H100-80GB", True, {"1g.10gb": 7}),
-                GpuSummary(1, "H100-80GB", True, {"1g.10gb": 7}))),
+    NodeStatus(
+        "gpu-a",
+        "all-1g.10gb",
+        "success",
+        "",
+        False,
+        {"nvidia.com/mig-1g.10gb": 14},
+        (
+            GpuSummary(0, "H100-80GB", True, {"1g.10gb": 7}),
+            GpuSummary(1, "H100-80GB", True, {"1g.10gb": 7}),
+        ),
+    ),
     NodeStatus("gpu-b", "all-7g.80gb", "failed", "x" * 200, True, {}, None),
 ]
 
@@ -52,11 +61,26 @@ def test_colour_only_on_a_terminal_without_no_color(monkeypatch: pytest.MonkeyPa
     assert not kubectl.colour_enabled(Tty())
 
 
-@pytest.mark.parametrize("argv", [
-    ["status", "--context", "c", "--kubeconfig", "k", "-n", "ns", "-o", "wide", "-l", "a=b"],
-    ["plan", "node", "layout", "--context", "c", "-o", "yaml"],
-    ["repartition", "layout", "n1", "n2", "-l", "a=b", "-p", "3", "--dry-run", "--context", "c"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "--context", "c", "--kubeconfig", "k", "-n", "ns", "-o", "wide", "-l", "a=b"],
+        ["plan", "node", "layout", "--context", "c", "-o", "yaml"],
+        [
+            "repartition",
+            "layout",
+            "n1",
+            "n2",
+            "-l",
+            "a=b",
+            "-p",
+            "3",
+            "--dry-run",
+            "--context",
+            "c",
+        ],
+    ],
+)
 def test_kubectl_flags_on_every_command(argv: list[str]) -> None:
     args = kubectl.build_parser().parse_args(argv)
     assert args.context == "c"

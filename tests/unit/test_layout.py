@@ -77,28 +77,38 @@ def test_profiles_sort_largest_first() -> None:
     names = ["1g.10gb", "7g.80gb", "1c.3g.40gb", "3g.40gb", "1g.20gb", "2g.20gb", "1g.10gb+me"]
     ordered = sorted((MigProfile.parse(n) for n in names), key=lambda p: p.sort_key)
     assert [str(p) for p in ordered] == [
-        "7g.80gb", "3g.40gb", "1c.3g.40gb", "2g.20gb", "1g.20gb", "1g.10gb", "1g.10gb+me"]
+        "7g.80gb",
+        "3g.40gb",
+        "1c.3g.40gb",
+        "2g.20gb",
+        "1g.20gb",
+        "1g.10gb",
+        "1g.10gb+me",
+    ]
 
 
-@pytest.mark.parametrize(("name", "reason"), [
-    ("", "is not a MIG profile name"),
-    ("1g10gb", "is not a MIG profile name"),
-    ("1g.10", "is not a MIG profile name"),
-    ("g.10gb", "is not a MIG profile name"),
-    ("0g.10gb", "is not a MIG profile name"),
-    ("1g.0gb", "is not a MIG profile name"),
-    ("01g.10gb", "is not a MIG profile name"),
-    ("1G.10GB", "is not a MIG profile name"),
-    (" 1g.10gb", "is not a MIG profile name"),
-    ("1g.10gb ", "is not a MIG profile name"),
-    ("1g.10gb+", "is not a MIG profile name"),
-    ("1g.10gb+1me", "is not a MIG profile name"),
-    ("1g.10gb+me-gfx", "is not a MIG profile name"),
-    ("1c.1c.1g.10gb", "is not a MIG profile name"),
-    ("all-1g.10gb", "is not a MIG profile name"),
-    ("2c.1g.10gb", "compute slices 2c exceed GPU slices 1g"),
-    ("1g.10gb+me,me", "repeated attribute"),
-])
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("", "is not a MIG profile name"),
+        ("1g10gb", "is not a MIG profile name"),
+        ("1g.10", "is not a MIG profile name"),
+        ("g.10gb", "is not a MIG profile name"),
+        ("0g.10gb", "is not a MIG profile name"),
+        ("1g.0gb", "is not a MIG profile name"),
+        ("01g.10gb", "is not a MIG profile name"),
+        ("1G.10GB", "is not a MIG profile name"),
+        (" 1g.10gb", "is not a MIG profile name"),
+        ("1g.10gb ", "is not a MIG profile name"),
+        ("1g.10gb+", "is not a MIG profile name"),
+        ("1g.10gb+1me", "is not a MIG profile name"),
+        ("1g.10gb+me-gfx", "is not a MIG profile name"),
+        ("1c.1c.1g.10gb", "is not a MIG profile name"),
+        ("all-1g.10gb", "is not a MIG profile name"),
+        ("2c.1g.10gb", "compute slices 2c exceed GPU slices 1g"),
+        ("1g.10gb+me,me", "repeated attribute"),
+    ],
+)
 def test_malformed_profile_names_are_refused(name: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         MigProfile.parse(name)
@@ -118,10 +128,21 @@ def test_device_filter_forms() -> None:
     assert str(DeviceFilter.parse("0x20b010de")) == "0x20B010DE"
 
 
-@pytest.mark.parametrize("text", [
-    "", "MODEL", "H100", "0x2330", "233010DE", "0x233010DE0", "0xZZ3010DE", "0x233010DE:0x18BF",
-    "0x233010DE:MODEL", "590352606",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "MODEL",
+        "H100",
+        "0x2330",
+        "233010DE",
+        "0x233010DE0",
+        "0xZZ3010DE",
+        "0x233010DE:0x18BF",
+        "0x233010DE:MODEL",
+        "590352606",
+    ],
+)
 def test_device_filter_refuses_what_is_no_pci_id(text: str) -> None:
     with pytest.raises(ValueError, match="is not a PCI id of the form 0xDDDDVVVV"):
         DeviceFilter.parse(text)
@@ -180,11 +201,14 @@ def test_target_for_walks_rules_and_the_last_match_wins() -> None:
     off = GpuLayout.of(False)
     seven = GpuLayout.of(True, {p("1g.10gb"): 7})
     two = GpuLayout.of(True, {p("3g.40gb"): 2})
-    layout = Layout("mixed", (
-        Rule(DeviceSelector(filters=(DeviceFilter(0x20B210DE),)), seven),
-        Rule(DeviceSelector(frozenset({1})), two),
-        Rule(DeviceSelector(frozenset({2}), (DeviceFilter(0x1FB010DE),)), off),
-    ))
+    layout = Layout(
+        "mixed",
+        (
+            Rule(DeviceSelector(filters=(DeviceFilter(0x20B210DE),)), seven),
+            Rule(DeviceSelector(frozenset({1})), two),
+            Rule(DeviceSelector(frozenset({2}), (DeviceFilter(0x1FB010DE),)), off),
+        ),
+    )
     assert layout.target_for(0, 0x20B210DE, 0) == seven
     assert layout.target_for(1, 0x20B210DE, 0) == two
     assert layout.target_for(2, 0x20B210DE, 0) == seven

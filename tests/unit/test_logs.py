@@ -83,9 +83,16 @@ def test_json_lines_for_structlog_stdlib_and_exceptions_without_locals() -> None
     for line in lines:
         assert {"event", "level", "logger", "timestamp"} <= line.keys()
         assert line["timestamp"].endswith("Z")
-    assert ours == {**ours, "event": "phase.finished", "level": "info", "node": "n1",
-                    "layout": "all-1g.10gb", "phase": "apply", "duration_s": 1.25,
-                    "logger": "mig_agent.agent"}
+    assert ours == {
+        **ours,
+        "event": "phase.finished",
+        "level": "info",
+        "node": "n1",
+        "layout": "all-1g.10gb",
+        "phase": "apply",
+        "duration_s": 1.25,
+        "logger": "mig_agent.agent",
+    }
     assert library["event"] == "Retrying (2) after a reset"
     assert (library["level"], library["logger"]) == ("warning", "kubernetes.client")
 
@@ -113,7 +120,11 @@ def test_process_context_on_every_line_from_any_thread() -> None:
 
     lines = json_lines(out)
     assert [line["event"] for line in lines] == [
-        "config.loaded", "watch closed", "watch.failed", "reconcile.started"]
+        "config.loaded",
+        "watch closed",
+        "watch.failed",
+        "reconcile.started",
+    ]
     assert [line["node"] for line in lines] == ["gpu-node-3"] * 3 + ["overridden-by-context"]
     assert lines[-1]["layout"] == "all-7g.80gb"
 

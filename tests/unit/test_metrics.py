@@ -1,4 +1,4 @@
-"""We test these aspects of the agent's metrics 
+"""We test these aspects of the agent's metrics
 (`mig_agent.observability.metrics`) and its HTTP endpoints
 (`mig_agent.observability.health`):
 
@@ -92,15 +92,20 @@ def test_families_names_types_and_labels() -> None:
             assert sorted(own) == sorted(labels), (name, sample)
     # units: durations and timestamps in seconds, nothing else claims a unit
     assert [n for n in EXPECTED if "seconds" in n] == [
-        "mig_agent_reconfiguration_phase_seconds", "mig_agent_last_success_timestamp_seconds"]
+        "mig_agent_reconfiguration_phase_seconds",
+        "mig_agent_last_success_timestamp_seconds",
+    ]
 
 
 def test_exposition_follows_prometheus_conventions() -> None:
     m = exercised()
     text = generate_latest(m.registry).decode()
     assert "_created" not in text
-    names = {line.split("{")[0].split(" ")[0]
-             for line in text.splitlines() if line and not line.startswith("#")}
+    names = {
+        line.split("{")[0].split(" ")[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert names == {
         "mig_agent_reconfigurations_total",
         "mig_agent_reconfiguration_phase_seconds_bucket",
@@ -121,8 +126,7 @@ def test_exposition_follows_prometheus_conventions() -> None:
     assert parsed["mig_agent_reconfigurations"].type == "counter"
     assert parsed["mig_agent_reconfiguration_phase_seconds"].type == "histogram"
     assert value(m, "mig_agent_reconfiguration_phase_seconds_count", phase="apply") == 1
-    assert value(m, "mig_agent_reconfiguration_phase_seconds_bucket", phase="apply",
-                 le="0.25") == 1
+    assert value(m, "mig_agent_reconfiguration_phase_seconds_bucket", phase="apply", le="0.25") == 1
     assert value(m, "mig_agent_evictions_total") == 3
     assert value(m, "mig_agent_mig_devices", gpu="0", profile="1g.10gb") == 7
 
@@ -132,7 +136,8 @@ def test_state_gauge_has_exactly_one_current_state() -> None:
     for state in STATES:
         m.set_state(state)
         assert {s: value(m, "mig_agent_state", state=s) for s in STATES} == {
-            s: (1.0 if s == state else 0.0) for s in STATES}
+            s: (1.0 if s == state else 0.0) for s in STATES
+        }
 
 
 def test_layout_label_values_are_capped() -> None:
@@ -140,8 +145,12 @@ def test_layout_label_values_are_capped() -> None:
     for i in range(MAX_LAYOUTS + 5):
         m.reconfigurations.labels(result="failed", layout=f"typo-{i}").inc()
     m.reconfigurations.labels(result="success", layout="typo-0").inc()  # a known one stays
-    layouts = {s.labels["layout"] for f in m.registry.collect()
-               if f.name == "mig_agent_reconfigurations" for s in f.samples}
+    layouts = {
+        s.labels["layout"]
+        for f in m.registry.collect()
+        if f.name == "mig_agent_reconfigurations"
+        for s in f.samples
+    }
     assert len(layouts) == MAX_LAYOUTS + 1
     assert OTHER_LAYOUT in layouts
     assert value(m, "mig_agent_reconfigurations_total", result="failed", layout=OTHER_LAYOUT) == 5
@@ -152,9 +161,12 @@ def test_device_gauge_forgets_what_is_gone() -> None:
     m = Metrics()
     m.set_devices({0: {"1g.10gb": 7}, 1: {"1g.10gb": 7}})
     m.set_devices({0: {"7g.80gb": 1}})
-    samples = [(s.labels["gpu"], s.labels["profile"], s.value)
-               for f in m.registry.collect() if f.name == "mig_agent_mig_devices"
-               for s in f.samples]
+    samples = [
+        (s.labels["gpu"], s.labels["profile"], s.value)
+        for f in m.registry.collect()
+        if f.name == "mig_agent_mig_devices"
+        for s in f.samples
+    ]
     assert samples == [("0", "7g.80gb", 1.0)]
 
 
@@ -186,13 +198,28 @@ def test_instrumented_gpus_count_calls_and_errors_by_call() -> None:
         gpus.reset_gpu(1)
     gpus.close()
 
-    calls = {s.labels["call"]: s.value for f in m.registry.collect()
-             if f.name == "mig_agent_nvml_calls" for s in f.samples}
-    errors = {s.labels["call"]: s.value for f in m.registry.collect()
-              if f.name == "mig_agent_nvml_errors" for s in f.samples}
-    assert calls == {"observe": 1, "models": 1, "set_mig_mode": 1, "create_gpu_instance": 2,
-                     "create_compute_instance": 1, "destroy_compute_instance": 1,
-                     "destroy_gpu_instance": 1, "reset_gpu": 1}
+    calls = {
+        s.labels["call"]: s.value
+        for f in m.registry.collect()
+        if f.name == "mig_agent_nvml_calls"
+        for s in f.samples
+    }
+    errors = {
+        s.labels["call"]: s.value
+        for f in m.registry.collect()
+        if f.name == "mig_agent_nvml_errors"
+        for s in f.samples
+    }
+    assert calls == {
+        "observe": 1,
+        "models": 1,
+        "set_mig_mode": 1,
+        "create_gpu_instance": 2,
+        "create_compute_instance": 1,
+        "destroy_compute_instance": 1,
+        "destroy_gpu_instance": 1,
+        "reset_gpu": 1,
+    }
     assert errors == {"create_gpu_instance": 1, "reset_gpu": 1}
 
 
@@ -214,8 +241,9 @@ class Checks:
 @pytest.fixture
 def served() -> Iterator[tuple[str, Metrics, Checks]]:
     m, checks = exercised(), Checks()
-    server = HealthServer("127.0.0.1", 0, m.registry, healthz=checks.health,
-                          readyz=checks.ready).start()
+    server = HealthServer(
+        "127.0.0.1", 0, m.registry, healthz=checks.health, readyz=checks.ready
+    ).start()
     try:
         yield f"http://127.0.0.1:{server.port}", m, checks
     finally:
@@ -237,8 +265,11 @@ def test_health_server_endpoints(served: tuple[str, Metrics, Checks]) -> None:
     assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
     assert body == generate_latest(m.registry).decode()
     # what Prometheus sends: OpenMetrics preferred; still no _created series
-    status, ctype, body = get(base + "/metrics", accept="application/openmetrics-text;"
-                              "version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.1")
+    status, ctype, body = get(
+        base + "/metrics",
+        accept="application/openmetrics-text;"
+        "version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.1",
+    )
     assert status == 200 and ctype.startswith("application/openmetrics-text; version=1.0.0")
     assert body.endswith("# EOF\n") and "_created" not in body
     assert 'mig_agent_reconfigurations_total{layout="all-1g.10gb",result="success"} 1.0' in body

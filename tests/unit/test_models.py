@@ -39,11 +39,26 @@ def test_memory_rounds_half_away_from_zero() -> None:
 
 def test_h200_is_the_real_readout() -> None:
     h200 = MODELS["H200"]
-    assert (h200.name, h200.pci_device_id, h200.memory_total_mib) == ("NVIDIA H200", 0x233510DE,
-                                                                      143771)
-    rows = {p.name: (p.index, p.id, p.memory_mib, p.instance_count, p.multiprocessors,
-                     p.engines.copy, p.engines.decoder, p.engines.jpeg, p.engines.ofa,
-                     [str(x) for x in p.placements]) for p in h200.gi_profiles}
+    assert (h200.name, h200.pci_device_id, h200.memory_total_mib) == (
+        "NVIDIA H200",
+        0x233510DE,
+        143771,
+    )
+    rows = {
+        p.name: (
+            p.index,
+            p.id,
+            p.memory_mib,
+            p.instance_count,
+            p.multiprocessors,
+            p.engines.copy,
+            p.engines.decoder,
+            p.engines.jpeg,
+            p.engines.ofa,
+            [str(x) for x in p.placements],
+        )
+        for p in h200.gi_profiles
+    }
     assert rows["1g.18gb"] == (0, 19, 16384, 7, 16, 1, 1, 1, 0, [f"{i}:1" for i in range(7)])
     assert rows["1g.18gb+me"][:2] == (7, 20) and rows["1g.18gb+me"][8] == 1
     assert rows["1g.35gb"] == (9, 15, 33280, 4, 26, 1, 1, 1, 0, ["0:2", "2:2", "4:2", "6:2"])
@@ -51,14 +66,17 @@ def test_h200_is_the_real_readout() -> None:
     assert rows["7g.141gb"] == (4, 0, 143360, 1, 132, 8, 7, 7, 1, ["0:8"])
 
 
-@pytest.mark.parametrize("name,mixed,single", [
-    ("1g.10gb", "nvidia.com/mig-1g.10gb", "nvidia.com/gpu"),
-    ("1g.10gb+me", "nvidia.com/mig-1g.10gb.me", "nvidia.com/gpu"),
-    ("1g.24gb-me", "nvidia.com/mig-1g.24gb-me", "nvidia.com/gpu"),
-    ("1g.24gb+me.all", "nvidia.com/mig-1g.24gb.me.all", "nvidia.com/gpu"),
-    # CI-split devices match no mixed-strategy pattern; single matches every MIG device
-    ("1c.3g.40gb", None, "nvidia.com/gpu"),
-])
+@pytest.mark.parametrize(
+    "name,mixed,single",
+    [
+        ("1g.10gb", "nvidia.com/mig-1g.10gb", "nvidia.com/gpu"),
+        ("1g.10gb+me", "nvidia.com/mig-1g.10gb.me", "nvidia.com/gpu"),
+        ("1g.24gb-me", "nvidia.com/mig-1g.24gb-me", "nvidia.com/gpu"),
+        ("1g.24gb+me.all", "nvidia.com/mig-1g.24gb.me.all", "nvidia.com/gpu"),
+        # CI-split devices match no mixed-strategy pattern; single matches every MIG device
+        ("1c.3g.40gb", None, "nvidia.com/gpu"),
+    ],
+)
 def test_resource_names(name: str, mixed: str | None, single: str | None) -> None:
     assert resource_name(name, strategy="mixed") == mixed
     assert resource_name(name, strategy="single") == single

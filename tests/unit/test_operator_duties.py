@@ -42,14 +42,22 @@ STOPPED = "mig-agent.dev/stopped-host-services"
 def add_validators(cluster: FakeCluster) -> dict[str, object]:
     return {
         "cuda": cluster.add_pod(DP_NS, "cuda", NODE, labels={"app": "nvidia-cuda-validator"}),
-        "plugin": cluster.add_pod(DP_NS, "plugin-val", NODE,
-                                  labels={"app": "nvidia-device-plugin-validator"}),
-        "operator": cluster.add_pod(DP_NS, "operator-val", NODE, owner="DaemonSet",
-                                    labels={"app": "nvidia-operator-validator"}),
-        "other_node": cluster.add_pod(DP_NS, "cuda-other", "gpu-node-1",
-                                      labels={"app": "nvidia-cuda-validator"}),
-        "other_ns": cluster.add_pod("work", "cuda-lookalike", NODE,
-                                    labels={"app": "nvidia-cuda-validator"}),
+        "plugin": cluster.add_pod(
+            DP_NS, "plugin-val", NODE, labels={"app": "nvidia-device-plugin-validator"}
+        ),
+        "operator": cluster.add_pod(
+            DP_NS,
+            "operator-val",
+            NODE,
+            owner="DaemonSet",
+            labels={"app": "nvidia-operator-validator"},
+        ),
+        "other_node": cluster.add_pod(
+            DP_NS, "cuda-other", "gpu-node-1", labels={"app": "nvidia-cuda-validator"}
+        ),
+        "other_ns": cluster.add_pod(
+            "work", "cuda-lookalike", NODE, labels={"app": "nvidia-cuda-validator"}
+        ),
         "other_app": cluster.add_pod(DP_NS, "dcgm", NODE, labels={"app": "nvidia-dcgm"}),
     }
 
@@ -76,8 +84,9 @@ def test_validators_go_before_and_after_a_change_and_nothing_else_does() -> None
     assert {pods["other_node"], pods["other_ns"], pods["other_app"]} <= left
     assert not cluster.evicted  # deleted, not drained: they hold no GPU
     # a pass with nothing to change deletes no validator
-    again = cluster.add_pod(DP_NS, "operator-val-2", NODE,
-                            labels={"app": "nvidia-operator-validator"})
+    again = cluster.add_pod(
+        DP_NS, "operator-val-2", NODE, labels={"app": "nvidia-operator-validator"}
+    )
     assert agent.reconcile_once().outcome is Outcome.NOOP
     assert again in cluster.pods
 
@@ -111,14 +120,16 @@ def test_a_failed_delete_of_the_operator_validator_does_not_fail_an_applied_layo
 # ---- hooks ----------------------------------------------------------------------------------
 
 
-def recording_runner(gpus: FakeGpus, seen: list[tuple[str, Mapping[str, str], tuple[bool, int]]]
-                     ) -> commands.Runner:
+def recording_runner(
+    gpus: FakeGpus, seen: list[tuple[str, Mapping[str, str], tuple[bool, int]]]
+) -> commands.Runner:
     """Runs each command for real, noting its hook, environment and GPU 0 at that moment."""
 
     def run(command: Command, env: Mapping[str, str], timeout_s: float) -> Completed:
         g = gpus.observe().gpu(0)
-        seen.append((env.get("MIG_AGENT_HOOK", ""), dict(env),
-                     (g.mig_current, len(g.gpu_instances))))
+        seen.append(
+            (env.get("MIG_AGENT_HOOK", ""), dict(env), (g.mig_current, len(g.gpu_instances)))
+        )
         return commands.run_command(command, env, timeout_s)
 
     return run
@@ -133,16 +144,24 @@ def hooks_file(tmp_path: Path, names: tuple[str, ...]) -> str:
 
 def test_hooks_run_in_mig_parteds_order_with_the_nodes_context(tmp_path: Path) -> None:
     names = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit", "post-apply")
-    agent, cluster, gpus = make(hooks_file=hooks_file(tmp_path, names),
-                                pre_apply_command="/bin/true pre",
-                                post_apply_command="/bin/true post")
+    agent, cluster, gpus = make(
+        hooks_file=hooks_file(tmp_path, names),
+        pre_apply_command="/bin/true pre",
+        post_apply_command="/bin/true post",
+    )
     seen: list[tuple[str, Mapping[str, str], tuple[bool, int]]] = []
     agent.run_command = recording_runner(gpus, seen)
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
-    assert [h for h, _, _ in seen] == ["apply-start", "apply-start", "pre-apply-mode",
-                                       "pre-apply-config", "apply-exit", "post-apply",
-                                       "post-apply"]
+    assert [h for h, _, _ in seen] == [
+        "apply-start",
+        "apply-start",
+        "pre-apply-mode",
+        "pre-apply-config",
+        "apply-exit",
+        "post-apply",
+        "post-apply",
+    ]
     gpu0 = {h: g for h, _, g in seen}
     # mode phase between pre-apply-mode and pre-apply-config, instances after
     assert gpu0["pre-apply-mode"] == (False, 0) and gpu0["pre-apply-config"] == (True, 0)
@@ -167,7 +186,8 @@ def test_hooks_run_in_mig_parteds_order_with_the_nodes_context(tmp_path: Path) -
 
 def test_a_failing_post_apply_command_fails_with_its_output_and_the_fix_finishes() -> None:
     agent, cluster, gpus = make(
-        post_apply_command="sh -c 'echo generating; echo nvidia-ctk: no such file >&2; exit 3'")
+        post_apply_command="sh -c 'echo generating; echo nvidia-ctk: no such file >&2; exit 3'"
+    )
     label(cluster, "all-1g.10gb")
     result = agent.reconcile_once()
     node = cluster.nodes[NODE]
@@ -175,7 +195,8 @@ def test_a_failing_post_apply_command_fails_with_its_output_and_the_fix_finishes
     assert node.labels[STATE] == "failed"
     assert node.annotations[REASON] == (
         "post-apply hook `sh -c 'echo generating; echo nvidia-ctk: no such file >&2; exit 3'` "
-        "exited with status 3: generating | nvidia-ctk: no such file")
+        "exited with status 3: generating | nvidia-ctk: no such file"
+    )
     assert node.annotations[POST_APPLY_PENDING] == "all-1g.10gb"
     assert_clean(cluster)
     assert node.labels[DP_LABEL] == "true"
@@ -189,15 +210,19 @@ def test_a_failing_post_apply_command_fails_with_its_output_and_the_fix_finishes
     assert_clean(cluster)
 
 
-@pytest.mark.parametrize("command, fragment", [
-    ("sh -c 'echo site check failed; exit 1'",
-     "apply-start hook `sh -c 'echo site check failed; exit 1'` exited with status 1: "
-     "site check failed"),
-    ("sleep 30", "apply-start hook `sleep 30` did not finish within 0.3 s (killed)"),
-    ("/nonexistent/site-hook", "apply-start hook `/nonexistent/site-hook` could not run"),
-])
-def test_a_failing_pre_apply_command_leaves_the_gpus_untouched(command: str,
-                                                               fragment: str) -> None:
+@pytest.mark.parametrize(
+    "command, fragment",
+    [
+        (
+            "sh -c 'echo site check failed; exit 1'",
+            "apply-start hook `sh -c 'echo site check failed; exit 1'` exited with status 1: "
+            "site check failed",
+        ),
+        ("sleep 30", "apply-start hook `sleep 30` did not finish within 0.3 s (killed)"),
+        ("/nonexistent/site-hook", "apply-start hook `/nonexistent/site-hook` could not run"),
+    ],
+)
+def test_a_failing_pre_apply_command_leaves_the_gpus_untouched(command: str, fragment: str) -> None:
     agent, cluster, gpus = make(pre_apply_command=command, command_timeout_s=0.3)
     pod = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
     label(cluster, "all-1g.10gb")
@@ -209,8 +234,7 @@ def test_a_failing_pre_apply_command_leaves_the_gpus_untouched(command: str,
     assert_clean(cluster)
 
 
-def test_apply_exit_runs_after_a_failed_apply_whose_error_stays_the_reason(
-        tmp_path: Path) -> None:
+def test_apply_exit_runs_after_a_failed_apply_whose_error_stays_the_reason(tmp_path: Path) -> None:
     path = tmp_path / "hooks.yaml"
     path.write_text("version: v1\nhooks:\n  apply-exit:\n  - command: /bin/false\n")
     agent, cluster, gpus = make(hooks_file=str(path))
@@ -263,9 +287,12 @@ class Host:
             pid = self.running.pop(name)
             self.stopped[name] = pid
             g = self.gpus.gpus[0]
-            self.gpus.gpus[0] = type(g)(**{**{f: getattr(g, f) for f in g.__slots__},
-                                           "processes": tuple(p for p in g.processes
-                                                              if p.pid != pid)})
+            self.gpus.gpus[0] = type(g)(
+                **{
+                    **{f: getattr(g, f) for f in g.__slots__},
+                    "processes": tuple(p for p in g.processes if p.pid != pid),
+                }
+            )
             return Completed(0, "")
         if action == "start":
             if name in self.stopped:
@@ -277,10 +304,16 @@ class Host:
 
 def a100_node(tmp_path: Path, **settings: object) -> tuple[Agent, FakeCluster, FakeGpus]:
     clients = tmp_path / "clients.yaml"
-    clients.write_text("version: v1\nsystemd-services: [nvsm.service, nvidia-dcgm.service, "
-                       "dcgm-exporter.service]\n")
-    return make(FakeGpus([MODELS["A100-40GB"]] * 2), host_gpu_clients_file=str(clients),
-                gpu_release_timeout_s=3.0, **settings)
+    clients.write_text(
+        "version: v1\nsystemd-services: [nvsm.service, nvidia-dcgm.service, "
+        "dcgm-exporter.service]\n"
+    )
+    return make(
+        FakeGpus([MODELS["A100-40GB"]] * 2),
+        host_gpu_clients_file=str(clients),
+        gpu_release_timeout_s=3.0,
+        **settings,
+    )
 
 
 def test_off_the_reason_names_the_running_host_services_and_processes(tmp_path: Path) -> None:
@@ -292,8 +325,10 @@ def test_off_the_reason_names_the_running_host_services_and_processes(tmp_path: 
     reason = cluster.nodes[NODE].annotations[REASON]
     assert result.outcome is Outcome.FAILED and result.retry_after_s is not None
     assert "MIG mode change is in use by process(es) 4242" in reason
-    assert ("GPU(s) [0, 1] need a reset for the MIG mode change; host GPU client service(s) "
-            "running: nvidia-dcgm.service (stopping them is off") in reason
+    assert (
+        "GPU(s) [0, 1] need a reset for the MIG mode change; host GPU client service(s) "
+        "running: nvidia-dcgm.service (stopping them is off"
+    ) in reason
     assert not any(c.startswith(("stop", "start")) for c in host.calls)
     assert not gpus.calls
     assert_clean(cluster)
@@ -323,26 +358,39 @@ def test_on_the_active_host_services_stop_for_the_reset_and_start_again(tmp_path
     label(cluster, "all-1g.5gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert host.calls == [
-        "is-active nvsm.service", "is-active nvidia-dcgm.service",
-        "is-active dcgm-exporter.service", "stop nvsm.service", "stop nvidia-dcgm.service",
-        "start nvsm.service", "start nvidia-dcgm.service"]
+        "is-active nvsm.service",
+        "is-active nvidia-dcgm.service",
+        "is-active dcgm-exporter.service",
+        "stop nvsm.service",
+        "stop nvidia-dcgm.service",
+        "start nvsm.service",
+        "start nvidia-dcgm.service",
+    ]
     assert held_at_mode_change == []
     assert sorted(p.pid for p in gpus.gpus[0].processes) == [100, 101]  # running again
     node = cluster.nodes[NODE]
     assert node.labels[STATE] == "success" and STOPPED not in node.annotations
     assert [(e[1], e[2]) for e in cluster.events if "HostClients" in e[1]] == [
-        ("MIGHostClientsStopped", "stopped host GPU client(s) nvsm.service, "
-                                  "nvidia-dcgm.service for the reset of GPU(s) [0, 1]"),
-        ("MIGHostClientsStarted", "started host GPU client(s) nvsm.service, "
-                                  "nvidia-dcgm.service again")]
+        (
+            "MIGHostClientsStopped",
+            "stopped host GPU client(s) nvsm.service, "
+            "nvidia-dcgm.service for the reset of GPU(s) [0, 1]",
+        ),
+        (
+            "MIGHostClientsStarted",
+            "started host GPU client(s) nvsm.service, nvidia-dcgm.service again",
+        ),
+    ]
     assert_clean(cluster)
 
 
 def test_a_service_that_does_not_stop_fails_the_pass_and_the_others_start_again(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     agent, cluster, gpus = a100_node(tmp_path, stop_host_gpu_clients=True)
-    host = Host(gpus, {"nvsm.service": 100, "nvidia-dcgm.service": 101},
-                refuse="nvidia-dcgm.service")
+    host = Host(
+        gpus, {"nvsm.service": 100, "nvidia-dcgm.service": 101}, refuse="nvidia-dcgm.service"
+    )
     agent.run_command = host
     label(cluster, "all-1g.5gb")
     result = agent.reconcile_once()
@@ -350,9 +398,12 @@ def test_a_service_that_does_not_stop_fails_the_pass_and_the_others_start_again(
     assert result.outcome is Outcome.FAILED and result.retry_after_s is not None
     assert node.annotations[REASON] == (
         "could not stop host GPU client nvidia-dcgm.service for the reset of GPU(s) [0, 1]: "
-        "exited with status 1: Failed to stop nvidia-dcgm.service: Access denied")
+        "exited with status 1: Failed to stop nvidia-dcgm.service: Access denied"
+    )
     assert "start nvsm.service" in host.calls and host.running.keys() == {
-        "nvsm.service", "nvidia-dcgm.service"}
+        "nvsm.service",
+        "nvidia-dcgm.service",
+    }
     assert not gpus.calls and STOPPED not in node.annotations
     assert_clean(cluster)
 
@@ -395,12 +446,14 @@ def test_a_mode_change_without_a_reset_stops_no_service(tmp_path: Path) -> None:
 
 
 def no_chroot(command: Command, env: Mapping[str, str], timeout_s: float) -> Completed:
-    return Completed(125, "chroot: cannot change root directory to '/host': No such file or "
-                          "directory")
+    return Completed(
+        125, "chroot: cannot change root directory to '/host': No such file or directory"
+    )
 
 
 def test_a_service_command_that_cannot_answer_is_said_so_not_taken_for_stopped(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     agent, cluster, gpus = a100_node(tmp_path)
     gpus.add_process(0, 4242, None)
     agent.run_command = no_chroot
@@ -408,15 +461,22 @@ def test_a_service_command_that_cannot_answer_is_said_so_not_taken_for_stopped(
     assert agent.reconcile_once().outcome is Outcome.FAILED
     reason = cluster.nodes[NODE].annotations[REASON]
     assert "process(es) 4242" in reason and "none of the host GPU clients" not in reason
-    assert ("(nvsm.service, nvidia-dcgm.service, dcgm-exporter.service) may hold the GPU "
-            "(`chroot /host systemctl is-active nvsm.service` exited with status 125: chroot: "
-            "cannot change root directory to '/host'") in reason
+    assert (
+        "(nvsm.service, nvidia-dcgm.service, dcgm-exporter.service) may hold the GPU "
+        "(`chroot /host systemctl is-active nvsm.service` exited with status 125: chroot: "
+        "cannot change root directory to '/host'"
+    ) in reason
     # with stopping on, the pass fails before any GPU or service is touched
     agent.settings = agent.settings.replace(stop_host_gpu_clients=True)
     assert agent.reconcile_once().outcome is Outcome.FAILED
-    assert cluster.nodes[NODE].annotations[REASON].startswith(
-        "cannot tell which host GPU clients run: `chroot /host systemctl is-active "
-        "nvsm.service` exited with status 125")
+    assert (
+        cluster.nodes[NODE]
+        .annotations[REASON]
+        .startswith(
+            "cannot tell which host GPU clients run: `chroot /host systemctl is-active "
+            "nvsm.service` exited with status 125"
+        )
+    )
     assert not gpus.calls
     assert_clean(cluster)
 

@@ -30,7 +30,7 @@ from mig_agent.core.errors import ConfigError, UnknownLayout
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.snapshot import compact, empty_node
 from mig_agent.kube.cluster import NodeView
-from mig_agent.node.drain import Clock
+from mig_agent.node.waits import Clock
 from mig_agent.ops import Action, Result, RolloutRefused
 from tests.unit.fake_cluster import FakeCluster
 

@@ -332,8 +332,9 @@ def test_a_node_plans_each_gpu_as_it_would_alone(model: GpuModel, data: st.DataO
         execute(plan(layout_of(starts[g // 2]), single.observe(), single.models()), single)
         for gi in single.observe().gpu(0).gpu_instances:
             gpus.create_gpu_instance(g, gi.profile_id, gi.placement)
-        for gi, mine in zip(single.observe().gpu(0).gpu_instances,
-                            gpus.observe().gpu(g).gpu_instances, strict=True):
+        for gi, mine in zip(
+            single.observe().gpu(0).gpu_instances, gpus.observe().gpu(g).gpu_instances, strict=True
+        ):
             for ci in gi.compute_instances:
                 gpus.create_compute_instance(g, mine.id, ci.profile_id, ci.placement)
     busy = data.draw(st.sampled_from([None, 1, 3]))
@@ -345,8 +346,10 @@ def test_a_node_plans_each_gpu_as_it_would_alone(model: GpuModel, data: st.DataO
         together = plan(target, node, gpus.models(), destroy_in_use=True)
     except PlanError:
         return  # a target the model cannot hold: nothing to compare
-    alone = tuple(plan_gpu(model, node.gpu(g), target.rules[0].gpu_layout, destroy_in_use=True)
-                  for g in range(4))
+    alone = tuple(
+        plan_gpu(model, node.gpu(g), target.rules[0].gpu_layout, destroy_in_use=True)
+        for g in range(4)
+    )
     assert together.gpus == alone
     assert all(p.gpu == g for g, p in enumerate(together.gpus))
 
@@ -365,15 +368,15 @@ def test_the_plan_after_the_drain_keeps_what_the_plan_before_it_kept() -> None:
 
     idle = kept(plan(target, gpus.observe(), gpus.models()))
     # a pod on an instance the idle plan would not keep
-    busy = next(gi for gi in gpus.observe().gpu(0).gpu_instances
-                if gi.placement.start not in idle)
+    busy = next(gi for gi in gpus.observe().gpu(0).gpu_instances if gi.placement.start not in idle)
     gpus.add_process(0, 4242, busy.id)
     before = plan(target, gpus.observe(), gpus.models(), destroy_in_use=True)
     assert busy.placement.start in kept(before)
     # the drain evicted the pods on what `before` destroys; one's process lingers a moment:
     # the re-plan does not keep its instance for it, it waits (GpuBusy) until it is gone
-    lingering = next(gi for gi in gpus.observe().gpu(0).gpu_instances
-                     if gi.placement.start not in kept(before))
+    lingering = next(
+        gi for gi in gpus.observe().gpu(0).gpu_instances if gi.placement.start not in kept(before)
+    )
     gpus.gpus[0] = dataclasses.replace(gpus.gpus[0], processes=())
     gpus.add_process(0, 4343, lingering.id)
     with pytest.raises(GpuBusy, match="4343"):
@@ -393,8 +396,7 @@ def test_a_busy_gpu_keeps_its_busy_instance_though_alike_gpus_keep_others() -> N
     execute(plan(layout_of({"1g.10gb": 7}), gpus.observe(), gpus.models()), gpus)
     busy = gpus.observe().gpu(5).gpu_instances[2]
     gpus.add_process(5, 4242, busy.id)
-    p = plan(layout_of({"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}), gpus.observe(),
-             gpus.models())
+    p = plan(layout_of({"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}), gpus.observe(), gpus.models())
     kept = {g.gpu: sorted(d.gi_placement.start for d in g.devices if d.kept) for g in p.gpus}
     assert busy.placement.start in kept[5]
     assert all(busy.placement.start not in kept[g] for g in kept if g != 5)

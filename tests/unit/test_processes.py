@@ -27,10 +27,13 @@ from migsim.cluster.processes import Proc, spawn, stop
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(30)"]
 # The main thread exits (pthread_exit) and leaves a second thread running.
-THREADED = [sys.executable, "-c",
-            "import ctypes, threading, time\n"
-            "threading.Thread(target=time.sleep, args=(30,)).start()\n"
-            "ctypes.CDLL(None).pthread_exit(None)\n"]
+THREADED = [
+    sys.executable,
+    "-c",
+    "import ctypes, threading, time\n"
+    "threading.Thread(target=time.sleep, args=(30,)).start()\n"
+    "ctypes.CDLL(None).pthread_exit(None)\n",
+]
 
 
 def _sleeper(tmp_path: Path, name: str = "sleeper") -> Proc:
@@ -51,7 +54,7 @@ def _zombie(proc: Proc) -> bool:
         stat = Path(f"/proc/{proc.pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:].split()[0] == "Z"
+    return stat[stat.rindex(")") + 2 :].split()[0] == "Z"
 
 
 def _record_agent(directory: Path, node: str, agent: Proc, plugin: Proc) -> None:
@@ -71,8 +74,9 @@ def test_a_killed_agent_is_reaped_at_once(tmp_path: Path) -> None:
 
 
 def test_stop_reaps_a_child_that_exited_before(tmp_path: Path) -> None:
-    exited = spawn("short", [sys.executable, "-c", "import time; time.sleep(0.3)"],
-                   tmp_path / "short.log")
+    exited = spawn(
+        "short", [sys.executable, "-c", "import time; time.sleep(0.3)"], tmp_path / "short.log"
+    )
     running = _sleeper(tmp_path)
     deadline = time.monotonic() + 10
     while not _zombie(exited) and time.monotonic() < deadline:
@@ -84,7 +88,8 @@ def test_stop_reaps_a_child_that_exited_before(tmp_path: Path) -> None:
 
 
 def test_a_child_whose_leader_exited_before_its_threads_is_killed_and_reaped(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     killed = spawn("agent", THREADED, tmp_path / "agent.log")
     stopped = spawn("plugin", THREADED, tmp_path / "plugin.log")
     deadline = time.monotonic() + 10
@@ -109,8 +114,9 @@ def test_processes_of_another_parent_are_killed_and_stopped(tmp_path: Path) -> N
         "procs = [spawn(n, argv, Path(sys.argv[1]) / f'{n}.log') for n in ('a', 'b')]\n"
         "print(json.dumps([[p.name, p.pid, p.start_ticks] for p in procs]))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True, text=True
+    ).stdout
     first, second = (Proc(*p) for p in json.loads(out))
     for proc in (first, second):
         with pytest.raises(ChildProcessError):

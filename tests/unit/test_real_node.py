@@ -37,7 +37,8 @@ from mig_agent.core.placement import Placement
 from mig_agent.core.planner import CreateComputeInstance
 from mig_agent.kube.cluster import NodeCondition, NodeView, PodRef
 from mig_agent.node.apply import execute
-from mig_agent.node.drain import GRACE_MARGIN_S, Clock
+from mig_agent.node.drain import GRACE_MARGIN_S
+from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.test_agent import (
     CONFIG,
@@ -110,7 +111,8 @@ def test_a_change_with_an_unhealthy_device_completes_and_says_so() -> None:
     assert condition.status == "True" and "1 device(s) unhealthy" in condition.message
     assert [e for e in cluster.events if e[1] == "MIGUnhealthyDevices" and e[3]]
     unhealthy = agent.metrics.registry.get_sample_value(
-        "mig_agent_unhealthy_devices", {"resource": MIG_1G})
+        "mig_agent_unhealthy_devices", {"resource": MIG_1G}
+    )
     assert unhealthy == 1
 
 
@@ -130,7 +132,8 @@ def test_a_failed_node_with_its_layout_in_place_but_a_device_unhealthy_is_left_a
     assert not any(kw.get("unschedulable") for kw in patches)  # no cordon
     assert not any(PAUSED in (kw.get("labels") or {}).values() for kw in patches)  # no pause
     assert "7 device(s) unhealthy" in next(
-        c.message for c in cluster.nodes[NODE].conditions if c.type == "MIGConfigApplied")
+        c.message for c in cluster.nodes[NODE].conditions if c.type == "MIGConfigApplied"
+    )
 
 
 def test_a_plugin_that_lists_nothing_allocatable_after_the_restart_fails_the_change() -> None:
@@ -186,8 +189,10 @@ def test_a_kept_gpu_instance_destroyed_under_the_plan_is_a_failed_step() -> None
     gi = gpus.create_gpu_instance(0, one.id, Placement(0, 1))  # no compute instance yet
     layout = load_catalog([PROFILES]).get("all-1g.10gb")
     the_plan = planner.plan(layout, gpus.observe(), gpus.models())
-    assert any(isinstance(s, CreateComputeInstance) and s.gi_placement == Placement(0, 1)
-               for s in the_plan.steps)
+    assert any(
+        isinstance(s, CreateComputeInstance) and s.gi_placement == Placement(0, 1)
+        for s in the_plan.steps
+    )
     gpus.destroy_gpu_instance(0, gi)  # by hand, after the plan
     with pytest.raises(GpuStepFailed, match="is gone"):
         execute(the_plan, gpus)
@@ -202,7 +207,8 @@ class ScriptedAgent:
 
     results: list[PassResult]
     settings: Settings = dataclasses.field(
-        default_factory=lambda: Settings(node_name=NODE, resync_s=300.0))
+        default_factory=lambda: Settings(node_name=NODE, resync_s=300.0)
+    )
     cluster: FakeCluster = dataclasses.field(default_factory=FakeCluster)
     clock: Clock = dataclasses.field(default_factory=Clock)
     wake_event: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -235,8 +241,10 @@ class ScriptedAgent:
 def test_a_superseded_pass_is_followed_at_once_without_a_watch() -> None:
     """Before: retry_after_s=0.0 read as 'no retry' (0.0 or resync_s): a whole resync."""
     t = FakeTime()
-    agent = ScriptedAgent([PassResult(Outcome.SUPERSEDED, retry_after_s=0.0),
-                           PassResult(Outcome.APPLIED)], clock=Clock(t.now, t.sleep, t.wait))
+    agent = ScriptedAgent(
+        [PassResult(Outcome.SUPERSEDED, retry_after_s=0.0), PassResult(Outcome.APPLIED)],
+        clock=Clock(t.now, t.sleep, t.wait),
+    )
     agent.cluster.add_node(NODE)
     agent.cluster.down = True  # no watch to wake the loop
     worker = threading.Thread(target=loop.run, args=(agent, agent.stop))
@@ -275,8 +283,9 @@ def test_a_stop_ends_the_drains_wait_at_once_and_undoes_the_marks() -> None:
     """Before: the drain waited its 300 s whatever the stop event said (the DaemonSet gives the
     agent 60 s: SIGKILL mid-pass)."""
     agent, cluster, gpus = make()
-    stuck = cluster.add_pod("ml", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1},
-                            grace_period_s=600)
+    stuck = cluster.add_pod(
+        "ml", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1}, grace_period_s=600
+    )
     cluster.linger.add(stuck)  # evicted, it terminates for as long as the test says
     label(cluster, "all-1g.10gb")
     sleep = agent.clock.sleep
@@ -310,8 +319,7 @@ def test_a_daemonsets_gpu_pod_no_paused_label_stops_is_refused_before_the_cordon
     """Before: evicted, re-created at once (DaemonSets tolerate the cordon), the pass failed
     GpuBusy at every retry with the node cordoned each time."""
     agent, cluster, gpus = make()
-    cluster.add_pod("monitoring", "gpu-burn-x7", NODE, gpu={"nvidia.com/gpu": 1},
-                    owner="DaemonSet")
+    cluster.add_pod("monitoring", "gpu-burn-x7", NODE, gpu={"nvidia.com/gpu": 1}, owner="DaemonSet")
     label(cluster, "all-1g.10gb")
     result = agent.reconcile_once()
     assert result.outcome is Outcome.FAILED and result.retry_after_s
@@ -326,8 +334,14 @@ def test_a_daemonsets_gpu_pod_no_paused_label_stops_is_refused_before_the_cordon
 def test_a_daemonsets_gpu_pod_on_a_paused_operand_label_goes_with_the_operands() -> None:
     agent, cluster, gpus = make()
     cluster.patch_node(NODE, labels={CLIENT: "true"})
-    ds = cluster.add_pod("monitoring", "gpu-burn-x7", NODE, gpu={"nvidia.com/gpu": 1},
-                         owner="DaemonSet", node_selector={CLIENT: "true"})
+    ds = cluster.add_pod(
+        "monitoring",
+        "gpu-burn-x7",
+        NODE,
+        gpu={"nvidia.com/gpu": 1},
+        owner="DaemonSet",
+        node_selector={CLIENT: "true"},
+    )
     original = cluster.on_change
     assert original is not None
 
@@ -440,7 +454,8 @@ def test_a_cordon_someone_set_during_the_pass_survives_it() -> None:
         evict(pod)
         # kubectl uncordon + cordon (maintenance): spec.unschedulable now kubectl's
         cluster.nodes[NODE] = dataclasses.replace(
-            cluster.nodes[NODE], unschedulable=True, unschedulable_by=("kubectl-cordon",))
+            cluster.nodes[NODE], unschedulable=True, unschedulable_by=("kubectl-cordon",)
+        )
 
     cluster.evict = admin_cordons_meanwhile  # type: ignore[method-assign]
     label(cluster, "all-1g.10gb")

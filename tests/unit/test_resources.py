@@ -54,8 +54,10 @@ def partitioned(models: list[GpuModel], rules: str) -> FakeGpus:
 def entry(devices: str, mig_devices: str, *, filter_: str = "") -> str:
     enabled = "true" if mig_devices else "false"
     dev_filter = f"      device-filter: {filter_!r}\n" if filter_ else ""
-    return (f"    - devices: {devices}\n{dev_filter}      mig-enabled: {enabled}\n"
-            f"      mig-devices: {{{mig_devices}}}\n")
+    return (
+        f"    - devices: {devices}\n{dev_filter}      mig-enabled: {enabled}\n"
+        f"      mig-devices: {{{mig_devices}}}\n"
+    )
 
 
 SPLIT = entry("[0]", '"1c.3g.40gb": 3') + entry("[1]", "")
@@ -71,8 +73,12 @@ def test_split_ci_devices_make_the_mixed_plugin_advertise_nothing() -> None:
 
 
 def test_the_mixed_refusal_names_strategy_profile_and_gpus() -> None:
-    devices = {0: Counter({"1c.3g.40gb": 3, "3g.40gb": 1}), 1: Counter({"2c.3g.40gb": 1}),
-               2: Counter({"1g.10gb": 7}), 3: None}
+    devices = {
+        0: Counter({"1c.3g.40gb": 3, "3g.40gb": 1}),
+        1: Counter({"2c.3g.40gb": 1}),
+        2: Counter({"1g.10gb": 7}),
+        3: None,
+    }
     problem = strategy_problem(devices, "mixed")
     assert "mixed MIG strategy" in problem
     assert "(1c.3g.40gb, 2c.3g.40gb on GPU(s) 0, 1)" in problem
@@ -103,7 +109,8 @@ def test_a_planned_split_layout_is_refused_in_mixed_before_anything_changes() ->
 
 
 STATION = entry("all", '"1g.10gb": 7', filter_="0x20B210DE") + entry(
-    "all", "", filter_="0x1FB010DE")
+    "all", "", filter_="0x1FB010DE"
+)
 
 
 def test_display_gpus_are_not_advertised() -> None:
@@ -130,20 +137,26 @@ def test_replicas_multiply_and_rename_by_default_renames() -> None:
     devices = {0: Counter({"1g.10gb": 7}), 1: Counter({"3g.40gb": 2})}
     ts = Sharing("time-slicing", (SharedResource("nvidia.com/mig-1g.10gb", 4),))
     assert advertised_resources(devices, "mixed", ts) == {
-        "nvidia.com/mig-1g.10gb": 28, "nvidia.com/mig-3g.40gb": 2}
-    renamed = Sharing("time-slicing",
-                      (SharedResource("nvidia.com/gpu", 2, "nvidia.com/gpu.shared"),))
+        "nvidia.com/mig-1g.10gb": 28,
+        "nvidia.com/mig-3g.40gb": 2,
+    }
+    renamed = Sharing(
+        "time-slicing", (SharedResource("nvidia.com/gpu", 2, "nvidia.com/gpu.shared"),)
+    )
     assert advertised_resources(devices, "single", renamed) == {}  # two profiles
-    assert advertised_resources({0: Counter({"1g.10gb": 7}), 1: Counter({"1g.10gb": 7})},
-                                "single", renamed) == {"nvidia.com/gpu.shared": 28}
+    assert advertised_resources(
+        {0: Counter({"1g.10gb": 7}), 1: Counter({"1g.10gb": 7})}, "single", renamed
+    ) == {"nvidia.com/gpu.shared": 28}
     assert advertised_resources({0: None, 1: None}, "mixed", renamed) == {
-        "nvidia.com/gpu.shared": 4}
+        "nvidia.com/gpu.shared": 4
+    }
 
 
 def test_a_shared_resource_the_node_lacks_changes_nothing() -> None:
     ts = Sharing("time-slicing", (SharedResource("nvidia.com/mig-7g.80gb", 3),))
     assert advertised_resources({0: Counter({"1g.10gb": 7})}, "mixed", ts) == {
-        "nvidia.com/mig-1g.10gb": 7}
+        "nvidia.com/mig-1g.10gb": 7
+    }
 
 
 CONFIG = """
@@ -168,36 +181,65 @@ def sharing_of(text: str) -> Sharing:
 
 
 def test_parse_sharing_as_the_plugin_reads_it() -> None:
-    assert sharing_of(CONFIG.format(rename="false")) == Sharing("time-slicing", (
-        SharedResource("nvidia.com/mig-1g.10gb", 4), SharedResource("nvidia.com/gpu", 2)),
-        "dp.yaml")
+    assert sharing_of(CONFIG.format(rename="false")) == Sharing(
+        "time-slicing",
+        (SharedResource("nvidia.com/mig-1g.10gb", 4), SharedResource("nvidia.com/gpu", 2)),
+        "dp.yaml",
+    )
     renamed = sharing_of(CONFIG.format(rename="true"))
     assert [r.rename for r in renamed.resources] == [
-        "nvidia.com/mig-1g.10gb.shared", "nvidia.com/gpu.shared"]
-    assert sharing_of("") == sharing_of("version: v1\nflags: {migStrategy: single}\n") == Sharing(
-        source="dp.yaml")
-    both = sharing_of("sharing:\n  mps: {resources: [{name: gpu, replicas: 3}]}\n"
-                      "  timeSlicing: {resources: [{name: gpu, replicas: 5}]}\n")
+        "nvidia.com/mig-1g.10gb.shared",
+        "nvidia.com/gpu.shared",
+    ]
+    assert (
+        sharing_of("")
+        == sharing_of("version: v1\nflags: {migStrategy: single}\n")
+        == Sharing(source="dp.yaml")
+    )
+    both = sharing_of(
+        "sharing:\n  mps: {resources: [{name: gpu, replicas: 3}]}\n"
+        "  timeSlicing: {resources: [{name: gpu, replicas: 5}]}\n"
+    )
     assert both == Sharing("mps", (SharedResource("nvidia.com/gpu", 3),), "dp.yaml")
 
 
-@pytest.mark.parametrize("text,key,fragment", [
-    ("version: v2\n", "version", "unknown version 'v2'"),
-    ("sharing: [1]\n", "sharing", "must be a mapping"),
-    ("sharing: {timeSlicing: {}}\n", "sharing.timeSlicing.resources", "no resources specified"),
-    ("sharing: {timeSlicing: {resources: [{name: gpu}]}}\n",
-     "sharing.timeSlicing.resources[0].replicas", "must be an integer >= 2, got None"),
-    ("sharing: {timeSlicing: {resources: [{name: gpu, replicas: 1}]}}\n",
-     "sharing.timeSlicing.resources[0].replicas", "got 1"),
-    ("sharing: {mps: {resources: [{name: mig-1g.10gb+me, replicas: 2}]}}\n",
-     "sharing.mps.resources[0].name", "'mig-1g.10gb+me' is not a valid resource name"),
-    ("sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, devices: none}]}}\n",
-     "sharing.timeSlicing.resources[0].devices", "got 'none'"),
-    ("sharing: {timeSlicing: {renameByDefault: 'yes', resources: [{name: gpu, replicas: 2}]}}\n",
-     "sharing.timeSlicing.renameByDefault", "must be true or false"),
-])
+@pytest.mark.parametrize(
+    "text,key,fragment",
+    [
+        ("version: v2\n", "version", "unknown version 'v2'"),
+        ("sharing: [1]\n", "sharing", "must be a mapping"),
+        ("sharing: {timeSlicing: {}}\n", "sharing.timeSlicing.resources", "no resources specified"),
+        (
+            "sharing: {timeSlicing: {resources: [{name: gpu}]}}\n",
+            "sharing.timeSlicing.resources[0].replicas",
+            "must be an integer >= 2, got None",
+        ),
+        (
+            "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 1}]}}\n",
+            "sharing.timeSlicing.resources[0].replicas",
+            "got 1",
+        ),
+        (
+            "sharing: {mps: {resources: [{name: mig-1g.10gb+me, replicas: 2}]}}\n",
+            "sharing.mps.resources[0].name",
+            "'mig-1g.10gb+me' is not a valid resource name",
+        ),
+        (
+            "sharing: {timeSlicing: {resources: [{name: gpu, replicas: 2, devices: none}]}}\n",
+            "sharing.timeSlicing.resources[0].devices",
+            "got 'none'",
+        ),
+        (
+            "sharing: {timeSlicing: {renameByDefault: 'yes', "
+            "resources: [{name: gpu, replicas: 2}]}}\n",
+            "sharing.timeSlicing.renameByDefault",
+            "must be true or false",
+        ),
+    ],
+)
 def test_a_config_the_plugin_refuses_is_refused_naming_file_and_key(
-        text: str, key: str, fragment: str) -> None:
+    text: str, key: str, fragment: str
+) -> None:
     with pytest.raises(InvalidConfig) as info:
         sharing_of(text)
     assert f"device plugin config dp.yaml: key '{key}'" in str(info.value)
@@ -208,9 +250,11 @@ def test_mps_refuses_mig_devices_and_the_mixed_strategy() -> None:
     mps = Sharing("mps", (SharedResource("nvidia.com/gpu", 2),), "dp.yaml")
     assert advertised_resources({0: None, 1: None}, "single", mps) == {"nvidia.com/gpu": 4}
     assert "MPS sharing (dp.yaml) does not work with the mixed" in strategy_problem(
-        {0: None}, "mixed", mps)
+        {0: None}, "mixed", mps
+    )
     assert "does not support MIG devices, GPU(s) 1" in strategy_problem(
-        {0: None, 1: Counter({"1g.10gb": 7})}, "single", mps)
+        {0: None, 1: Counter({"1g.10gb": 7})}, "single", mps
+    )
     assert advertised_resources({0: Counter({"1g.10gb": 7})}, "single", mps) == {}
 
 
@@ -263,8 +307,14 @@ def test_the_node_label_selects_the_config_in_a_configmap_folder(configmap: Path
     assert sharing({}) == NO_SHARING  # the Operator's config-manager: an empty config
     with pytest.raises(ConfigError) as info:
         sharing({DP_LABEL: "tss"})
-    assert str(info.value) == (f"node label {DP_LABEL} names config 'tss', which {configmap} "
-                               f"does not have (it has: plain, ts)")
-    assert device_plugin_sharing(str(configmap / "ts"), {DP_LABEL: "plain"}, label=DP_LABEL,
-                                 default="").strategy == "time-slicing"  # a file is the file
+    assert str(info.value) == (
+        f"node label {DP_LABEL} names config 'tss', which {configmap} "
+        f"does not have (it has: plain, ts)"
+    )
+    assert (
+        device_plugin_sharing(
+            str(configmap / "ts"), {DP_LABEL: "plain"}, label=DP_LABEL, default=""
+        ).strategy
+        == "time-slicing"
+    )  # a file is the file
     assert device_plugin_sharing("", {DP_LABEL: "ts"}, label=DP_LABEL, default="") == NO_SHARING

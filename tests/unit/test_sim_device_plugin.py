@@ -365,15 +365,22 @@ def test_run_advertises_without_pod_resources_when_the_socket_cannot_be_bound(
 # -- GPU processes of GPU pods ------------------------------------------------------------------
 
 
-def _run_plugin(cluster: FakeCluster, sim_state: str, sock: str, stop: threading.Event
-                ) -> threading.Thread:
+def _run_plugin(
+    cluster: FakeCluster, sim_state: str, sock: str, stop: threading.Event
+) -> threading.Thread:
     thread = threading.Thread(
         target=sim_device_plugin.run,
         args=(cluster, lambda: open_node(sim_state)),
-        kwargs={"node": NODE, "namespace": "gpu-operator",
-                "selector": "app=nvidia-device-plugin-daemonset", "strategy": "mixed",
-                "stop": stop, "poll_s": 0.01, "pod_resources_socket": sock,
-                "processes": sim_device_plugin.PodProcesses(sim_state)},
+        kwargs={
+            "node": NODE,
+            "namespace": "gpu-operator",
+            "selector": "app=nvidia-device-plugin-daemonset",
+            "strategy": "mixed",
+            "stop": stop,
+            "poll_s": 0.01,
+            "pod_resources_socket": sock,
+            "processes": sim_device_plugin.PodProcesses(sim_state),
+        },
     )
     thread.start()
     return thread
@@ -382,8 +389,11 @@ def _run_plugin(cluster: FakeCluster, sim_state: str, sock: str, stop: threading
 def _nvml_processes(sim_state: str) -> dict[int, list[tuple[int | None, int | None]]]:
     """GPU index -> (GI, CI) of each process, as NVML shows them."""
     with open_node(sim_state) as gpus:
-        return {g.index: [(p.gi_id, p.ci_id) for p in g.processes]
-                for g in gpus.observe().gpus if g.processes}
+        return {
+            g.index: [(p.gi_id, p.ci_id) for p in g.processes]
+            for g in gpus.observe().gpus
+            if g.processes
+        }
 
 
 def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -396,8 +406,12 @@ def _wait(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
 def test_a_running_gpu_pod_holds_a_process_on_its_device_until_it_is_gone(
     cluster: FakeCluster, sim_state: str, tmp_path: Path
 ) -> None:
-    cluster.add_pod("gpu-operator", "nvidia-device-plugin-abc", NODE,
-                    labels={"app": "nvidia-device-plugin-daemonset"})
+    cluster.add_pod(
+        "gpu-operator",
+        "nvidia-device-plugin-abc",
+        NODE,
+        labels={"app": "nvidia-device-plugin-daemonset"},
+    )
     whole = cluster.add_pod("ml", "whole", NODE, gpu={GPU: 1})
     mig = cluster.add_pod("ml", "mig", NODE, gpu={G4: 1})
     cluster.add_pod("ml", "web", NODE)
@@ -424,8 +438,12 @@ def test_a_running_gpu_pod_holds_a_process_on_its_device_until_it_is_gone(
 def test_a_restarted_plugin_gives_running_pods_their_devices_again(
     cluster: FakeCluster, sim_state: str, tmp_path: Path
 ) -> None:
-    cluster.add_pod("gpu-operator", "nvidia-device-plugin-abc", NODE,
-                    labels={"app": "nvidia-device-plugin-daemonset"})
+    cluster.add_pod(
+        "gpu-operator",
+        "nvidia-device-plugin-abc",
+        NODE,
+        labels={"app": "nvidia-device-plugin-daemonset"},
+    )
     pods = [cluster.add_pod("ml", f"p{i}", NODE, gpu={G1: 1}) for i in range(3)]
     sock = str(tmp_path / "pr.sock")
     stop = threading.Event()

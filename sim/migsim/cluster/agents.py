@@ -58,7 +58,8 @@ PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
 DEVICE_PLUGINS = ("nvidia", "simulated")
 
 DEVICE_PLUGIN = {
-    "apiVersion": "apps/v1", "kind": "DaemonSet",
+    "apiVersion": "apps/v1",
+    "kind": "DaemonSet",
     "metadata": {"name": "nvidia-device-plugin-daemonset", "namespace": PLUGIN_NS},
     "spec": {
         "selector": {"matchLabels": {"app": "nvidia-device-plugin-daemonset"}},
@@ -91,8 +92,12 @@ class NodeAgents:
 
 # The GPU Operator creates it; daemonset.yaml runs the agent under it (runtimeClassName: nvidia),
 # and without it the API server admits none of the agent's pods.
-NVIDIA_RUNTIME_CLASS = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                        "metadata": {"name": "nvidia"}, "handler": "nvidia"}
+NVIDIA_RUNTIME_CLASS = {
+    "apiVersion": "node.k8s.io/v1",
+    "kind": "RuntimeClass",
+    "metadata": {"name": "nvidia"},
+    "handler": "nvidia",
+}
 
 
 def install(cluster: Cluster) -> None:
@@ -121,8 +126,10 @@ def sim_state(cluster: Cluster, node: str, sim: Mapping[str, Any] | None = None)
 
 def _agent_pod(cluster: Cluster, node: str, timeout: float) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
-    path = (f"/api/v1/namespaces/{AGENT_NS}/pods?fieldSelector=spec.nodeName%3D{node}"
-            "&labelSelector=app.kubernetes.io%2Fname%3Dmig-agent")
+    path = (
+        f"/api/v1/namespaces/{AGENT_NS}/pods?fieldSelector=spec.nodeName%3D{node}"
+        "&labelSelector=app.kubernetes.io%2Fname%3Dmig-agent"
+    )
     while True:
         for item in cluster.api.get(path)["items"]:
             meta = item["metadata"]
@@ -137,30 +144,44 @@ def default_device_plugin() -> str:
     """The device plugin of start_node when none is named: MIG_AGENT_DEVICE_PLUGIN if set, else
     NVIDIA's where it can run (root: private mount namespaces), else the simulated one."""
     kind = os.environ.get("MIG_AGENT_DEVICE_PLUGIN") or (
-        "nvidia" if os.geteuid() == 0 else "simulated")
+        "nvidia" if os.geteuid() == 0 else "simulated"
+    )
     if kind not in DEVICE_PLUGINS:
-        raise DevClusterError(f"MIG_AGENT_DEVICE_PLUGIN={kind!r}: expected one of "
-                              f"{', '.join(DEVICE_PLUGINS)}")
+        raise DevClusterError(
+            f"MIG_AGENT_DEVICE_PLUGIN={kind!r}: expected one of {', '.join(DEVICE_PLUGINS)}"
+        )
     return kind
 
 
 def nvidia_bin() -> Path:
     """The folder of NVIDIA's binaries, as `scripts/nvidia-binaries path` reports it (it honours
     MIG_AGENT_NVIDIA_BIN); DevClusterError saying how to build them when they are missing."""
-    res = subprocess.run([str(REPO / "scripts" / "nvidia-binaries"), "path"],
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [str(REPO / "scripts" / "nvidia-binaries"), "path"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if res.returncode != 0:
-        raise DevClusterError("NVIDIA's device plugin is not built; run: scripts/nvidia-binaries "
-                              f"build ({res.stderr.strip()})")
+        raise DevClusterError(
+            "NVIDIA's device plugin is not built; run: scripts/nvidia-binaries "
+            f"build ({res.stderr.strip()})"
+        )
     return Path(res.stdout.strip())
 
 
-def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
-               profiles: Path = PROFILES, timeout: float = 60.0,
-               sim: Mapping[str, Any] | None = None,
-               plugin_args: Sequence[str] = (),
-               restart_backoff: tuple[float, float] = KUBELET_BACKOFF,
-               device_plugin: str | None = None) -> NodeAgents:
+def start_node(
+    cluster: Cluster,
+    node: str,
+    *,
+    settings: Mapping[str, str] | None = None,
+    profiles: Path = PROFILES,
+    timeout: float = 60.0,
+    sim: Mapping[str, Any] | None = None,
+    plugin_args: Sequence[str] = (),
+    restart_backoff: tuple[float, float] = KUBELET_BACKOFF,
+    device_plugin: str | None = None,
+) -> NodeAgents:
     """Start the agent and the device plugin of `node`; its GPUs from nodes/<node>/gpus.
 
     `settings` are MIG_AGENT_* environment variables for the agent (e.g. a short drain timeout);
@@ -172,26 +193,39 @@ def start_node(cluster: Cluster, node: str, *, settings: Mapping[str, str] | Non
     """
     kind = device_plugin or default_device_plugin()
     if kind not in DEVICE_PLUGINS:
-        raise DevClusterError(f"device plugin {kind!r}: expected one of "
-                              f"{', '.join(DEVICE_PLUGINS)}")
+        raise DevClusterError(
+            f"device plugin {kind!r}: expected one of {', '.join(DEVICE_PLUGINS)}"
+        )
     if kind == "nvidia" and os.geteuid() != 0:
-        raise DevClusterError("NVIDIA's device plugin runs in a private mount namespace "
-                              "(unshare -m): run as root, or use device_plugin='simulated'")
+        raise DevClusterError(
+            "NVIDIA's device plugin runs in a private mount namespace "
+            "(unshare -m): run as root, or use device_plugin='simulated'"
+        )
     bin_dir = nvidia_bin() if kind == "nvidia" else None
     state = sim_state(cluster, node, sim)
     supervisor, agent, port, kubeconfig, status_file = _start_agent(
-        cluster, node, settings, profiles, timeout, restart_backoff)
-    plugin = start_device_plugin(cluster, node, kind, state, _env(settings), plugin_args,
-                                 bin_dir=bin_dir)
-    started = NodeAgents(node, agent, plugin, port, str(state), str(kubeconfig), supervisor,
-                         str(status_file), kind)
+        cluster, node, settings, profiles, timeout, restart_backoff
+    )
+    plugin = start_device_plugin(
+        cluster, node, kind, state, _env(settings), plugin_args, bin_dir=bin_dir
+    )
+    started = NodeAgents(
+        node, agent, plugin, port, str(state), str(kubeconfig), supervisor, str(status_file), kind
+    )
     _record(cluster.dir, started)
     return started
 
 
-def start_device_plugin(cluster: Cluster, node: str, kind: str, state: Path,
-                        env: Mapping[str, str], plugin_args: Sequence[str] = (), *,
-                        bin_dir: Path | None = None) -> Proc:
+def start_device_plugin(
+    cluster: Cluster,
+    node: str,
+    kind: str,
+    state: Path,
+    env: Mapping[str, str],
+    plugin_args: Sequence[str] = (),
+    *,
+    bin_dir: Path | None = None,
+) -> Proc:
     """Start the device plugin side of `node`: `nvidia`, NVIDIA's plugin and GFD under the node
     runtime (NVIDIA's binaries from `bin_dir`, default `nvidia_bin()`), or `simulated`, the
     project's plugin. Also used by mig_manager.py, so that both pools of a comparison run the
@@ -199,26 +233,76 @@ def start_device_plugin(cluster: Cluster, node: str, kind: str, state: Path,
     logs = cluster.dir / "logs"
     pod_resources = _pod_resources(cluster, node)
     if kind == "nvidia":
-        argv = [str(REPO / "scripts" / "with-sim-gpus"), "--host-view", str(state), "--",
-                sys.executable, "-m", "migsim.node_runtime", "--node", node,
-                "--cluster-dir", str(cluster.dir), "--sim-state", str(state),
-                "--nvidia-bin", str(bin_dir or nvidia_bin()), "--namespace", PLUGIN_NS,
-                "--selector", PLUGIN_LABEL, "--pod-resources-socket", str(pod_resources),
-                "--allocations-file", str(cluster.node_dir(node) / "allocations.json"),
-                "--gfd", *plugin_args]
-        return spawn(f"node-runtime@{node}", argv, logs / f"node-runtime-{node}.log",
-                     env={**env, "PYTHON": sys.executable})
-    return spawn(f"device-plugin@{node}", [
-        sys.executable, "-m", "migsim", "--log-format", "json", "device-plugin",
-        "--node", node, "--kubeconfig", str(cluster.kubeconfig), "--sim-state", str(state),
-        "--namespace", PLUGIN_NS, "--selector", PLUGIN_LABEL,
-        "--pod-resources-socket", str(pod_resources), *plugin_args],
-        logs / f"device-plugin-{node}.log", env=env)
+        argv = [
+            str(REPO / "scripts" / "with-sim-gpus"),
+            "--host-view",
+            str(state),
+            "--",
+            sys.executable,
+            "-m",
+            "migsim.node_runtime",
+            "--node",
+            node,
+            "--cluster-dir",
+            str(cluster.dir),
+            "--sim-state",
+            str(state),
+            "--nvidia-bin",
+            str(bin_dir or nvidia_bin()),
+            "--namespace",
+            PLUGIN_NS,
+            "--selector",
+            PLUGIN_LABEL,
+            "--pod-resources-socket",
+            str(pod_resources),
+            "--allocations-file",
+            str(cluster.node_dir(node) / "allocations.json"),
+            "--gfd",
+            *plugin_args,
+        ]
+        return spawn(
+            f"node-runtime@{node}",
+            argv,
+            logs / f"node-runtime-{node}.log",
+            env={**env, "PYTHON": sys.executable},
+        )
+    return spawn(
+        f"device-plugin@{node}",
+        [
+            sys.executable,
+            "-m",
+            "migsim",
+            "--log-format",
+            "json",
+            "device-plugin",
+            "--node",
+            node,
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "--sim-state",
+            str(state),
+            "--namespace",
+            PLUGIN_NS,
+            "--selector",
+            PLUGIN_LABEL,
+            "--pod-resources-socket",
+            str(pod_resources),
+            *plugin_args,
+        ],
+        logs / f"device-plugin-{node}.log",
+        env=env,
+    )
 
 
-def restart_agent(cluster: Cluster, node: str, *, settings: Mapping[str, str] | None = None,
-                  profiles: Path = PROFILES, timeout: float = 60.0,
-                  restart_backoff: tuple[float, float] = KUBELET_BACKOFF) -> NodeAgents:
+def restart_agent(
+    cluster: Cluster,
+    node: str,
+    *,
+    settings: Mapping[str, str] | None = None,
+    profiles: Path = PROFILES,
+    timeout: float = 60.0,
+    restart_backoff: tuple[float, float] = KUBELET_BACKOFF,
+) -> NodeAgents:
     """Stop the agent of `node` (its supervisor first) and start it anew with these settings and
     profiles, as a rollout of the agent's DaemonSet does: the node's device plugin (and the node
     runtime, GFD) keeps running, as it does on a real node."""
@@ -227,10 +311,19 @@ def restart_agent(cluster: Cluster, node: str, *, settings: Mapping[str, str] | 
         raise DevClusterError(f"no agent recorded for {node}; start it with start_node")
     stop(procs(record, ("supervisor", "agent")))
     supervisor, agent, port, kubeconfig, status_file = _start_agent(
-        cluster, node, settings, profiles, timeout, restart_backoff)
-    started = NodeAgents(node, agent, Proc(**record["device_plugin"]), port,
-                         str(sim_state_path(cluster, node)), str(kubeconfig), supervisor,
-                         str(status_file), record.get("device_plugin_kind", "simulated"))
+        cluster, node, settings, profiles, timeout, restart_backoff
+    )
+    started = NodeAgents(
+        node,
+        agent,
+        Proc(**record["device_plugin"]),
+        port,
+        str(sim_state_path(cluster, node)),
+        str(kubeconfig),
+        supervisor,
+        str(status_file),
+        record.get("device_plugin_kind", "simulated"),
+    )
     _record(cluster.dir, started)
     return started
 
@@ -239,9 +332,16 @@ def _env(settings: Mapping[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_AGENT_")}
     # the local cluster's workloads (the tests', the demo's, the benchmarks') are bare pods:
     # its agents may evict them, where the agent's default refuses, as kubectl drain does
-    env.update({"MIG_AGENT_LOG_FORMAT": "json", "MIG_AGENT_BACKOFF_S": "2",
-                "MIG_AGENT_BACKOFF_MAX_S": "30", "MIG_AGENT_POLL_S": "0.2",
-                "MIG_AGENT_EVICTION_RETRY_S": "1", "MIG_AGENT_EVICT_UNMANAGED_PODS": "true"})
+    env.update(
+        {
+            "MIG_AGENT_LOG_FORMAT": "json",
+            "MIG_AGENT_BACKOFF_S": "2",
+            "MIG_AGENT_BACKOFF_MAX_S": "30",
+            "MIG_AGENT_POLL_S": "0.2",
+            "MIG_AGENT_EVICTION_RETRY_S": "1",
+            "MIG_AGENT_EVICT_UNMANAGED_PODS": "true",
+        }
+    )
     env.update(settings or {})
     return env
 
@@ -252,27 +352,65 @@ def _pod_resources(cluster: Cluster, node: str) -> Path:
     return cluster.node_dir(node) / "pod-resources.sock"
 
 
-def _start_agent(cluster: Cluster, node: str, settings: Mapping[str, str] | None,
-                 profiles: Path, timeout: float, restart_backoff: tuple[float, float],
-                 ) -> tuple[Proc, Proc, int, Path, Path]:
+def _start_agent(
+    cluster: Cluster,
+    node: str,
+    settings: Mapping[str, str] | None,
+    profiles: Path,
+    timeout: float,
+    restart_backoff: tuple[float, float],
+) -> tuple[Proc, Proc, int, Path, Path]:
     """(supervisor, agent, metrics port, kubeconfig, supervisor status file) of a new agent."""
     state = sim_state_path(cluster, node)
     pod, uid = _agent_pod(cluster, node, timeout)
-    kubeconfig = cluster.kubeconfig_for(AGENT_NS, AGENT_SA, cluster.node_dir(node) /
-                                        "agent.kubeconfig", bound_pod=(pod, uid))
+    kubeconfig = cluster.kubeconfig_for(
+        AGENT_NS, AGENT_SA, cluster.node_dir(node) / "agent.kubeconfig", bound_pod=(pod, uid)
+    )
     port = free_ports(1)[0]
     logs = cluster.dir / "logs"
-    agent_env = {"MIG_AGENT_POD_RESOURCES_SOCKET": str(_pod_resources(cluster, node)),
-                 **_env(settings)}
+    agent_env = {
+        "MIG_AGENT_POD_RESOURCES_SOCKET": str(_pod_resources(cluster, node)),
+        **_env(settings),
+    }
     status_file = cluster.node_dir(node) / "agent-supervisor.json"
     status_file.unlink(missing_ok=True)
-    supervisor = spawn(f"supervisor@{node}", [
-        sys.executable, "-m", "migsim.cluster.supervisor", "--name", f"mig-agent@{node}",
-        "--log", str(logs / f"agent-{node}.log"), "--status", str(status_file),
-        "--backoff", str(restart_backoff[0]), "--backoff-max", str(restart_backoff[1]), "--",
-        sys.executable, "-m", "mig_agent", "run", "--node", node, "--kubeconfig", str(kubeconfig),
-        "--backend", "simulated", "--sim-state", str(state), "-f", str(profiles),
-        "--metrics-port", str(port)], logs / f"supervisor-{node}.log", env=agent_env)
+    supervisor = spawn(
+        f"supervisor@{node}",
+        [
+            sys.executable,
+            "-m",
+            "migsim.cluster.supervisor",
+            "--name",
+            f"mig-agent@{node}",
+            "--log",
+            str(logs / f"agent-{node}.log"),
+            "--status",
+            str(status_file),
+            "--backoff",
+            str(restart_backoff[0]),
+            "--backoff-max",
+            str(restart_backoff[1]),
+            "--",
+            sys.executable,
+            "-m",
+            "mig_agent",
+            "run",
+            "--node",
+            node,
+            "--kubeconfig",
+            str(kubeconfig),
+            "--backend",
+            "simulated",
+            "--sim-state",
+            str(state),
+            "-f",
+            str(profiles),
+            "--metrics-port",
+            str(port),
+        ],
+        logs / f"supervisor-{node}.log",
+        env=agent_env,
+    )
     return supervisor, _first_agent(supervisor, status_file), port, kubeconfig, status_file
 
 

@@ -35,8 +35,15 @@ class Api:
         self._token = token
         self._tls = ssl.create_default_context(cafile=str(ca_cert))
 
-    def request(self, method: str, path: str, body: object = None, *,
-                content_type: str = "application/json", timeout: float = 10.0) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: object = None,
+        *,
+        content_type: str = "application/json",
+        timeout: float = 10.0,
+    ) -> Any:
         """Send `body` as JSON; return the decoded JSON answer. Raises ApiError on HTTP errors."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.server + path, data=data, method=method)

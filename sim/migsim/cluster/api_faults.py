@@ -40,8 +40,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 KINDS = ("status", "throttle", "hang", "reset", "conflict", "watch-end", "watch-silent")
-_REASONS = {409: "Conflict", 429: "Too Many Requests", 500: "Internal Server Error",
-            502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+_REASONS = {
+    409: "Conflict",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 
 @dataclass(slots=True)
@@ -91,8 +97,9 @@ class ApiFaultProxy:
         self.hits: Counter[str] = Counter()
         self.requests = 0
         self.counts: Counter[str] = Counter()  # request_kind() -> requests
-        self._thread = threading.Thread(target=self._accept, daemon=True,
-                                         name=f"api-fault-proxy:{self.port}")
+        self._thread = threading.Thread(
+            target=self._accept, daemon=True, name=f"api-fault-proxy:{self.port}"
+        )
         self._thread.start()
 
     # ---- commands ----------------------------------------------------------------------------
@@ -209,25 +216,47 @@ class ApiFaultProxy:
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 return False
             if fault.kind == "throttle":
-                _answer(conn, 429, "Too many requests, please try again later.",
-                        {"Retry-After": str(fault.retry_after)})
+                _answer(
+                    conn,
+                    429,
+                    "Too many requests, please try again later.",
+                    {"Retry-After": str(fault.retry_after)},
+                )
                 return True
             if fault.kind == "conflict":
-                _answer(conn, 409, "Operation cannot be fulfilled on nodes: the object has "
-                                   "been modified; please apply your changes to the latest "
-                                   "version and try again")
+                _answer(
+                    conn,
+                    409,
+                    "Operation cannot be fulfilled on nodes: the object has "
+                    "been modified; please apply your changes to the latest "
+                    "version and try again",
+                )
                 return True
             _answer(conn, fault.status, f"injected {fault.status}")
             return True
         self._forward(conn, method, target, rest, body, is_watch)
         return False
 
-    def _forward(self, conn: socket.socket, method: str, target: str, headers: bytes,
-                 body: bytes, is_watch: bool) -> None:
-        lines = [h for h in headers.split(b"\r\n") if h and not h.lower().startswith(
-            (b"connection:", b"keep-alive:"))]
-        request = (f"{method} {target} HTTP/1.1\r\n".encode() + b"\r\n".join(lines)
-                   + b"\r\nConnection: close\r\n\r\n" + body)
+    def _forward(
+        self,
+        conn: socket.socket,
+        method: str,
+        target: str,
+        headers: bytes,
+        body: bytes,
+        is_watch: bool,
+    ) -> None:
+        lines = [
+            h
+            for h in headers.split(b"\r\n")
+            if h and not h.lower().startswith((b"connection:", b"keep-alive:"))
+        ]
+        request = (
+            f"{method} {target} HTTP/1.1\r\n".encode()
+            + b"\r\n".join(lines)
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
         up_raw = socket.create_connection(self._upstream, timeout=30)
         self._track(up_raw)
         up = up_raw
@@ -288,7 +317,7 @@ class ApiFaultProxy:
 
 
 def request_kind(method: str, path: str, is_watch: bool) -> str:
-    """"VERB RESOURCE" of a request as the API server's audit log names it: verbs get, list,
+    """ "VERB RESOURCE" of a request as the API server's audit log names it: verbs get, list,
     watch, create, update, patch, delete, deletecollection; the resource with its subresource
     ("nodes/status", "pods/eviction"). A path that is no resource: "METHOD PATH"."""
     parts = [p for p in path.split("/") if p]
@@ -363,12 +392,24 @@ def _read_request(conn: socket.socket) -> tuple[bytes, bytes]:
     return head, body[:length]
 
 
-def _answer(conn: socket.socket, status: int, message: str,
-            headers: dict[str, str] | None = None) -> None:
+def _answer(
+    conn: socket.socket, status: int, message: str, headers: dict[str, str] | None = None
+) -> None:
     reason = _REASONS.get(status, "Error")
-    body = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {},
-                       "status": "Failure", "message": message, "reason": reason.replace(" ", ""),
-                       "code": status}).encode()
+    body = json.dumps(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason.replace(" ", ""),
+            "code": status,
+        }
+    ).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    conn.sendall(f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body)
+    conn.sendall(
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n".encode()
+        + body
+    )

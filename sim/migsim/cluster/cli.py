@@ -16,8 +16,10 @@ from .errors import ClusterNotRunning, DevClusterError
 from .nodes import DEFAULT_GPUS
 from .processes import Proc
 
-PLUGIN_NAMES = {"nvidia": "NVIDIA's device plugin and GFD",
-                "simulated": "a simulated device plugin"}
+PLUGIN_NAMES = {
+    "nvidia": "NVIDIA's device plugin and GFD",
+    "simulated": "a simulated device plugin",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,33 +30,72 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_dir(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument("--dir", type=Path, default=None,
-                        help=f"cluster folder (default: $MIG_AGENT_CLUSTER_DIR or {default_dir()})")
+        sp.add_argument(
+            "--dir",
+            type=Path,
+            default=None,
+            help=f"cluster folder (default: $MIG_AGENT_CLUSTER_DIR or {default_dir()})",
+        )
         return sp
 
     up = with_dir(sub.add_parser("up", help="start the cluster (reuse it if already up)"))
-    up.add_argument("--nodes", type=int, default=2, metavar="N",
-                    help="simulated GPU nodes gpu-node-0..N-1 (default 2)")
-    up.add_argument("--gpus", action="append", metavar="SPEC",
-                    help=f"GPUs of each GPU node, e.g. 8xH100-80GB or 4xA100-40GB,4xA30 "
-                         f"(default {DEFAULT_GPUS}); repeat to give nodes different GPUs, cycling")
-    up.add_argument("--cpu-nodes", type=int, default=0, metavar="M",
-                    help="simulated nodes without GPUs, cpu-node-0..M-1 (default 0)")
-    up.add_argument("--pod-delete-delay", type=float, default=2.0, metavar="SECONDS",
-                    help="how long a deleted pod lingers (default 2; per pod: annotation "
-                         "pod-delete.stage.kwok.x-k8s.io/delay)")
-    up.add_argument("--restart-backoff", type=float, default=agents.KUBELET_BACKOFF[0],
-                    metavar="SECONDS", help="an agent that exits is restarted after this delay, "
-                    "doubled after each restart, as a kubelet does (default %(default)g)")
-    up.add_argument("--restart-backoff-max", type=float, default=agents.KUBELET_BACKOFF[1],
-                    metavar="SECONDS", help="cap of that delay (default %(default)g)")
-    up.add_argument("--no-agents", action="store_true",
-                    help="do not install mig-agent nor start an agent and a device plugin per "
-                         "GPU node")
-    up.add_argument("--device-plugin", choices=agents.DEVICE_PLUGINS, default=None,
-                    help="nvidia: NVIDIA's device plugin and GFD over the simulated GPUs (root; "
-                         "scripts/nvidia-binaries build); simulated: the home-made model of it "
-                         "(default: $MIG_AGENT_DEVICE_PLUGIN, else nvidia as root)")
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=2,
+        metavar="N",
+        help="simulated GPU nodes gpu-node-0..N-1 (default 2)",
+    )
+    up.add_argument(
+        "--gpus",
+        action="append",
+        metavar="SPEC",
+        help=f"GPUs of each GPU node, e.g. 8xH100-80GB or 4xA100-40GB,4xA30 "
+        f"(default {DEFAULT_GPUS}); repeat to give nodes different GPUs, cycling",
+    )
+    up.add_argument(
+        "--cpu-nodes",
+        type=int,
+        default=0,
+        metavar="M",
+        help="simulated nodes without GPUs, cpu-node-0..M-1 (default 0)",
+    )
+    up.add_argument(
+        "--pod-delete-delay",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long a deleted pod lingers (default 2; per pod: annotation "
+        "pod-delete.stage.kwok.x-k8s.io/delay)",
+    )
+    up.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=agents.KUBELET_BACKOFF[0],
+        metavar="SECONDS",
+        help="an agent that exits is restarted after this delay, "
+        "doubled after each restart, as a kubelet does (default %(default)g)",
+    )
+    up.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=agents.KUBELET_BACKOFF[1],
+        metavar="SECONDS",
+        help="cap of that delay (default %(default)g)",
+    )
+    up.add_argument(
+        "--no-agents",
+        action="store_true",
+        help="do not install mig-agent nor start an agent and a device plugin per GPU node",
+    )
+    up.add_argument(
+        "--device-plugin",
+        choices=agents.DEVICE_PLUGINS,
+        default=None,
+        help="nvidia: NVIDIA's device plugin and GFD over the simulated GPUs (root; "
+        "scripts/nvidia-binaries build); simulated: the home-made model of it "
+        "(default: $MIG_AGENT_DEVICE_PLUGIN, else nvidia as root)",
+    )
     down_p = with_dir(sub.add_parser("down", help="stop the cluster's processes"))
     down_p.add_argument("--purge", action="store_true", help="also remove the cluster folder")
     with_dir(sub.add_parser("status", help="show processes, health, memory and nodes"))
@@ -85,8 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _up(args: argparse.Namespace) -> int:
     started = time.monotonic()
     cluster = Cluster.up(
-        args.dir, gpu_nodes=args.nodes, gpus=args.gpus or DEFAULT_GPUS, cpu_nodes=args.cpu_nodes,
-        pod_delete_delay=args.pod_delete_delay, log=lambda msg: print(msg, file=sys.stderr),
+        args.dir,
+        gpu_nodes=args.nodes,
+        gpus=args.gpus or DEFAULT_GPUS,
+        cpu_nodes=args.cpu_nodes,
+        pod_delete_delay=args.pod_delete_delay,
+        log=lambda msg: print(msg, file=sys.stderr),
     )
     if not args.no_agents:
         agents.install(cluster)
@@ -99,14 +144,20 @@ def _up(args: argparse.Namespace) -> int:
             if record is not None and _node_up(record):
                 continue
             if record is not None:  # recorded, but the agent or the device plugin is gone
-                print(f"{node}: restarting mig-agent and the device plugin "
-                      f"(agent {agents.agent_state(record)})", file=sys.stderr)
+                print(
+                    f"{node}: restarting mig-agent and the device plugin "
+                    f"(agent {agents.agent_state(record)})",
+                    file=sys.stderr,
+                )
                 agents.stop_node(cluster.dir, node)
             agents.start_node(cluster, node, restart_backoff=backoff, device_plugin=kind)
         running = agents.running(cluster.dir)
         up_now = [n for n in gpu_nodes if n in running and _node_up(running[n])]
-        print(f"mig-agent and {PLUGIN_NAMES[kind]} running on {len(up_now)} of "
-              f"{len(gpu_nodes)} node(s); logs in {cluster.dir / 'logs'}", file=sys.stderr)
+        print(
+            f"mig-agent and {PLUGIN_NAMES[kind]} running on {len(up_now)} of "
+            f"{len(gpu_nodes)} node(s); logs in {cluster.dir / 'logs'}",
+            file=sys.stderr,
+        )
         if len(up_now) != len(gpu_nodes):
             return 1
     print(f"ready in {time.monotonic() - started:.1f} s; use it with:", file=sys.stderr)
@@ -117,8 +168,11 @@ def _up(args: argparse.Namespace) -> int:
 def _node_up(record: dict[str, object]) -> bool:
     """The node's agent runs (or is in back-off under a live supervisor) and its plugin runs."""
     plugin = record.get("device_plugin")
-    return (agents.agent_state(record) != "STOPPED" and isinstance(plugin, dict)
-            and Proc(**plugin).alive())
+    return (
+        agents.agent_state(record) != "STOPPED"
+        and isinstance(plugin, dict)
+        and Proc(**plugin).alive()
+    )
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -161,14 +215,17 @@ def _status(args: argparse.Namespace) -> int:
                 state, restarts = ("running" if proc.alive() else "STOPPED"), ""
             agents_up = agents_up and state == "running"
             label = f"{'mig-agent' if kind == 'agent' else 'device-plugin'}@{node}"
-            print(f"{label:<26}{proc.pid:>8}  {state:<10}{proc.rss_bytes() / 2**20:>8.0f}  "
-                  f"{restarts}".rstrip())
-    healthy = (len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
-               and agents_up)
+            print(
+                f"{label:<26}{proc.pid:>8}  {state:<10}{proc.rss_bytes() / 2**20:>8.0f}  "
+                f"{restarts}".rstrip()
+            )
+    healthy = len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses) and agents_up
     if healthy:
         print()
-        print(cluster.kubectl("get", "nodes", "-L",
-                              "nvidia.com/gpu.product,nvidia.com/gpu.count"), end="")
+        print(
+            cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product,nvidia.com/gpu.count"),
+            end="",
+        )
     return 0 if healthy else 1
 
 

@@ -42,8 +42,14 @@ ADMIN_USER = "devcluster-admin"
 _STATE_VERSION = 1
 # Start order; `down` stops in reverse, so etcd outlives every client of it.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-_PORT_NAMES = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-               "kwok")
+_PORT_NAMES = (
+    "etcd",
+    "etcd-peer",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+)
 
 # Controllers the tests and the agent rely on, and nothing heavier: no volume, CSR, cloud, IPAM,
 # HPA or endpoint controllers. clusterrole-aggregation fills the built-in admin/edit/view roles;
@@ -57,12 +63,22 @@ LEADER_ELECTED = ("kube-controller-manager", "kube-scheduler")
 RENEW_DEADLINE_S = 10.0  # --leader-elect-renew-deadline's default
 
 KCM_CONTROLLERS = (
-    "clusterrole-aggregation-controller", "daemonset-controller", "deployment-controller",
-    "disruption-controller", "garbage-collector-controller", "job-controller",
-    "namespace-controller", "node-lifecycle-controller", "pod-garbage-collector-controller",
-    "replicaset-controller", "root-ca-certificate-publisher-controller",
-    "serviceaccount-controller", "serviceaccount-token-controller", "statefulset-controller",
-    "taint-eviction-controller", "ttl-after-finished-controller",
+    "clusterrole-aggregation-controller",
+    "daemonset-controller",
+    "deployment-controller",
+    "disruption-controller",
+    "garbage-collector-controller",
+    "job-controller",
+    "namespace-controller",
+    "node-lifecycle-controller",
+    "pod-garbage-collector-controller",
+    "replicaset-controller",
+    "root-ca-certificate-publisher-controller",
+    "serviceaccount-controller",
+    "serviceaccount-token-controller",
+    "statefulset-controller",
+    "taint-eviction-controller",
+    "ttl-after-finished-controller",
     "validatingadmissionpolicy-status-controller",
 )
 
@@ -153,10 +169,17 @@ class Cluster:
     # ---- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    def up(cls, directory: Path | None = None, *, gpu_nodes: int = 2,
-           gpus: str | Sequence[str] = nodes.DEFAULT_GPUS, cpu_nodes: int = 0,
-           pod_delete_delay: float = 2.0,
-           timeout: float = 120.0, log: Callable[[str], None] | None = None) -> Cluster:
+    def up(
+        cls,
+        directory: Path | None = None,
+        *,
+        gpu_nodes: int = 2,
+        gpus: str | Sequence[str] = nodes.DEFAULT_GPUS,
+        cpu_nodes: int = 0,
+        pod_delete_delay: float = 2.0,
+        timeout: float = 120.0,
+        log: Callable[[str], None] | None = None,
+    ) -> Cluster:
         """Start a cluster in `directory` (or reuse the healthy one already running there).
 
         Registers `gpu_nodes` nodes `gpu-node-<i>`, each with the GPUs `gpus` names (`8xH100-80GB`,
@@ -170,8 +193,10 @@ class Cluster:
         if gpu_nodes and not specs:
             raise ValueError("gpu_nodes > 0 but no GPU spec given")
         # Built before anything starts, so that a misspelt GPU model costs no cluster start.
-        manifests = [nodes.gpu_node_manifest(f"gpu-node-{i}", specs[i % len(specs)])
-                     for i in range(gpu_nodes)]
+        manifests = [
+            nodes.gpu_node_manifest(f"gpu-node-{i}", specs[i % len(specs)])
+            for i in range(gpu_nodes)
+        ]
         manifests += [nodes.cpu_node_manifest(f"cpu-node-{i}") for i in range(cpu_nodes)]
         directory.mkdir(parents=True, exist_ok=True)
         with _locked(directory):
@@ -209,13 +234,21 @@ class Cluster:
         cluster = cls.load(directory)
         directory = cluster.dir
         if not cluster.healthy():
-            raise ClusterNotRunning(f"the cluster in {directory} is not healthy; see "
-                                    f"`scripts/local-cluster status` and {directory / 'logs'}")
+            raise ClusterNotRunning(
+                f"the cluster in {directory} is not healthy; see "
+                f"`scripts/local-cluster status` and {directory / 'logs'}"
+            )
         return cluster
 
     @classmethod
-    def _start(cls, directory: Path, bin_dir: Path, pod_delete_delay: float, timeout: float,
-               say: Callable[[str], None]) -> Cluster:
+    def _start(
+        cls,
+        directory: Path,
+        bin_dir: Path,
+        pod_delete_delay: float,
+        timeout: float,
+        say: Callable[[str], None],
+    ) -> Cluster:
         # A fresh cluster every time: stale keys or etcd data from an earlier run would only
         # confuse (old nodes, tokens signed by a key that no longer exists).
         for sub in ("pki", "etcd", "logs", "nodes"):
@@ -230,8 +263,13 @@ class Cluster:
         (directory / "kwok.yaml").write_text(kwok_stages.config(round(pod_delete_delay * 1000)))
         _save_state(directory, state)
         cluster = cls(directory, state)
-        kubeconfig.write(cluster.kubeconfig, server=cluster.server, ca_cert=keys.ca_cert,
-                         user=ADMIN_USER, token=token)
+        kubeconfig.write(
+            cluster.kubeconfig,
+            server=cluster.server,
+            ca_cert=keys.ca_cert,
+            user=ADMIN_USER,
+            token=token,
+        )
         started = time.monotonic()
         try:
             # etcd, then the API server, each healthy before the next; the API server's clients
@@ -297,15 +335,21 @@ class Cluster:
         peer = f"http://127.0.0.1:{p['etcd-peer']}"
         client = f"http://127.0.0.1:{p['etcd']}"
         return [
-            "--name=devcluster", f"--data-dir={self.dir / 'etcd'}",
-            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            "--name=devcluster",
+            f"--data-dir={self.dir / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
             f"--initial-cluster=devcluster={peer}",
             # Throwaway data: no fsync (the biggest cost on slow disks), a small backend quota and
             # frequent compaction keep disk and memory small.
-            "--unsafe-no-fsync=true", "--quota-backend-bytes=536870912",
-            "--auto-compaction-mode=periodic", "--auto-compaction-retention=5m",
-            "--snapshot-count=10000", "--log-level=warn",
+            "--unsafe-no-fsync=true",
+            "--quota-backend-bytes=536870912",
+            "--auto-compaction-mode=periodic",
+            "--auto-compaction-retention=5m",
+            "--snapshot-count=10000",
+            "--log-level=warn",
         ]
 
     def _apiserver_args(self, keys: pki.Pki) -> list[str]:
@@ -314,9 +358,11 @@ class Cluster:
             f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
             # Without an explicit advertise address the API server looks for a routable host
             # interface, and fails on hosts that have none.
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
             f"--secure-port={p['kube-apiserver']}",
-            f"--tls-cert-file={keys.serving_cert}", f"--tls-private-key-file={keys.serving_key}",
+            f"--tls-cert-file={keys.serving_cert}",
+            f"--tls-private-key-file={keys.serving_key}",
             f"--client-ca-file={keys.ca_cert}",
             # The front-proxy settings kubeadm gives every cluster. Nothing here proxies, but
             # without them KCM and the scheduler, which read these settings to authenticate their
@@ -346,10 +392,14 @@ class Cluster:
         p = self.state.ports
         kc = str(self.kubeconfig)
         serving = [
-            "--bind-address=127.0.0.1", f"--secure-port={p[name]}",
-            f"--tls-cert-file={keys.serving_cert}", f"--tls-private-key-file={keys.serving_key}",
-            f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
-            f"--authorization-kubeconfig={kc}", "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={p[name]}",
+            f"--tls-cert-file={keys.serving_cert}",
+            f"--tls-private-key-file={keys.serving_key}",
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--leader-elect=false",
         ]
         if name == "kube-controller-manager":
             return [
@@ -362,10 +412,12 @@ class Cluster:
             return serving
         if name == "kwok":
             return [
-                f"--kubeconfig={kc}", f"--config={self.dir / 'kwok.yaml'}",
+                f"--kubeconfig={kc}",
+                f"--config={self.dir / 'kwok.yaml'}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={'='.join(nodes.KWOK_ANNOTATION)}",
-                "--node-lease-duration-seconds=40", "--cidr=10.244.0.0/16",
+                "--node-lease-duration-seconds=40",
+                "--cidr=10.244.0.0/16",
                 f"--server-address=127.0.0.1:{p['kwok']}",
             ]
         raise ValueError(name)
@@ -393,8 +445,14 @@ class Cluster:
         statuses = self.status()
         return len(statuses) == len(COMPONENTS) and all(s.healthy for s in statuses)
 
-    def restart(self, names: Sequence[str] = ("etcd", "kube-apiserver"), *, down_s: float = 0.0,
-                timeout: float = 60.0, leader_election: bool = True) -> float:
+    def restart(
+        self,
+        names: Sequence[str] = ("etcd", "kube-apiserver"),
+        *,
+        down_s: float = 0.0,
+        timeout: float = 60.0,
+        leader_election: bool = True,
+    ) -> float:
         """Stop `names` (default: etcd and the API server; etcd keeps its data), wait `down_s`
         seconds, start them again in start order and wait until each is healthy: a control-plane
         restart as its clients see it. The seconds from the stop until all were healthy.
@@ -422,14 +480,19 @@ class Cluster:
 
     def _keys(self) -> pki.Pki:
         d = self.dir / "pki"
-        return pki.Pki(ca_cert=d / "ca.crt", serving_cert=d / "serving.crt",
-                       serving_key=d / "serving.key", sa_private_key=d / "sa.key",
-                       sa_public_key=d / "sa.pub")
+        return pki.Pki(
+            ca_cert=d / "ca.crt",
+            serving_cert=d / "serving.crt",
+            serving_key=d / "serving.key",
+            sa_private_key=d / "sa.key",
+            sa_public_key=d / "sa.pub",
+        )
 
     def _respawn(self, name: str, keys: pki.Pki, timeout: float) -> None:
         """Start component `name` again in place of its stopped process; wait until healthy."""
-        proc = spawn(name, [self._bin(name), *self._args(name, keys)],
-                     self.dir / "logs" / f"{name}.log")
+        proc = spawn(
+            name, [self._bin(name), *self._args(name, keys)], self.dir / "logs" / f"{name}.log"
+        )
         at = next(i for i, p in enumerate(self.state.processes) if p["name"] == name)
         self.state.processes[at] = asdict(proc)
         _save_state(self.dir, self.state)
@@ -441,19 +504,25 @@ class Cluster:
 
     # ---- Kubernetes objects ----------------------------------------------------------------
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 60.0) -> str:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
+    ) -> str:
         """Run kubectl as the admin; its stdout. DevClusterError with stderr on failure."""
         res = subprocess.run(
             [self._bin("kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
-            input=input, capture_output=True, text=True, timeout=timeout, check=False,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
         if check and res.returncode != 0:
             raise DevClusterError(f"kubectl {' '.join(args)}: {res.stderr.strip()}")
         return res.stdout
 
-    def add_node(self, manifest: Mapping[str, Any], *, wait: bool = True,
-                 timeout: float = 60.0) -> str:
+    def add_node(
+        self, manifest: Mapping[str, Any], *, wait: bool = True, timeout: float = 60.0
+    ) -> str:
         """Create a simulated node from `manifest` (see `nodes`); its name."""
         name = str(manifest["metadata"]["name"])
         self.node_dir(name).mkdir(parents=True, exist_ok=True)
@@ -465,19 +534,32 @@ class Cluster:
             self.wait_nodes_ready([name], timeout=timeout)
         return name
 
-    def add_gpu_node(self, name: str, gpus: str = nodes.DEFAULT_GPUS, *,
-                     labels: Mapping[str, str] | None = None,
-                     taints: Sequence[Mapping[str, str]] = (), wait: bool = True,
-                     timeout: float = 60.0) -> str:
+    def add_gpu_node(
+        self,
+        name: str,
+        gpus: str = nodes.DEFAULT_GPUS,
+        *,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+        wait: bool = True,
+        timeout: float = 60.0,
+    ) -> str:
         """Register a simulated GPU node (`gpus` like `8xH100-80GB`); wait until schedulable."""
         manifest = nodes.gpu_node_manifest(name, gpus, extra_labels=labels, taints=taints)
         return self.add_node(manifest, wait=wait, timeout=timeout)
 
-    def add_cpu_node(self, name: str, *, labels: Mapping[str, str] | None = None,
-                     wait: bool = True, timeout: float = 60.0) -> str:
+    def add_cpu_node(
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        wait: bool = True,
+        timeout: float = 60.0,
+    ) -> str:
         """Register a simulated node without GPUs."""
-        return self.add_node(nodes.cpu_node_manifest(name, extra_labels=labels), wait=wait,
-                             timeout=timeout)
+        return self.add_node(
+            nodes.cpu_node_manifest(name, extra_labels=labels), wait=wait, timeout=timeout
+        )
 
     def delete_node(self, name: str) -> None:
         """Remove a simulated node (its pods are then garbage-collected by KCM's pod GC)."""
@@ -501,14 +583,25 @@ class Cluster:
             return not pending
 
         try:
-            wait_until(all_schedulable, timeout=timeout, interval=0.2,
-                       what="nodes to be Ready and untainted")
+            wait_until(
+                all_schedulable,
+                timeout=timeout,
+                interval=0.2,
+                what="nodes to be Ready and untainted",
+            )
         except WaitTimeout:
-            raise WaitTimeout(f"nodes not Ready and untainted after {timeout:g} s: "
-                              f"{', '.join(sorted(pending))}") from None
+            raise WaitTimeout(
+                f"nodes not Ready and untainted after {timeout:g} s: {', '.join(sorted(pending))}"
+            ) from None
 
-    def token_for(self, namespace: str, serviceaccount: str, *, seconds: int = 86400,
-                  bound_pod: tuple[str, str] | None = None) -> str:
+    def token_for(
+        self,
+        namespace: str,
+        serviceaccount: str,
+        *,
+        seconds: int = 86400,
+        bound_pod: tuple[str, str] | None = None,
+    ) -> str:
         """A token for the ServiceAccount (TokenRequest API); the account must exist.
 
         `bound_pod=(name, uid)` binds the token to that pod, as the kubelet does for a pod's
@@ -518,19 +611,35 @@ class Cluster:
         """
         spec: dict[str, Any] = {"expirationSeconds": seconds}
         if bound_pod is not None:
-            spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": bound_pod[0],
-                                      "uid": bound_pod[1]}
+            spec["boundObjectRef"] = {
+                "kind": "Pod",
+                "apiVersion": "v1",
+                "name": bound_pod[0],
+                "uid": bound_pod[1],
+            }
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
         path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{serviceaccount}/token"
         return str(self.api.request("POST", path, body)["status"]["token"])
 
-    def kubeconfig_for(self, namespace: str, serviceaccount: str, path: Path, *,
-                       seconds: int = 86400, bound_pod: tuple[str, str] | None = None) -> Path:
+    def kubeconfig_for(
+        self,
+        namespace: str,
+        serviceaccount: str,
+        path: Path,
+        *,
+        seconds: int = 86400,
+        bound_pod: tuple[str, str] | None = None,
+    ) -> Path:
         """Write a kubeconfig at `path` that acts as the ServiceAccount (default namespace set)."""
         token = self.token_for(namespace, serviceaccount, seconds=seconds, bound_pod=bound_pod)
-        return kubeconfig.write(path, server=self.server, ca_cert=self.ca_cert,
-                                user=f"system:serviceaccount:{namespace}:{serviceaccount}",
-                                token=token, namespace=namespace)
+        return kubeconfig.write(
+            path,
+            server=self.server,
+            ca_cert=self.ca_cert,
+            user=f"system:serviceaccount:{namespace}:{serviceaccount}",
+            token=token,
+            namespace=namespace,
+        )
 
 
 class ViaProxy(Cluster):
@@ -539,8 +648,12 @@ class ViaProxy(Cluster):
     faults."""
 
     def __init__(self, cluster: Cluster, url: str) -> None:
-        self.dir, self.state, self.bin_dir, self.api = (cluster.dir, cluster.state,
-                                                        cluster.bin_dir, cluster.api)
+        self.dir, self.state, self.bin_dir, self.api = (
+            cluster.dir,
+            cluster.state,
+            cluster.bin_dir,
+            cluster.api,
+        )
         self._url = url
 
     @property

@@ -13,8 +13,16 @@ import os
 from pathlib import Path
 
 
-def write(path: Path, *, server: str, ca_cert: Path, user: str, token: str,
-          namespace: str | None = None, cluster: str = "mig-agent-dev") -> Path:
+def write(
+    path: Path,
+    *,
+    server: str,
+    ca_cert: Path,
+    user: str,
+    token: str,
+    namespace: str | None = None,
+    cluster: str = "mig-agent-dev",
+) -> Path:
     """Write a one-context kubeconfig for `user` (a token) at `path`, readable by the owner only."""
     context: dict[str, str] = {"cluster": cluster, "user": user}
     if namespace is not None:
@@ -22,13 +30,15 @@ def write(path: Path, *, server: str, ca_cert: Path, user: str, token: str,
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{
-            "name": cluster,
-            "cluster": {
-                "server": server,
-                "certificate-authority-data": base64.b64encode(ca_cert.read_bytes()).decode(),
-            },
-        }],
+        "clusters": [
+            {
+                "name": cluster,
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_cert.read_bytes()).decode(),
+                },
+            }
+        ],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": user, "context": context}],
         "current-context": user,

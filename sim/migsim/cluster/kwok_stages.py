@@ -243,6 +243,7 @@ spec:
 
 def config(pod_delete_delay_ms: int = 2000) -> str:
     """The kwok config: node and pod Stages; pods go `pod_delete_delay_ms` after deletion starts."""
-    pod = (_POD_STAGES.replace("__DEFAULT_MS__", str(pod_delete_delay_ms))
-           .replace("__ANNOTATION__", DELETE_DELAY_ANNOTATION))
+    pod = _POD_STAGES.replace("__DEFAULT_MS__", str(pod_delete_delay_ms)).replace(
+        "__ANNOTATION__", DELETE_DELAY_ANNOTATION
+    )
     return _NODE_STAGES.replace("__NODE_CONDITIONS__", _NODE_CONDITIONS) + pod

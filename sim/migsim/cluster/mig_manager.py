@@ -88,18 +88,25 @@ class NodeMigManager:
 
 def nvidia_bin_dir() -> Path:
     """The folder of NVIDIA's binaries (built once by scripts/nvidia-binaries, then cached)."""
-    out = subprocess.run([str(NVIDIA_BINARIES), "build"], capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(
+        [str(NVIDIA_BINARIES), "build"], capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         raise DevClusterError(f"scripts/nvidia-binaries build failed:\n{out.stderr.strip()}")
     return Path(out.stdout.strip())
 
 
-def start_node(cluster: Cluster, node: str, config_file: Path, *,
-               sim: Mapping[str, Any] | None = None, bin_dir: Path | None = None,
-               env: Mapping[str, str] | None = None,
-               device_plugin: str = "simulated",
-               kubeconfig: Path | None = None) -> NodeMigManager:
+def start_node(
+    cluster: Cluster,
+    node: str,
+    config_file: Path,
+    *,
+    sim: Mapping[str, Any] | None = None,
+    bin_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    device_plugin: str = "simulated",
+    kubeconfig: Path | None = None,
+) -> NodeMigManager:
     """Start MIG Manager (with its D-Bus and a device plugin) on `node`.
 
     `config_file`: the mig-parted config (one file); `sim`: options of the node's simulated GPUs
@@ -111,8 +118,9 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
     if device_plugin not in ("simulated", "nvidia"):
         raise DevClusterError(f"device plugin {device_plugin!r}: expected simulated or nvidia")
     if os.geteuid() != 0:
-        raise DevClusterError("MIG Manager runs in a private mount namespace (with-sim-gpus "
-                              "--host-view): run as root")
+        raise DevClusterError(
+            "MIG Manager runs in a private mount namespace (with-sim-gpus --host-view): run as root"
+        )
     if not Path(DBUS_DAEMON).exists():
         raise DevClusterError(f"{DBUS_DAEMON} is missing (package dbus)")
     bin_dir = bin_dir or nvidia_bin_dir()
@@ -129,15 +137,20 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
     dbus_config.write_text(_DBUS_CONFIG.format(socket=socket))
     started: list[Proc] = []
     try:
-        dbus = spawn(f"dbus-daemon@{node}", [
-            DBUS_DAEMON, f"--config-file={dbus_config}", "--nofork", "--nopidfile",
-            "--nosyslog"], logs / f"dbus-{node}.log")
+        dbus = spawn(
+            f"dbus-daemon@{node}",
+            [DBUS_DAEMON, f"--config-file={dbus_config}", "--nofork", "--nopidfile", "--nosyslog"],
+            logs / f"dbus-{node}.log",
+        )
         started.append(dbus)
-        _wait_for(lambda: socket.exists(), dbus, f"dbus-daemon@{node} opened no socket",
-                  logs / f"dbus-{node}.log")
+        _wait_for(
+            lambda: socket.exists(),
+            dbus,
+            f"dbus-daemon@{node} opened no socket",
+            logs / f"dbus-{node}.log",
+        )
         base_env = _base_env()
-        plugin = start_device_plugin(cluster, node, device_plugin, state, base_env,
-                                     bin_dir=bin_dir)
+        plugin = start_device_plugin(cluster, node, device_plugin, state, base_env, bin_dir=bin_dir)
         started.append(plugin)
         log = logs / f"mig-manager-{node}.log"
         own_env = {
@@ -149,15 +162,21 @@ def start_node(cluster: Cluster, node: str, config_file: Path, *,
             "DEFAULT_GPU_CLIENTS_NAMESPACE": PLUGIN_NS,
             **dict(env or {}),
         }
-        argv = [str(WITH_SIM_GPUS), "--host-view", str(state), "--",
-                str(bin_dir / "nvidia-mig-manager")]
+        argv = [
+            str(WITH_SIM_GPUS),
+            "--host-view",
+            str(state),
+            "--",
+            str(bin_dir / "nvidia-mig-manager"),
+        ]
         manager = spawn(f"mig-manager@{node}", argv, log, env={**base_env, **own_env})
         started.append(manager)
     except BaseException:
         stop(list(reversed(started)))
         raise
-    record = NodeMigManager(node, manager, dbus, plugin, str(state), str(config_file), str(log),
-                            own_env, argv)
+    record = NodeMigManager(
+        node, manager, dbus, plugin, str(state), str(config_file), str(log), own_env, argv
+    )
     RECORDS.put(cluster.dir, node, asdict(record))
     return record
 
@@ -166,8 +185,9 @@ def admin_kubeconfig(cluster: Cluster, path: Path, server: str) -> Path:
     """A kubeconfig at `path` with the cluster's admin token (what MIG Manager uses here by
     default) for API server URL `server`: one that goes through a proxy, which cannot pass the
     admin kubeconfig's client certificate on."""
-    return kubeconfig_file.write(path, server=server, ca_cert=cluster.ca_cert, user="admin",
-                                 token=cluster.admin_token)
+    return kubeconfig_file.write(
+        path, server=server, ca_cert=cluster.ca_cert, user="admin", token=cluster.admin_token
+    )
 
 
 def kill_manager(directory: Path, node: str) -> Proc | None:
@@ -187,13 +207,22 @@ def restart_manager(cluster: Cluster, node: str) -> NodeMigManager:
             raise DevClusterError(f"no MIG Manager recorded for {node}; start it with start_node")
         stop([Proc(**record["mig_manager"])])
         base_env = _base_env()
-        manager = spawn(f"mig-manager@{node}", record["manager_argv"], Path(record["log"]),
-                        env={**base_env, **record["manager_env"]})
+        manager = spawn(
+            f"mig-manager@{node}",
+            record["manager_argv"],
+            Path(record["log"]),
+            env={**base_env, **record["manager_env"]},
+        )
         record["mig_manager"] = asdict(manager)
         RECORDS.save(cluster.dir, records)
-    return NodeMigManager(**{**record, "mig_manager": manager,
-                             "dbus": Proc(**record["dbus"]),
-                             "device_plugin": Proc(**record["device_plugin"])})
+    return NodeMigManager(
+        **{
+            **record,
+            "mig_manager": manager,
+            "dbus": Proc(**record["dbus"]),
+            "device_plugin": Proc(**record["device_plugin"]),
+        }
+    )
 
 
 def _base_env() -> dict[str, str]:
@@ -203,8 +232,9 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _wait_for(ready: Callable[[], bool], proc: Proc, message: str, log: Path,
-              timeout: float = 10.0) -> None:
+def _wait_for(
+    ready: Callable[[], bool], proc: Proc, message: str, log: Path, timeout: float = 10.0
+) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         if not proc.alive() or time.monotonic() > deadline:
@@ -242,4 +272,3 @@ def stop_all(directory: Path) -> list[str]:
         killed = stop([p for r in records.values() for p in _procs(r)])
         RECORDS.save(directory, {})
     return killed
-

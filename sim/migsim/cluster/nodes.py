@@ -49,10 +49,14 @@ def gpu_node_labels(name: str, gpus: Sequence[GpuModel]) -> dict[str, str]:
     }
 
 
-def node_manifest(name: str, *, labels: Mapping[str, str],
-                  annotations: Mapping[str, str] | None = None,
-                  resources: Mapping[str, str] | None = None,
-                  taints: Sequence[Mapping[str, str]] = ()) -> Manifest:
+def node_manifest(
+    name: str,
+    *,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str] | None = None,
+    resources: Mapping[str, str] | None = None,
+    taints: Sequence[Mapping[str, str]] = (),
+) -> Manifest:
     """A kwok-managed Node with `labels`; capacity = allocatable = base resources + `resources`."""
     allocatable = {**_BASE_RESOURCES, **(resources or {})}
     spec: Manifest = {}
@@ -72,9 +76,13 @@ def node_manifest(name: str, *, labels: Mapping[str, str],
     }
 
 
-def gpu_node_manifest(name: str, gpus: str = DEFAULT_GPUS, *,
-                      extra_labels: Mapping[str, str] | None = None,
-                      taints: Sequence[Mapping[str, str]] = ()) -> Manifest:
+def gpu_node_manifest(
+    name: str,
+    gpus: str = DEFAULT_GPUS,
+    *,
+    extra_labels: Mapping[str, str] | None = None,
+    taints: Sequence[Mapping[str, str]] = (),
+) -> Manifest:
     """A simulated GPU node; `gpus` as `mig_agent.core.gpu_models.parse_gpu_spec` reads it
     (`8xH100-80GB`).
 
@@ -84,8 +92,13 @@ def gpu_node_manifest(name: str, gpus: str = DEFAULT_GPUS, *,
     models = parse_gpu_spec(gpus)
     labels = {**gpu_node_labels(name, models), **(extra_labels or {})}
     count = sum(not is_skipped(m.name) for m in models)
-    return node_manifest(name, labels=labels, annotations={GPUS_ANNOTATION: gpus},
-                         resources={GPU_RESOURCE: str(count)}, taints=taints)
+    return node_manifest(
+        name,
+        labels=labels,
+        annotations={GPUS_ANNOTATION: gpus},
+        resources={GPU_RESOURCE: str(count)},
+        taints=taints,
+    )
 
 
 def cpu_node_manifest(name: str, *, extra_labels: Mapping[str, str] | None = None) -> Manifest:

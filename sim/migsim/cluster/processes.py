@@ -65,7 +65,7 @@ def _stat_fields(pid: int) -> list[str] | None:
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses; fields after the last ')' cannot.
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def _read_stat(pid: int) -> tuple[str, int] | None:
@@ -94,8 +94,7 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def spawn(name: str, argv: Sequence[str], log: Path,
-          env: Mapping[str, str] | None = None) -> Proc:
+def spawn(name: str, argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> Proc:
     """Start `argv` in a new session, stdout and stderr appended to `log`, stdin from /dev/null;
     `env` replaces the environment (default: this process's)."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +106,9 @@ def spawn(name: str, argv: Sequence[str], log: Path,
         # `stop`/`kill` reap it while it is our child. Python opens its own descriptors
         # close-on-exec, so only these three reach the child.
         pid = os.posix_spawn(
-            argv[0], list(argv), dict(os.environ if env is None else env),
+            argv[0],
+            list(argv),
+            dict(os.environ if env is None else env),
             file_actions=[
                 (os.POSIX_SPAWN_DUP2, devnull, 0),
                 (os.POSIX_SPAWN_DUP2, out, 1),

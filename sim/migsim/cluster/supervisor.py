@@ -75,8 +75,16 @@ def _wait_exit(proc: Proc) -> int | None:
     return None
 
 
-def supervise(argv: Sequence[str], *, name: str, log: Path, status_file: Path,
-              initial: float, cap: float, reset_after: float | None = None) -> int:
+def supervise(
+    argv: Sequence[str],
+    *,
+    name: str,
+    log: Path,
+    status_file: Path,
+    initial: float,
+    cap: float,
+    reset_after: float | None = None,
+) -> int:
     reset_after = 2 * cap if reset_after is None else reset_after
     restarts = consecutive = 0
     last_exit = ""
@@ -88,8 +96,16 @@ def supervise(argv: Sequence[str], *, name: str, log: Path, status_file: Path,
             proc, status = None, None
             last_exit = str(e)
         if proc is not None:
-            _write(status_file, {"state": "running", "agent": asdict(proc), "restarts": restarts,
-                                 "last_exit": last_exit, "supervisor_pid": os.getpid()})
+            _write(
+                status_file,
+                {
+                    "state": "running",
+                    "agent": asdict(proc),
+                    "restarts": restarts,
+                    "last_exit": last_exit,
+                    "supervisor_pid": os.getpid(),
+                },
+            )
             _say("process.started", name=name, pid=proc.pid, restarts=restarts)
             status = _wait_exit(proc)
             if status is None:  # told to stop
@@ -100,9 +116,17 @@ def supervise(argv: Sequence[str], *, name: str, log: Path, status_file: Path,
             consecutive = 0
         delay = backoff_delay(consecutive, initial, cap)
         _say("process.exited", name=name, how=last_exit, restart_in_s=delay)
-        _write(status_file, {"state": "back-off", "agent": asdict(proc) if proc else None,
-                             "restarts": restarts, "last_exit": last_exit,
-                             "restart_at": time.time() + delay, "supervisor_pid": os.getpid()})
+        _write(
+            status_file,
+            {
+                "state": "back-off",
+                "agent": asdict(proc) if proc else None,
+                "restarts": restarts,
+                "last_exit": last_exit,
+                "restart_at": time.time() + delay,
+                "supervisor_pid": os.getpid(),
+            },
+        )
         deadline = time.monotonic() + delay
         while not _stopping and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -133,8 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("no command to supervise")
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    return supervise(command, name=args.name, log=args.log, status_file=args.status,
-                     initial=args.backoff, cap=args.backoff_max)
+    return supervise(
+        command,
+        name=args.name,
+        log=args.log,
+        status_file=args.status,
+        initial=args.backoff,
+        cap=args.backoff_max,
+    )
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from .errors import WaitTimeout
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], *, timeout: float, what: str,
-               interval: float = 0.1) -> T:
+def wait_until(
+    condition: Callable[[], T], *, timeout: float, what: str, interval: float = 0.1
+) -> T:
     """Call `condition` until it returns something truthy; return that.
 
     Raises WaitTimeout naming `what` (and the last falsy value) after `timeout` seconds. Exceptions
@@ -25,6 +26,7 @@ def wait_until(condition: Callable[[], T], *, timeout: float, what: str,
         if result:
             return result
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what} "
-                              f"(last value: {result!r})")
+            raise WaitTimeout(
+                f"timed out after {timeout:g} s waiting for {what} (last value: {result!r})"
+            )
         time.sleep(interval)

@@ -19,18 +19,23 @@ from .library import SimulatedNvmlLibrary
 __all__ = ["open_node", "state"]
 
 
-def open_node(path: str | os.PathLike[str] | None = None, *,
-              create_gpus: str | None = None) -> NvmlGpuBackend:
+def open_node(
+    path: str | os.PathLike[str] | None = None, *, create_gpus: str | None = None
+) -> NvmlGpuBackend:
     """The NVML backend over the simulated node in ``path`` (default $MIG_AGENT_SIM_STATE);
     with ``create_gpus`` (e.g. "8xH100-80GB") a missing node is created first."""
     where = str(path or os.environ.get(state.ENV_STATE, ""))
     if not where:
-        raise GpuUnavailable(f"the simulated backend needs a node state file: pass --sim-state "
-                             f"FILE or set {state.ENV_STATE}")
+        raise GpuUnavailable(
+            f"the simulated backend needs a node state file: pass --sim-state "
+            f"FILE or set {state.ENV_STATE}"
+        )
     if not os.path.exists(where):
         if not create_gpus:
-            raise GpuUnavailable(f"no simulated node at {where}; create one with "
-                                 f"python -m migsim.nvml --state {where} create --gpus 8xH100-80GB")
+            raise GpuUnavailable(
+                f"no simulated node at {where}; create one with "
+                f"python -m migsim.nvml --state {where} create --gpus 8xH100-80GB"
+            )
         Path(where).parent.mkdir(parents=True, exist_ok=True)
         state.create_node(where, gpus=create_gpus)
     library = SimulatedNvmlLibrary(where)
@@ -39,8 +44,11 @@ def open_node(path: str | os.PathLike[str] | None = None, *,
         try:
             library.reset_gpu(gpu)
         except state.SimError as exc:
-            cls = {state.IN_USE: GpuBusy, state.NOT_SUPPORTED: GpuResetRequired,
-                   state.RESET_REQUIRED: GpuResetRequired}.get(exc.code, GpuError)
+            cls = {
+                state.IN_USE: GpuBusy,
+                state.NOT_SUPPORTED: GpuResetRequired,
+                state.RESET_REQUIRED: GpuResetRequired,
+            }.get(exc.code, GpuError)
             op = f"reset GPU {gpu}"
             raise cls(f"{op}: {exc}", op=op, gpu=gpu, nvml_code=exc.code) from exc
 

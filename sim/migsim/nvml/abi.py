@@ -55,52 +55,85 @@ class _Struct(ctypes.Structure):
 
 class PciInfo(_Struct):
     _c_name_ = "nvmlPciInfo_t"
-    _fields_ = [("busIdLegacy", ctypes.c_char * 16), ("domain", ctypes.c_uint),
-                ("bus", ctypes.c_uint), ("device", ctypes.c_uint),
-                ("pciDeviceId", ctypes.c_uint), ("pciSubSystemId", ctypes.c_uint),
-                ("busId", ctypes.c_char * 32)]
+    _fields_ = [
+        ("busIdLegacy", ctypes.c_char * 16),
+        ("domain", ctypes.c_uint),
+        ("bus", ctypes.c_uint),
+        ("device", ctypes.c_uint),
+        ("pciDeviceId", ctypes.c_uint),
+        ("pciSubSystemId", ctypes.c_uint),
+        ("busId", ctypes.c_char * 32),
+    ]
 
 
 class Memory(_Struct):
     _c_name_ = "nvmlMemory_t"
-    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                ("used", ctypes.c_ulonglong)]
+    _fields_ = [
+        ("total", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
 
 
 class MemoryV2(_Struct):
     _c_name_ = "nvmlMemory_v2_t"
-    _fields_ = [("version", ctypes.c_uint), ("total", ctypes.c_ulonglong),
-                ("reserved", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
-                ("used", ctypes.c_ulonglong)]
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("total", ctypes.c_ulonglong),
+        ("reserved", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
 
 
 class Value(ctypes.Union):
-    _fields_ = [("dVal", ctypes.c_double), ("siVal", ctypes.c_int), ("uiVal", ctypes.c_uint),
-                ("ulVal", ctypes.c_ulong), ("ullVal", ctypes.c_ulonglong),
-                ("sllVal", ctypes.c_longlong), ("usVal", ctypes.c_ushort)]
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("siVal", ctypes.c_int),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("usVal", ctypes.c_ushort),
+    ]
 
 
 class FieldValue(_Struct):
     _c_name_ = "nvmlFieldValue_t"
-    _fields_ = [("fieldId", ctypes.c_uint), ("scopeId", ctypes.c_uint),
-                ("timestamp", ctypes.c_longlong), ("latencyUsec", ctypes.c_longlong),
-                ("valueType", ctypes.c_uint), ("nvmlReturn", ctypes.c_uint), ("value", Value)]
+    _fields_ = [
+        ("fieldId", ctypes.c_uint),
+        ("scopeId", ctypes.c_uint),
+        ("timestamp", ctypes.c_longlong),
+        ("latencyUsec", ctypes.c_longlong),
+        ("valueType", ctypes.c_uint),
+        ("nvmlReturn", ctypes.c_uint),
+        ("value", Value),
+    ]
 
 
 class ProcessInfo(_Struct):
     _c_name_ = "nvmlProcessInfo_t"
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+    _fields_ = [
+        ("pid", ctypes.c_uint),
+        ("usedGpuMemory", ctypes.c_ulonglong),
+        ("gpuInstanceId", ctypes.c_uint),
+        ("computeInstanceId", ctypes.c_uint),
+    ]
 
 
 class DeviceAttributes(_Struct):
     _c_name_ = "nvmlDeviceAttributes_t"
-    _fields_ = [("multiprocessorCount", ctypes.c_uint), ("sharedCopyEngineCount", ctypes.c_uint),
-                ("sharedDecoderCount", ctypes.c_uint), ("sharedEncoderCount", ctypes.c_uint),
-                ("sharedJpegCount", ctypes.c_uint), ("sharedOfaCount", ctypes.c_uint),
-                ("gpuInstanceSliceCount", ctypes.c_uint),
-                ("computeInstanceSliceCount", ctypes.c_uint),
-                ("memorySizeMB", ctypes.c_ulonglong)]
+    _fields_ = [
+        ("multiprocessorCount", ctypes.c_uint),
+        ("sharedCopyEngineCount", ctypes.c_uint),
+        ("sharedDecoderCount", ctypes.c_uint),
+        ("sharedEncoderCount", ctypes.c_uint),
+        ("sharedJpegCount", ctypes.c_uint),
+        ("sharedOfaCount", ctypes.c_uint),
+        ("gpuInstanceSliceCount", ctypes.c_uint),
+        ("computeInstanceSliceCount", ctypes.c_uint),
+        ("memorySizeMB", ctypes.c_ulonglong),
+    ]
 
 
 class GpuInstancePlacement(_Struct):
@@ -114,11 +147,18 @@ class ComputeInstancePlacement(_Struct):
 
 
 _GI_PROFILE_FIELDS = [
-    ("id", ctypes.c_uint), ("isP2pSupported", ctypes.c_uint), ("sliceCount", ctypes.c_uint),
-    ("instanceCount", ctypes.c_uint), ("multiprocessorCount", ctypes.c_uint),
-    ("copyEngineCount", ctypes.c_uint), ("decoderCount", ctypes.c_uint),
-    ("encoderCount", ctypes.c_uint), ("jpegCount", ctypes.c_uint), ("ofaCount", ctypes.c_uint),
-    ("memorySizeMB", ctypes.c_ulonglong)]
+    ("id", ctypes.c_uint),
+    ("isP2pSupported", ctypes.c_uint),
+    ("sliceCount", ctypes.c_uint),
+    ("instanceCount", ctypes.c_uint),
+    ("multiprocessorCount", ctypes.c_uint),
+    ("copyEngineCount", ctypes.c_uint),
+    ("decoderCount", ctypes.c_uint),
+    ("encoderCount", ctypes.c_uint),
+    ("jpegCount", ctypes.c_uint),
+    ("ofaCount", ctypes.c_uint),
+    ("memorySizeMB", ctypes.c_ulonglong),
+]
 
 
 class GpuInstanceProfileInfo(_Struct):
@@ -134,15 +174,25 @@ class GpuInstanceProfileInfoV2(_Struct):
 class GpuInstanceInfo(_Struct):
     _c_name_ = "nvmlGpuInstanceInfo_t"
     _handles_ = ("device",)
-    _fields_ = [("device", ctypes.c_void_p), ("id", ctypes.c_uint), ("profileId", ctypes.c_uint),
-                ("placement", GpuInstancePlacement)]
+    _fields_ = [
+        ("device", ctypes.c_void_p),
+        ("id", ctypes.c_uint),
+        ("profileId", ctypes.c_uint),
+        ("placement", GpuInstancePlacement),
+    ]
 
 
 _CI_PROFILE_FIELDS = [
-    ("id", ctypes.c_uint), ("sliceCount", ctypes.c_uint), ("instanceCount", ctypes.c_uint),
-    ("multiprocessorCount", ctypes.c_uint), ("sharedCopyEngineCount", ctypes.c_uint),
-    ("sharedDecoderCount", ctypes.c_uint), ("sharedEncoderCount", ctypes.c_uint),
-    ("sharedJpegCount", ctypes.c_uint), ("sharedOfaCount", ctypes.c_uint)]
+    ("id", ctypes.c_uint),
+    ("sliceCount", ctypes.c_uint),
+    ("instanceCount", ctypes.c_uint),
+    ("multiprocessorCount", ctypes.c_uint),
+    ("sharedCopyEngineCount", ctypes.c_uint),
+    ("sharedDecoderCount", ctypes.c_uint),
+    ("sharedEncoderCount", ctypes.c_uint),
+    ("sharedJpegCount", ctypes.c_uint),
+    ("sharedOfaCount", ctypes.c_uint),
+]
 
 
 class ComputeInstanceProfileInfo(_Struct):
@@ -158,9 +208,13 @@ class ComputeInstanceProfileInfoV2(_Struct):
 class ComputeInstanceInfo(_Struct):
     _c_name_ = "nvmlComputeInstanceInfo_t"
     _handles_ = ("device", "gpuInstance")
-    _fields_ = [("device", ctypes.c_void_p), ("gpuInstance", ctypes.c_void_p),
-                ("id", ctypes.c_uint), ("profileId", ctypes.c_uint),
-                ("placement", ComputeInstancePlacement)]
+    _fields_ = [
+        ("device", ctypes.c_void_p),
+        ("gpuInstance", ctypes.c_void_p),
+        ("id", ctypes.c_uint),
+        ("profileId", ctypes.c_uint),
+        ("placement", ComputeInstancePlacement),
+    ]
 
 
 Scalar: TypeAlias = type[ctypes.c_uint] | type[ctypes.c_int] | type[ctypes.c_ulonglong]
@@ -194,6 +248,7 @@ class Int:
 @dataclass(frozen=True)
 class Ptr:
     """A pointer to one value of ``ctype``; ``inout`` False for const inputs (placements)."""
+
     ctype: CType
     inout: bool = True
 
@@ -206,6 +261,7 @@ class Text:
 @dataclass(frozen=True)
 class TextOut:
     """A ``char*`` buffer NVML fills, its capacity in the value parameter at ``length``."""
+
     length: int
 
 
@@ -219,6 +275,7 @@ class Array:
     ``inout``: the count is a value, entries go both ways (field values); ``capacity``: the count
     is an in/out pointer holding the capacity (running processes); ``unbounded``: the count is an
     out pointer and NVML writes all it has (instance handles, placements)."""
+
     ctype: CType | None
     count: int
     mode: ArrayMode
@@ -233,6 +290,7 @@ U32_OUT, I32_OUT, U64_OUT = Ptr(ctypes.c_uint), Ptr(ctypes.c_int), Ptr(ctypes.c_
 @dataclass(frozen=True)
 class Function:
     """A C function of libnvidia-ml.so.1, answered by ``SimulatedNvmlLibrary.<serve>``."""
+
     name: str
     params: tuple[Kind, ...]
     serve: str = ""
@@ -259,8 +317,9 @@ FUNCTIONS: tuple[Function, ...] = (
     _fn("nvmlDeviceGetHandleByIndex", UINT, HANDLE_OUT, serve="nvmlDeviceGetHandleByIndex_v2"),
     _fn("nvmlDeviceGetHandleByUUID", TEXT, HANDLE_OUT),
     _fn("nvmlDeviceGetHandleByPciBusId_v2", TEXT, HANDLE_OUT),
-    _fn("nvmlDeviceGetHandleByPciBusId", TEXT, HANDLE_OUT,
-        serve="nvmlDeviceGetHandleByPciBusId_v2"),
+    _fn(
+        "nvmlDeviceGetHandleByPciBusId", TEXT, HANDLE_OUT, serve="nvmlDeviceGetHandleByPciBusId_v2"
+    ),
     _fn("nvmlDeviceGetName", HANDLE, TextOut(2), UINT),
     _fn("nvmlDeviceGetUUID", HANDLE, TextOut(2), UINT),
     _fn("nvmlDeviceGetIndex", HANDLE, U32_OUT),
@@ -274,18 +333,42 @@ FUNCTIONS: tuple[Function, ...] = (
     _fn("nvmlDeviceGetTopologyCommonAncestor", HANDLE, HANDLE, U32_OUT),
     _fn("nvmlDeviceGetSupportedEventTypes", HANDLE, U64_OUT),
     _fn("nvmlDeviceGetFieldValues", HANDLE, INT, Array(FieldValue, 1, "inout")),
-    _fn("nvmlDeviceGetComputeRunningProcesses_v3", HANDLE, U32_OUT,
-        Array(ProcessInfo, 1, "capacity")),
-    _fn("nvmlDeviceGetComputeRunningProcesses_v2", HANDLE, U32_OUT,
-        Array(ProcessInfo, 1, "capacity")),
-    _fn("nvmlDeviceGetGraphicsRunningProcesses_v3", HANDLE, U32_OUT,
-        Array(ProcessInfo, 1, "capacity")),
-    _fn("nvmlDeviceGetGraphicsRunningProcesses_v2", HANDLE, U32_OUT,
-        Array(ProcessInfo, 1, "capacity")),
-    _fn("nvmlDeviceGetMPSComputeRunningProcesses_v3", HANDLE, U32_OUT,
-        Array(ProcessInfo, 1, "capacity")),
-    _fn("nvmlDeviceGetMPSComputeRunningProcesses_v2", HANDLE, U32_OUT,
-        Array(ProcessInfo, 1, "capacity")),
+    _fn(
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        HANDLE,
+        U32_OUT,
+        Array(ProcessInfo, 1, "capacity"),
+    ),
+    _fn(
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        HANDLE,
+        U32_OUT,
+        Array(ProcessInfo, 1, "capacity"),
+    ),
+    _fn(
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        HANDLE,
+        U32_OUT,
+        Array(ProcessInfo, 1, "capacity"),
+    ),
+    _fn(
+        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+        HANDLE,
+        U32_OUT,
+        Array(ProcessInfo, 1, "capacity"),
+    ),
+    _fn(
+        "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+        HANDLE,
+        U32_OUT,
+        Array(ProcessInfo, 1, "capacity"),
+    ),
+    _fn(
+        "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+        HANDLE,
+        U32_OUT,
+        Array(ProcessInfo, 1, "capacity"),
+    ),
     _fn("nvmlDeviceGetMigMode", HANDLE, U32_OUT, U32_OUT),
     _fn("nvmlDeviceSetMigMode", HANDLE, UINT, U32_OUT),
     _fn("nvmlDeviceGetMaxMigDeviceCount", HANDLE, U32_OUT),
@@ -295,39 +378,72 @@ FUNCTIONS: tuple[Function, ...] = (
     _fn("nvmlDeviceGetComputeInstanceId", HANDLE, U32_OUT),
     _fn("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", HANDLE, HANDLE_OUT),
     _fn("nvmlDeviceGetAttributes_v2", HANDLE, Ptr(DeviceAttributes)),
-    _fn("nvmlDeviceGetAttributes", HANDLE, Ptr(DeviceAttributes),
-        serve="nvmlDeviceGetAttributes_v2"),
+    _fn(
+        "nvmlDeviceGetAttributes", HANDLE, Ptr(DeviceAttributes), serve="nvmlDeviceGetAttributes_v2"
+    ),
     _fn("nvmlDeviceGetGpuInstanceProfileInfo", HANDLE, UINT, Ptr(GpuInstanceProfileInfo)),
     _fn("nvmlDeviceGetGpuInstanceProfileInfoV", HANDLE, UINT, Ptr(GpuInstanceProfileInfoV2)),
-    _fn("nvmlDeviceGetGpuInstanceProfileInfoByIdV", HANDLE, UINT,
-        Ptr(GpuInstanceProfileInfoV2)),
-    _fn("nvmlDeviceGetGpuInstancePossiblePlacements_v2", HANDLE, UINT,
-        Array(GpuInstancePlacement, 3, "unbounded"), U32_OUT),
+    _fn("nvmlDeviceGetGpuInstanceProfileInfoByIdV", HANDLE, UINT, Ptr(GpuInstanceProfileInfoV2)),
+    _fn(
+        "nvmlDeviceGetGpuInstancePossiblePlacements_v2",
+        HANDLE,
+        UINT,
+        Array(GpuInstancePlacement, 3, "unbounded"),
+        U32_OUT,
+    ),
     _fn("nvmlDeviceGetGpuInstanceRemainingCapacity", HANDLE, UINT, U32_OUT),
     _fn("nvmlDeviceCreateGpuInstance", HANDLE, UINT, HANDLE_OUT),
-    _fn("nvmlDeviceCreateGpuInstanceWithPlacement", HANDLE, UINT,
-        Ptr(GpuInstancePlacement, inout=False), HANDLE_OUT),
+    _fn(
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        HANDLE,
+        UINT,
+        Ptr(GpuInstancePlacement, inout=False),
+        HANDLE_OUT,
+    ),
     _fn("nvmlGpuInstanceDestroy", HANDLE),
     _fn("nvmlDeviceGetGpuInstances", HANDLE, UINT, Array(None, 3, "unbounded"), U32_OUT),
     _fn("nvmlDeviceGetGpuInstanceById", HANDLE, UINT, HANDLE_OUT),
     _fn("nvmlGpuInstanceGetInfo", HANDLE, Ptr(GpuInstanceInfo)),
-    _fn("nvmlGpuInstanceGetComputeInstanceProfileInfo", HANDLE, UINT, UINT,
-        Ptr(ComputeInstanceProfileInfo)),
-    _fn("nvmlGpuInstanceGetComputeInstanceProfileInfoV", HANDLE, UINT, UINT,
-        Ptr(ComputeInstanceProfileInfoV2)),
+    _fn(
+        "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+        HANDLE,
+        UINT,
+        UINT,
+        Ptr(ComputeInstanceProfileInfo),
+    ),
+    _fn(
+        "nvmlGpuInstanceGetComputeInstanceProfileInfoV",
+        HANDLE,
+        UINT,
+        UINT,
+        Ptr(ComputeInstanceProfileInfoV2),
+    ),
     _fn("nvmlGpuInstanceGetComputeInstanceRemainingCapacity", HANDLE, UINT, U32_OUT),
-    _fn("nvmlGpuInstanceGetComputeInstancePossiblePlacements", HANDLE, UINT,
-        Array(ComputeInstancePlacement, 3, "unbounded"), U32_OUT),
+    _fn(
+        "nvmlGpuInstanceGetComputeInstancePossiblePlacements",
+        HANDLE,
+        UINT,
+        Array(ComputeInstancePlacement, 3, "unbounded"),
+        U32_OUT,
+    ),
     _fn("nvmlGpuInstanceCreateComputeInstance", HANDLE, UINT, HANDLE_OUT),
-    _fn("nvmlGpuInstanceCreateComputeInstanceWithPlacement", HANDLE, UINT,
-        Ptr(ComputeInstancePlacement, inout=False), HANDLE_OUT),
+    _fn(
+        "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+        HANDLE,
+        UINT,
+        Ptr(ComputeInstancePlacement, inout=False),
+        HANDLE_OUT,
+    ),
     _fn("nvmlComputeInstanceDestroy", HANDLE),
-    _fn("nvmlGpuInstanceGetComputeInstances", HANDLE, UINT, Array(None, 3, "unbounded"),
-        U32_OUT),
+    _fn("nvmlGpuInstanceGetComputeInstances", HANDLE, UINT, Array(None, 3, "unbounded"), U32_OUT),
     _fn("nvmlGpuInstanceGetComputeInstanceById", HANDLE, UINT, HANDLE_OUT),
     _fn("nvmlComputeInstanceGetInfo_v2", HANDLE, Ptr(ComputeInstanceInfo)),
-    _fn("nvmlComputeInstanceGetInfo", HANDLE, Ptr(ComputeInstanceInfo),
-        serve="nvmlComputeInstanceGetInfo_v2"),
+    _fn(
+        "nvmlComputeInstanceGetInfo",
+        HANDLE,
+        Ptr(ComputeInstanceInfo),
+        serve="nvmlComputeInstanceGetInfo_v2",
+    ),
 )
 
 BY_NAME: dict[str, Function] = {f.name: f for f in FUNCTIONS}
@@ -344,6 +460,15 @@ EVENT_POLL_MS = 100
 # Event sets are the library's own too: nvmlEventSetWait_v2 polls the simulator (POLL_EVENTS) and
 # sleeps in between without holding the connection, up to its timeout (then NVML_ERROR_TIMEOUT);
 # nvmlDeviceRegisterEvents checks its handle and types with the simulator.
-LOCAL_FUNCTIONS = ("nvmlInit_v2", "nvmlInit", "nvmlInitWithFlags", "nvmlShutdown",
-                   "nvmlErrorString", "nvmlEventSetCreate", "nvmlEventSetFree",
-                   "nvmlDeviceRegisterEvents", "nvmlEventSetWait_v2", "nvmlEventSetWait")
+LOCAL_FUNCTIONS = (
+    "nvmlInit_v2",
+    "nvmlInit",
+    "nvmlInitWithFlags",
+    "nvmlShutdown",
+    "nvmlErrorString",
+    "nvmlEventSetCreate",
+    "nvmlEventSetFree",
+    "nvmlDeviceRegisterEvents",
+    "nvmlEventSetWait_v2",
+    "nvmlEventSetWait",
+)

@@ -50,8 +50,10 @@ def mig_minors(gpu_minors: Sequence[int]) -> str:
     for g in gpu_minors:
         for gi in range(MAX_GPU_INSTANCES):
             lines.append(f"gpu{g}/gi{gi}/access {mig_minor(g, gi)}")
-            lines += [f"gpu{g}/gi{gi}/ci{ci}/access {mig_minor(g, gi, ci)}"
-                      for ci in range(MAX_COMPUTE_INSTANCES)]
+            lines += [
+                f"gpu{g}/gi{gi}/ci{ci}/access {mig_minor(g, gi, ci)}"
+                for ci in range(MAX_COMPUTE_INSTANCES)
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -68,8 +70,7 @@ def _config_space(device: int, subsystem: int) -> bytes:
 def write_host_view(state_file: str, out: Path) -> None:
     node = st.load_node(state_file)
     (out / "proc").mkdir(parents=True, exist_ok=True)
-    (out / "proc" / "modules").write_text(
-        "nvidia 104857600 0 - Live 0x0000000000000000 (POE)\n")
+    (out / "proc" / "modules").write_text("nvidia 104857600 0 - Live 0x0000000000000000 (POE)\n")
     caps = out / "proc" / "driver" / "nvidia-caps"
     caps.mkdir(parents=True, exist_ok=True)
     # The GPU's device minor is its NVML index (nvmlDeviceGetMinorNumber of the simulator).
@@ -89,7 +90,7 @@ def write_host_view(state_file: str, out: Path) -> None:
             "numa_node": "-1",
             # BAR0 (16 MiB registers) as the kernel lists it: start end flags.
             "resource": "0x00000000fa000000 0x00000000faffffff 0x0000000000040200\n"
-                        + "0x0000000000000000 0x0000000000000000 0x0000000000000000\n" * 5,
+            + "0x0000000000000000 0x0000000000000000 0x0000000000000000\n" * 5,
         }
         for name, text in files.items():
             (d / name).write_text(text if text.endswith("\n") else text + "\n")

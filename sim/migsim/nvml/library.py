@@ -60,18 +60,36 @@ from migsim.nvml.state import (
 )
 
 __all__ = [
-    "ENV_STATE", "CallCounts", "SimError", "SimulatedNvmlLibrary", "SimulatedNvmlMisuse",
-    "add_process", "call_counts", "clear_faults", "create_node", "inject_failure", "load_node",
-    "main", "raise_xid", "reboot_node", "remove_process", "reset_call_counts", "reset_gpu",
-    "set_latency", "set_reset_supported",
+    "ENV_STATE",
+    "CallCounts",
+    "SimError",
+    "SimulatedNvmlLibrary",
+    "SimulatedNvmlMisuse",
+    "add_process",
+    "call_counts",
+    "clear_faults",
+    "create_node",
+    "inject_failure",
+    "load_node",
+    "main",
+    "raise_xid",
+    "reboot_node",
+    "remove_process",
+    "reset_call_counts",
+    "reset_gpu",
+    "set_latency",
+    "set_reset_supported",
 ]
 
 _NO_ID = 0xFFFFFFFF  # NVML_GPU_INSTANCE_ID_ANY / "not on a MIG device" in process infos
 _ARCH_CODE = {Architecture.AMPERE: 7, Architecture.HOPPER: 9, Architecture.TURING: 6}
 # CUDA compute capability (major, minor) of the data-centre parts of each architecture
 # (A100/A30 8.0, H100/H200 9.0, T4 7.5).
-_COMPUTE_CAPABILITY = {Architecture.AMPERE: (8, 0), Architecture.HOPPER: (9, 0),
-                       Architecture.TURING: (7, 5)}
+_COMPUTE_CAPABILITY = {
+    Architecture.AMPERE: (8, 0),
+    Architecture.HOPPER: (9, 0),
+    Architecture.TURING: (7, 5),
+}
 _TOPOLOGY_INTERNAL = 0  # NVML_TOPOLOGY_INTERNAL: the same GPU
 _TOPOLOGY_NODE = 40  # NVML_TOPOLOGY_NODE: PCIe GPUs under host bridges of one NUMA node
 # nvmlEventType*: SingleBitEccError, DoubleBitEccError, PState, XidCriticalError, Clock,
@@ -106,8 +124,9 @@ def _out(arg: Any, what: str) -> Any:
         return arg._obj
     if isinstance(arg, ctypes._Pointer):
         return arg.contents
-    raise SimulatedNvmlMisuse(f"{what}: out-parameter must be passed by reference (byref), "
-                              f"got {type(arg).__name__}")
+    raise SimulatedNvmlMisuse(
+        f"{what}: out-parameter must be passed by reference (byref), got {type(arg).__name__}"
+    )
 
 
 def _text_in(arg: Any, what: str) -> str:
@@ -164,13 +183,15 @@ def _array(arg: Any, count_in: int, needed: int, what: str) -> tuple[Any, int]:
     elif isinstance(arg, ctypes._Pointer):
         capacity, base = count_in, ctypes.cast(arg, ctypes.c_void_p).value or 0
     else:
-        raise SimulatedNvmlMisuse(f"{what}: expected a caller-allocated array, "
-                                  f"got {type(arg).__name__}")
+        raise SimulatedNvmlMisuse(
+            f"{what}: expected a caller-allocated array, got {type(arg).__name__}"
+        )
     if capacity < needed:
         raise SimulatedNvmlMisuse(
             f"{what}: the caller's array holds {capacity} entries but NVML writes {needed}; "
             "real NVML does not check and corrupts memory. Size it from the count query "
-            "(NULL array) or the profile's instanceCount")
+            "(NULL array) or the profile's instanceCount"
+        )
     return arg, base
 
 
@@ -187,8 +208,9 @@ def _write_handles(arr_arg: Any, count: Any, handles: Sequence[int], what: str) 
 
 def _placement_in(arg: Any, what: str) -> Placement:
     if isinstance(arg, ctypes.Structure):
-        raise SimulatedNvmlMisuse(f"{what}: the placement must be passed by pointer "
-                                  "(byref(placement)), not by value")
+        raise SimulatedNvmlMisuse(
+            f"{what}: the placement must be passed by pointer (byref(placement)), not by value"
+        )
     p = _out(arg, what)
     return Placement(int(p.start), int(p.size))
 
@@ -240,12 +262,14 @@ class _Export(NamedTuple):
 _EXPORTS: dict[str, _Export] = {}
 
 
-def _export(*names: str, mutating: bool = False, needs_init: bool = True,
-            uses_state: bool = True) -> Callable[[_F], _F]:
+def _export(
+    *names: str, mutating: bool = False, needs_init: bool = True, uses_state: bool = True
+) -> Callable[[_F], _F]:
     def register(fn: _F) -> _F:
         for name in names:
             _EXPORTS[name] = _Export(fn.__name__, mutating, needs_init, uses_state)
         return fn
+
     return register
 
 
@@ -292,8 +316,9 @@ class SimulatedNvmlLibrary:
         spec = _EXPORTS[name]
         return int(self._call(name, getattr(self, spec.method), spec, args))
 
-    def poll_events(self, cursor: int | None, registrations: Sequence[tuple[Any, int]]
-                    ) -> tuple[int, SimEvent | None, int]:
+    def poll_events(
+        self, cursor: int | None, registrations: Sequence[tuple[Any, int]]
+    ) -> tuple[int, SimEvent | None, int]:
         """The next event after number ``cursor`` for an event set registered for
         ``registrations`` ((GPU handle, nvmlEventType mask) each): (the number to poll after
         next, the event or None, the GPU's handle or 0). Cursor None: no event, only the latest
@@ -310,8 +335,9 @@ class SimulatedNvmlLibrary:
         if cursor is None:
             return latest, None, 0
         for event in node.events:
-            if event.seq > cursor and any(event.gpu == g and event.event_type & t
-                                          for g, t in wanted):
+            if event.seq > cursor and any(
+                event.gpu == g and event.event_type & t for g, t in wanted
+            ):
                 return event.seq, event, self._gpu_handle(event.gpu)
         return latest, None, 0
 
@@ -382,8 +408,9 @@ class SimulatedNvmlLibrary:
     def _parent(self, node: SimNode, handle: Any) -> SimGpu:
         return self._key(node, handle, "gpu")[1]
 
-    def _device(self, node: SimNode, handle: Any
-                ) -> tuple[SimGpu, tuple[SimGpuInstance, SimComputeInstance] | None]:
+    def _device(
+        self, node: SimNode, handle: Any
+    ) -> tuple[SimGpu, tuple[SimGpuInstance, SimComputeInstance] | None]:
         """A GPU or MIG device handle: the GPU and, for a MIG device, its GI and CI."""
         key, gpu = self._key(node, handle, "gpu", "mig")
         if key.kind == "gpu":
@@ -400,8 +427,7 @@ class SimulatedNvmlLibrary:
             raise Refused(st.INVALID_ARGUMENT)
         return gpu, gi
 
-    def _ci(self, node: SimNode, handle: Any
-            ) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
+    def _ci(self, node: SimNode, handle: Any) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
         key, gpu = self._key(node, handle, "ci")
         found = gpu.ci_by_serial(key.serial)
         if found is None:
@@ -591,9 +617,12 @@ class SimulatedNvmlLibrary:
             procs = [p for p in procs if (p.gi, p.ci) == (mig[0].id, mig[1].id)]
         self._write_processes(procs, count, infos)
 
-    @_export("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2",
-             "nvmlDeviceGetMPSComputeRunningProcesses_v3",
-             "nvmlDeviceGetMPSComputeRunningProcesses_v2")
+    @_export(
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+        "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+        "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+    )
     def _no_processes(self, node: SimNode, handle: Any, count: Any, infos: Any) -> None:
         self._device(node, handle)
         self._write_processes([], count, infos)
@@ -642,16 +671,16 @@ class SimulatedNvmlLibrary:
         i = _uint(index, "nvmlDeviceGetMigDeviceHandleByIndex")
         if i >= len(devices):
             raise Refused(st.NOT_FOUND)
-        _store_address(_out(out, "nvmlDeviceGetMigDeviceHandleByIndex"),
-                       self._mig_handle(gpu, devices[i][1]))
+        _store_address(
+            _out(out, "nvmlDeviceGetMigDeviceHandleByIndex"), self._mig_handle(gpu, devices[i][1])
+        )
 
     @_export("nvmlDeviceIsMigDeviceHandle")
     def _is_mig(self, node: SimNode, handle: Any, out: Any) -> None:
         _, mig = self._device(node, handle)
         _out(out, "nvmlDeviceIsMigDeviceHandle").value = int(mig is not None)
 
-    def _mig(self, node: SimNode, handle: Any
-             ) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
+    def _mig(self, node: SimNode, handle: Any) -> tuple[SimGpu, SimGpuInstance, SimComputeInstance]:
         gpu, mig = self._device(node, handle)
         if mig is None:
             raise Refused(st.INVALID_ARGUMENT)
@@ -668,8 +697,9 @@ class SimulatedNvmlLibrary:
     @_export("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
     def _mig_parent(self, node: SimNode, handle: Any, out: Any) -> None:
         gpu = self._mig(node, handle)[0]
-        _store_address(_out(out, "nvmlDeviceGetDeviceHandleFromMigDeviceHandle"),
-                       self._gpu_handle(gpu.index))
+        _store_address(
+            _out(out, "nvmlDeviceGetDeviceHandleFromMigDeviceHandle"), self._gpu_handle(gpu.index)
+        )
 
     @_export("nvmlDeviceGetAttributes_v2")
     def _attributes(self, node: SimNode, handle: Any, out: Any) -> None:
@@ -740,12 +770,14 @@ class SimulatedNvmlLibrary:
         self._fill_gi_profile(info, p)
 
     @_export("nvmlDeviceGetGpuInstancePossiblePlacements_v2")
-    def _gi_placements(self, node: SimNode, handle: Any, pid: Any, placements: Any,
-                       count: Any) -> None:
+    def _gi_placements(
+        self, node: SimNode, handle: Any, pid: Any, placements: Any, count: Any
+    ) -> None:
         gpu = self._parent(node, handle)
         p = st.gi_profile(gpu, _uint(pid, "profile id"))
-        self._write_placements(p.placements, placements, count,
-                               "nvmlDeviceGetGpuInstancePossiblePlacements_v2")
+        self._write_placements(
+            p.placements, placements, count, "nvmlDeviceGetGpuInstancePossiblePlacements_v2"
+        )
 
     @staticmethod
     def _write_placements(pls: Sequence[Placement], arr_arg: Any, count: Any, what: str) -> None:
@@ -770,8 +802,7 @@ class SimulatedNvmlLibrary:
         _store_address(target, self._gi_handle(gpu, gi))
 
     @_export("nvmlDeviceCreateGpuInstanceWithPlacement", mutating=True)
-    def _create_gi_at(self, node: SimNode, handle: Any, pid: Any, placement: Any,
-                      out: Any) -> None:
+    def _create_gi_at(self, node: SimNode, handle: Any, pid: Any, placement: Any, out: Any) -> None:
         gpu = self._parent(node, handle)
         what = "nvmlDeviceCreateGpuInstanceWithPlacement"
         target = _out(out, what)
@@ -788,8 +819,9 @@ class SimulatedNvmlLibrary:
         profile_id = _uint(pid, "profile id")
         st.gi_profile(gpu, profile_id)
         gis = [g for g in gpu.gpu_instances if g.profile_id == profile_id]
-        _write_handles(arr_arg, count, [self._gi_handle(gpu, gi) for gi in gis],
-                       "nvmlDeviceGetGpuInstances")
+        _write_handles(
+            arr_arg, count, [self._gi_handle(gpu, gi) for gi in gis], "nvmlDeviceGetGpuInstances"
+        )
 
     @_export("nvmlDeviceGetGpuInstanceById")
     def _gi_by_id(self, node: SimNode, handle: Any, gi_id: Any, out: Any) -> None:
@@ -813,22 +845,25 @@ class SimulatedNvmlLibrary:
     def _ci_profile_at(gpu: SimGpu, gi: SimGpuInstance, index: int, eng: int) -> CiProfile:
         if not 0 <= index < st.CI_PROFILE_INDEX_LIMIT or eng != 0:
             raise Refused(st.INVALID_ARGUMENT)
-        cp = next((c for c in st.gi_profile(gpu, gi.profile_id).ci_profiles if c.index == index),
-                  None)
+        cp = next(
+            (c for c in st.gi_profile(gpu, gi.profile_id).ci_profiles if c.index == index), None
+        )
         if cp is None:
             raise Refused(st.NOT_SUPPORTED)
         return cp
 
-    @_export("nvmlGpuInstanceGetComputeInstanceProfileInfo",
-             "nvmlGpuInstanceGetComputeInstanceProfileInfoV")
-    def _ci_profile_info(self, node: SimNode, handle: Any, index: Any, eng: Any,
-                         out: Any) -> None:
+    @_export(
+        "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+        "nvmlGpuInstanceGetComputeInstanceProfileInfoV",
+    )
+    def _ci_profile_info(self, node: SimNode, handle: Any, index: Any, eng: Any, out: Any) -> None:
         gpu, gi = self._gi(node, handle)
         info = _out(out, "nvmlGpuInstanceGetComputeInstanceProfileInfo")
         if hasattr(info, "version"):
             _check_version(info, 2)
-        cp = self._ci_profile_at(gpu, gi, _uint(index, "CI profile index"),
-                                 _uint(eng, "engine profile"))
+        cp = self._ci_profile_at(
+            gpu, gi, _uint(index, "CI profile index"), _uint(eng, "engine profile")
+        )
         gp = st.gi_profile(gpu, gi.profile_id)
         e = gp.engines
         _zero(info)
@@ -836,7 +871,10 @@ class SimulatedNvmlLibrary:
         info.multiprocessorCount = cp.multiprocessors
         info.sharedCopyEngineCount, info.sharedDecoderCount = e.copy, e.decoder
         info.sharedEncoderCount, info.sharedJpegCount, info.sharedOfaCount = (
-            e.encoder, e.jpeg, e.ofa)
+            e.encoder,
+            e.jpeg,
+            e.ofa,
+        )
         if hasattr(info, "name"):
             info.name = f"MIG {gp.ci_name(cp)}".encode()
 
@@ -847,12 +885,14 @@ class SimulatedNvmlLibrary:
         _out(out, "nvmlGpuInstanceGetComputeInstanceRemainingCapacity").value = remaining
 
     @_export("nvmlGpuInstanceGetComputeInstancePossiblePlacements")
-    def _ci_placements(self, node: SimNode, handle: Any, pid: Any, placements: Any,
-                       count: Any) -> None:
+    def _ci_placements(
+        self, node: SimNode, handle: Any, pid: Any, placements: Any, count: Any
+    ) -> None:
         gpu, gi = self._gi(node, handle)
         pls = st.ci_profile(gpu, gi, _uint(pid, "CI profile id")).placements
-        self._write_placements(pls, placements, count,
-                               "nvmlGpuInstanceGetComputeInstancePossiblePlacements")
+        self._write_placements(
+            pls, placements, count, "nvmlGpuInstanceGetComputeInstancePossiblePlacements"
+        )
 
     @_export("nvmlGpuInstanceCreateComputeInstance", mutating=True)
     def _create_ci(self, node: SimNode, handle: Any, pid: Any, out: Any) -> None:
@@ -862,13 +902,13 @@ class SimulatedNvmlLibrary:
         _store_address(target, self._ci_handle(gpu, ci))
 
     @_export("nvmlGpuInstanceCreateComputeInstanceWithPlacement", mutating=True)
-    def _create_ci_at(self, node: SimNode, handle: Any, pid: Any, placement: Any,
-                      out: Any) -> None:
+    def _create_ci_at(self, node: SimNode, handle: Any, pid: Any, placement: Any, out: Any) -> None:
         gpu, gi = self._gi(node, handle)
         what = "nvmlGpuInstanceCreateComputeInstanceWithPlacement"
         target = _out(out, what)
-        ci = st.create_ci(node, gpu, gi, _uint(pid, "CI profile id"),
-                          _placement_in(placement, what))
+        ci = st.create_ci(
+            node, gpu, gi, _uint(pid, "CI profile id"), _placement_in(placement, what)
+        )
         _store_address(target, self._ci_handle(gpu, ci))
 
     @_export("nvmlComputeInstanceDestroy", mutating=True)
@@ -881,8 +921,12 @@ class SimulatedNvmlLibrary:
         profile_id = _uint(pid, "CI profile id")
         st.ci_profile(gpu, gi, profile_id)
         cis = [c for c in gi.compute_instances if c.profile_id == profile_id]
-        _write_handles(arr_arg, count, [self._ci_handle(gpu, ci) for ci in cis],
-                       "nvmlGpuInstanceGetComputeInstances")
+        _write_handles(
+            arr_arg,
+            count,
+            [self._ci_handle(gpu, ci) for ci in cis],
+            "nvmlGpuInstanceGetComputeInstances",
+        )
 
     @_export("nvmlGpuInstanceGetComputeInstanceById")
     def _ci_by_id(self, node: SimNode, handle: Any, ci_id: Any, out: Any) -> None:
@@ -890,8 +934,7 @@ class SimulatedNvmlLibrary:
         ci = gi.ci(_uint(ci_id, "compute instance id"))
         if ci is None:
             raise Refused(st.NOT_FOUND)
-        _store_address(_out(out, "nvmlGpuInstanceGetComputeInstanceById"),
-                       self._ci_handle(gpu, ci))
+        _store_address(_out(out, "nvmlGpuInstanceGetComputeInstanceById"), self._ci_handle(gpu, ci))
 
     @_export("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
     def _ci_info(self, node: SimNode, handle: Any, out: Any) -> None:
@@ -913,8 +956,9 @@ def _code(text: str) -> int:
         return ERROR_NAMES[key]
     if text.isdigit():
         return int(text)
-    raise argparse.ArgumentTypeError(f"unknown NVML error {text!r}; use a number or one of "
-                                     f"{', '.join(ERROR_NAMES)}")
+    raise argparse.ArgumentTypeError(
+        f"unknown NVML error {text!r}; use a number or one of {', '.join(ERROR_NAMES)}"
+    )
 
 
 def _show(node: SimNode) -> str:
@@ -944,18 +988,25 @@ def _show(node: SimNode) -> str:
     for r in node.fail_rules:
         target = r.function or "mutating calls"
         on = "" if r.gpu is None else f" on GPU {r.gpu}"
-        lines.append(f"fault: {target}{on}: skip {r.skip}, then fail {r.times}x with "
-                     f"{ERROR_STRINGS.get(r.code, r.code)}")
+        lines.append(
+            f"fault: {target}{on}: skip {r.skip}, then fail {r.times}x with "
+            f"{ERROR_STRINGS.get(r.code, r.code)}"
+        )
     if node.latency_seconds:
         lines.append(f"latency: {node.latency_seconds}s per {node.latency_scope} call")
     return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m migsim.nvml",
-                                description="Simulated GPU node for mig-agent (no GPU needed).")
-    p.add_argument("--state", default=os.environ.get(ENV_STATE),
-                   help=f"node state file (default: ${ENV_STATE})")
+    p = argparse.ArgumentParser(
+        prog="python -m migsim.nvml",
+        description="Simulated GPU node for mig-agent (no GPU needed).",
+    )
+    p.add_argument(
+        "--state",
+        default=os.environ.get(ENV_STATE),
+        help=f"node state file (default: ${ENV_STATE})",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("create", help="create (or replace) a simulated node")
@@ -964,10 +1015,16 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", help="UUID seed (default: the node name)")
     c.add_argument("--passthrough", action="store_true", help="pass-through VM: no GPU reset")
     c.add_argument("--mig-enabled", action="store_true")
-    c.add_argument("--ampere-self-reset", action="store_true",
-                   help="Ampere MIG mode changes apply at once when the GPU is idle")
-    c.add_argument("--profile-info-needs-mig", action="store_true",
-                   help="a driver that answers GI profile info NOT_SUPPORTED while MIG is off")
+    c.add_argument(
+        "--ampere-self-reset",
+        action="store_true",
+        help="Ampere MIG mode changes apply at once when the GPU is idle",
+    )
+    c.add_argument(
+        "--profile-info-needs-mig",
+        action="store_true",
+        help="a driver that answers GI profile info NOT_SUPPORTED while MIG is off",
+    )
 
     s = sub.add_parser("show", help="print the node")
     s.add_argument("--json", action="store_true")
@@ -1032,10 +1089,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_cli(args: argparse.Namespace, path: str) -> int:
     match args.cmd:
         case "create":
-            create_node(path, args.gpus, name=args.name, seed=args.seed,
-                        reset_supported=not args.passthrough, passthrough=args.passthrough,
-                        mig_enabled=args.mig_enabled, ampere_self_reset=args.ampere_self_reset,
-                        profile_info_needs_mig=args.profile_info_needs_mig)
+            create_node(
+                path,
+                args.gpus,
+                name=args.name,
+                seed=args.seed,
+                reset_supported=not args.passthrough,
+                passthrough=args.passthrough,
+                mig_enabled=args.mig_enabled,
+                ampere_self_reset=args.ampere_self_reset,
+                profile_info_needs_mig=args.profile_info_needs_mig,
+            )
             print(_show(load_node(path)))
         case "show":
             node = load_node(path)
@@ -1045,8 +1109,9 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
         case "reboot":
             reboot_node(path)
         case "process" if args.action == "add":
-            add_process(path, args.gpu, args.pid, gi=args.gi, ci=args.ci,
-                        used_memory_mib=args.memory)
+            add_process(
+                path, args.gpu, args.pid, gi=args.gi, ci=args.ci, used_memory_mib=args.memory
+            )
         case "process":
             if not remove_process(path, args.pid, gpu=args.gpu):
                 print(f"no process {args.pid}", file=sys.stderr)
@@ -1054,8 +1119,14 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
         case "fault":
             match args.action:
                 case "fail":
-                    inject_failure(path, args.code, function=args.function, nth=args.nth,
-                                   times=args.times, gpu=args.gpu)
+                    inject_failure(
+                        path,
+                        args.code,
+                        function=args.function,
+                        nth=args.nth,
+                        times=args.times,
+                        gpu=args.gpu,
+                    )
                 case "latency":
                     set_latency(path, args.seconds, scope="all" if args.all else "mutating")
                 case "reset":

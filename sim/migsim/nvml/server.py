@@ -41,7 +41,7 @@ class _Reader:
     def take(self, n: int) -> bytes:
         if self.pos + n > len(self.data):
             raise ValueError("request shorter than its parameters")
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -134,6 +134,7 @@ def _array_reply(arr: Any, kind: abi.Array, args: list[Any]) -> Reply:
             return _counted(b"".join(struct.pack("=Q", arr[i] or 0) for i in range(k)), 8)
         size = ctypes.sizeof(arr) // len(arr)
         return _counted(ctypes.string_at(ctypes.addressof(arr), k * size), size)
+
     return reply
 
 
@@ -204,13 +205,15 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
             raise SimulatedNvmlMisuse(f"request longer than the parameters of {abi.POLL_EVENTS}")
         try:
             after, event, gpu = self.library.poll_events(
-                None if cursor == _LATEST_ONLY else cursor, registrations)
+                None if cursor == _LATEST_ONLY else cursor, registrations
+            )
         except st.Refused as refused:
             return refused.code, b""
         if event is None:
             return st.SUCCESS, struct.pack("=QB", after, 0)
-        return st.SUCCESS, struct.pack("=QBQQQII", after, 1, gpu, event.event_type, event.data,
-                                       event.gi, event.ci)
+        return st.SUCCESS, struct.pack(
+            "=QBQQQII", after, 1, gpu, event.event_type, event.data, event.gi, event.ci
+        )
 
     def disconnected(self, inits: list[int]) -> None:
         with self.lock:
@@ -258,10 +261,16 @@ def _recv(sock: socket.socket, n: int) -> bytes | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m migsim.nvml.server", description=__doc__)
-    p.add_argument("--state", default=os.environ.get(st.ENV_STATE),
-                   help=f"node state file (default: ${st.ENV_STATE})")
-    p.add_argument("--socket", default=os.environ.get(abi.ENV_SOCKET),
-                   help=f"unix socket to serve (default: ${abi.ENV_SOCKET})")
+    p.add_argument(
+        "--state",
+        default=os.environ.get(st.ENV_STATE),
+        help=f"node state file (default: ${st.ENV_STATE})",
+    )
+    p.add_argument(
+        "--socket",
+        default=os.environ.get(abi.ENV_SOCKET),
+        help=f"unix socket to serve (default: ${abi.ENV_SOCKET})",
+    )
     args = p.parse_args(argv)
     if not args.state or not args.socket:
         p.error("--state and --socket are needed")

@@ -50,42 +50,72 @@ INVALID_STATE = 29
 UNKNOWN = 999
 
 ERROR_STRINGS: Mapping[int, str] = {
-    SUCCESS: "Success", UNINITIALIZED: "Uninitialized", INVALID_ARGUMENT: "Invalid Argument",
-    NOT_SUPPORTED: "Not Supported", NO_PERMISSION: "Insufficient Permissions",
-    5: "Already Initialized", NOT_FOUND: "Not Found", INSUFFICIENT_SIZE: "Insufficient Size",
-    8: "Insufficient External Power", DRIVER_NOT_LOADED: "Driver Not Loaded",
-    TIMEOUT: "Timeout", 11: "Interrupt Request Issue", 12: "NVML Shared Library Not Found",
-    FUNCTION_NOT_FOUND: "Function Not Found", 14: "Corrupted infoROM",
-    GPU_IS_LOST: "GPU is lost", RESET_REQUIRED: "GPU requires restart",
+    SUCCESS: "Success",
+    UNINITIALIZED: "Uninitialized",
+    INVALID_ARGUMENT: "Invalid Argument",
+    NOT_SUPPORTED: "Not Supported",
+    NO_PERMISSION: "Insufficient Permissions",
+    5: "Already Initialized",
+    NOT_FOUND: "Not Found",
+    INSUFFICIENT_SIZE: "Insufficient Size",
+    8: "Insufficient External Power",
+    DRIVER_NOT_LOADED: "Driver Not Loaded",
+    TIMEOUT: "Timeout",
+    11: "Interrupt Request Issue",
+    12: "NVML Shared Library Not Found",
+    FUNCTION_NOT_FOUND: "Function Not Found",
+    14: "Corrupted infoROM",
+    GPU_IS_LOST: "GPU is lost",
+    RESET_REQUIRED: "GPU requires restart",
     17: "The operating system has blocked the request.",
-    18: "RM has detected an NVML/RM version mismatch.", IN_USE: "In use by another client",
-    20: "Insufficient Memory", 21: "No data", INSUFFICIENT_RESOURCES: "Insufficient Resources",
-    ARGUMENT_VERSION_MISMATCH: "Argument version mismatch", 27: "Not ready",
-    28: "GPU not found", INVALID_STATE: "Invalid state", UNKNOWN: "Unknown Error",
+    18: "RM has detected an NVML/RM version mismatch.",
+    IN_USE: "In use by another client",
+    20: "Insufficient Memory",
+    21: "No data",
+    INSUFFICIENT_RESOURCES: "Insufficient Resources",
+    ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
+    27: "Not ready",
+    28: "GPU not found",
+    INVALID_STATE: "Invalid state",
+    UNKNOWN: "Unknown Error",
 }
 
 ERROR_NAMES: Mapping[str, int] = {
-    "UNINITIALIZED": UNINITIALIZED, "INVALID_ARGUMENT": INVALID_ARGUMENT,
-    "NOT_SUPPORTED": NOT_SUPPORTED, "NO_PERMISSION": NO_PERMISSION, "NOT_FOUND": NOT_FOUND,
-    "INSUFFICIENT_SIZE": INSUFFICIENT_SIZE, "DRIVER_NOT_LOADED": DRIVER_NOT_LOADED,
-    "TIMEOUT": TIMEOUT, "GPU_IS_LOST": GPU_IS_LOST, "RESET_REQUIRED": RESET_REQUIRED,
-    "IN_USE": IN_USE, "INSUFFICIENT_RESOURCES": INSUFFICIENT_RESOURCES,
-    "INVALID_STATE": INVALID_STATE, "UNKNOWN": UNKNOWN,
+    "UNINITIALIZED": UNINITIALIZED,
+    "INVALID_ARGUMENT": INVALID_ARGUMENT,
+    "NOT_SUPPORTED": NOT_SUPPORTED,
+    "NO_PERMISSION": NO_PERMISSION,
+    "NOT_FOUND": NOT_FOUND,
+    "INSUFFICIENT_SIZE": INSUFFICIENT_SIZE,
+    "DRIVER_NOT_LOADED": DRIVER_NOT_LOADED,
+    "TIMEOUT": TIMEOUT,
+    "GPU_IS_LOST": GPU_IS_LOST,
+    "RESET_REQUIRED": RESET_REQUIRED,
+    "IN_USE": IN_USE,
+    "INSUFFICIENT_RESOURCES": INSUFFICIENT_RESOURCES,
+    "INVALID_STATE": INVALID_STATE,
+    "UNKNOWN": UNKNOWN,
 }
 
 # The C functions that change GPU state; the call counters count these (and the reset).
-MUTATING_FUNCTIONS = frozenset({
-    "nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance",
-    "nvmlDeviceCreateGpuInstanceWithPlacement", "nvmlGpuInstanceDestroy",
-    "nvmlGpuInstanceCreateComputeInstance", "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
-    "nvmlComputeInstanceDestroy",
-})
+MUTATING_FUNCTIONS = frozenset(
+    {
+        "nvmlDeviceSetMigMode",
+        "nvmlDeviceCreateGpuInstance",
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        "nvmlGpuInstanceDestroy",
+        "nvmlGpuInstanceCreateComputeInstance",
+        "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+        "nvmlComputeInstanceDestroy",
+    }
+)
 RESET = "reset"  # the counter/fault name of reset_gpu (nvidia-smi -r on hardware, not NVML)
 
 # GI profile ids the driver's global table knows (GetGpuInstanceProfileInfoById answers
 # NOT_FOUND for those a GPU lacks, INVALID_ARGUMENT for the rest) — measured on an H200, 580.159.
-DRIVER_GI_PROFILE_IDS = frozenset({0, 5, 6, 9, 10, 14, 15, 19, 20, 21, 32, 35, 38, 47, 48,
-                                   64, 65, 66, 67, 72, 73})
+DRIVER_GI_PROFILE_IDS = frozenset(
+    {0, 5, 6, 9, 10, 14, 15, 19, 20, 21, 32, 35, 38, 47, 48, 64, 65, 66, 67, 72, 73}
+)
 # Profile indices from here on are past the 580 driver's table: INVALID_ARGUMENT, not NOT_SUPPORTED.
 DRIVER_GI_PROFILE_INDEX_LIMIT = 17
 CI_PROFILE_INDEX_LIMIT = 9
@@ -166,6 +196,7 @@ class SimProcess:
 class SimEvent:
     """An NVML event a GPU raised (nvmlEventData_t): what nvmlEventSetWait_v2 returns to the event
     sets registered for its type on the GPU after it was raised."""
+
     seq: int
     gpu: int
     event_type: int  # nvmlEventType*, e.g. XID_CRITICAL_ERROR
@@ -205,8 +236,11 @@ class SimGpu:
 
     def mig_devices(self) -> list[tuple[SimGpuInstance, SimComputeInstance]]:
         """MIG devices in NVML's dense index order: by (GI id, CI id)."""
-        return [(g, c) for g in sorted(self.gpu_instances, key=lambda g: g.id)
-                for c in sorted(g.compute_instances, key=lambda c: c.id)]
+        return [
+            (g, c)
+            for g in sorted(self.gpu_instances, key=lambda g: g.id)
+            for c in sorted(g.compute_instances, key=lambda c: c.id)
+        ]
 
     def max_mig_devices(self) -> int:
         return self.model.compute_slices if self.mig_current else 0
@@ -259,8 +293,9 @@ class SimNode:
 
     def gpu(self, index: int) -> SimGpu:
         if not 0 <= index < len(self.gpus):
-            raise SimError(NOT_FOUND, f"no GPU {index} on simulated node {self.name!r} "
-                                      f"({len(self.gpus)} GPUs)")
+            raise SimError(
+                NOT_FOUND, f"no GPU {index} on simulated node {self.name!r} ({len(self.gpus)} GPUs)"
+            )
         return self.gpus[index]
 
     def serial(self) -> int:
@@ -304,16 +339,27 @@ class SimNode:
 
 def _node_from_json(raw: Mapping[str, Any]) -> SimNode:
     if raw.get("schema") != SCHEMA:
-        raise ValueError(f"simulated node state has schema {raw.get('schema')!r}, "
-                         f"expected {SCHEMA}; recreate it")
+        raise ValueError(
+            f"simulated node state has schema {raw.get('schema')!r}, expected {SCHEMA}; recreate it"
+        )
     gpus = [
         SimGpu(
-            index=g["index"], model_key=g["model_key"], uuid=g["uuid"], bus_id=g["bus_id"],
-            mig_current=g["mig_current"], mig_pending=g["mig_pending"],
+            index=g["index"],
+            model_key=g["model_key"],
+            uuid=g["uuid"],
+            bus_id=g["bus_id"],
+            mig_current=g["mig_current"],
+            mig_pending=g["mig_pending"],
             reset_supported=g["reset_supported"],
             gpu_instances=[
-                SimGpuInstance(gi["id"], gi["profile_id"], gi["start"], gi["size"], gi["serial"],
-                               [SimComputeInstance(**ci) for ci in gi["compute_instances"]])
+                SimGpuInstance(
+                    gi["id"],
+                    gi["profile_id"],
+                    gi["start"],
+                    gi["size"],
+                    gi["serial"],
+                    [SimComputeInstance(**ci) for ci in gi["compute_instances"]],
+                )
                 for gi in g["gpu_instances"]
             ],
             processes=[SimProcess(**p) for p in g["processes"]],
@@ -321,8 +367,12 @@ def _node_from_json(raw: Mapping[str, Any]) -> SimNode:
         for g in raw["gpus"]
     ]
     scalars = {k: v for k, v in raw.items() if k not in ("gpus", "fail_rules", "events")}
-    return SimNode(gpus=gpus, fail_rules=[FailRule(**r) for r in raw["fail_rules"]],
-                   events=[SimEvent(**e) for e in raw.get("events", ())], **scalars)
+    return SimNode(
+        gpus=gpus,
+        fail_rules=[FailRule(**r) for r in raw["fail_rules"]],
+        events=[SimEvent(**e) for e in raw.get("events", ())],
+        **scalars,
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -435,8 +485,9 @@ def gi_remaining(gpu: SimGpu, profile_id: int) -> int:
     return max(0, min(p.instance_count - existing, len(_free_placements(gpu, p))))
 
 
-def create_gi(node: SimNode, gpu: SimGpu, profile_id: int,
-              placement: Placement | None) -> SimGpuInstance:
+def create_gi(
+    node: SimNode, gpu: SimGpu, profile_id: int, placement: Placement | None
+) -> SimGpuInstance:
     p = gi_profile(gpu, profile_id)
     if not gpu.mig_current:
         raise Refused(NOT_SUPPORTED)
@@ -473,8 +524,9 @@ def ci_profile(gpu: SimGpu, gi: SimGpuInstance, profile_id: int) -> CiProfile:
     gp = gi_profile(gpu, gi.profile_id)
     cp = gp.ci_profile_by_id(profile_id)
     if cp is None:
-        raise Refused(NOT_SUPPORTED if 0 <= profile_id < CI_PROFILE_INDEX_LIMIT
-                      else INVALID_ARGUMENT)
+        raise Refused(
+            NOT_SUPPORTED if 0 <= profile_id < CI_PROFILE_INDEX_LIMIT else INVALID_ARGUMENT
+        )
     return cp
 
 
@@ -490,8 +542,9 @@ def ci_placements(gpu: SimGpu, gi: SimGpuInstance, profile_id: int) -> tuple[Pla
     return ci_profile(gpu, gi, profile_id).placements
 
 
-def create_ci(node: SimNode, gpu: SimGpu, gi: SimGpuInstance, profile_id: int,
-              placement: Placement | None) -> SimComputeInstance:
+def create_ci(
+    node: SimNode, gpu: SimGpu, gi: SimGpuInstance, profile_id: int, placement: Placement | None
+) -> SimComputeInstance:
     cp = ci_profile(gpu, gi, profile_id)
     if placement is not None and placement not in cp.placements:
         raise Refused(INVALID_ARGUMENT)
@@ -508,8 +561,9 @@ def create_ci(node: SimNode, gpu: SimGpu, gi: SimGpuInstance, profile_id: int,
     used = {c.id for c in gi.compute_instances}
     ci_id = next(i for i in range(len(used) + 1) if i not in used)
     serial = node.serial()
-    ci = SimComputeInstance(ci_id, profile_id, placement.start, placement.size, serial,
-                            node.mig_uuid(serial))
+    ci = SimComputeInstance(
+        ci_id, profile_id, placement.start, placement.size, serial, node.mig_uuid(serial)
+    )
     gi.compute_instances.append(ci)
     gi.compute_instances.sort(key=lambda c: c.id)
     return ci
@@ -560,11 +614,19 @@ def bus_id(index: int) -> str:
     return f"00000000:{0x18 + index:02X}:00.0"
 
 
-def create_node(path: str | os.PathLike[str], gpus: str | tuple[GpuModel, ...], *,
-                name: str | None = None, seed: str | None = None, reset_supported: bool = True,
-                passthrough: bool = False, ampere_self_reset: bool = False,
-                profile_info_needs_mig: bool = False, mig_enabled: bool = False,
-                replace: bool = True) -> None:
+def create_node(
+    path: str | os.PathLike[str],
+    gpus: str | tuple[GpuModel, ...],
+    *,
+    name: str | None = None,
+    seed: str | None = None,
+    reset_supported: bool = True,
+    passthrough: bool = False,
+    ampere_self_reset: bool = False,
+    profile_info_needs_mig: bool = False,
+    mig_enabled: bool = False,
+    replace: bool = True,
+) -> None:
     """Create the state file of a simulated node with ``gpus`` ("8xH100-80GB", "2xA100-40GB,2xA30").
 
     UUIDs derive from ``seed`` (default: the node name, default: the file's stem), so the same
@@ -580,13 +642,21 @@ def create_node(path: str | os.PathLike[str], gpus: str | tuple[GpuModel, ...], 
     name = name or Path(state.path).stem
     seed = seed or name
     node = SimNode(
-        name=name, seed=seed, virtualization_mode=1 if passthrough else 0,
-        ampere_self_reset=ampere_self_reset, profile_info_needs_mig=profile_info_needs_mig,
+        name=name,
+        seed=seed,
+        virtualization_mode=1 if passthrough else 0,
+        ampere_self_reset=ampere_self_reset,
+        profile_info_needs_mig=profile_info_needs_mig,
         gpus=[
-            SimGpu(index=i, model_key=m.key,
-                   uuid="GPU-" + str(uuid.uuid5(_UUID_NAMESPACE, f"{seed}/gpu/{i}")),
-                   bus_id=bus_id(i), mig_current=mig_enabled and m.mig_capable,
-                   mig_pending=mig_enabled and m.mig_capable, reset_supported=reset_supported)
+            SimGpu(
+                index=i,
+                model_key=m.key,
+                uuid="GPU-" + str(uuid.uuid5(_UUID_NAMESPACE, f"{seed}/gpu/{i}")),
+                bus_id=bus_id(i),
+                mig_current=mig_enabled and m.mig_capable,
+                mig_pending=mig_enabled and m.mig_capable,
+                reset_supported=reset_supported,
+            )
             for i, m in enumerate(models)
         ],
     )
@@ -624,15 +694,17 @@ def reset_gpu(path: str | os.PathLike[str], index: int) -> None:
         node.count(RESET, index)
         code = node.consume_rule(RESET, index, True)
         if code is not None:
-            failure = SimError(code, f"reset of GPU {index} failed: "
-                                     f"{ERROR_STRINGS.get(code, code)} (injected)")
+            failure = SimError(
+                code, f"reset of GPU {index} failed: {ERROR_STRINGS.get(code, code)} (injected)"
+            )
         elif gpu.processes:
             pids = ", ".join(str(p.pid) for p in gpu.processes)
-            failure = SimError(IN_USE, f"GPU {index} cannot be reset: in use by process(es) "
-                                       f"{pids}")
+            failure = SimError(IN_USE, f"GPU {index} cannot be reset: in use by process(es) {pids}")
         elif not gpu.reset_supported:
-            failure = SimError(NOT_SUPPORTED, f"GPU {index} cannot be reset here (pass-through "
-                                              "VM): reboot the node")
+            failure = SimError(
+                NOT_SUPPORTED,
+                f"GPU {index} cannot be reset here (pass-through VM): reboot the node",
+            )
         else:
             gpu.mig_current = gpu.mig_pending
     if failure is not None:
@@ -652,8 +724,15 @@ def reboot_node(path: str | os.PathLike[str]) -> None:
                 gpu.mig_current = gpu.mig_pending = False
 
 
-def add_process(path: str | os.PathLike[str], gpu: int, pid: int, *, gi: int | None = None,
-                ci: int | None = None, used_memory_mib: int = 1024) -> None:
+def add_process(
+    path: str | os.PathLike[str],
+    gpu: int,
+    pid: int,
+    *,
+    gi: int | None = None,
+    ci: int | None = None,
+    used_memory_mib: int = 1024,
+) -> None:
     """Put process ``pid`` on GPU ``gpu``, or on its existing MIG device (``gi``, ``ci``)."""
     if (gi is None) != (ci is None):
         raise ValueError("give both gi and ci for a process on a MIG device, or neither")
@@ -668,8 +747,14 @@ def add_process(path: str | os.PathLike[str], gpu: int, pid: int, *, gi: int | N
         g.processes.append(SimProcess(pid, gi, ci, used_memory_mib))
 
 
-def raise_xid(path: str | os.PathLike[str], gpu: int, xid: int, *, gi: int | None = None,
-              ci: int | None = None) -> int:
+def raise_xid(
+    path: str | os.PathLike[str],
+    gpu: int,
+    xid: int,
+    *,
+    gi: int | None = None,
+    ci: int | None = None,
+) -> int:
     """GPU ``gpu`` (its MIG device ``gi``/``ci`` if given) reports Xid ``xid``: an
     XidCriticalError event for the event sets registered on it. Returns the event's number."""
     if (gi is None) != (ci is None):
@@ -682,9 +767,16 @@ def raise_xid(path: str | os.PathLike[str], gpu: int, xid: int, *, gi: int | Non
                 raise SimError(NOT_FOUND, f"GPU {gpu} has no MIG device gi={gi} ci={ci}")
         seq: int = node.next_event
         node.next_event += 1
-        node.events.append(SimEvent(seq, gpu, XID_CRITICAL_ERROR, xid,
-                                    NO_INSTANCE if gi is None else gi,
-                                    NO_INSTANCE if ci is None else ci))
+        node.events.append(
+            SimEvent(
+                seq,
+                gpu,
+                XID_CRITICAL_ERROR,
+                xid,
+                NO_INSTANCE if gi is None else gi,
+                NO_INSTANCE if ci is None else ci,
+            )
+        )
         del node.events[:-KEPT_EVENTS]
     return seq
 
@@ -692,8 +784,15 @@ def raise_xid(path: str | os.PathLike[str], gpu: int, xid: int, *, gi: int | Non
 _FIRST_SIM_PID = 100_000  # above the pids tests pick by hand
 
 
-def start_process(path: str | os.PathLike[str], gpu: int, *, gi: int | None = None,
-                  ci: int | None = None, owner: str, used_memory_mib: int = 1024) -> int:
+def start_process(
+    path: str | os.PathLike[str],
+    gpu: int,
+    *,
+    gi: int | None = None,
+    ci: int | None = None,
+    owner: str,
+    used_memory_mib: int = 1024,
+) -> int:
     """Start a process on GPU ``gpu`` (or its MIG device ``gi``/``ci``) under a free pid;
     returns the pid. ``owner`` names who holds it, for processes_of() and end_processes()."""
     with _mutate(path) as node:
@@ -743,9 +842,16 @@ def remove_process(path: str | os.PathLike[str], pid: int, *, gpu: int | None = 
     return removed
 
 
-def inject_failure(path: str | os.PathLike[str], code: int, *, function: str | None = None,
-                   nth: int = 1, times: int = 1, gpu: int | None = None,
-                   after: bool = False) -> None:
+def inject_failure(
+    path: str | os.PathLike[str],
+    code: int,
+    *,
+    function: str | None = None,
+    nth: int = 1,
+    times: int = 1,
+    gpu: int | None = None,
+    after: bool = False,
+) -> None:
     """Fail the ``nth`` matching call from now (and ``times - 1`` more) with NVML ``code``.
 
     Without ``function`` the rule matches mutating calls (creates, destroys, SetMigMode, reset);
@@ -767,8 +873,9 @@ def set_latency(path: str | os.PathLike[str], seconds: float, *, scope: str = "m
         node.latency_seconds, node.latency_scope = seconds, scope
 
 
-def set_reset_supported(path: str | os.PathLike[str], supported: bool, *,
-                        gpu: int | None = None) -> None:
+def set_reset_supported(
+    path: str | os.PathLike[str], supported: bool, *, gpu: int | None = None
+) -> None:
     """Make GPU reset possible or impossible (pass-through VM behaviour), on one GPU or all."""
     with _mutate(path) as node:
         for g in node.gpus:
