@@ -259,7 +259,7 @@ def test_policies_cover_every_write_rbac_grants(docs: list[Doc]) -> None:
                for r in rule["resources"] for o in rule["operations"]}
     assert {("nodes", "UPDATE"), ("nodes/status", "UPDATE"), ("pods", "DELETE"),
             ("events", "CREATE")} <= covered
-    # eviction is the one write no policy can scope (README, Security): an Eviction names no node
+    # eviction is the one write no policy can scope (docs/security.md): an Eviction names no node
     writes = {(r, v) for _, rule in rules_of(docs) for r in rule["resources"]
               for v in rule["verbs"] if v not in ("get", "list", "watch")}
     assert writes == {("nodes", "patch"), ("nodes/status", "patch"), ("pods/eviction", "create"),
