@@ -11,7 +11,7 @@ one covers the rest:
 * pod deletion: only the device plugin's pod on A (policy mig-agent-own-device-plugin);
 * Events: only about A, with the agent's reasons (policy mig-agent-own-events);
 * what RBAC refuses: secrets, logs, exec, node proxy, pod writes, other namespaces, tokens;
-* the residual rights (README, Security): evicting any pod on any node (no PDB: at once, grace
+* the residual rights (docs/security.md): evicting any pod on any node (no PDB: at once, grace
   period 0 allowed) and reading every pod and node in the cluster, env values included. They are
   rows here too, expected to succeed, so that the table says what an attacker can do.
 """
@@ -196,8 +196,8 @@ class Attempt:
     method: str
     path: str  # with {own}, {other}, {own_plugin}, ... from Targets.names
     body: object = None
-    # ALLOWED: what the agent needs; RESIDUAL: allowed, a documented residual risk (README,
-    # Security); RBAC: refused by RBAC; else the admission policy that must refuse it
+    # ALLOWED: what the agent needs; RESIDUAL: allowed, a documented residual risk
+    # (docs/security.md); RBAC: refused by RBAC; else the admission policy that must refuse it
     expect: str = RBAC
     fragment: str = ""  # a part of the refusal's message
 
@@ -351,7 +351,7 @@ ATTEMPTS: dict[str, Attempt] = {
             "type": "Normal",
         },
     ),
-    # residual (README, Security): RBAC cannot scope these to a node, an Eviction names no node
+    # residual (docs/security.md): RBAC cannot scope these to a node, an Eviction names no node
     "evict-pod-on-other-node": Attempt(
         "bound",
         "POST",

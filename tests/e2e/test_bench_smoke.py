@@ -1,6 +1,7 @@
 """The cluster benchmarks vs_mig_manager, pool_rollout and agent_overhead run, once each, in
 their quick modes (CI): each starts its own local cluster, so these tests only check that each
-gets to its tables with exit code 0; the figures themselves are the README's, from full runs."""
+gets to its tables with exit code 0; the figures themselves, from full runs, are in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 

@@ -294,7 +294,7 @@ def test_policies_cover_every_write_rbac_grants(docs: list[Doc]) -> None:
         ("pods", "DELETE"),
         ("events", "CREATE"),
     } <= covered
-    # eviction is the one write no policy can scope (README, Security): an Eviction names no node
+    # eviction is the one write no policy can scope (docs/security.md): an Eviction names no node
     writes = {
         (r, v)
         for _, rule in rules_of(docs)
