@@ -164,6 +164,10 @@ class Layout:
         return found
 
 
+# an unknown layout's refusal lists the known ones up to this many, else counts them
+LISTED_MAX = 10
+
+
 @dataclass(frozen=True, slots=True)
 class LayoutCatalog:
     """All layouts loaded from the profile configs, by name."""
@@ -184,16 +188,18 @@ class LayoutCatalog:
         return cls(by_name)
 
     def get(self, name: str) -> Layout:
-        """The layout called ``name``; UnknownLayout naming close matches and the known ones."""
+        """The layout called ``name``; UnknownLayout naming close matches and the known ones
+        (a count of them, beyond LISTED_MAX: the close matches are what helps)."""
         try:
             return self.layouts[name]
         except KeyError:
             close = difflib.get_close_matches(name, list(self.layouts), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            known = ", ".join(sorted(self.layouts)) or "(none)"
-            raise UnknownLayout(
-                f"unknown layout {name!r}{hint} (known layouts: {known})", layout=name
-            ) from None
+            if len(self.layouts) > LISTED_MAX:
+                known = f"{len(self.layouts)} known layouts; `mig-agent validate` lists them all"
+            else:
+                known = f"known layouts: {', '.join(sorted(self.layouts)) or '(none)'}"
+            raise UnknownLayout(f"unknown layout {name!r}{hint} ({known})", layout=name) from None
 
     def __contains__(self, name: object) -> bool:
         return name in self.layouts

@@ -334,8 +334,7 @@ def test_layout_typo_is_refused_before_any_node_is_touched(
     assert "did you mean all-1g.10gb" in res.stderr
     known = sorted(load_catalog([agents.PROFILES]).layouts)
     assert len(known) > 5
-    listed = res.stderr.split("known layouts: ", 1)[1]
-    assert all(name in listed for name in known), res.stderr
+    assert f"({len(known)} known layouts; `mig-agent validate` lists them all)" in res.stderr
     assert not seen.transitions, seen.timeline()
     assert labels_of(core, nodes) == before
     for labels in before.values():
