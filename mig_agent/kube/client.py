@@ -150,6 +150,7 @@ class KubernetesCluster(Cluster):
         self._core = client.CoreV1Api(api)
         self._component = component
         self._conflict_attempts = 10
+        self._watch_refused = False
         self._on_request = on_request or (lambda _op: None)
         self._timeout = (min(10.0, request_timeout_s), request_timeout_s)
         self._retrying = tenacity.Retrying(
@@ -384,8 +385,20 @@ class KubernetesCluster(Cluster):
                     pods[key] = pod
                 yield list(pods.values())
         except (ApiException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
-            # the list above reached the server: a watch cut short only ends this slice
-            log.debug("watch_pods.ended", node=node, error=_short(exc))
+            # the list above reached the server: a watch cut short only ends this slice, and
+            # the caller looks again after a poll delay. A refused one (RBAC without "watch"
+            # on pods: an older chart) is said once, as each refusal costs a look and a watch
+            if isinstance(exc, ApiException) and exc.status in (401, 403):
+                if not self._watch_refused:
+                    self._watch_refused = True
+                    log.warning(
+                        "watch_pods.refused",
+                        node=node,
+                        error=_short(exc),
+                        hint="grant the agent's ClusterRole watch on pods",
+                    )
+            else:
+                log.debug("watch_pods.ended", node=node, error=_short(exc))
         finally:
             events.close()
 

@@ -238,6 +238,7 @@ def test_cluster_role_grants_exactly_what_the_agent_needs(docs: list[Doc]) -> No
         ("nodes/status", "patch"),
         ("pods", "get"),
         ("pods", "list"),
+        ("pods", "watch"),  # the drain's waits watch the node's pods
         ("pods/eviction", "create"),
     }
 
