@@ -171,5 +171,5 @@ def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json
             out(
                 f"  {p.name:<14}{p.id:>4}{p.index:>5}{p.instance_count:>6}{p.memory_mib:>8}"
                 f"{p.multiprocessors:>5}  {e.copy}/{e.decoder}/{e.encoder}/{e.jpeg}/{e.ofa:<10}"
-                f"  {{{starts}}}:{p.memory_slices}"
+                f"  {{{starts}}}:{p.placement_size}"
             )
