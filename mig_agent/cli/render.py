@@ -157,7 +157,13 @@ def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json
         )
         return
     for m in seen.values():
-        out(f"{m.name} ({m.key}, 0x{m.pci_device_id:08X}, {m.memory_total_mib} MiB)")
+        # placements print in NVML's units; say so where they are not memory slices
+        grid = (
+            f"; {m.memory_slices} memory slices, placed on a {m.placement_units}-unit grid"
+            if m.placement_units != m.memory_slices
+            else ""
+        )
+        out(f"{m.name} ({m.key}, 0x{m.pci_device_id:08X}, {m.memory_total_mib} MiB{grid})")
         if not m.mig_capable:
             out("  no MIG support")
             continue

@@ -1,8 +1,9 @@
 """GPU model catalog: every MIG profile of each supported GPU model, NVML ids, placements.
 
 The numbers come from real readouts (nvidia-smi -lgip/-lgipp, NVML); the H200 rows are exactly
-the capture of a real H200 (driver 580.159.04). Where no readout exists (most Blackwell rows past
-2g, every Blackwell 8-slice placement) the value is inferred, and its comment says so. Profile
+the capture of a real H200 (driver 580.159.04). Where no readout exists (the B300 and GB300 beyond
+names, ids and counts, the 8-slice Blackwell rows past 2g, their placements) the value is
+inferred, and the model's comment says so. Profile
 *names* are not stored: they are derived from the profile index and memory size the way NVIDIA's
 Kubernetes stack derives them (`mig_name`), and a test checks them against the names the
 hardware prints.
@@ -100,7 +101,7 @@ class GiProfile:
     instance_count: int
     multiprocessors: int
     engines: Engines
-    placements: tuple[Placement, ...]
+    placements: tuple[Placement, ...]  # in units of the model's placement grid
     ci_profiles: tuple[CiProfile, ...] = ()
 
     @property
