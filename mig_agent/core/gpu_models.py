@@ -145,7 +145,7 @@ class GpuModel:
     pci_subsystem_id: int
     memory_total_mib: int
     architecture: Architecture
-    memory_slices: int
+    memory_slices: int  # each about 1/n of the memory, L2 and bandwidth
     compute_slices: int
     # Width of NVML's placement grid: placements are in these units. One per memory slice on
     # most models; the RTX PRO 6000 Blackwell places on 12 units over its 4 memory slices.
