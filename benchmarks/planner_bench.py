@@ -46,8 +46,8 @@ def layout(counts: dict[str, int]) -> Layout:
 
 def feasibility() -> None:
     print("\n## Feasibility: fitting layouts the planner places (from an empty GPU)\n")
-    print(f"| {'model':<10} | {'fitting layouts':>15} | {'placed':>7} | {'share':>7} |")
-    print(f"|{'-' * 12}|{'-' * 17}|{'-' * 9}|{'-' * 9}|")
+    print(f"| {'model':<12} | {'fitting layouts':>15} | {'placed':>7} | {'share':>7} |")
+    print(f"|{'-' * 14}|{'-' * 17}|{'-' * 9}|{'-' * 9}|")
     for m in MIG_MODELS:
         fits = fitting(m)
         placed = 0
@@ -58,7 +58,7 @@ def feasibility() -> None:
                 placed += 1
             except Exception:  # noqa: BLE001 -- counted as not placed
                 pass
-        print(f"| {m.key:<10} | {len(fits):>15} | {placed:>7} | {placed / len(fits):>6.1%} |")
+        print(f"| {m.key:<12} | {len(fits):>15} | {placed:>7} | {placed / len(fits):>6.1%} |")
 
 
 def disruption(transitions: int = 300, seed: int = 7) -> None:
@@ -67,10 +67,10 @@ def disruption(transitions: int = 300, seed: int = 7) -> None:
         "transitions per model, seed 7)\n"
     )
     print(
-        f"| {'model':<10} | {'changed GPUs':>12} | {'planner':>8} | {'destroy+recreate':>16} "
+        f"| {'model':<12} | {'changed GPUs':>12} | {'planner':>8} | {'destroy+recreate':>16} "
         f"| {'saved':>6} | {'kept instances':>14} |"
     )
-    print(f"|{'-' * 12}|{'-' * 14}|{'-' * 10}|{'-' * 18}|{'-' * 8}|{'-' * 16}|")
+    print(f"|{'-' * 14}|{'-' * 14}|{'-' * 10}|{'-' * 18}|{'-' * 8}|{'-' * 16}|")
     rng = random.Random(seed)
     for m in MIG_MODELS:
         fits = fitting(m)
@@ -88,7 +88,7 @@ def disruption(transitions: int = 300, seed: int = 7) -> None:
             kept += sum(d.kept for d in gp.devices)
         saved = 1 - ours / theirs if theirs else 0.0
         print(
-            f"| {m.key:<10} | {changed:>12} | {ours / changed:>8.2f} | "
+            f"| {m.key:<12} | {changed:>12} | {ours / changed:>8.2f} | "
             f"{theirs / changed:>16.2f} | {saved:>6.1%} | {kept / changed:>14.2f} |"
         )
 
@@ -113,10 +113,10 @@ def suite() -> None:
         "node, one pod per MIG device\n"
     )
     print(
-        f"| {'model':<10} | {'transitions':>11} | {'instances destroyed':>19} | "
+        f"| {'model':<12} | {'transitions':>11} | {'instances destroyed':>19} | "
         f"{'destroy+recreate':>16} | {'pods evicted':>12} | {'node-wide drain':>15} |"
     )
-    print(f"|{'-' * 12}|{'-' * 13}|{'-' * 21}|{'-' * 18}|{'-' * 14}|{'-' * 17}|")
+    print(f"|{'-' * 14}|{'-' * 13}|{'-' * 21}|{'-' * 18}|{'-' * 14}|{'-' * 17}|")
     for m in MIG_MODELS:
         ours = theirs = pods = node_wide = n = 0
         for _a, _b, target, before, gpus in suite_transitions(m):
@@ -137,7 +137,7 @@ def suite() -> None:
             pods += on_changed - kept
             node_wide += devices
         print(
-            f"| {m.key:<10} | {n:>11} | {ours / n:>19.1f} | {theirs / n:>16.1f} | "
+            f"| {m.key:<12} | {n:>11} | {ours / n:>19.1f} | {theirs / n:>16.1f} | "
             f"{pods / n:>12.1f} | {node_wide / n:>15.1f} |"
         )
     two = Layout(
@@ -165,13 +165,15 @@ def suite() -> None:
 
 def timing(repeats: int = 200) -> None:
     print(f"\n## Planner time for one 8-GPU node (median of {repeats})\n")
-    print(f"| {'model':<10} | {'case':<28} | {'median ms':>9} | {'p95 ms':>7} |")
-    print(f"|{'-' * 12}|{'-' * 30}|{'-' * 11}|{'-' * 9}|")
+    print(f"| {'model':<12} | {'case':<28} | {'median ms':>9} | {'p95 ms':>7} |")
+    print(f"|{'-' * 14}|{'-' * 30}|{'-' * 11}|{'-' * 9}|")
     for key, start, target in [
         ("H100-80GB", None, {"1g.10gb": 7}),
         ("H100-80GB", {"1g.10gb": 7}, {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}),
         ("H200", {"1g.18gb": 7}, {"7g.141gb": 1}),
         ("A100-40GB", {"1g.5gb": 7}, {"1c.7g.40gb": 7}),
+        ("B200", {"1g.23gb": 7}, {"1g.23gb": 2, "2g.45gb": 1, "3g.90gb": 1}),
+        ("RTX-PRO-6000", {"1g.24gb": 4}, {"2g.48gb": 1, "1g.24gb": 2}),
     ]:
         m = MODELS[key]
         gpus = FakeGpus([m] * 8, mig_enabled=True)
@@ -186,7 +188,7 @@ def timing(repeats: int = 200) -> None:
         samples.sort()
         case = f"{'empty' if not start else '+'.join(start)} -> {'+'.join(target)}"
         print(
-            f"| {key:<10} | {case[:28]:<28} | {statistics.median(samples):>9.2f} | "
+            f"| {key:<12} | {case[:28]:<28} | {statistics.median(samples):>9.2f} | "
             f"{samples[int(len(samples) * 0.95)]:>7.2f} |"
         )
 
@@ -196,10 +198,10 @@ def suite_timing(repeats: int = 20) -> None:
     the median and p95 over all plans, and the transition with the slowest median."""
     print(f"\n## Planner time over the layout suite, 8-GPU node ({repeats} runs per transition)\n")
     print(
-        f"| {'model':<10} | {'transitions':>11} | {'median ms':>9} | {'p95 ms':>6} | "
+        f"| {'model':<12} | {'transitions':>11} | {'median ms':>9} | {'p95 ms':>6} | "
         f"{'slowest transition (median ms)':<60} |"
     )
-    print(f"|{'-' * 12}|{'-' * 13}|{'-' * 11}|{'-' * 8}|{'-' * 62}|")
+    print(f"|{'-' * 14}|{'-' * 13}|{'-' * 11}|{'-' * 8}|{'-' * 62}|")
     for m in MIG_MODELS:
         every: list[float] = []
         slowest = (0.0, "")
@@ -217,7 +219,7 @@ def suite_timing(repeats: int = 20) -> None:
         every.sort()
         worst = f"{slowest[1]} ({slowest[0]:.2f})"
         print(
-            f"| {m.key:<10} | {len(every) // repeats:>11} | {statistics.median(every):>9.2f} | "
+            f"| {m.key:<12} | {len(every) // repeats:>11} | {statistics.median(every):>9.2f} | "
             f"{every[int(len(every) * 0.95)]:>6.2f} | {worst:<60} |"
         )
 

@@ -1,5 +1,8 @@
 """Test oracle: every multiset of GPU-instance profiles that fits a model, by brute force over
-placements. Deliberately independent of the planner, which it checks (tests and benchmarks)."""
+placements. Deliberately independent of the planner, which it checks (tests and benchmarks).
+
+Besides placements and instance counts it knows one engine rule, from nvml.h: a ``+me.all``
+instance holds every media engine, so beside it only ``-me`` instances fit."""
 
 from __future__ import annotations
 
@@ -29,4 +32,11 @@ def fitting_multisets(model: GpuModel) -> frozenset[tuple[tuple[str, int], ...]]
                 del chosen[gi.name]
 
     walk(0, 0, Counter())
-    return frozenset(found)
+    return frozenset(k for k in found if _media_ok(k))
+
+
+def _media_ok(multiset: tuple[tuple[str, int], ...]) -> bool:
+    names = [name for name, n in multiset for _ in range(n)]
+    if not any(name.endswith("+me.all") for name in names):
+        return True
+    return len(names) == 1 or sum(not name.endswith("-me") for name in names) == 1

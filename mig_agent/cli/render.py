@@ -157,7 +157,13 @@ def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json
         )
         return
     for m in seen.values():
-        out(f"{m.name} ({m.key}, 0x{m.pci_device_id:08X}, {m.memory_total_mib} MiB)")
+        # placements print in NVML's units; say so where they are not memory slices
+        grid = (
+            f"; {m.memory_slices} memory slices, placed on a {m.placement_units}-unit grid"
+            if m.placement_units != m.memory_slices
+            else ""
+        )
+        out(f"{m.name} ({m.key}, 0x{m.pci_device_id:08X}, {m.memory_total_mib} MiB{grid})")
         if not m.mig_capable:
             out("  no MIG support")
             continue
@@ -171,5 +177,5 @@ def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json
             out(
                 f"  {p.name:<14}{p.id:>4}{p.index:>5}{p.instance_count:>6}{p.memory_mib:>8}"
                 f"{p.multiprocessors:>5}  {e.copy}/{e.decoder}/{e.encoder}/{e.jpeg}/{e.ofa:<10}"
-                f"  {{{starts}}}:{p.memory_slices}"
+                f"  {{{starts}}}:{p.placement_size}"
             )

@@ -1,9 +1,12 @@
 """GPU model catalog: every MIG profile of each supported GPU model, NVML ids, placements.
 
 The numbers come from real readouts (nvidia-smi -lgip/-lgipp, NVML); the H200 rows are exactly
-the capture of a real H200 (driver 580.159.04). Profile *names* are not stored: they are derived
-from the profile index and memory size the way NVIDIA's Kubernetes stack derives them
-(`mig_name`), and a test checks them against the names the hardware prints.
+the capture of a real H200 (driver 580.159.04). Where no readout exists (the B300 and GB300 beyond
+names, ids and counts, the 8-slice Blackwell rows past 2g, their placements) the value is
+inferred, and the model's comment says so. Profile
+*names* are not stored: they are derived from the profile index and memory size the way NVIDIA's
+Kubernetes stack derives them (`mig_name`), and a test checks them against the names the
+hardware prints.
 
 Pure module: data and functions of data, no I/O.
 """
@@ -21,6 +24,7 @@ from mig_agent.core.placement import Placement
 class Architecture(StrEnum):
     AMPERE = "ampere"
     HOPPER = "hopper"
+    BLACKWELL = "blackwell"
     TURING = "turing"
 
     @property
@@ -52,6 +56,10 @@ GI_INDEX_SHAPE: Mapping[int, tuple[int, str]] = {
     17: (3, "+gfx"),
 }
 GI_PROFILE_INDEX_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT
+# A `+me.all` GI (1_SLICE_ALL_ME, 2_SLICE_ALL_ME) holds every media engine of the GPU, so beside
+# it only `-me` GIs (1_SLICE_NO_ME, 2_SLICE_NO_ME) can be made (nvml.h).
+GI_INDEX_ALL_ME = frozenset({15, 16})
+GI_INDEX_NO_ME = frozenset({13, 14})
 
 # NVML compute-instance profile index by compute slices C; the CI profile id equals the index.
 CI_INDEX_BY_SLICES: Mapping[int, int] = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
@@ -93,12 +101,21 @@ class GiProfile:
     instance_count: int
     multiprocessors: int
     engines: Engines
-    placements: tuple[Placement, ...]
+    placements: tuple[Placement, ...]  # in units of the model's placement grid
     ci_profiles: tuple[CiProfile, ...] = ()
 
     @property
-    def memory_slices(self) -> int:
+    def placement_size(self) -> int:
+        """How many units of the model's placement grid the GI spans (NVML's placement size)."""
         return self.placements[0].size
+
+    @property
+    def takes_all_media(self) -> bool:
+        return self.index in GI_INDEX_ALL_ME
+
+    @property
+    def has_no_media(self) -> bool:
+        return self.index in GI_INDEX_NO_ME
 
     @property
     def full_ci(self) -> CiProfile:
@@ -128,14 +145,21 @@ class GpuModel:
     pci_subsystem_id: int
     memory_total_mib: int
     architecture: Architecture
-    memory_slices: int
+    memory_slices: int  # each about 1/n of the memory, L2 and bandwidth
     compute_slices: int
+    # Width of NVML's placement grid: placements are in these units. One per memory slice on
+    # most models; the RTX PRO 6000 Blackwell places on 12 units over its 4 memory slices.
+    placement_units: int
     gi_profiles: tuple[GiProfile, ...] = ()
     gi_by_name: Mapping[str, GiProfile] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mig_capable(self) -> bool:
         return bool(self.gi_profiles)
+
+    def memory_slices_of(self, gi: GiProfile) -> int:
+        """The memory slices ``gi`` takes (its placement size, in memory slices)."""
+        return gi.placement_size * self.memory_slices // self.placement_units
 
     def gi_profile_by_id(self, profile_id: int) -> GiProfile | None:
         return next((p for p in self.gi_profiles if p.id == profile_id), None)
@@ -205,6 +229,7 @@ def _ci_profiles(
 # (index, id, G, memory MiB, instances, SMs, CE, DEC, ENC, JPEG, OFA, placement starts, size)
 _Row = tuple[int, int, int, int, int, int, int, int, int, int, int, tuple[int, ...], int]
 _S7 = (0, 1, 2, 3, 4, 5, 6)
+_Q4 = (0, 3, 6, 9)  # the RTX PRO 6000's 1g starts on its 12-unit grid
 
 
 def _model(
@@ -218,6 +243,8 @@ def _model(
     memory_slices: int,
     compute_slices: int,
     rows: tuple[_Row, ...],
+    *,
+    placement_units: int | None = None,  # default: one unit per memory slice
 ) -> GpuModel:
     sm_1g = next((r[5] for r in rows if r[0] == 0), 0)
     profiles = []
@@ -239,17 +266,18 @@ def _model(
         )
     by_name = {p.name: p for p in profiles}
     return GpuModel(
-        key,
-        name,
-        product,
-        pci,
-        subsys,
-        total_mib,
-        arch,
-        memory_slices,
-        compute_slices,
-        tuple(profiles),
-        by_name,
+        key=key,
+        name=name,
+        product=product,
+        pci_device_id=pci,
+        pci_subsystem_id=subsys,
+        memory_total_mib=total_mib,
+        architecture=arch,
+        memory_slices=memory_slices,
+        compute_slices=compute_slices,
+        placement_units=placement_units or memory_slices,
+        gi_profiles=tuple(profiles),
+        gi_by_name=by_name,
     )
 
 
@@ -376,6 +404,126 @@ MODELS: Mapping[str, GpuModel] = {
                 (4, 0, 7, 143360, 1, 132, 8, 7, 0, 7, 1, (0,), 8),
             ),
         ),
+        # Blackwell, 8 memory slices. No -lgipp readout exists for any of them: the placements
+        # are the Hopper ones (same profile ids; the GI ids of a B200 readout fit them) [I].
+        # B200: the 1g, 1g+me, 1g REV2 and 2g rows are readouts (mig-parted #166/#187,
+        # gpu-operator #2155); 3g/4g/7g memory and SMs are a third party's (89.00 and 178.50
+        # GiB), their ids and DEC/JPEG counts Hopper's [I], CE counts the user guide's.
+        _model(
+            "B200",
+            "NVIDIA B200",
+            "NVIDIA-B200",
+            0x290110DE,
+            0x199910DE,
+            183359,
+            A.BLACKWELL,
+            8,
+            7,
+            (
+                (0, 19, 1, 20992, 7, 18, 2, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 20992, 1, 18, 2, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 45312, 4, 30, 2, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 45312, 3, 36, 4, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 91136, 2, 70, 6, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 91136, 1, 72, 8, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 182784, 1, 148, 16, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        # GB200 (production boards): 1g to 2g rows read on hardware (mig-parted #227; 2g CE from
+        # gpu-operator #1303); 3g/4g/7g scaled from the B200's ratios, ids Hopper's [I]. No
+        # subsystem id is published (0: unknown).
+        _model(
+            "GB200",
+            "NVIDIA GB200",
+            "NVIDIA-GB200",
+            0x294110DE,
+            0x00000000,
+            189471,
+            A.BLACKWELL,
+            8,
+            7,
+            (
+                (0, 19, 1, 22528, 7, 18, 2, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 22528, 1, 18, 2, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 46592, 4, 32, 2, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 46592, 3, 38, 4, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 93696, 2, 74, 6, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 93696, 1, 76, 8, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 187904, 1, 152, 16, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        # B300 and GB300: only names, counts and ids are published (GB300 ids from a DGX Station
+        # readout). Memory is scaled from the B200's ratios, SMs and engines copied from the
+        # B200 (B300) and GB200 (GB300) [I]; the B300 1g's 18 SMs are known.
+        _model(
+            "B300",
+            "NVIDIA B300 SXM6 AC",
+            "NVIDIA-B300-SXM6-AC",
+            0x318210DE,
+            0x20E610DE,
+            275040,
+            A.BLACKWELL,
+            8,
+            7,
+            (
+                (0, 19, 1, 31488, 7, 18, 2, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 31488, 1, 18, 2, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 67840, 4, 30, 2, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 67840, 3, 36, 4, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 136192, 2, 70, 6, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 136192, 1, 72, 8, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 272896, 1, 148, 16, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        _model(
+            "GB300",
+            "NVIDIA GB300",
+            "NVIDIA-GB300",
+            0x31C210DE,
+            0x21F110DE,
+            284208,
+            A.BLACKWELL,
+            8,
+            7,
+            (
+                (0, 19, 1, 32512, 7, 18, 2, 1, 0, 1, 0, _S7, 1),
+                (7, 20, 1, 32512, 1, 18, 2, 1, 0, 1, 1, _S7, 1),
+                (9, 15, 1, 70144, 4, 32, 2, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+                (1, 14, 2, 70144, 3, 38, 4, 2, 0, 2, 0, (0, 2, 4), 2),
+                (2, 9, 3, 140800, 2, 74, 6, 3, 0, 3, 0, (0, 4), 4),
+                (3, 5, 4, 140800, 1, 76, 8, 4, 0, 4, 0, (0,), 4),
+                (4, 0, 7, 282112, 1, 152, 16, 7, 0, 7, 1, (0,), 8),
+            ),
+        ),
+        # RTX PRO 6000 Blackwell Server Edition: 4 memory and 4 compute slices, but placements
+        # on a 12-unit grid (a 1g spans 3 units). Every row is a readout (-lgip, -lgipp); the
+        # 2g and 4g memory are the printed GiB x 1024 (47.38 and 95.12 GiB), the profile
+        # indices matched to the rows by name [I]. Ids differ from every other model's.
+        _model(
+            "RTX-PRO-6000",
+            "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+            "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+            0x2BB510DE,
+            0x204E10DE,
+            97887,
+            A.BLACKWELL,
+            4,
+            4,
+            (
+                (0, 14, 1, 24192, 4, 46, 1, 1, 1, 1, 0, _Q4, 3),
+                (7, 21, 1, 24192, 1, 46, 1, 1, 1, 1, 1, _Q4, 3),
+                (10, 47, 1, 24192, 4, 46, 1, 1, 1, 1, 0, _Q4, 3),
+                (13, 67, 1, 24192, 4, 46, 1, 0, 0, 0, 0, _Q4, 3),
+                (15, 65, 1, 24192, 1, 46, 1, 4, 4, 4, 1, _Q4, 3),
+                (1, 5, 2, 48512, 2, 94, 2, 2, 2, 2, 0, (0, 6), 6),
+                (11, 35, 2, 48512, 2, 94, 2, 2, 2, 2, 0, (0, 6), 6),
+                (14, 66, 2, 48512, 2, 94, 2, 0, 0, 0, 0, (0, 6), 6),
+                (16, 64, 2, 48512, 1, 94, 2, 4, 4, 4, 1, (0, 6), 6),
+                (3, 0, 4, 97408, 1, 188, 4, 4, 4, 4, 1, (0,), 12),
+                (12, 32, 4, 97408, 1, 188, 4, 4, 4, 4, 1, (0,), 12),
+            ),
+            placement_units=12,
+        ),
         # A display GPU without MIG, as in DGX Station configs (device-filter 0x1FB010DE).
         _model(
             "DGX-Display",
@@ -395,6 +543,24 @@ MODELS: Mapping[str, GpuModel] = {
 # The GPUs' nvidia.com/gpu.product label values, for finding a model from a node label.
 MODEL_BY_PRODUCT: Mapping[str, GpuModel] = {m.product: m for m in MODELS.values()}
 MODEL_BY_PCI_ID: Mapping[int, GpuModel] = {m.pci_device_id: m for m in MODELS.values()}
+
+# Every PCI id with a catalog model's MIG geometry (profile names, counts, placements): the ids
+# the default layouts select for that model. The other boards are no models of their own, as
+# their SM counts may differ (an H100 PCIe has 114 SMs, the SXM5 132); NVML tells them apart.
+FAMILY_PCI_IDS: Mapping[str, frozenset[int]] = {
+    "A100-40GB": frozenset({0x20B010DE, 0x20B110DE, 0x20F110DE, 0x20F610DE}),  # + A800 40GB
+    "A100-80GB": frozenset({0x20B210DE, 0x20B510DE, 0x20F310DE, 0x20F510DE}),  # + A800 80GB
+    "A30": frozenset({0x20B710DE}),
+    "H100-80GB": frozenset({0x233010DE, 0x233110DE, 0x232210DE, 0x232410DE}),  # + PCIe, H800
+    "H100-NVL": frozenset({0x232110DE, 0x233A10DE}),  # + H800 NVL
+    "H200": frozenset({0x233510DE, 0x233B10DE}),  # + H200 NVL
+    "B200": frozenset({0x290110DE}),
+    "GB200": frozenset({0x294110DE}),
+    "B300": frozenset({0x318210DE}),
+    "GB300": frozenset({0x31C210DE}),
+    # + the Workstation and Max-Q Workstation editions, whose profiles are the same
+    "RTX-PRO-6000": frozenset({0x2BB510DE, 0x2BB110DE, 0x2BB410DE}),
+}
 
 
 def model(key: str) -> GpuModel:

@@ -76,20 +76,24 @@ class DeviceFilter:
 
     @classmethod
     def parse(cls, text: str) -> DeviceFilter:
-        """ValueError unless ``text`` is a PCI id that could match a GPU."""
-        primary, _, sub = text.partition(":")
+        """ValueError unless ``text`` is a PCI id that could match a GPU (mig-parted v0.15's
+        ``0xDDDDVVVV`` or ``0xDDDDVVVV:0xSSSSVVVV``; stricter: eight hex digits each)."""
+        primary, sep, sub = text.partition(":")
 
         def pci(part: str) -> int:
             if not re.fullmatch(r"0[xX][0-9a-fA-F]{8}", part):
                 raise ValueError(
                     f"device-filter {text!r} is not a PCI id of the form 0xDDDDVVVV "
-                    "(device and vendor, e.g. 0x233010DE)"
+                    "(device and vendor, e.g. 0x233010DE), optionally followed by :0xSSSSVVVV "
+                    "(subsystem device and vendor)"
                 )
             return int(part, 16)
 
-        return cls(pci(primary), pci(sub) if sub else None)
+        return cls(pci(primary), pci(sub) if sep else None)
 
     def matches(self, device_id: int, subsystem_id: int) -> bool:
+        """With a subsystem id, both ids must be equal (a GPU whose subsystem id is unknown, 0,
+        matches only a 0x00000000 subsystem); without, any subsystem matches."""
         return device_id == self.device_id and (
             self.subsystem_id is None or subsystem_id == self.subsystem_id
         )

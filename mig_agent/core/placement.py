@@ -1,4 +1,7 @@
-"""Placement: where a GPU instance sits on a GPU, in memory slices, as NVML reports it.
+"""Placement: where a GPU instance sits on a GPU, in NVML's placement units, as NVML reports it.
+
+A unit is a memory slice on most GPUs; the RTX PRO 6000 Blackwell places on 12 units over its 4
+memory slices (GpuModel.placement_units). Compute instances are placed in compute slices.
 
 Pure value module; imports nothing from mig_agent.
 """
@@ -10,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True, order=True)
 class Placement:
-    """``start`` is the first memory slice, ``size`` the number of memory slices (NVML units)."""
+    """``start`` is the first unit, ``size`` the number of units (memory slices on most GPUs)."""
 
     start: int
     size: int
@@ -21,7 +24,7 @@ class Placement:
 
     @property
     def mask(self) -> int:
-        """Bit i set for every memory slice i the placement occupies."""
+        """Bit i set for every unit i the placement occupies."""
         return ((1 << self.size) - 1) << self.start
 
     def overlaps(self, other: Placement) -> bool:

@@ -344,7 +344,7 @@ def demands_for(model: GpuModel, desired: GpuLayout, where: str = "") -> list[_D
                 assert first is not None
                 bins.append(first)
         out.extend(_Demand(gi, tuple(c for c, _ in b)) for b in bins)
-    out.sort(key=lambda d: (-d.gi.memory_slices, -d.gi.slices, d.gi.id, sorted(d.ci_ids.items())))
+    out.sort(key=lambda d: (-d.gi.placement_size, -d.gi.slices, d.gi.id, sorted(d.ci_ids.items())))
     return out
 
 
@@ -358,11 +358,11 @@ def check_fits(model: GpuModel, gis: Sequence[GiProfile], where: str = "") -> No
                 f"{gi.instance_count}",
                 profile=gi.name,
             )
-    mem = sum(g.memory_slices for g in gis)
+    mem = sum(model.memory_slices_of(g) for g in gis)
     if mem > model.memory_slices:
         raise PlanError(
             f"{where}: layout needs {mem} memory slices "
-            f"({' + '.join(f'{g.name}:{g.memory_slices}' for g in gis)}), "
+            f"({' + '.join(f'{g.name}:{model.memory_slices_of(g)}' for g in gis)}), "
             f"{model.key} has {model.memory_slices}",
         )
     compute = sum(g.slices for g in gis)
@@ -371,10 +371,11 @@ def check_fits(model: GpuModel, gis: Sequence[GiProfile], where: str = "") -> No
             f"{where}: layout needs {compute} compute slices, {model.key} has "
             f"{model.compute_slices}",
         )
+    _check_media(gis, where)
     if place(model, list(gis), 0) is None:
         allowed = "; ".join(
-            f"{g.name} at {{{','.join(str(p.start) for p in g.placements)}}}:{g.memory_slices}"
-            for g in sorted(set(gis), key=lambda g: -g.memory_slices)
+            f"{g.name} at {{{','.join(str(p.start) for p in g.placements)}}}:{g.placement_size}"
+            for g in sorted(set(gis), key=lambda g: -g.placement_size)
         )
         raise PlanError(
             f"{where}: no non-overlapping placement exists for "
@@ -382,13 +383,28 @@ def check_fits(model: GpuModel, gis: Sequence[GiProfile], where: str = "") -> No
         )
 
 
+def _check_media(gis: Sequence[GiProfile], where: str) -> None:
+    """PlanError if a ``+me.all`` GI, which holds every media engine, shares the GPU with a GI
+    other than ``-me`` ones (NVML would refuse to make the second)."""
+    for gi in gis:
+        if gi.takes_all_media:
+            others = sorted({g.name for g in gis if g is not gi and not g.has_no_media})
+            if others:
+                raise PlanError(
+                    f"{where}: {gi.name} takes every media engine of the GPU; beside it only "
+                    f"-me profiles fit, not {', '.join(others)}",
+                    profile=gi.name,
+                )
+
+
 def place(model: GpuModel, gis: Sequence[GiProfile], taken: int) -> list[Placement] | None:
-    """Non-overlapping placements for ``gis`` (in their order) on memory slices not in ``taken``.
+    """Non-overlapping placements for ``gis`` (in their order) on grid units not in ``taken``.
 
     Exhaustive depth-first search, largest profiles first, lowest start first: it finds a
     placement whenever one exists, and always the same one.
     """
-    order = sorted(range(len(gis)), key=lambda i: (-gis[i].memory_slices, gis[i].id, i))
+    order = sorted(range(len(gis)), key=lambda i: (-gis[i].placement_size, gis[i].id, i))
+    width = model.placement_units
     chosen: dict[int, Placement] = {}
     failed: set[tuple[int, int]] = set()  # (depth, taken mask) known to lead nowhere
 
@@ -399,7 +415,7 @@ def place(model: GpuModel, gis: Sequence[GiProfile], taken: int) -> list[Placeme
             return False
         i = order[depth]
         for pl in gis[i].placements:
-            if pl.end <= model.memory_slices and not pl.mask & mask:
+            if pl.end <= width and not pl.mask & mask:
                 chosen[i] = pl
                 if search(depth + 1, mask | pl.mask):
                     return True

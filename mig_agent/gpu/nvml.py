@@ -57,6 +57,8 @@ _ABSENT = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT)
 _NO_ID = 0xFFFFFFFF
 _ARCHITECTURE = {
     pynvml.NVML_DEVICE_ARCH_AMPERE: Architecture.AMPERE,
+    pynvml.NVML_DEVICE_ARCH_HOPPER: Architecture.HOPPER,
+    pynvml.NVML_DEVICE_ARCH_BLACKWELL: Architecture.BLACKWELL,
     pynvml.NVML_DEVICE_ARCH_TURING: Architecture.TURING,
 }
 
@@ -327,6 +329,10 @@ class NvmlGpuBackend(GpuBackend):
             arch = _ARCHITECTURE.get(
                 arch_code, Architecture.HOPPER if arch_code >= 9 else Architecture.TURING
             )
+        # Placements are in units of NVML's grid; the smallest placement is one memory slice
+        # (12 units over 4 slices on an RTX PRO 6000 Blackwell, one unit a slice elsewhere).
+        units = max((p.placements[-1].end for p in profiles if p.placements), default=0)
+        smallest = min((p.placement_size for p in profiles if p.placements), default=1)
         return GpuModel(
             key=catalog.key if catalog else name,
             name=name,
@@ -335,8 +341,9 @@ class NvmlGpuBackend(GpuBackend):
             pci_subsystem_id=int(pci.pciSubSystemId),
             memory_total_mib=total_mib,
             architecture=arch,
-            memory_slices=max((p.placements[-1].end for p in profiles if p.placements), default=0),
+            memory_slices=units // smallest,
             compute_slices=max((p.slices for p in profiles), default=0),
+            placement_units=units,
             gi_profiles=tuple(profiles),
             gi_by_name={p.name: p for p in profiles},
         )

@@ -142,7 +142,7 @@ def test_operator_layout_applies_asserts_and_exports(
 def test_every_mig_model_has_operator_layouts() -> None:
     # Guards the parametrization above against silently testing nothing for a model.
     by_model = Counter(key for key, _ in operator_cases())
-    assert sorted(by_model) == MIG_MODELS and len(MIG_MODELS) == 6
+    assert sorted(by_model) == MIG_MODELS and len(MIG_MODELS) == 11
     assert all(n >= 8 for n in by_model.values()), by_model
 
 
@@ -210,7 +210,7 @@ def _min_destroyed(m: GpuModel, gpu: GpuState, target: GpuLayout) -> int:
             taken = 0
             for gi in kept:
                 taken |= gi.placement.mask
-            if _place_all(sorted(rest, key=lambda p: -p.memory_slices), taken):
+            if _place_all(sorted(rest, key=lambda p: -p.placement_size), taken):
                 return len(present) - r
     raise AssertionError("the target does not fit even an empty GPU")
 

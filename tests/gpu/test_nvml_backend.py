@@ -66,6 +66,22 @@ def test_profiles_unanswered_while_mig_is_off_are_read_again(
         b.models()  # ...yet is no reason to stop asking
 
 
+def test_rtx_pro_6000_reads_and_places_on_its_grid(make_node: MakeNode, open_sim: OpenSim) -> None:
+    # 4 memory slices on a 12-unit placement grid; the subsystem id device-filters can name
+    b = open_sim(make_node("RTX-PRO-6000", mig_enabled=True))
+    rtx = MODELS["RTX-PRO-6000"]
+    model = b.models()[0]
+    assert (model.memory_slices, model.placement_units) == (4, 12)
+    assert b.observe().gpu(0).info.pci_subsystem_id == 0x204E10DE
+    b.create_gpu_instance(0, rtx.gi_by_name["2g.48gb"].id, Placement(0, 6))
+    b.create_gpu_instance(0, rtx.gi_by_name["1g.24gb-me"].id, Placement(9, 3))
+    gis = b.observe().gpu(0).gpu_instances
+    assert [(gi.profile_id, gi.placement) for gi in gis] == [
+        (5, Placement(0, 6)),
+        (67, Placement(9, 3)),
+    ]
+
+
 def test_observe_round_trip(make_node: MakeNode, open_sim: OpenSim) -> None:
     path = make_node("H200,A100-40GB,A30,DGX-Display", mig_enabled=True)
     b = open_sim(path)

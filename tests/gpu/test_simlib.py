@@ -705,7 +705,7 @@ def _random_ops(nv: ModuleType, m: Any, data: st.DataObject) -> None:
             start = data.draw(
                 st.sampled_from([*(pl.start for pl in p.placements), 1, 3, 5]), label="start"
             )
-            pl = Placement(start, p.memory_slices)
+            pl = Placement(start, p.placement_size)
             same = sum(q.id == p.id for _, q, _ in gis.values())
             if pl not in p.placements:
                 expected: Any = nv.NVMLError_InvalidArgument
@@ -716,7 +716,7 @@ def _random_ops(nv: ModuleType, m: Any, data: st.DataObject) -> None:
             result = probe(create_gi, nv, h, p.id, pl.start, pl.size)
             if expected is None:
                 info = nv.nvmlGpuInstanceGetInfo(result)
-                first = m.memory_slices // pl.size - 1
+                first = m.placement_units // pl.size - 1
                 assert first <= info.id <= 2 * first and info.id not in gis
                 assert (info.profileId, info.placement.start, info.placement.size) == (
                     p.id,

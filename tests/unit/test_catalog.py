@@ -18,7 +18,7 @@ import pytest
 
 from mig_agent.config.profiles import FitResult, fit_report, load_catalog, load_text, parse_config
 from mig_agent.core.errors import InvalidConfig
-from mig_agent.core.gpu_models import MODELS, GpuModel
+from mig_agent.core.gpu_models import FAMILY_PCI_IDS, MODELS, GpuModel
 from mig_agent.core.layout import DeviceFilter, GpuLayout, Layout, LayoutCatalog, MigProfile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,16 +30,9 @@ EXAMPLE = COMPAT / "mig-parted-example-config.yaml"
 DGX_STATION = COMPAT / "mig-parted-dgx-station-80gb-config.yaml"
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
-# Every PCI id our profiles select, by catalog model: the SXM and PCIe (and NVL) parts that
-# share a model's profile names.
-FAMILY_IDS = {
-    "A100-40GB": {0x20B010DE, 0x20B110DE, 0x20F110DE},
-    "A100-80GB": {0x20B210DE, 0x20B510DE},
-    "A30": {0x20B710DE},
-    "H100-80GB": {0x233010DE, 0x233110DE},
-    "H100-NVL": {0x232110DE},
-    "H200": {0x233510DE, 0x233B10DE},
-}
+# Every PCI id our profiles select, by catalog model: the boards that share a model's profile
+# names, counts and placements (SXM, PCIe, NVL, A800/H800, workstation editions).
+FAMILY_IDS = FAMILY_PCI_IDS
 
 
 def gl(counts: dict[str, int]) -> GpuLayout:
@@ -152,6 +145,55 @@ OPERATOR_LAYOUTS = {
         "all-3g.71gb",
         "all-4g.71gb",
         "all-7g.141gb",
+    },
+    "B200": {
+        "all-1g.23gb",
+        "all-1g.23gb.me",
+        "all-1g.45gb",
+        "all-2g.45gb",
+        "all-3g.90gb",
+        "all-4g.90gb",
+        "all-7g.180gb",
+    },
+    "GB200": {
+        "all-1g.23gb",
+        "all-1g.23gb.me",
+        "all-1g.47gb",
+        "all-2g.47gb",
+        "all-3g.93gb",
+        "all-4g.93gb",
+        "all-7g.186gb",
+    },
+    "B300": {
+        "all-1g.34gb",
+        "all-1g.34gb.me",
+        "all-1g.67gb",
+        "all-2g.67gb",
+        "all-3g.135gb",
+        "all-4g.135gb",
+        "all-7g.269gb",
+    },
+    "GB300": {
+        "all-1g.35gb",
+        "all-1g.35gb.me",
+        "all-1g.70gb",
+        "all-2g.70gb",
+        "all-3g.139gb",
+        "all-4g.139gb",
+        "all-7g.278gb",
+    },
+    "RTX-PRO-6000": {
+        "all-1g.24gb",
+        "all-1g.24gb.me",
+        "all-1g.24gb.gfx",
+        "all-1g.24gb.me.all",
+        "all-1g.24gb-me",
+        "all-2g.48gb",
+        "all-2g.48gb.gfx",
+        "all-2g.48gb.me.all",
+        "all-2g.48gb-me",
+        "all-4g.96gb",
+        "all-4g.96gb.gfx",
     },
 }
 

@@ -148,6 +148,23 @@ def test_profiles_of_a_catalog_model(capsys: pytest.CaptureFixture[str]) -> None
     }
 
 
+def test_profiles_of_the_rtx_pro_6000_name_its_placement_grid(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "profiles", "--gpu", "RTX-PRO-6000")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == (
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition (RTX-PRO-6000, 0x2BB510DE, 97887 MiB; "
+        "4 memory slices, placed on a 12-unit grid)"
+    )
+    table = {f[0]: (int(f[1]), f[-1]) for f in map(str.split, lines[2:])}
+    assert table["1g.24gb+me.all"] == (65, "{0,3,6,9}:3")
+    assert table["2g.48gb-me"] == (66, "{0,6}:6")
+    assert table["4g.96gb+gfx"] == (32, "{0}:12")
+    assert len(table) == 11
+
+
 # -- validate -----------------------------------------------------------------------------------
 
 

@@ -140,6 +140,9 @@ def test_device_filter_forms() -> None:
         "0xZZ3010DE",
         "0x233010DE:0x18BF",
         "0x233010DE:MODEL",
+        "0x233010DE:",  # mig-parted refuses the empty subsystem too
+        "0x233010DE:0x18BF10DE:0x18BF10DE",
+        ":0x18BF10DE",
         "590352606",
     ],
 )
@@ -156,6 +159,9 @@ def test_device_filter_matching() -> None:
     exact = DeviceFilter(0x233510DE, 0x18BF10DE)
     assert exact.matches(0x233510DE, 0x18BF10DE)
     assert not exact.matches(0x233510DE, 0x18C010DE)
+    assert not exact.matches(0x233510DE, 0)  # a GPU whose subsystem id is unknown
+    assert not exact.matches(0x233B10DE, 0x18BF10DE)  # both ids, not either
+    assert DeviceFilter(0x233510DE, 0).matches(0x233510DE, 0)
 
 
 def test_selector_matching() -> None:

@@ -21,6 +21,24 @@ NVIDIA_NAMES = {
     "H100-80GB": ["1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
     "H100-NVL": ["1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
     "H200": ["1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
+    # mig-parted's config-default.yaml and nvidia-smi readouts (blackwell.md section 6)
+    "B200": ["1g.23gb", "1g.23gb+me", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"],
+    "GB200": ["1g.23gb", "1g.23gb+me", "1g.47gb", "2g.47gb", "3g.93gb", "4g.93gb", "7g.186gb"],
+    "B300": ["1g.34gb", "1g.34gb+me", "1g.67gb", "2g.67gb", "3g.135gb", "4g.135gb", "7g.269gb"],
+    "GB300": ["1g.35gb", "1g.35gb+me", "1g.70gb", "2g.70gb", "3g.139gb", "4g.139gb", "7g.278gb"],
+    "RTX-PRO-6000": [
+        "1g.24gb",
+        "1g.24gb+me",
+        "1g.24gb+gfx",
+        "1g.24gb-me",
+        "1g.24gb+me.all",
+        "2g.48gb",
+        "2g.48gb+gfx",
+        "2g.48gb-me",
+        "2g.48gb+me.all",
+        "4g.96gb",
+        "4g.96gb+gfx",
+    ],
 }
 
 
@@ -94,8 +112,8 @@ def test_compute_instance_profiles_follow_the_slice_rule() -> None:
 def test_gpu_specs() -> None:
     assert [m.key for m in parse_gpu_spec("2xA100-40GB,1xA30")] == ["A100-40GB"] * 2 + ["A30"]
     assert [m.key for m in parse_gpu_spec("h200")] == ["H200"]
-    with pytest.raises(ValueError, match="unknown GPU model 'B300'; known models: A100-40GB"):
-        model("B300")
+    with pytest.raises(ValueError, match="unknown GPU model 'R100'; known models: A100-40GB"):
+        model("R100")
 
 
 def test_one_lookup_finds_a_compute_instance_profile_by_id() -> None:

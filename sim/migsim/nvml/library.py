@@ -82,12 +82,18 @@ __all__ = [
 ]
 
 _NO_ID = 0xFFFFFFFF  # NVML_GPU_INSTANCE_ID_ANY / "not on a MIG device" in process infos
-_ARCH_CODE = {Architecture.AMPERE: 7, Architecture.HOPPER: 9, Architecture.TURING: 6}
+_ARCH_CODE = {
+    Architecture.AMPERE: 7,
+    Architecture.HOPPER: 9,
+    Architecture.BLACKWELL: 10,
+    Architecture.TURING: 6,
+}
 # CUDA compute capability (major, minor) of the data-centre parts of each architecture
 # (A100/A30 8.0, H100/H200 9.0, T4 7.5).
 _COMPUTE_CAPABILITY = {
     Architecture.AMPERE: (8, 0),
     Architecture.HOPPER: (9, 0),
+    Architecture.BLACKWELL: (10, 0),  # B200/GB200; B300/GB300 are 10.3, the RTX PRO 6000 12.0
     Architecture.TURING: (7, 5),
 }
 _TOPOLOGY_INTERNAL = 0  # NVML_TOPOLOGY_INTERNAL: the same GPU

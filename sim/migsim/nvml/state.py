@@ -470,7 +470,7 @@ def gi_profile(gpu: SimGpu, profile_id: int) -> GiProfile:
 def _gi_id_range(m: GpuModel, memory_slices: int) -> range:
     # The driver numbers GIs like nodes of a binary tree over the memory slices: on 8 slices the
     # whole GPU is 0, halves 1-2, quarters 3-6, eighths 7-14 (7g -> 0; 3g/4g -> 1-2; ...).
-    first = m.memory_slices // memory_slices - 1
+    first = m.placement_units // memory_slices - 1
     return range(first, 2 * first + 1)
 
 
