@@ -21,7 +21,7 @@ FINDINGS: Mapping[tuple[str, str], str] = {
         "3.1 gives as printed by nvidia-smi (MIG User Guide); its 2.6 works the name formula with "
         "40536. Both give the same profile names"
     ),
-    ("H100-80GB", "ci_profiles"): _HOPPER_REV2_CI,
-    ("H100-NVL", "ci_profiles"): _HOPPER_REV2_CI,
-    ("H200", "ci_profiles"): _HOPPER_REV2_CI,
+    ("H100-80GB", "ci_profiles_1g_rev2"): _HOPPER_REV2_CI,
+    ("H100-NVL", "ci_profiles_1g_rev2"): _HOPPER_REV2_CI,
+    ("H200", "ci_profiles_1g_rev2"): _HOPPER_REV2_CI,
 }
