@@ -346,13 +346,9 @@ def load_models(folder: Path) -> dict[str, GpuModel]:
     out: dict[str, GpuModel] = {}
     for path in sorted(folder.glob("*.yaml")):
         for m in load_model_file(path):
-            clash = next(
-                (
-                    o
-                    for o in out.values()
-                    if o.key.lower() == m.key.lower() or (o.pci_device_id == m.pci_device_id)
-                ),
-                None,
+            same = (o for o in out.values() if m.key.lower() == o.key.lower())
+            clash = next(same, None) or next(
+                (o for o in out.values() if o.pci_device_id == m.pci_device_id), None
             )
             if clash is not None:
                 raise GpuDataError(f"{path.name}: {m.key} has the key or PCI id of {clash.key}")

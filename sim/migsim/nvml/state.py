@@ -524,7 +524,8 @@ def create_gi(
 
 def _media_engines_allow(gpu: SimGpu, p: GiProfile) -> bool:
     # An ALL_ME GI (+me.all) holds every media engine: it "prevents allocation of all but _NO_ME
-    # profiles" (nvml.h), and so cannot join GIs that hold media engines themselves.
+    # profiles" (nvml.h), and so cannot join GIs that hold media engines themselves. The code the
+    # driver refuses with is not in the references: INSUFFICIENT_RESOURCES, as for a taken slot.
     others = [gi_profile(gpu, gi.profile_id).capability for gi in gpu.gpu_instances]
     if p.capability == "+me.all":
         return all(cap == "-me" for cap in others)
@@ -736,7 +737,8 @@ def reset_gpu(path: str | os.PathLike[str], index: int) -> None:
 
 def reboot_node(path: str | os.PathLike[str]) -> None:
     """Simulate a node reboot: processes and GPU instances are gone; a pending MIG mode applies;
-    MIG mode survives only on Ampere (kept in the InfoROM), Hopper comes up with MIG disabled."""
+    MIG mode survives only on Ampere (kept in the InfoROM), Hopper and later come up with MIG
+    disabled."""
     with _mutate(path) as node:
         for gpu in node.gpus:
             gpu.processes.clear()
