@@ -214,7 +214,8 @@ def _ci_profiles(
         if c == 4:
             starts = [0]
         count = len(starts)
-        sms = gi_sms if c == g else c * sm_per_slice
+        # on a 1g REV2 GI the whole-GI CI is the REV1 one below: profile 0 is one compute slice
+        sms = gi_sms if c == g and rev1_sms is None else c * sm_per_slice
         idx = CI_INDEX_BY_SLICES[c]
         out.append(CiProfile(idx, idx, c, count, sms, tuple(Placement(s, c) for s in starts)))
     if rev1_sms is not None:  # Hopper 1g REV2 GIs also offer a whole-GI CI with more SMs

@@ -1,5 +1,6 @@
 """The simulated world mig-agent is tested and demonstrated in (not shipped with the agent):
 
+* ``migsim.gpus``: the simulated GPU models, as data written from the reference documents;
 * ``migsim.nvml``: simulated GPUs -- a node's state in a file and the NVML library pynvml calls;
 * ``migsim.device_plugin``: a simulated device plugin and kubelet device manager for one node
   (advertising, device assignment, the kubelet's PodResources API, GPU processes of pods);

@@ -21,6 +21,7 @@ Must not: change GPUs, or touch pods other than reading them.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,6 @@ from mig_agent.core.advertised import (
     strategy_problem,
 )
 from mig_agent.core.errors import MigAgentError
-from mig_agent.core.gpu_models import resource_name
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.gpu.nvml import NvmlGpuBackend
 from mig_agent.kube.cluster import GPU_RESOURCE, Cluster, PodRef, PodView, is_gpu_resource
@@ -106,7 +106,7 @@ def offered_devices(
         if not g.mig_current and g.index not in skipped
     ]
     for d in gpus.mig_devices():
-        resource = resource_name(d.name, strategy=strategy)
+        resource = _resource_of(d.name, strategy)
         if resource and d.gpu not in skipped:
             out.append(Device(resource, d.uuid, d.gpu, d.gi_id, d.ci_id))
     return tuple(
@@ -114,6 +114,17 @@ def offered_devices(
         for d in sorted(out, key=lambda d: (d.gpu, d.gi_id, d.ci_id))
         for r in _replicas(d, sharing)
     )
+
+
+def _resource_of(device_name: str, strategy: str) -> str | None:
+    """The resource NVIDIA's plugin offers a MIG device as (k8s-device-plugin internal/rm):
+    single strategy ``nvidia.com/gpu``; mixed ``nvidia.com/mig-<name>`` with "+" as ".", and none
+    for a device that splits its GPU instance (``1c.3g.71gb``: no resource pattern matches)."""
+    if strategy == "single":
+        return GPU_RESOURCE
+    if re.match(r"\d+c\.", device_name):
+        return None
+    return "nvidia.com/mig-" + device_name.replace("+", ".")
 
 
 def _replicas(device: Device, sharing: Sharing) -> list[Device]:

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 from migsim.cluster import agents
+from migsim.gpus import parse_gpu_spec  # the simulated GPUs GFD reads
 from migsim.nvml import state as simstate
 
-from mig_agent.core.gpu_models import parse_gpu_spec
 from mig_agent.kube.podresources import list_pod_devices
 
 from .conftest import CONFIG, REASON, STATE, AgentNode, NodeFactory, wait_running

@@ -10,17 +10,19 @@ import tempfile
 import time
 from collections.abc import Callable
 from ctypes import byref, c_uint
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import migsim
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from migsim.gpus import MODELS, Placement
 from migsim.nvml import library as simlib
 from migsim.nvml.state import IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED
 
-from mig_agent.core.gpu_models import MODELS
-from mig_agent.core.placement import Placement
+import mig_agent
 
 from .conftest import CAPTURES, REPO, MakeNode
 
@@ -509,7 +511,9 @@ nv.nvmlShutdown()
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO)}
+    # The child imports the trees this process imports (an installed migsim may be another's).
+    trees = {str(Path(p.__file__).resolve().parents[1]) for p in (mig_agent, migsim)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sorted(trees)])}
 
 
 def test_processes_share_one_node_without_lost_updates(
@@ -670,7 +674,7 @@ def test_uuids_are_deterministic(tmp_path: Any) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), key=st.sampled_from(["H200", "A30", "A100-40GB"]))
+@given(data=st.data(), key=st.sampled_from(["H200", "A30", "A100-40GB", "B200", "RTX-PRO-6000"]))
 def test_random_create_destroy_sequences(data: st.DataObject, key: str) -> None:
     """Whatever is created and destroyed, in any order: GIs never overlap, counts never exceed
     instanceCount, ids stay in the driver's ranges, every refusal is the one hardware gives, and
@@ -707,16 +711,25 @@ def _random_ops(nv: ModuleType, m: Any, data: st.DataObject) -> None:
             )
             pl = Placement(start, p.placement_size)
             same = sum(q.id == p.id for _, q, _ in gis.values())
+            caps = [q.capability for _, q, _ in gis.values()]
+            # +me.all holds every media engine: beside it only -me GIs (nvml.h ALL_ME)
+            engines_taken = (p.capability == "+me.all" and any(c != "-me" for c in caps)) or (
+                p.capability != "-me" and "+me.all" in caps
+            )
             if pl not in p.placements:
                 expected: Any = nv.NVMLError_InvalidArgument
-            elif same >= p.instance_count or any(pl.overlaps(o) for *_, o in gis.values()):
+            elif (
+                same >= p.instance_count
+                or engines_taken
+                or any(pl.overlaps(o) for *_, o in gis.values())
+            ):
                 expected = nv.NVMLError_InsufficientResources
             else:
                 expected = None
             result = probe(create_gi, nv, h, p.id, pl.start, pl.size)
             if expected is None:
                 info = nv.nvmlGpuInstanceGetInfo(result)
-                first = m.placement_units // pl.size - 1
+                first = m.placement_grid // pl.size - 1
                 assert first <= info.id <= 2 * first and info.id not in gis
                 assert (info.profileId, info.placement.start, info.placement.size) == (
                     p.id,

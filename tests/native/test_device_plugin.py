@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from migsim.cluster.nodes import gpu_node_labels
+from migsim.gpus import parse_gpu_spec  # the simulated GPUs GFD reads, not the agent's catalog
 from migsim.nvml import open_node
 from migsim.nvml import state as st
 from migsim.nvml.hostview import mig_minor, mig_minors
@@ -35,7 +36,6 @@ from mig_agent.core.advertised import (
     is_skipped,
     parse_sharing,
 )
-from mig_agent.core.gpu_models import parse_gpu_spec
 
 from .conftest import REPO
 

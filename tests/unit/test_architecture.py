@@ -200,3 +200,20 @@ def test_no_import_circles(tree: str) -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+# What the simulated world may not take from the agent: its GPU tables and model types, so that
+# the simulated GPUs check the catalog instead of repeating it (issue 24).
+AGENT_GPU_TABLES = ("mig_agent.core.gpu_models", "mig_agent.core.placement")
+
+
+@pytest.mark.parametrize("path", sorted(SIM.rglob("*.py")), ids=lambda p: str(p.relative_to(SIM)))
+def test_the_simulator_has_its_own_gpu_tables(path: Path) -> None:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        taken = [n for n in names if n.startswith(AGENT_GPU_TABLES)]
+        assert not taken, f"migsim/{path.relative_to(SIM)} imports {taken}; use migsim.gpus"

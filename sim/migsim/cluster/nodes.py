@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mig_agent.core.advertised import is_skipped
-from mig_agent.core.gpu_models import GpuModel, parse_gpu_spec
+from migsim.gpus import GpuModel, parse_gpu_spec
 
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 # The GPU spec a simulated node was created with (`8xH100-80GB`), for that node's GPU simulator.
@@ -83,7 +83,7 @@ def gpu_node_manifest(
     extra_labels: Mapping[str, str] | None = None,
     taints: Sequence[Mapping[str, str]] = (),
 ) -> Manifest:
-    """A simulated GPU node; `gpus` as `mig_agent.core.gpu_models.parse_gpu_spec` reads it
+    """A simulated GPU node; `gpus` as `migsim.gpus.parse_gpu_spec` reads it
     (`8xH100-80GB`).
 
     It advertises `nvidia.com/gpu: <count>`, as the device plugin does before MIG is configured

@@ -28,8 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple, TypeVar
 
-from mig_agent.core.gpu_models import Architecture, CiProfile, GiProfile
-from mig_agent.core.placement import Placement
+from migsim.gpus import CiProfile, GiProfile, Placement
 from migsim.nvml import state as st
 from migsim.nvml.state import (
     ENV_STATE,
@@ -82,20 +81,6 @@ __all__ = [
 ]
 
 _NO_ID = 0xFFFFFFFF  # NVML_GPU_INSTANCE_ID_ANY / "not on a MIG device" in process infos
-_ARCH_CODE = {
-    Architecture.AMPERE: 7,
-    Architecture.HOPPER: 9,
-    Architecture.BLACKWELL: 10,
-    Architecture.TURING: 6,
-}
-# CUDA compute capability (major, minor) of the data-centre parts of each architecture
-# (A100/A30 8.0, H100/H200 9.0, T4 7.5).
-_COMPUTE_CAPABILITY = {
-    Architecture.AMPERE: (8, 0),
-    Architecture.HOPPER: (9, 0),
-    Architecture.BLACKWELL: (10, 0),  # B200/GB200; B300/GB300 are 10.3, the RTX PRO 6000 12.0
-    Architecture.TURING: (7, 5),
-}
 _TOPOLOGY_INTERNAL = 0  # NVML_TOPOLOGY_INTERNAL: the same GPU
 _TOPOLOGY_NODE = 40  # NVML_TOPOLOGY_NODE: PCIe GPUs under host bridges of one NUMA node
 # nvmlEventType*: SingleBitEccError, DoubleBitEccError, PState, XidCriticalError, Clock,
@@ -571,12 +556,12 @@ class SimulatedNvmlLibrary:
     @_export("nvmlDeviceGetArchitecture")
     def _arch(self, node: SimNode, handle: Any, out: Any) -> None:
         gpu, _ = self._device(node, handle)
-        _out(out, "nvmlDeviceGetArchitecture").value = _ARCH_CODE[gpu.model.architecture]
+        _out(out, "nvmlDeviceGetArchitecture").value = gpu.model.architecture.nvml_code
 
     @_export("nvmlDeviceGetCudaComputeCapability")
     def _compute_capability(self, node: SimNode, handle: Any, major: Any, minor: Any) -> None:
         gpu, _ = self._device(node, handle)
-        cc = _COMPUTE_CAPABILITY[gpu.model.architecture]
+        cc = gpu.model.compute_capability
         _out(major, "nvmlDeviceGetCudaComputeCapability").value = cc[0]
         _out(minor, "nvmlDeviceGetCudaComputeCapability").value = cc[1]
 
@@ -603,7 +588,7 @@ class SimulatedNvmlLibrary:
         arr, _ = _array(values, n, n, "nvmlDeviceGetFieldValues")
         m = gpu.model
         known = {
-            _FI_RESETLESS_MIG: int(m.mig_capable and not m.architecture.mig_mode_needs_reset),
+            _FI_RESETLESS_MIG: int(m.mig_capable and not m.mig_mode_needs_reset),
             _FI_MIG_QUERY_INDEPENDENT: int(m.mig_capable),
         }
         for i in range(n):
@@ -726,11 +711,11 @@ class SimulatedNvmlLibrary:
     # -- GPU instances -----------------------------------------------------------------------------
 
     @staticmethod
-    def _gi_profile_at(gpu: SimGpu, index: int) -> GiProfile:
-        if not 0 <= index < st.DRIVER_GI_PROFILE_INDEX_LIMIT:
+    def _gi_profile_at(node: SimNode, gpu: SimGpu, index: int) -> GiProfile:
+        if not 0 <= index < node.gi_profile_indices:
             raise Refused(st.INVALID_ARGUMENT)
-        p = next((p for p in gpu.model.gi_profiles if p.index == index), None)
-        if p is None:
+        p = gpu.model.gi_profile_at(index)
+        if p is None:  # every index this model lacks, as go-nvlib's walk over them expects
             raise Refused(st.NOT_SUPPORTED)
         return p
 
@@ -759,7 +744,7 @@ class SimulatedNvmlLibrary:
         if hasattr(info, "version"):
             _check_version(info, 2)
         self._check_profile_info_answered(node, gpu)
-        p = self._gi_profile_at(gpu, _uint(index, "profile index"))
+        p = self._gi_profile_at(node, gpu, _uint(index, "profile index"))
         self._fill_gi_profile(info, p)
 
     @_export("nvmlDeviceGetGpuInstanceProfileInfoByIdV")
@@ -851,9 +836,7 @@ class SimulatedNvmlLibrary:
     def _ci_profile_at(gpu: SimGpu, gi: SimGpuInstance, index: int, eng: int) -> CiProfile:
         if not 0 <= index < st.CI_PROFILE_INDEX_LIMIT or eng != 0:
             raise Refused(st.INVALID_ARGUMENT)
-        cp = next(
-            (c for c in st.gi_profile(gpu, gi.profile_id).ci_profiles if c.index == index), None
-        )
+        cp = st.gi_profile(gpu, gi.profile_id).ci_profile_at(index)
         if cp is None:
             raise Refused(st.NOT_SUPPORTED)
         return cp
@@ -972,6 +955,8 @@ def _show(node: SimNode) -> str:
     driver = f"driver {node.driver_version}"
     if node.profile_info_needs_mig:
         driver += " (GI profile info only with MIG on)"
+    if node.gi_profile_indices != st.DRIVER_GI_PROFILE_INDEX_LIMIT:
+        driver += f" ({node.gi_profile_indices} GI profile indices)"
     lines = [f"node {node.name}: {len(node.gpus)} GPU(s), {virt}, {driver}"]
     for g in node.gpus:
         m = g.model
@@ -1030,6 +1015,12 @@ def _parser() -> argparse.ArgumentParser:
         "--profile-info-needs-mig",
         action="store_true",
         help="a driver that answers GI profile info NOT_SUPPORTED while MIG is off",
+    )
+    c.add_argument(
+        "--driver-knows-3-slice-gfx",
+        action="store_true",
+        help="a driver whose GI profile table includes index 0x11 (NOT_SUPPORTED, not "
+        "INVALID_ARGUMENT, where a GPU lacks it)",
     )
 
     s = sub.add_parser("show", help="print the node")
@@ -1105,6 +1096,7 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
                 mig_enabled=args.mig_enabled,
                 ampere_self_reset=args.ampere_self_reset,
                 profile_info_needs_mig=args.profile_info_needs_mig,
+                driver_knows_3_slice_gfx=args.driver_knows_3_slice_gfx,
             )
             print(_show(load_node(path)))
         case "show":

@@ -4,7 +4,8 @@ One simulated node is one JSON file, so separate processes (CLI calls, the agent
 device plugin) see one node. Every mutation is a read-modify-write under an exclusive ``flock`` on
 ``<file>.lock`` with an atomic replace; reads take a shared lock. The behaviour (ids, placements,
 IN_USE, MIG mode pending until reset on Ampere, ...) follows real hardware as described in the
-project's NVML reference; the GPU tables come from mig_agent.core.gpu_models, never retyped here.
+project's NVML reference; the GPU tables are the simulator's own (migsim.gpus, written from the
+reference documents), not the agent's catalog.
 
 This module knows NVML only as return codes (ints). It must not import pynvml or ctypes: the C
 ABI lives in migsim.nvml.library, which drives these functions.
@@ -24,8 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mig_agent.core.gpu_models import CiProfile, GiProfile, GpuModel, model, parse_gpu_spec
-from mig_agent.core.placement import Placement
+from migsim.gpus import CiProfile, GiProfile, GpuModel, Placement, model, parse_gpu_spec
 
 ENV_STATE = "MIG_AGENT_SIM_STATE"
 SCHEMA = 1
@@ -116,8 +116,11 @@ RESET = "reset"  # the counter/fault name of reset_gpu (nvidia-smi -r on hardwar
 DRIVER_GI_PROFILE_IDS = frozenset(
     {0, 5, 6, 9, 10, 14, 15, 19, 20, 21, 32, 35, 38, 47, 48, 64, 65, 66, 67, 72, 73}
 )
-# Profile indices from here on are past the 580 driver's table: INVALID_ARGUMENT, not NOT_SUPPORTED.
+# Profile indices from here on are past the 580 driver's table: INVALID_ARGUMENT, not NOT_SUPPORTED
+# (measured: 17 = 3_SLICE_GFX and 18 on the H200). A newer driver's table (GI_PROFILE_INDEX_COUNT)
+# knows 3_SLICE_GFX: then every index a GPU lacks up to it answers NOT_SUPPORTED.
 DRIVER_GI_PROFILE_INDEX_LIMIT = 17
+GI_PROFILE_INDEX_COUNT = 18  # NVML_GPU_INSTANCE_PROFILE_COUNT (nvml.h)
 CI_PROFILE_INDEX_LIMIT = 9
 
 DRIVER_VERSION = "580.159.04"
@@ -243,7 +246,7 @@ class SimGpu:
         ]
 
     def max_mig_devices(self) -> int:
-        return self.model.compute_slices if self.mig_current else 0
+        return self.model.max_mig_devices if self.mig_current else 0
 
 
 @dataclass(slots=True)
@@ -279,6 +282,9 @@ class SimNode:
     # on a GPU whose current MIG mode is disabled, as older drivers may ("NOT_SUPPORTED If device
     # doesn't have MIG mode enabled", nvml.h). The measured 580 driver answers it with MIG off.
     profile_info_needs_mig: bool = False
+    # The profile indices the driver's table holds (GetGpuInstanceProfileInfo answers
+    # INVALID_ARGUMENT from here on): DRIVER_GI_PROFILE_INDEX_LIMIT, or GI_PROFILE_INDEX_COUNT.
+    gi_profile_indices: int = DRIVER_GI_PROFILE_INDEX_LIMIT
     driver_version: str = DRIVER_VERSION
     nvml_version: str = NVML_VERSION
     cuda_version: int = CUDA_VERSION
@@ -467,10 +473,10 @@ def gi_profile(gpu: SimGpu, profile_id: int) -> GiProfile:
     return p
 
 
-def _gi_id_range(m: GpuModel, memory_slices: int) -> range:
-    # The driver numbers GIs like nodes of a binary tree over the memory slices: on 8 slices the
+def _gi_id_range(m: GpuModel, size: int) -> range:
+    # The driver numbers GIs like nodes of a binary tree over the placement grid: on 8 slices the
     # whole GPU is 0, halves 1-2, quarters 3-6, eighths 7-14 (7g -> 0; 3g/4g -> 1-2; ...).
-    first = m.placement_units // memory_slices - 1
+    first = m.placement_grid // size - 1
     return range(first, 2 * first + 1)
 
 
@@ -495,6 +501,8 @@ def create_gi(
         raise Refused(INVALID_ARGUMENT)
     if sum(gi.profile_id == profile_id for gi in gpu.gpu_instances) >= p.instance_count:
         raise Refused(INSUFFICIENT_RESOURCES)
+    if not _media_engines_allow(gpu, p):
+        raise Refused(INSUFFICIENT_RESOURCES)
     free = _free_placements(gpu, p)
     if placement is None:
         if not free:
@@ -512,6 +520,16 @@ def create_gi(
     gpu.gpu_instances.append(gi)
     gpu.gpu_instances.sort(key=lambda g: g.id)
     return gi
+
+
+def _media_engines_allow(gpu: SimGpu, p: GiProfile) -> bool:
+    # An ALL_ME GI (+me.all) holds every media engine: it "prevents allocation of all but _NO_ME
+    # profiles" (nvml.h), and so cannot join GIs that hold media engines themselves. The code the
+    # driver refuses with is not in the references: INSUFFICIENT_RESOURCES, as for a taken slot.
+    others = [gi_profile(gpu, gi.profile_id).capability for gi in gpu.gpu_instances]
+    if p.capability == "+me.all":
+        return all(cap == "-me" for cap in others)
+    return p.capability == "-me" or "+me.all" not in others
 
 
 def destroy_gi(gpu: SimGpu, gi: SimGpuInstance) -> None:
@@ -588,7 +606,7 @@ def set_mig_mode(node: SimNode, gpu: SimGpu, mode: int) -> int:
     if gpu.gpu_instances:  # tools destroy every GI before toggling; the driver refuses otherwise
         raise Refused(IN_USE)
     busy = bool(gpu.processes)
-    if gpu.model.architecture.mig_mode_needs_reset:
+    if gpu.model.mig_mode_needs_reset:
         # Ampere: the new mode is pending until a reset; the driver tries one itself, which
         # fails while clients hold the GPU or where reset is not exposed (pass-through VM).
         gpu.mig_pending = want
@@ -624,6 +642,7 @@ def create_node(
     passthrough: bool = False,
     ampere_self_reset: bool = False,
     profile_info_needs_mig: bool = False,
+    driver_knows_3_slice_gfx: bool = False,
     mig_enabled: bool = False,
     replace: bool = True,
 ) -> None:
@@ -633,7 +652,9 @@ def create_node(
     arguments give the same node. ``passthrough`` reports virtualization mode pass-through;
     ``reset_supported=False`` makes resets impossible (Ampere mode changes then stay pending).
     ``mig_enabled`` starts MIG-capable GPUs with MIG mode on. ``profile_info_needs_mig`` makes
-    the driver one that answers GPU-instance profile info only on GPUs with MIG mode on.
+    the driver one that answers GPU-instance profile info only on GPUs with MIG mode on;
+    ``driver_knows_3_slice_gfx`` one whose profile table includes index 0x11 (NOT_SUPPORTED there
+    on GPUs without it, where the measured 580 driver answers INVALID_ARGUMENT).
     """
     models = parse_gpu_spec(gpus) if isinstance(gpus, str) else gpus
     state = StateFile(path)
@@ -647,6 +668,9 @@ def create_node(
         virtualization_mode=1 if passthrough else 0,
         ampere_self_reset=ampere_self_reset,
         profile_info_needs_mig=profile_info_needs_mig,
+        gi_profile_indices=(
+            GI_PROFILE_INDEX_COUNT if driver_knows_3_slice_gfx else DRIVER_GI_PROFILE_INDEX_LIMIT
+        ),
         gpus=[
             SimGpu(
                 index=i,
@@ -713,12 +737,13 @@ def reset_gpu(path: str | os.PathLike[str], index: int) -> None:
 
 def reboot_node(path: str | os.PathLike[str]) -> None:
     """Simulate a node reboot: processes and GPU instances are gone; a pending MIG mode applies;
-    MIG mode survives only on Ampere (kept in the InfoROM), Hopper comes up with MIG disabled."""
+    MIG mode survives only on Ampere (kept in the InfoROM), Hopper and later come up with MIG
+    disabled."""
     with _mutate(path) as node:
         for gpu in node.gpus:
             gpu.processes.clear()
             gpu.gpu_instances.clear()
-            if gpu.model.architecture.mig_mode_needs_reset:
+            if gpu.model.mig_mode_needs_reset:
                 gpu.mig_current = gpu.mig_pending
             else:
                 gpu.mig_current = gpu.mig_pending = False
