@@ -50,7 +50,13 @@ MIXED = {
     "H100-80GB": {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1},
     "A100-40GB": {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1},
     "H200": {"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1},
+    "B200": {"1g.23gb": 2, "2g.45gb": 1, "3g.90gb": 1},
+    "GB200": {"1g.23gb": 2, "2g.47gb": 1, "3g.93gb": 1},
+    "B300": {"1g.34gb": 2, "2g.67gb": 1, "3g.135gb": 1},
+    "GB300": {"1g.35gb": 2, "2g.70gb": 1, "3g.139gb": 1},
+    "RTX-PRO-6000": {"1g.24gb": 2, "2g.48gb": 1},  # its 4 memory slices: two resources
 }
+BLACKWELL = ["B200", "GB200", "B300", "GB300", "RTX-PRO-6000"]
 SINGLE = {"H100-80GB": {"1g.10gb": 7}, "A100-40GB": {"2g.10gb": 3}, "H200": {"3g.71gb": 2}}
 
 
@@ -187,13 +193,14 @@ def test_mig_minors_list_every_possible_instance_in_the_drivers_numbering() -> N
 # -- the device plugin --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB", "H200"])
+@pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB", "H200", *BLACKWELL])
 def test_mixed_strategy_advertises_what_mig_agent_expects(
     model: str, tmp_path: Path, nvidia_bin: Path
 ) -> None:
     state = node(tmp_path, f"2x{model}", MIXED[model])
     want = expected(state, "mixed")
-    assert len(want) == 3 and all(n >= 2 for n in want.values())  # the test means something
+    # the test means something
+    assert len(want) == len(MIXED[model]) and all(n >= 2 for n in want.values())
     run = run_plugin(
         state,
         nvidia_bin,
@@ -383,7 +390,7 @@ def gfd(state: str, nvidia_bin: Path, tmp_path: Path, strategy: str) -> dict[str
 COMPARED = ("nvidia.com/gpu.product", "nvidia.com/gpu.count", "nvidia.com/mig.capable")
 
 
-@pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB", "H200"])
+@pytest.mark.parametrize("model", ["H100-80GB", "A100-40GB", "H200", *BLACKWELL])
 def test_gfd_labels_match_the_simulated_nodes_labels_with_mixed(
     model: str, tmp_path: Path, nvidia_bin: Path
 ) -> None:
