@@ -41,10 +41,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Every test in tests/cluster and tests/e2e needs the cluster; marking them here lets
-    # `-m "not cluster"` skip those folders without each module having to remember the marker.
+    # Every test in tests/cluster, tests/e2e and tests/kubelet needs the cluster; marking them
+    # here lets `-m "not cluster"` skip those folders without each module remembering the marker.
     here = Path(__file__).parent
-    folders = (here / "cluster", here / "e2e")
+    folders = (here / "cluster", here / "e2e", here / "kubelet")
     for item in items:
         if any(f in Path(str(item.path)).parents for f in folders):
             item.add_marker(pytest.mark.cluster)

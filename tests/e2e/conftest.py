@@ -190,8 +190,26 @@ def wait_node_runtime(node: AgentNode, timeout: float = 60.0) -> None:
             node.node().metadata.annotations or {}
         ):
             return
-        assert time.monotonic() < deadline, f"{node.name}: node runtime not ready:\n{text[-3000:]}"
+        assert time.monotonic() < deadline, (
+            f"{node.name}: node runtime not ready:\n{text[-3000:]}\n{plugin_pods_report(node)}"
+        )
         time.sleep(0.1)
+
+
+def plugin_pods_report(node: AgentNode) -> str:
+    """What the device plugin's DaemonSet did about the node: its pods there (phase, scheduling
+    conditions), the node's deploy label and the Events about them, for a failure message."""
+    pods = node.core.list_namespaced_pod(agents.PLUGIN_NS).items
+    lines = [f"deploy label: {node.labels().get('nvidia.com/gpu.deploy.device-plugin')!r}"]
+    for p in pods:
+        conditions = [f"{c.type}={c.status}({c.reason or ''})" for c in (p.status.conditions or [])]
+        lines.append(
+            f"pod {p.metadata.name} node={p.spec.node_name} phase={p.status.phase} "
+            f"deleting={p.metadata.deletion_timestamp is not None} {' '.join(conditions)}"
+        )
+    events = node.core.list_namespaced_event(agents.PLUGIN_NS).items[-15:]
+    lines += [f"event {e.involved_object.name}: {e.reason} {e.message}" for e in events]
+    return "\n".join(lines)
 
 
 @pytest.fixture

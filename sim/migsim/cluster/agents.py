@@ -66,8 +66,9 @@ DEVICE_PLUGIN = {
         "template": {
             "metadata": {"labels": {"app": "nvidia-device-plugin-daemonset"}},
             "spec": {
-                # As the GPU Operator deploys it: pausing this label removes the pod.
-                "nodeSelector": {"nvidia.com/gpu.deploy.device-plugin": "true"},
+                # As the GPU Operator deploys it: pausing this label removes the pod. Only on
+                # kwok's nodes: a real node runs NVIDIA's plugin in a container (real_node.py).
+                "nodeSelector": {"nvidia.com/gpu.deploy.device-plugin": "true", "type": "kwok"},
                 "tolerations": [{"operator": "Exists"}],
                 "terminationGracePeriodSeconds": 1,
                 "containers": [{"name": "device-plugin", "image": "registry.invalid/sim:1"}],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -10,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import agents
+from . import agents, real_node
 from .cluster import COMPONENTS, Cluster, default_dir, down
 from .errors import ClusterNotRunning, DevClusterError
 from .nodes import DEFAULT_GPUS
@@ -96,6 +97,14 @@ def _parser() -> argparse.ArgumentParser:
         "scripts/nvidia-binaries build); simulated: the home-made model of it "
         "(default: $MIG_AGENT_DEVICE_PLUGIN, else nvidia as root)",
     )
+    up.add_argument(
+        "--real-node",
+        metavar="GPUS",
+        default=None,
+        help="also a real node, kubelet-node-0: a kubelet on containerd (root; "
+        "scripts/node-packages) with these simulated GPUs (e.g. 2xH100-80GB) and NVIDIA's "
+        "device plugin as its DaemonSet's pod",
+    )
     down_p = with_dir(sub.add_parser("down", help="stop the cluster's processes"))
     down_p.add_argument("--purge", action="store_true", help="also remove the cluster folder")
     with_dir(sub.add_parser("status", help="show processes, health, memory and nodes"))
@@ -160,6 +169,12 @@ def _up(args: argparse.Namespace) -> int:
         )
         if len(up_now) != len(gpu_nodes):
             return 1
+    if args.real_node:
+        real = real_node.load(cluster, real_node.NAME)
+        if real is None or not real.kubelet.alive():
+            real = real_node.start(cluster, real_node.NAME, gpus=args.real_node)
+            real_node.install_device_plugin(cluster, real)
+        print(f"real node {real.name}: kubelet on containerd, {real.gpus}", file=sys.stderr)
     print(f"ready in {time.monotonic() - started:.1f} s; use it with:", file=sys.stderr)
     print(f"  export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}", file=sys.stderr)
     return 0
@@ -176,6 +191,11 @@ def _node_up(record: dict[str, object]) -> bool:
 
 
 def _down(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ClusterNotRunning):
+        cluster = Cluster.load(args.dir)
+        real = real_node.load(cluster, real_node.NAME)
+        if real is not None:
+            real_node.stop_node(real)
     killed = down(args.dir, purge=args.purge)
     if killed:
         print(f"stopped; had to kill: {', '.join(killed)}", file=sys.stderr)

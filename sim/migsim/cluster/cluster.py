@@ -386,6 +386,11 @@ class Cluster:
             # Privileged DaemonSet pods (device plugin, the agent) must be admissible.
             "--allow-privileged=true",
             "--event-ttl=30m",
+            # A real node's kubelet is reached at the InternalIP it reports (127.0.0.1): nothing
+            # here resolves node names (kubectl logs, exec).
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            f"--kubelet-client-certificate={keys.kubelet_client_cert}",
+            f"--kubelet-client-key={keys.kubelet_client_key}",
         ]
 
     def _component_args(self, name: str, keys: pki.Pki) -> list[str]:
@@ -486,6 +491,8 @@ class Cluster:
             serving_key=d / "serving.key",
             sa_private_key=d / "sa.key",
             sa_public_key=d / "sa.pub",
+            kubelet_client_cert=d / "kubelet-client.crt",
+            kubelet_client_key=d / "kubelet-client.key",
         )
 
     def _respawn(self, name: str, keys: pki.Pki, timeout: float) -> None:

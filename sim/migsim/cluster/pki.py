@@ -42,6 +42,8 @@ class Pki:
     serving_key: Path
     sa_private_key: Path
     sa_public_key: Path
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -77,6 +79,8 @@ def generate(directory: Path) -> Pki:
         serving_key=directory / "serving.key",
         sa_private_key=directory / "sa.key",
         sa_public_key=directory / "sa.pub",
+        kubelet_client_cert=directory / "kubelet-client.crt",
+        kubelet_client_key=directory / "kubelet-client.key",
     )
     # Backdate a little: the certificates are used within milliseconds, and a clock that steps
     # backwards (VMs) must not make them "not yet valid".
@@ -135,6 +139,31 @@ def generate(directory: Path) -> Pki:
     )
     pki.serving_cert.write_bytes(serving_cert.public_bytes(serialization.Encoding.PEM))
     _write_key(pki.serving_key, serving_key)
+
+    # The API server's client certificate for kubelets (logs, exec on a real node): the kubelet
+    # authenticates it against this CA and asks the API server whether system:masters may.
+    client_key = _key()
+    client_cert = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver-kubelet-client"),
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+                ]
+            )
+        )
+        .issuer_name(ca_name)
+        .public_key(client_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pki.kubelet_client_cert.write_bytes(client_cert.public_bytes(serialization.Encoding.PEM))
+    _write_key(pki.kubelet_client_key, client_key)
 
     # The service-account signer is a bare key pair: kube-apiserver needs the private key to issue
     # tokens (TokenRequest) and the public key to verify them; KCM signs legacy token secrets too.

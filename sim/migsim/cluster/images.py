@@ -1,0 +1,185 @@
+"""Container images for the real node, built here: no registry is reachable, so every image a pod
+of the real node runs is made on this machine and imported into the node's containerd.
+
+* ``pause``: the pod sandbox's process, a static C program that waits for a signal
+  (containerd's ``sandbox_image``).
+* ``busybox``: Debian's static busybox with the applets a test workload uses (sh, sleep, cat,
+  ...); pods run it with ``imagePullPolicy: Never``.
+
+Each image is an OCI layout written by ``umoci`` (one image per layout: a layout holding two tags,
+imported as one, can resolve to the wrong manifest) and kept as a tar in the build cache, keyed by
+what went into it, so a second build costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from .errors import DevClusterError
+
+TAG: Final = "mig-agent"
+PAUSE: Final = f"localhost/pause:{TAG}"
+BUSYBOX: Final = f"localhost/busybox:{TAG}"
+BUSYBOX_BINARY: Final = Path("/bin/busybox")  # Debian's busybox-static
+BUSYBOX_APPLETS: Final = ("sh", "sleep", "cat", "echo", "ls", "date", "env", "true", "kill")
+
+PAUSE_C: Final = """\
+#include <signal.h>
+#include <unistd.h>
+/* The pod sandbox's process: wait until told to stop. */
+static void stop(int sig) { (void)sig; _exit(0); }
+int main(void) {
+  signal(SIGINT, stop);
+  signal(SIGTERM, stop);
+  for (;;) pause();
+}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Image:
+    """An image tar to import, and the reference pods name it by."""
+
+    ref: str
+    tar: Path
+
+    @property
+    def base_name(self) -> str:
+        return self.ref.rsplit(":", 1)[0]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MIG_AGENT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mig-agent"
+    )
+    return Path(root) / "images"
+
+
+def _run(argv: Sequence[str]) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise DevClusterError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+
+
+def _oci_tar(ref: str, key: str, fill: Callable[[Path], None], entrypoint: Sequence[str]) -> Image:
+    """The image `ref` as an OCI layout tar: built once per `key`, its root filesystem written by
+    `fill`, run as `entrypoint`."""
+    if shutil.which("umoci") is None:
+        raise DevClusterError(
+            "umoci is needed to build the real node's images (apt-get install umoci)"
+        )
+    name, tag = ref.rsplit("/", 1)[1].split(":")
+    target = cache_dir() / f"{name}-{key[:16]}.tar"
+    if target.exists():
+        return Image(ref, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"image-{name}-") as work:
+        layout, bundle = Path(work) / "layout", Path(work) / "bundle"
+        image = f"{layout}:{tag}"
+        _run(["umoci", "init", "--layout", str(layout)])
+        _run(["umoci", "new", "--image", image])
+        _run(["umoci", "unpack", "--image", image, str(bundle)])
+        fill(bundle / "rootfs")
+        _run(["umoci", "repack", "--image", image, str(bundle)])
+        config = ["umoci", "config", "--image", image]
+        for arg in entrypoint:
+            config += ["--config.entrypoint", arg]
+        _run(config)
+        _run(["umoci", "gc", "--layout", str(layout)])
+        partial = target.with_suffix(".partial")
+        _run(["tar", "-C", str(layout), "-cf", str(partial), "."])
+        partial.rename(target)
+    return Image(ref, target)
+
+
+def pause() -> Image:
+    key = hashlib.sha256(PAUSE_C.encode()).hexdigest()
+
+    def fill(rootfs: Path) -> None:
+        src = rootfs.parent / "pause.c"
+        src.write_text(PAUSE_C)
+        _run(["gcc", "-static", "-O2", "-o", str(rootfs / "pause"), str(src)])
+        src.unlink()
+
+    return _oci_tar(PAUSE, key, fill, ["/pause"])
+
+
+def busybox() -> Image:
+    if not BUSYBOX_BINARY.exists():
+        raise DevClusterError(
+            f"no {BUSYBOX_BINARY}: the workload image needs it (apt-get install busybox-static)"
+        )
+    digest = hashlib.sha256(BUSYBOX_BINARY.read_bytes())
+    digest.update(" ".join(BUSYBOX_APPLETS).encode())
+
+    def fill(rootfs: Path) -> None:
+        (rootfs / "bin").mkdir(exist_ok=True)
+        (rootfs / "tmp").mkdir(exist_ok=True)
+        shutil.copy2(BUSYBOX_BINARY, rootfs / "bin" / "busybox")
+        for applet in BUSYBOX_APPLETS:
+            (rootfs / "bin" / applet).symlink_to("busybox")
+
+    return _oci_tar(BUSYBOX, digest.hexdigest(), fill, ["/bin/sh"])
+
+
+def all_images() -> list[Image]:
+    return [pause(), busybox()]
+
+
+NVIDIA_PLUGIN: Final = f"localhost/nvidia-device-plugin:{TAG}"
+ENTER_HOST_VIEW: Final = Path(__file__).resolve().parents[2] / "native" / "enter-host-view"
+PLUGIN_APPLETS: Final = (*BUSYBOX_APPLETS, "mount", "ln", "cp", "mkdir", "rm", "basename")
+
+
+def _libraries(binary: Path) -> list[Path]:
+    """The shared libraries `binary` loads, as ldd resolves them on this machine."""
+    done = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=False)
+    found = []
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        path = parts[2] if "=>" in parts and len(parts) > 2 else parts[0] if parts else ""
+        if path.startswith("/"):
+            found.append(Path(path))
+    return found
+
+
+def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
+    """NVIDIA's device plugin and GFD (built from ../shared/upstream into `nvidia_bin`) with the
+    glibc they link, the simulated ``libnvidia-ml.so.1`` from `sim_nvml` where a driver's would
+    be, busybox, and ``enter-host-view`` (the node's /proc and /sys as the driver shows them)."""
+    binaries = [nvidia_bin / "nvidia-device-plugin", nvidia_bin / "gpu-feature-discovery"]
+    library = sim_nvml / "libnvidia-ml.so.1"
+    for needed in (*binaries, library, BUSYBOX_BINARY):
+        if not needed.exists():
+            raise DevClusterError(f"the device plugin's image needs {needed}")
+    libs = sorted({lib for b in (*binaries, library) for lib in _libraries(b)})
+    digest = hashlib.sha256()
+    for path in (*binaries, library, BUSYBOX_BINARY, ENTER_HOST_VIEW, *libs):
+        digest.update(str(path).encode() + path.read_bytes())
+    digest.update(" ".join(PLUGIN_APPLETS).encode())
+
+    def fill(rootfs: Path) -> None:
+        for sub in ("bin", "tmp", "usr/bin", "usr/lib", "usr/local/bin", "var/lib/kubelet"):
+            (rootfs / sub).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(BUSYBOX_BINARY, rootfs / "bin" / "busybox")
+        for applet in PLUGIN_APPLETS:
+            (rootfs / "bin" / applet).symlink_to("busybox")
+        for b in binaries:
+            shutil.copy2(b, rootfs / "usr" / "bin" / b.name)
+        # where the dynamic loader looks without an ld.so.cache, as a driver's library is found
+        shutil.copy2(library, rootfs / "usr" / "lib" / library.name)
+        shutil.copy2(ENTER_HOST_VIEW, rootfs / "usr" / "local" / "bin" / "enter-host-view")
+        for lib in libs:
+            target = rootfs / lib.relative_to("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lib.resolve(), target)
+
+    return _oci_tar(NVIDIA_PLUGIN, digest.hexdigest(), fill, ["/bin/sh"])

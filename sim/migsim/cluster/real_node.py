@@ -1,0 +1,527 @@
+"""A real node of the local cluster: a kubelet built from the cluster's pinned Kubernetes release,
+with Debian's containerd and runc, running real containers of images built here (images.py).
+
+Beside the kwok nodes (which stay for pools of many), a real node is where graceful termination,
+probes, the kubelet's device manager and its PodResources socket are the real ones. Everything it
+keeps is under the node's folder (``nodes/<name>/``): containerd's root and state and socket, the
+kubelet's root dir (its pod-resources socket), pod logs, a loopback-only CNI config; but for the
+device-plugin sockets, which the kubelet's device manager keeps at a fixed path,
+``/var/lib/kubelet/device-plugins``.
+
+What this machine asks of such a node (checked by hand, see the README's real-node section):
+
+* containerd's CRI must not lower ``oom_score_adj`` (no CAP_SYS_RESOURCE here):
+  ``restrict_oom_score_adj``;
+* runc, not crun (crun refuses this hybrid cgroup v1/v2 layout);
+* pods run with ``hostNetwork: true``: the CNI config holds only ``loopback``, which is what the
+  runtime needs to call its network ready; a pod network of its own is not set up;
+* the kubelet refuses a loopback node IP: it reports and serves on the address this machine's
+  default route leaves from, and accepts only the API server's client certificate there.
+
+With ``gpus`` the node has simulated GPUs: their state file, the GPU simulator serving it on a
+socket in the node's folder, and the host view NVIDIA's binaries read (/proc/driver/nvidia-caps,
+the PCI devices). NVIDIA's device plugin then runs as a DaemonSet pod of the real kubelet
+(``device_plugin_daemonset``), from an image holding the binaries built from ../shared/upstream
+and the simulated ``libnvidia-ml.so.1``; it registers with the kubelet's own device manager.
+
+One real node per machine: its kubelet's cgroups (``/kubepods``) are the machine's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from migsim.nvml import state as simstate
+
+from . import images
+from .agents import PLUGIN_LABEL, PLUGIN_NS, nvidia_bin
+from .cluster import Cluster, find_binaries
+from .errors import DevClusterError
+from .processes import Proc, free_ports, spawn, stop
+from .waiting import wait_until
+
+NAME: Final = "kubelet-node-0"  # the machine's one real node
+RECORD: Final = "real-node.json"
+REAL_NODE_LABEL: Final = "mig-agent.dev/real-node"
+KUBELET_DEVICE_PLUGINS: Final = "/var/lib/kubelet/device-plugins"
+REPO_ROOT: Final = Path(__file__).resolve().parents[3]
+TOOLS: Final = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")
+CNI_BIN: Final = "/usr/lib/cni"
+
+
+@dataclass(frozen=True, slots=True)
+class RealNode:
+    """A running real node: its processes and the paths other parts of a test need."""
+
+    name: str
+    dir: str
+    containerd: Proc
+    kubelet: Proc
+    kubelet_port: int
+    gpus: str = ""  # the simulated GPUs (`2xH100-80GB`); "" for none
+    simulator: Proc | None = None  # the GPU simulator serving the node's state file
+
+    @property
+    def sim_state(self) -> Path:
+        return Path(self.dir) / "gpu-state.json"
+
+    @property
+    def nvml_socket(self) -> Path:
+        return Path(self.dir) / "sim" / "nvml.sock"
+
+    @property
+    def host_view(self) -> Path:
+        return Path(self.dir) / "host-view"
+
+    @property
+    def root_dir(self) -> Path:
+        return Path(self.dir) / "kubelet"
+
+    @property
+    def containerd_socket(self) -> Path:
+        return Path(self.dir) / "containerd" / "containerd.sock"
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        return self.root_dir / "pod-resources" / "kubelet.sock"
+
+    @property
+    def device_plugin_dir(self) -> Path:
+        # the kubelet's device manager listens at this fixed path, whatever its --root-dir
+        return Path(KUBELET_DEVICE_PLUGINS)
+
+
+def missing_tools() -> list[str]:
+    """What the real node needs and this machine lacks (Debian: containerd runc umoci
+    busybox-static), besides the kubelet."""
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    missing += [t for t in ("umoci", "gcc") if shutil.which(t) is None]
+    if not images.BUSYBOX_BINARY.exists():
+        missing.append(str(images.BUSYBOX_BINARY))
+    if not Path(CNI_BIN, "loopback").exists():
+        missing.append(f"{CNI_BIN}/loopback")
+    return missing
+
+
+def node_address() -> str:
+    """The address a real node reports (InternalIP) and its kubelet serves on: the one this
+    machine's default route leaves from (a kubelet refuses a loopback node IP). No packet is
+    sent: connecting a UDP socket only picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: routed, never reached
+            address = str(s.getsockname()[0])
+        except OSError as e:
+            raise DevClusterError(f"the real node needs a non-loopback address: {e}") from None
+    if address.startswith("127."):
+        raise DevClusterError("the real node needs a non-loopback address; this machine has none")
+    return address
+
+
+def _containerd_config(d: Path) -> str:
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return f"""version = 2
+root = "{d / "containerd" / "root"}"
+state = "{d / "containerd" / "state"}"
+
+[grpc]
+  address = "{d / "containerd" / "containerd.sock"}"
+
+[ttrpc]
+  address = ""
+
+[debug]
+  address = ""
+
+[{cri}]
+  sandbox_image = "{images.PAUSE}"
+  # no CAP_SYS_RESOURCE here: the pod sandbox's -998 cannot be set, keep the runtime's own
+  restrict_oom_score_adj = true
+  [{cri}.containerd]
+    default_runtime_name = "runc"
+    [{cri}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [{cri}.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [{cri}.cni]
+    bin_dir = "{CNI_BIN}"
+    conf_dir = "{d / "cni"}"
+"""
+
+
+_LOOPBACK_CNI: Final = {
+    "cniVersion": "0.4.0",
+    "name": "loopback-only",
+    "plugins": [{"type": "loopback"}],
+}
+
+
+def _kubelet_config(
+    d: Path, socket: Path, address: str, port: int, healthz_port: int, ca_cert: Path
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "cgroupDriver": "cgroupfs",
+        "failSwapOn": False,
+        "failCgroupV1": False,
+        "containerRuntimeEndpoint": f"unix://{socket}",
+        "enforceNodeAllocatable": [],
+        "address": address,
+        "port": port,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": healthz_port,
+        # as on a real node: callers (the API server, for logs and exec) show a certificate of
+        # the cluster's CA, and the API server says what they may do
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(ca_cert)},
+        },
+        "authorization": {"mode": "Webhook"},
+        "podLogsDir": str(d / "pod-logs"),
+        "resolvConf": "",
+        # a test machine's disk may be fuller than a node's: no eviction or image GC for it
+        "evictionHard": {
+            "memory.available": "1Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+        },
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "nodeStatusUpdateFrequency": "2s",
+        "syncFrequency": "5s",
+    }
+
+
+def _ctr(node: RealNode, *args: str) -> str:
+    done = subprocess.run(
+        ["ctr", "--address", str(node.containerd_socket), "-n", "k8s.io", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise DevClusterError(f"ctr {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0) -> RealNode:
+    """Start containerd and a kubelet for node `name`, import the images, and return once the
+    Node is Ready; with `gpus` (`2xH100-80GB`), also the node's GPU simulator, the device plugin's
+    image and the node labels its DaemonSet selects. Raises DevClusterError naming what is
+    missing or what failed."""
+    missing = missing_tools()
+    kubelet_bin = find_binaries() / "kubelet"
+    if not kubelet_bin.exists():
+        missing.append(f"{kubelet_bin} (scripts/k8s-binaries build)")
+    if missing:
+        raise DevClusterError(f"the real node needs: {', '.join(missing)}")
+    if os.geteuid() != 0:
+        raise DevClusterError("the real node runs containerd and a kubelet: run as root")
+    d = cluster.node_dir(name)
+    _clear_device_plugins()
+    for sub in ("containerd", "cni", "kubelet", "pod-logs"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    (d / "containerd.toml").write_text(_containerd_config(d))
+    (d / "cni" / "10-loopback.conflist").write_text(json.dumps(_LOOPBACK_CNI))
+    logs = cluster.dir / "logs"
+    containerd = spawn(
+        f"containerd-{name}",
+        [shutil.which("containerd") or "containerd", "--config", str(d / "containerd.toml")],
+        logs / f"containerd-{name}.log",
+    )
+    port, healthz = free_ports(2)
+    address = node_address()
+    node = RealNode(name, str(d), containerd, containerd, port, gpus)
+    try:
+        if gpus:
+            node = _start_gpus(node, logs)
+        wait_until(
+            lambda: _alive_or_raise(containerd, logs) and node.containerd_socket.is_socket(),
+            timeout=30,
+            what=f"containerd of {name} to listen",
+        )
+        wanted = images.all_images()
+        if gpus:
+            wanted.append(images.nvidia_plugin(nvidia_bin(), _sim_nvml()))
+        for image in wanted:
+            _ctr(node, "images", "import", "--base-name", image.base_name, str(image.tar))
+        (d / "kubelet.yaml").write_text(
+            json.dumps(
+                _kubelet_config(d, node.containerd_socket, address, port, healthz, cluster.ca_cert),
+                indent=1,
+            )
+        )
+        kubelet = spawn(
+            f"kubelet-{name}",
+            [
+                str(kubelet_bin),
+                f"--config={d / 'kubelet.yaml'}",
+                f"--kubeconfig={cluster.kubeconfig}",
+                f"--root-dir={node.root_dir}",
+                f"--hostname-override={name}",
+                f"--node-ip={address}",
+                "--v=1",
+            ],
+            logs / f"kubelet-{name}.log",
+        )
+        node = RealNode(name, str(d), containerd, kubelet, port, gpus, node.simulator)
+        (d / RECORD).write_text(json.dumps(asdict(node)))
+        wait_until(
+            lambda: _alive_or_raise(kubelet, logs) and _ready(cluster, name),
+            timeout=timeout,
+            what=f"real node {name} to be Ready",
+        )
+        labels: dict[str, str] = {REAL_NODE_LABEL: "true"}
+        if gpus:
+            labels["nvidia.com/gpu.deploy.device-plugin"] = "true"
+        cluster.api.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}",
+            {"metadata": {"labels": labels}},
+            content_type="application/merge-patch+json",
+        )
+    except BaseException:
+        stop_node(node)
+        raise
+    return node
+
+
+def _sim_nvml() -> Path:
+    done = subprocess.run(
+        [str(REPO_ROOT / "scripts" / "sim-nvml"), "build"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise DevClusterError(f"scripts/sim-nvml build failed: {done.stderr.strip()}")
+    return Path(done.stdout.strip())
+
+
+def _start_gpus(node: RealNode, logs: Path) -> RealNode:
+    """The node's simulated GPUs: state file (kept if it exists), host view, simulator."""
+    if not node.sim_state.exists():
+        simstate.create_node(node.sim_state, gpus=node.gpus, name=node.name)
+    node.nvml_socket.parent.mkdir(parents=True, exist_ok=True)
+    node.nvml_socket.unlink(missing_ok=True)
+    hostview = [sys.executable, "-m", "migsim.nvml.hostview", "--state", str(node.sim_state)]
+    done = subprocess.run(
+        [*hostview, "--out", str(node.host_view)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise DevClusterError(f"host view of {node.name}: {done.stderr.strip()}")
+    simulator = spawn(
+        f"gpu-simulator-{node.name}",
+        [
+            sys.executable,
+            "-m",
+            "migsim.nvml.server",
+            "--state",
+            str(node.sim_state),
+            "--socket",
+            str(node.nvml_socket),
+        ],
+        logs / f"gpu-simulator-{node.name}.log",
+    )
+    started = RealNode(
+        node.name, node.dir, node.containerd, node.kubelet, node.kubelet_port, node.gpus, simulator
+    )
+    wait_until(
+        lambda: _alive_or_raise(simulator, logs) and node.nvml_socket.is_socket(),
+        timeout=30,
+        what=f"the GPU simulator of {node.name} to listen",
+    )
+    return started
+
+
+def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict[str, Any]:
+    """NVIDIA's device plugin as the real node's DaemonSet: its pods carry the label the agent
+    selects plugin pods by (PLUGIN_LABEL), run privileged (a mount namespace shows the host view
+    at /proc/driver/nvidia-caps and /sys/bus/pci/devices) and reach the node's GPU simulator and
+    the kubelet's device-plugin folder through hostPath volumes."""
+    key, value = PLUGIN_LABEL.split("=")
+    labels = {key: value, REAL_NODE_LABEL: "true"}
+
+    def host_path(name: str, path: Path) -> dict[str, Any]:
+        return {"name": name, "hostPath": {"path": str(path), "type": "DirectoryOrCreate"}}
+
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "nvidia-device-plugin-real-node", "namespace": PLUGIN_NS},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "nodeSelector": {
+                        "nvidia.com/gpu.deploy.device-plugin": "true",
+                        REAL_NODE_LABEL: "true",
+                    },
+                    "tolerations": [{"operator": "Exists"}],
+                    "hostNetwork": True,
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [
+                        {
+                            "name": "nvidia-device-plugin",
+                            "image": images.NVIDIA_PLUGIN,
+                            "imagePullPolicy": "Never",
+                            "command": [
+                                "/usr/local/bin/enter-host-view",
+                                str(node.host_view),
+                                "/usr/bin/nvidia-device-plugin",
+                                f"--mig-strategy={mig_strategy}",
+                            ],
+                            "env": [
+                                {"name": "HOST_VIEW_KUBELET", "value": "real"},
+                                {
+                                    "name": "MIG_AGENT_SIM_NVML_SOCKET",
+                                    "value": str(node.nvml_socket),
+                                },
+                            ],
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": [
+                                {
+                                    "name": "device-plugins",
+                                    "mountPath": "/var/lib/kubelet/device-plugins",
+                                },
+                                {"name": "host-view", "mountPath": str(node.host_view)},
+                                {
+                                    "name": "gpu-simulator",
+                                    "mountPath": str(node.nvml_socket.parent),
+                                },
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        host_path("device-plugins", node.device_plugin_dir),
+                        host_path("host-view", node.host_view),
+                        host_path("gpu-simulator", node.nvml_socket.parent),
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _clear_device_plugins() -> None:
+    """Empty the device manager's fixed folder: a checkpoint an earlier real node left there
+    would give this one's kubelet that node's resources (at 0) until they time out."""
+    folder = Path(KUBELET_DEVICE_PLUGINS)
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in folder.iterdir():
+        if entry.is_file() or entry.is_socket():
+            entry.unlink(missing_ok=True)
+
+
+def install_device_plugin(cluster: Cluster, node: RealNode) -> None:
+    """Apply the namespace and the real node's device-plugin DaemonSet (idempotent)."""
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": PLUGIN_NS}}
+    for manifest in (namespace, device_plugin_daemonset(node)):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+
+
+def _alive_or_raise(proc: Proc, logs: Path) -> bool:
+    if not proc.alive():
+        tail = (logs / f"{proc.name}.log").read_text(errors="replace").splitlines()[-20:]
+        raise DevClusterError(f"{proc.name} exited:\n" + "\n".join(tail))
+    return True
+
+
+def _ready(cluster: Cluster, name: str) -> bool:
+    try:
+        node = cluster.api.get(f"/api/v1/nodes/{name}")
+    except Exception:  # noqa: BLE001 - not registered yet
+        return False
+    conditions = node.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def load(cluster: Cluster, name: str) -> RealNode | None:
+    record = cluster.node_dir(name) / RECORD
+    if not record.exists():
+        return None
+    raw = json.loads(record.read_text())
+    simulator = raw.get("simulator")
+    return RealNode(
+        raw["name"],
+        raw["dir"],
+        Proc(**raw["containerd"]),
+        Proc(**raw["kubelet"]),
+        raw["kubelet_port"],
+        raw.get("gpus", ""),
+        Proc(**simulator) if simulator else None,
+    )
+
+
+def _shims(socket: Path) -> list[int]:
+    """PIDs of the containerd shims that serve this node's containerd."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(socket).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    for child in _children(pid):
+        _kill_tree(child)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def stop_node(node: RealNode) -> None:
+    """Stop the kubelet, the node's containers and shims, containerd; unmount what they left
+    under the node's folder (the kubelet's pod volumes, containers' root filesystems)."""
+    stop([node.kubelet])
+    for shim in _shims(node.containerd_socket):
+        _kill_tree(shim)
+    stop([node.containerd])
+    prefix = node.dir.rstrip("/") + "/"
+    mounts = [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(prefix)
+    ]
+    for point in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    deadline = time.monotonic() + 5
+    while _shims(node.containerd_socket) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if node.simulator is not None:
+        stop([node.simulator])
+    _clear_device_plugins()

@@ -1,0 +1,107 @@
+"""Fixtures for the tests on the real node: a kubelet built from the cluster's Kubernetes release,
+Debian's containerd and runc, images built here (migsim.cluster.real_node). Root only: containerd
+and the kubelet run as root; as root, `scripts/test` installs what they need."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+from migsim.cluster import Cluster, agents, images, real_node
+
+REAL_NODE = real_node.NAME
+REAL_GPUS = "2xH100-80GB"
+PLUGIN_DAEMONSET = "nvidia-device-plugin-real-node"
+
+
+@pytest.fixture(scope="module")
+def kubelet_node(cluster: Cluster) -> Iterator[real_node.RealNode]:
+    """A real node of the session's cluster with simulated GPUs and NVIDIA's device plugin as
+    its DaemonSet's pod, Ready; stopped and deleted after the module."""
+    if os.geteuid() != 0:
+        pytest.skip("the real node runs containerd and a kubelet: run as root")
+    missing = real_node.missing_tools()
+    if missing:  # scripts/test installs them as root: their absence is a failure, not a skip
+        pytest.fail(f"the real node needs: {', '.join(missing)}", pytrace=False)
+    node = real_node.start(cluster, REAL_NODE, gpus=REAL_GPUS)
+    try:
+        real_node.install_device_plugin(cluster, node)
+        yield node
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.kubectl("delete", "daemonset", "-n", agents.PLUGIN_NS, PLUGIN_DAEMONSET)
+        real_node.stop_node(node)
+        cluster.delete_node(REAL_NODE)
+
+
+def busybox_pod(name: str, script: str, *, grace_s: int = 30, **spec: Any) -> dict[str, Any]:
+    """A pod on the real node running `script` in the busybox image built here."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": REAL_NODE,
+            "hostNetwork": True,
+            "terminationGracePeriodSeconds": grace_s,
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": images.BUSYBOX,
+                    "imagePullPolicy": "Never",
+                    "command": ["/bin/sh", "-c", script],
+                }
+            ],
+            **spec,
+        },
+    }
+
+
+def wait_phase(
+    core: client.CoreV1Api, namespace: str, name: str, *phases: str, timeout: float = 60
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = core.read_namespaced_pod(name, namespace)
+        if pod.status.phase in phases:
+            return pod
+        assert time.monotonic() < deadline, f"{name}: {pod.status}"
+        time.sleep(0.2)
+
+
+def gone(core: client.CoreV1Api, namespace: str, name: str) -> bool:
+    with contextlib.suppress(client.ApiException):
+        core.read_namespaced_pod(name, namespace)
+        return False
+    return True
+
+
+def gpu_resources(core: client.CoreV1Api) -> dict[str, str]:
+    allocatable = core.read_node(REAL_NODE).status.allocatable or {}
+    return {k: v for k, v in allocatable.items() if k.startswith("nvidia.com/") and v != "0"}
+
+
+def wait_resources(core: client.CoreV1Api, want: dict[str, str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while gpu_resources(core) != want:
+        assert time.monotonic() < deadline, f"allocatable {gpu_resources(core)}, want {want}"
+        time.sleep(0.5)
+
+
+def plugin_pods(core: client.CoreV1Api) -> list[Any]:
+    pods = core.list_namespaced_pod(
+        agents.PLUGIN_NS, field_selector=f"spec.nodeName={REAL_NODE}"
+    ).items
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+
+def pod_log(core: client.CoreV1Api, namespace: str, name: str) -> str:
+    """The container's log, read by the API server from the real kubelet."""
+    raw = core.read_namespaced_pod_log(name, namespace, _preload_content=False)
+    return str(raw.data.decode())

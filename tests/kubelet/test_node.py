@@ -1,0 +1,69 @@
+"""We test that the real node is one: a kubelet registered with containerd as its runtime, real
+containers whose output the API server reads from the kubelet, and a deletion that waits for the
+container's own SIGTERM handler, where kwok deletes every pod after a fixed delay."""
+
+from __future__ import annotations
+
+import time
+
+from kubernetes import client
+from migsim.cluster import real_node
+
+from .conftest import REAL_NODE, busybox_pod, gone, pod_log, wait_phase
+
+
+def test_the_node_runs_a_real_kubelet_on_containerd(
+    kubelet_node: real_node.RealNode, core: client.CoreV1Api
+) -> None:
+    info = core.read_node(REAL_NODE).status.node_info
+    assert info.container_runtime_version.startswith("containerd://1."), info
+    assert info.kubelet_version == "v1.34.3", info
+    assert "kwok.x-k8s.io/node" not in (core.read_node(REAL_NODE).metadata.annotations or {})
+
+
+def test_a_new_real_node_inherits_no_resource_of_an_earlier_one(
+    kubelet_node: real_node.RealNode, core: client.CoreV1Api
+) -> None:
+    """The device manager's checkpoint sits at a fixed path: the node of test_gpus.py (which
+    ends with MIG devices) must not leave its resources on this one (GPUs without MIG)."""
+    deadline = time.monotonic() + 60
+    while "nvidia.com/gpu" not in (core.read_node(REAL_NODE).status.allocatable or {}):
+        assert time.monotonic() < deadline, core.read_node(REAL_NODE).status.allocatable
+        time.sleep(0.5)
+    allocatable = core.read_node(REAL_NODE).status.allocatable
+    assert not [k for k in allocatable if k.startswith("nvidia.com/mig-")], allocatable
+
+
+def test_a_container_runs_and_its_log_comes_from_the_kubelet(
+    kubelet_node: real_node.RealNode, core: client.CoreV1Api, namespace: str
+) -> None:
+    core.create_namespaced_pod(
+        namespace, busybox_pod("hello", "echo hello from $(cat /proc/1/comm)")
+    )
+    wait_phase(core, namespace, "hello", "Succeeded")
+    assert pod_log(core, namespace, "hello").strip() == "hello from sh"
+
+
+def test_a_deletion_waits_for_the_containers_sigterm_handler(
+    kubelet_node: real_node.RealNode, core: client.CoreV1Api, namespace: str
+) -> None:
+    script = (
+        "trap 'echo got TERM; sleep 6; echo done; exit 0' TERM; echo up; "
+        "while true; do sleep 0.2; done"
+    )
+    core.create_namespaced_pod(namespace, busybox_pod("slow", script, grace_s=30))
+    wait_phase(core, namespace, "slow", "Running")
+    deadline = time.monotonic() + 30
+    while "up" not in pod_log(core, namespace, "slow"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    started = time.monotonic()
+    core.delete_namespaced_pod("slow", namespace)
+    time.sleep(2)
+    assert pod_log(core, namespace, "slow").splitlines()[-1] == "got TERM"
+    while not gone(core, namespace, "slow"):
+        assert time.monotonic() - started < 30, "the pod outlived its grace period"
+        time.sleep(0.2)
+    took = time.monotonic() - started
+    # the handler's 6 s, not kwok's fixed delay and not the 30 s grace period
+    assert 5.5 < took < 20, took
