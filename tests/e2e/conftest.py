@@ -209,6 +209,10 @@ def plugin_pods_report(node: AgentNode) -> str:
         )
     events = node.core.list_namespaced_event(agents.PLUGIN_NS).items[-15:]
     lines += [f"event {e.involved_object.name}: {e.reason} {e.message}" for e in events]
+    kwok = node.cluster.dir / "logs" / "kwok.log"
+    if kwok.exists():  # kwok plays the pod's stages once it holds the node's lease
+        said = [ln for ln in kwok.read_text(errors="replace").splitlines() if node.name in ln]
+        lines += ["kwok: " + ln[:300] for ln in said[-10:]]
     return "\n".join(lines)
 
 
