@@ -183,3 +183,21 @@ def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
             shutil.copy2(lib.resolve(), target)
 
     return _oci_tar(NVIDIA_PLUGIN, digest.hexdigest(), fill, ["/bin/sh"])
+
+
+AGENT: Final = "localhost/mig-agent:dev"
+REPO_ROOT: Final = Path(__file__).resolve().parents[3]
+
+
+def agent() -> Image:
+    """mig-agent's image, built from the project's Containerfile by scripts/agent-image (a base
+    made from Debian's packages, buildah; cached per source version)."""
+    done = subprocess.run(
+        [str(REPO_ROOT / "scripts" / "agent-image"), "build"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise DevClusterError(f"scripts/agent-image build failed: {done.stderr.strip()[-2000:]}")
+    return Image(AGENT, Path(done.stdout.strip().splitlines()[-1]))

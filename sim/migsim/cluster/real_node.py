@@ -258,7 +258,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         if gpus:
             wanted.append(images.nvidia_plugin(nvidia_bin(), _sim_nvml()))
         for image in wanted:
-            _ctr(node, "images", "import", "--base-name", image.base_name, str(image.tar))
+            import_image(node, image)
         (d / "kubelet.yaml").write_text(
             json.dumps(
                 _kubelet_config(d, node.containerd_socket, address, port, healthz, cluster.ca_cert),
@@ -298,6 +298,16 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         stop_node(node)
         raise
     return node
+
+
+def import_image(node: RealNode, image: images.Image) -> None:
+    """Make `image` present in the node's containerd (pods use it with imagePullPolicy: Never)."""
+    _ctr(node, "images", "import", "--base-name", image.base_name, str(image.tar))
+
+
+def sim_nvml() -> Path:
+    """The folder of the simulated libnvidia-ml.so.1 (scripts/sim-nvml build)."""
+    return _sim_nvml()
 
 
 def _sim_nvml() -> Path:
