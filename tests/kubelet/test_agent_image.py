@@ -1,7 +1,8 @@
 """We test mig-agent's own image, built from the project's Containerfile here (scripts/agent-image:
-a base made from Debian's packages, buildah), as a container the real kubelet runs: the agent in
-it reads the node's GPUs through pynvml and libnvidia-ml.so.1 -- here the simulated library and
-the node's GPU simulator, mounted where NVIDIA's container runtime would inject the driver's."""
+a base made from Debian's packages, buildah), as a container the real kubelet runs under the
+RuntimeClass `nvidia`: NVIDIA's container runtime (CDI mode) injects what the node's CDI spec
+names -- the simulated libnvidia-ml.so.1 and the GPU simulator's socket, where a real node's spec
+names the driver's library and device nodes -- and the agent reads the GPUs through pynvml."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from migsim.cluster import images, real_node
 from .conftest import REAL_NODE, pod_log, wait_phase
 
 
-def agent_pod(node: real_node.RealNode, name: str, *args: str) -> dict[str, Any]:
-    lib = real_node.sim_nvml()
+def agent_pod(name: str, *args: str) -> dict[str, Any]:
+    """A pod of the agent's image under the RuntimeClass `nvidia`, given every GPU as the
+    chart's DaemonSet is: NVIDIA's container runtime injects NVML from the node's CDI spec."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -24,6 +26,7 @@ def agent_pod(node: real_node.RealNode, name: str, *args: str) -> dict[str, Any]
             "nodeName": REAL_NODE,
             "hostNetwork": True,
             "restartPolicy": "Never",
+            "runtimeClassName": "nvidia",
             "containers": [
                 {
                     "name": "mig-agent",
@@ -31,19 +34,10 @@ def agent_pod(node: real_node.RealNode, name: str, *args: str) -> dict[str, Any]
                     "imagePullPolicy": "Never",
                     "args": list(args),
                     "env": [
-                        {"name": "LD_LIBRARY_PATH", "value": "/driver"},
-                        {"name": "MIG_AGENT_SIM_NVML_SOCKET", "value": str(node.nvml_socket)},
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
                         {"name": "MIG_AGENT_LOG_FORMAT", "value": "console"},
                     ],
-                    "volumeMounts": [
-                        {"name": "driver", "mountPath": "/driver", "readOnly": True},
-                        {"name": "sim", "mountPath": str(node.nvml_socket.parent)},
-                    ],
                 }
-            ],
-            "volumes": [
-                {"name": "driver", "hostPath": {"path": str(lib), "type": "Directory"}},
-                {"name": "sim", "hostPath": {"path": str(node.nvml_socket.parent)}},
             ],
         },
     }
@@ -53,13 +47,13 @@ def test_the_agents_image_runs_on_the_real_node_and_reads_its_gpus_through_nvml(
     kubelet_node: real_node.RealNode, core: client.CoreV1Api, namespace: str
 ) -> None:
     real_node.import_image(kubelet_node, images.agent())
-    core.create_namespaced_pod(namespace, agent_pod(kubelet_node, "version", "--version"))
+    core.create_namespaced_pod(namespace, agent_pod("version", "--version"))
     wait_phase(core, namespace, "version", "Succeeded", timeout=90)
     assert pod_log(core, namespace, "version").strip().startswith("mig-agent ")
 
     # through the real NVML bindings in the image: the node's two H100s, MIG disabled
     core.create_namespaced_pod(
-        namespace, agent_pod(kubelet_node, "export", "export", "--backend", "nvml", "-l", "now")
+        namespace, agent_pod("export", "export", "--backend", "nvml", "-l", "now")
     )
     pod = wait_phase(core, namespace, "export", "Succeeded", "Failed", timeout=90)
     text = pod_log(core, namespace, "export")

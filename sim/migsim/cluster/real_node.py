@@ -3,10 +3,11 @@ with Debian's containerd and runc, running real containers of images built here 
 
 Beside the kwok nodes (which stay for pools of many), a real node is where graceful termination,
 probes, the kubelet's device manager and its PodResources socket are the real ones. Everything it
-keeps is under the node's folder (``nodes/<name>/``): containerd's root and state and socket, the
-kubelet's root dir (its pod-resources socket), pod logs, a loopback-only CNI config; but for the
-device-plugin sockets, which the kubelet's device manager keeps at a fixed path,
-``/var/lib/kubelet/device-plugins``.
+keeps is under the node's folder (``nodes/<name>/``): containerd's root and state and socket, pod
+logs, a loopback-only CNI config, NVIDIA's container runtime's config and the node's CDI spec;
+but for the kubelet's root, ``/var/lib/kubelet`` as on a production node (the device manager keeps
+its sockets at that fixed path, and the chart mounts its pod-resources folder), emptied when a
+real node starts and stops.
 
 What this machine asks of such a node (checked by hand, see the README's real-node section):
 
@@ -24,7 +25,12 @@ the PCI devices). NVIDIA's device plugin then runs as a DaemonSet pod of the rea
 (``device_plugin_daemonset``), from an image holding the binaries built from ../shared/upstream
 and the simulated ``libnvidia-ml.so.1``; it registers with the kubelet's own device manager.
 
-One real node per machine: its kubelet's cgroups (``/kubepods``) are the machine's.
+The RuntimeClass ``nvidia`` maps to NVIDIA's ``nvidia-container-runtime`` (built from
+../shared/upstream) in CDI mode, over runc, with a CDI spec written from the simulated GPUs
+(``write_cdi_spec``): a container given a device (``NVIDIA_VISIBLE_DEVICES``) gets the simulated
+libnvidia-ml.so.1 and the node's GPU simulator, as the real runtime injects the driver's.
+
+One real node per machine: its kubelet's root and cgroups (``/kubepods``) are the machine's.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ from .waiting import wait_until
 NAME: Final = "kubelet-node-0"  # the machine's one real node
 RECORD: Final = "real-node.json"
 REAL_NODE_LABEL: Final = "mig-agent.dev/real-node"
-KUBELET_DEVICE_PLUGINS: Final = "/var/lib/kubelet/device-plugins"
+KUBELET_ROOT: Final = "/var/lib/kubelet"
+KUBELET_DEVICE_PLUGINS: Final = f"{KUBELET_ROOT}/device-plugins"
 REPO_ROOT: Final = Path(__file__).resolve().parents[3]
 TOOLS: Final = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")
 CNI_BIN: Final = "/usr/lib/cni"
@@ -86,7 +93,8 @@ class RealNode:
 
     @property
     def root_dir(self) -> Path:
-        return Path(self.dir) / "kubelet"
+        # a production kubelet's: the chart mounts /var/lib/kubelet/pod-resources
+        return Path(KUBELET_ROOT)
 
     @property
     def containerd_socket(self) -> Path:
@@ -129,6 +137,86 @@ def node_address() -> str:
     return address
 
 
+def _nvidia_runtime(d: Path, nvidia: Path) -> None:
+    """NVIDIA's container runtime for the RuntimeClass `nvidia`: CDI mode, its config and the
+    node's CDI specs in the node's folder (a wrapper points it there), runc beneath."""
+    folder = d / "nvidia"
+    (folder / "config" / "nvidia-container-runtime").mkdir(parents=True, exist_ok=True)
+    (d / "cdi").mkdir(exist_ok=True)
+    (folder / "config" / "nvidia-container-runtime" / "config.toml").write_text(
+        f"""[nvidia-container-runtime]
+debug = "{folder / "runtime.log"}"
+log-level = "info"
+mode = "cdi"
+runtimes = ["runc"]
+
+[nvidia-container-runtime.modes.cdi]
+default-kind = "nvidia.com/gpu"
+spec-dirs = ["{d / "cdi"}"]
+annotation-prefixes = ["cdi.k8s.io/"]
+
+[nvidia-ctk]
+path = "{nvidia / "nvidia-ctk"}"
+"""
+    )
+    wrapper = folder / "nvidia-container-runtime"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'XDG_CONFIG_HOME="{folder / "config"}" PATH="{nvidia}:$PATH" '
+        f'exec "{nvidia / "nvidia-container-runtime"}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+
+
+def write_cdi_spec(node: RealNode) -> Path:
+    """The node's CDI spec (kind nvidia.com/gpu), written from the simulated GPUs: a device per
+    GPU and per MIG device, by index and by UUID, and `all`. Where NVIDIA's spec mounts the
+    driver's libraries and device nodes, this one mounts the simulated libnvidia-ml.so.1 and the
+    node's GPU simulator socket (no /dev/nvidia* exists here), and names the devices a container
+    was given in MIG_AGENT_SIM_VISIBLE_DEVICES."""
+    state = json.loads(node.sim_state.read_text())
+    devices: list[dict[str, Any]] = []
+
+    def device(names: list[str], visible: str) -> None:
+        for name in names:
+            edits = {"env": [f"MIG_AGENT_SIM_VISIBLE_DEVICES={visible}"]}
+            devices.append({"name": name, "containerEdits": edits})
+
+    for gpu in state["gpus"]:
+        device([str(gpu["index"]), gpu["uuid"]], gpu["uuid"])
+        migs = [ci for gi in gpu["gpu_instances"] for ci in gi["compute_instances"]]
+        for i, ci in enumerate(m for m in migs if m.get("uuid")):
+            device([f"{gpu['index']}:{i}", ci["uuid"]], ci["uuid"])
+    device(["all"], "all")
+    lib = _sim_nvml() / "libnvidia-ml.so.1"
+    spec = {
+        "cdiVersion": "0.5.0",
+        "kind": "nvidia.com/gpu",
+        "devices": devices,
+        "containerEdits": {
+            "env": [f"MIG_AGENT_SIM_NVML_SOCKET={node.nvml_socket}"],
+            "mounts": [
+                {
+                    "hostPath": str(lib),
+                    "containerPath": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+                    "options": ["ro", "nosuid", "nodev", "bind"],
+                },
+                {
+                    "hostPath": str(node.nvml_socket.parent),
+                    "containerPath": str(node.nvml_socket.parent),
+                    "options": ["rw", "nosuid", "nodev", "bind"],
+                },
+            ],
+        },
+    }
+    target = Path(node.dir) / "cdi" / "nvidia.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    partial.write_text(json.dumps(spec, indent=1))
+    partial.rename(target)
+    return target
+
+
 def _containerd_config(d: Path) -> str:
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
@@ -153,6 +241,12 @@ state = "{d / "containerd" / "state"}"
     [{cri}.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
       [{cri}.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+    # the RuntimeClass `nvidia`: NVIDIA's container runtime in CDI mode over runc
+    [{cri}.containerd.runtimes.nvidia]
+      runtime_type = "io.containerd.runc.v2"
+      [{cri}.containerd.runtimes.nvidia.options]
+        BinaryName = "{d / "nvidia" / "nvidia-container-runtime"}"
         SystemdCgroup = false
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
@@ -231,11 +325,17 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         raise DevClusterError(f"the real node needs: {', '.join(missing)}")
     if os.geteuid() != 0:
         raise DevClusterError("the real node runs containerd and a kubelet: run as root")
+    others = _kubelets()
+    if others:
+        raise DevClusterError(
+            f"a kubelet already runs here (pid {others[0]}): one real node per machine"
+        )
+    _clear_kubelet_root()
     d = cluster.node_dir(name)
-    _clear_device_plugins()
-    for sub in ("containerd", "cni", "kubelet", "pod-logs"):
+    for sub in ("containerd", "cni", "pod-logs"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     (d / "containerd.toml").write_text(_containerd_config(d))
+    _nvidia_runtime(d, nvidia_bin())
     (d / "cni" / "10-loopback.conflist").write_text(json.dumps(_LOOPBACK_CNI))
     logs = cluster.dir / "logs"
     containerd = spawn(
@@ -249,6 +349,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
     try:
         if gpus:
             node = _start_gpus(node, logs)
+            write_cdi_spec(node)
         wait_until(
             lambda: _alive_or_raise(containerd, logs) and node.containerd_socket.is_socket(),
             timeout=30,
@@ -428,14 +529,39 @@ def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict
     }
 
 
-def _clear_device_plugins() -> None:
-    """Empty the device manager's fixed folder: a checkpoint an earlier real node left there
-    would give this one's kubelet that node's resources (at 0) until they time out."""
-    folder = Path(KUBELET_DEVICE_PLUGINS)
-    folder.mkdir(parents=True, exist_ok=True)
-    for entry in folder.iterdir():
-        if entry.is_file() or entry.is_socket():
-            entry.unlink(missing_ok=True)
+def _kubelets() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if argv0.endswith(b"/kubelet") or argv0 == b"kubelet":
+                found.append(int(entry.name))
+    return found
+
+
+def _unmount_under(prefix: str) -> None:
+    prefix = prefix.rstrip("/") + "/"
+    mounts = [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(prefix)
+    ]
+    for point in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+
+def _clear_kubelet_root() -> None:
+    """Empty the kubelet's root (no kubelet runs): the device manager's checkpoint an earlier
+    real node left there would give this one's kubelet that node's resources (at 0) until they
+    time out, and its pods' folders would be cleaned up as orphans."""
+    _unmount_under(KUBELET_ROOT)
+    root = Path(KUBELET_ROOT)
+    if root.exists():
+        shutil.rmtree(root, ignore_errors=True)
+    Path(KUBELET_DEVICE_PLUGINS).mkdir(parents=True, exist_ok=True)
 
 
 def install_device_plugin(cluster: Cluster, node: RealNode) -> None:
@@ -521,17 +647,10 @@ def stop_node(node: RealNode) -> None:
     for shim in _shims(node.containerd_socket):
         _kill_tree(shim)
     stop([node.containerd])
-    prefix = node.dir.rstrip("/") + "/"
-    mounts = [
-        line.split()[4]
-        for line in Path("/proc/self/mountinfo").read_text().splitlines()
-        if line.split()[4].startswith(prefix)
-    ]
-    for point in sorted(mounts, key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    _unmount_under(node.dir)
     deadline = time.monotonic() + 5
     while _shims(node.containerd_socket) and time.monotonic() < deadline:
         time.sleep(0.1)
     if node.simulator is not None:
         stop([node.simulator])
-    _clear_device_plugins()
+    _clear_kubelet_root()
