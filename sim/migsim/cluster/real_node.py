@@ -36,6 +36,7 @@ One real node per machine: its kubelet's root and cgroups (``/kubepods``) are th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -50,7 +51,7 @@ from typing import Any, Final
 
 from migsim.nvml import state as simstate
 
-from . import images
+from . import images, pki
 from .agents import PLUGIN_LABEL, PLUGIN_NS, nvidia_bin
 from .cluster import Cluster, find_binaries
 from .errors import DevClusterError
@@ -78,6 +79,7 @@ class RealNode:
     kubelet_port: int
     gpus: str = ""  # the simulated GPUs (`2xH100-80GB`); "" for none
     simulator: Proc | None = None  # the GPU simulator serving the node's state file
+    service_proxy: Proc | None = None  # the `kubernetes` Service for in-cluster clients
 
     @property
     def sim_state(self) -> Path:
@@ -347,6 +349,8 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
     address = node_address()
     node = RealNode(name, str(d), containerd, containerd, port, gpus)
     try:
+        proxy = _start_service_proxy(cluster, name, logs)
+        node = dataclasses.replace(node, service_proxy=proxy)
         if gpus:
             node = _start_gpus(node, logs)
             write_cdi_spec(node)
@@ -379,7 +383,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
             ],
             logs / f"kubelet-{name}.log",
         )
-        node = RealNode(name, str(d), containerd, kubelet, port, gpus, node.simulator)
+        node = RealNode(name, str(d), containerd, kubelet, port, gpus, node.simulator, proxy)
         (d / RECORD).write_text(json.dumps(asdict(node)))
         wait_until(
             lambda: _alive_or_raise(kubelet, logs) and _ready(cluster, name),
@@ -409,6 +413,35 @@ def import_image(node: RealNode, image: images.Image) -> None:
 def sim_nvml() -> Path:
     """The folder of the simulated libnvidia-ml.so.1 (scripts/sim-nvml build)."""
     return _sim_nvml()
+
+
+def _start_service_proxy(cluster: Cluster, name: str, logs: Path) -> Proc:
+    """The `kubernetes` Service's ClusterIP on the loopback interface, forwarded to the API
+    server (no kube-proxy runs here): what an in-cluster client of the node dials."""
+    ip = pki.KUBERNETES_SERVICE_IP
+    subprocess.run(["ip", "addr", "add", f"{ip}/32", "dev", "lo"], capture_output=True, check=False)
+    server = cluster.server.removeprefix("https://")
+    proxy = spawn(
+        f"service-proxy-{name}",
+        [
+            sys.executable,
+            "-m",
+            "migsim.cluster.service_proxy",
+            "--listen",
+            f"{ip}:443",
+            "--to",
+            server,
+        ],
+        logs / f"service-proxy-{name}.log",
+    )
+
+    def listening() -> bool:
+        _alive_or_raise(proxy, logs)
+        with socket.socket() as s:
+            return s.connect_ex((ip, 443)) == 0
+
+    wait_until(listening, timeout=15, what="the kubernetes Service's forwarder")
+    return proxy
 
 
 def _sim_nvml() -> Path:
@@ -448,9 +481,7 @@ def _start_gpus(node: RealNode, logs: Path) -> RealNode:
         ],
         logs / f"gpu-simulator-{node.name}.log",
     )
-    started = RealNode(
-        node.name, node.dir, node.containerd, node.kubelet, node.kubelet_port, node.gpus, simulator
-    )
+    started = dataclasses.replace(node, simulator=simulator)
     wait_until(
         lambda: _alive_or_raise(simulator, logs) and node.nvml_socket.is_socket(),
         timeout=30,
@@ -593,6 +624,7 @@ def load(cluster: Cluster, name: str) -> RealNode | None:
         return None
     raw = json.loads(record.read_text())
     simulator = raw.get("simulator")
+    proxy = raw.get("service_proxy")
     return RealNode(
         raw["name"],
         raw["dir"],
@@ -601,6 +633,7 @@ def load(cluster: Cluster, name: str) -> RealNode | None:
         raw["kubelet_port"],
         raw.get("gpus", ""),
         Proc(**simulator) if simulator else None,
+        Proc(**proxy) if proxy else None,
     )
 
 
@@ -651,6 +684,10 @@ def stop_node(node: RealNode) -> None:
     deadline = time.monotonic() + 5
     while _shims(node.containerd_socket) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if node.simulator is not None:
-        stop([node.simulator])
+    stop([p for p in (node.simulator, node.service_proxy) if p is not None])
+    if node.service_proxy is not None:
+        ip = pki.KUBERNETES_SERVICE_IP
+        subprocess.run(
+            ["ip", "addr", "del", f"{ip}/32", "dev", "lo"], capture_output=True, check=False
+        )
     _clear_kubelet_root()
