@@ -589,10 +589,19 @@ def _clear_kubelet_root() -> None:
     real node left there would give this one's kubelet that node's resources (at 0) until they
     time out, and its pods' folders would be cleaned up as orphans."""
     _unmount_under(KUBELET_ROOT)
-    root = Path(KUBELET_ROOT)
-    if root.exists():
-        shutil.rmtree(root, ignore_errors=True)
-    Path(KUBELET_DEVICE_PLUGINS).mkdir(parents=True, exist_ok=True)
+    plugins = Path(KUBELET_DEVICE_PLUGINS)
+    plugins.mkdir(parents=True, exist_ok=True)
+    # the device-plugin folder itself stays: the kwok nodes' runtimes mount a tmpfs of their own
+    # on it in their mount namespaces, which removing it would detach
+    for entry in Path(KUBELET_ROOT).iterdir():
+        if entry != plugins:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    for entry in plugins.iterdir():
+        if not entry.is_dir():
+            entry.unlink(missing_ok=True)
 
 
 def install_device_plugin(cluster: Cluster, node: RealNode) -> None:
