@@ -57,7 +57,16 @@ MIXED = {
     "RTX-PRO-6000": {"1g.24gb": 2, "2g.48gb": 1},  # its 4 memory slices: two resources
 }
 BLACKWELL = ["B200", "GB200", "B300", "GB300", "RTX-PRO-6000"]
-SINGLE = {"H100-80GB": {"1g.10gb": 7}, "A100-40GB": {"2g.10gb": 3}, "H200": {"3g.71gb": 2}}
+SINGLE = {
+    "H100-80GB": {"1g.10gb": 7},
+    "A100-40GB": {"2g.10gb": 3},
+    "H200": {"3g.71gb": 2},
+    "B200": {"1g.23gb": 7},
+    "GB200": {"2g.47gb": 3},
+    "B300": {"3g.135gb": 2},
+    "GB300": {"1g.35gb": 7},
+    "RTX-PRO-6000": {"1g.24gb": 4},
+}
 
 
 @pytest.fixture(scope="session")
@@ -225,10 +234,13 @@ def test_mixed_strategy_advertises_what_mig_agent_expects(
         assert p["version"] == "v1beta1" and p["error"] == ""
 
 
-def test_single_strategy_advertises_mig_devices_as_gpus(tmp_path: Path, nvidia_bin: Path) -> None:
-    state = node(tmp_path, "2xH100-80GB", SINGLE["H100-80GB"])
+@pytest.mark.parametrize("model", ["H100-80GB", *BLACKWELL])
+def test_single_strategy_advertises_mig_devices_as_gpus(
+    model: str, tmp_path: Path, nvidia_bin: Path
+) -> None:
+    state = node(tmp_path, f"2x{model}", SINGLE[model])
     want = expected(state, "single")
-    assert want == {"nvidia.com/gpu": 14}
+    assert want == {"nvidia.com/gpu": 2 * sum(SINGLE[model].values())}
     run = run_plugin(state, nvidia_bin, tmp_path, "single", 1)
     assert run.counts() == want, run.log
     mig, _ = uuids(state)
@@ -410,7 +422,7 @@ def test_gfd_labels_match_the_simulated_nodes_labels_with_mixed(
 
 
 @pytest.mark.parametrize(
-    "model", ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL", "H200"]
+    "model", ["A100-40GB", "A100-80GB", "A30", "H100-80GB", "H100-NVL", "H200", *BLACKWELL]
 )
 def test_gfd_with_mig_off_labels_as_the_simulated_node_is(
     model: str, tmp_path: Path, nvidia_bin: Path
@@ -422,11 +434,12 @@ def test_gfd_with_mig_off_labels_as_the_simulated_node_is(
     ours = gpu_node_labels("n", [m, m])
     assert {k: labels.get(k) for k in COMPARED} == {k: ours[k] for k in COMPARED}
     assert labels["nvidia.com/gpu.memory"] == str(m.memory_total_mib)
-    major = {"ampere": "8", "hopper": "9"}[m.architecture.value]
-    assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.family"]) == (
-        major,
-        m.architecture.value,
-    )
+    # compute capability from the simulated model's data (Blackwell: 10.0, 10.3, 12.0)
+    assert (
+        labels["nvidia.com/gpu.compute.major"],
+        labels["nvidia.com/gpu.compute.minor"],
+        labels["nvidia.com/gpu.family"],
+    ) == (*map(str, m.compute_capability), m.architecture.value)
     assert "nvidia.com/mig.strategy" not in labels
 
 
