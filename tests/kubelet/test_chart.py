@@ -106,9 +106,9 @@ def agent_log(c: Cluster) -> str:
     )
 
 
-def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(
-    node_cluster: tuple[Cluster, str],
-) -> None:
+@pytest.fixture(scope="module")
+def chart(node_cluster: tuple[Cluster, str]) -> Cluster:
+    """The chart installed on the node's cluster with the image built here."""
     c, helm = node_cluster
     install = subprocess.run(
         [
@@ -130,6 +130,9 @@ def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(
             # no pod network here: the node's, as the device plugin's pod has
             "--set",
             "hostNetwork=true",
+            # the tests' workloads are bare pods
+            "--set",
+            "drain.evictUnmanagedPods=true",
         ],
         capture_output=True,
         text=True,
@@ -137,6 +140,11 @@ def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(
         check=False,
     )
     assert install.returncode == 0, install.stderr
+    return c
+
+
+def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(chart: Cluster) -> None:
+    c = chart
     pod = wait_ready_agent(c)  # the kubelet's readiness probe passed
     assert pod["spec"]["nodeName"] == real_node.NAME
     assert pod["spec"]["runtimeClassName"] == "nvidia"
@@ -163,3 +171,69 @@ def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(
     after = kube(c, "get", "node", real_node.NAME)["metadata"]["annotations"]
     assert after["mig-agent.dev/gpu-state"] == gpu_state
     assert '"outcome": "applied"' not in agent_log(c)
+
+
+def test_a_rollout_of_the_agent_mid_drain_is_resumed_by_its_next_pod(chart: Cluster) -> None:
+    """The DaemonSet rolled while the agent waits for a pod that takes 20 s to stop: the kubelet
+    sends the agent SIGTERM, the next pod picks the change up where the node stands and ends it
+    in `success`, the node not left cordoned."""
+    c = chart
+    state, _ = wait_state(c)
+    assert state == "success"
+    c.kubectl("create", "namespace", "rollout")
+    slow = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "slow", "namespace": "rollout"},
+        "spec": {
+            "nodeName": real_node.NAME,
+            "hostNetwork": True,
+            "terminationGracePeriodSeconds": 60,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": images.BUSYBOX,
+                    "imagePullPolicy": "Never",
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        "trap 'sleep 20; exit 0' TERM; while true; do sleep 0.2; done",
+                    ],
+                    "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}},
+                }
+            ],
+        },
+    }
+    c.kubectl("apply", "-f", "-", input=json.dumps(slow))
+    deadline = time.monotonic() + 60
+    while kube(c, "get", "pod", "-n", "rollout", "slow")["status"].get("phase") != "Running":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    (before,) = agent_pods(c)
+
+    c.kubectl("label", "node", real_node.NAME, "--overwrite", f"{CONFIG}=all-3g.40gb", f"{STATE}-")
+    deadline = time.monotonic() + 60
+    while not kube(c, "get", "pod", "-n", "rollout", "slow")["metadata"].get("deletionTimestamp"):
+        assert time.monotonic() < deadline, agent_log(c)  # the drain evicts it
+        time.sleep(0.3)
+    c.kubectl("rollout", "restart", "daemonset/mig-agent", "-n", "mig-agent")
+    # the old pod's last words, read from the kubelet until the pod is gone
+    name, said = before["metadata"]["name"], ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        got = c.kubectl("logs", "-n", "mig-agent", name, check=False, timeout=10)
+        if '"event"' not in got:  # the container is gone
+            break
+        said = got
+        time.sleep(0.3)
+    assert '"agent.stopping"' in said, said[-3000:]  # SIGTERM mid-drain
+    assert '"reconcile.succeeded"' not in said.split('"layout": "all-3g.40gb"', 1)[-1]
+
+    state, seen = wait_state(c, timeout=180)
+    assert state == "success", (seen, agent_log(c))
+    (after,) = agent_pods(c)
+    assert after["metadata"]["uid"] != before["metadata"]["uid"]
+    node = kube(c, "get", "node", real_node.NAME)
+    assert node["status"]["allocatable"]["nvidia.com/mig-3g.40gb"] == "4"
+    assert not node["spec"].get("unschedulable"), node["spec"]
+    assert "mig-agent.dev/cordoned" not in node["metadata"]["annotations"]
