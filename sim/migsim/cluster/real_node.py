@@ -3,11 +3,12 @@ with Debian's containerd and runc, running real containers of images built here 
 
 Beside the kwok nodes (which stay for pools of many), a real node is where graceful termination,
 probes, the kubelet's device manager and its PodResources socket are the real ones. Everything it
-keeps is under the node's folder (``nodes/<name>/``): containerd's root and state and socket, pod
-logs, a loopback-only CNI config, NVIDIA's container runtime's config and the node's CDI spec;
-but for the kubelet's root, ``/var/lib/kubelet`` as on a production node (the device manager keeps
+keeps is under the node's folder (``nodes/<name>/``): containerd's root and state, pod logs, a
+loopback-only CNI config, NVIDIA's container runtime's config and the node's CDI spec; but for
+the kubelet's root, ``/var/lib/kubelet`` as on a production node (the device manager keeps
 its sockets at that fixed path, and the chart mounts its pod-resources folder), emptied when a
-real node starts and stops.
+real node starts and stops, and for its sockets (containerd's, the GPU simulator's), in
+``/run/mig-agent-real-node`` where a path stays short enough for a unix socket.
 
 What this machine asks of such a node (checked by hand, see the README's real-node section):
 
@@ -62,6 +63,9 @@ NAME: Final = "kubelet-node-0"  # the machine's one real node
 RECORD: Final = "real-node.json"
 REAL_NODE_LABEL: Final = "mig-agent.dev/real-node"
 KUBELET_ROOT: Final = "/var/lib/kubelet"
+# A unix socket's path has at most 107 bytes (containerd's own limit is 104, for its .ttrpc
+# twin): the node's folder may be deeper (a test's tmp_path), so its sockets live here.
+SOCKETS: Final = "/run/mig-agent-real-node"
 KUBELET_DEVICE_PLUGINS: Final = f"{KUBELET_ROOT}/device-plugins"
 REPO_ROOT: Final = Path(__file__).resolve().parents[3]
 TOOLS: Final = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")
@@ -87,7 +91,7 @@ class RealNode:
 
     @property
     def nvml_socket(self) -> Path:
-        return Path(self.dir) / "sim" / "nvml.sock"
+        return Path(SOCKETS) / "gpu" / "nvml.sock"
 
     @property
     def host_view(self) -> Path:
@@ -100,7 +104,7 @@ class RealNode:
 
     @property
     def containerd_socket(self) -> Path:
-        return Path(self.dir) / "containerd" / "containerd.sock"
+        return Path(SOCKETS) / "containerd" / "containerd.sock"
 
     @property
     def pod_resources_socket(self) -> Path:
@@ -226,7 +230,7 @@ root = "{d / "containerd" / "root"}"
 state = "{d / "containerd" / "state"}"
 
 [grpc]
-  address = "{d / "containerd" / "containerd.sock"}"
+  address = "{Path(SOCKETS) / "containerd" / "containerd.sock"}"
 
 [ttrpc]
   address = ""
@@ -336,6 +340,9 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
     d = cluster.node_dir(name)
     for sub in ("containerd", "cni", "pod-logs"):
         (d / sub).mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(SOCKETS, ignore_errors=True)  # no kubelet runs: an earlier node's, if any
+    for sub in ("containerd", "gpu"):
+        (Path(SOCKETS) / sub).mkdir(parents=True, exist_ok=True)
     (d / "containerd.toml").write_text(_containerd_config(d))
     _nvidia_runtime(d, nvidia_bin())
     (d / "cni" / "10-loopback.conflist").write_text(json.dumps(_LOOPBACK_CNI))
@@ -694,6 +701,7 @@ def stop_node(node: RealNode) -> None:
     while _shims(node.containerd_socket) and time.monotonic() < deadline:
         time.sleep(0.1)
     stop([p for p in (node.simulator, node.service_proxy) if p is not None])
+    shutil.rmtree(SOCKETS, ignore_errors=True)
     if node.service_proxy is not None:
         ip = pki.KUBERNETES_SERVICE_IP
         subprocess.run(
