@@ -83,6 +83,10 @@ KCM_CONTROLLERS = (
 )
 
 
+# Node labels that DaemonSets select on (the device plugin's, as the GPU Operator deploys it).
+DEFERRED_LABELS = ("nvidia.com/gpu.deploy.device-plugin",)
+
+
 def default_dir() -> Path:
     env = os.environ.get("MIG_AGENT_CLUSTER_DIR")
     if env:
@@ -142,6 +146,7 @@ class Cluster:
         self.state = state
         self.bin_dir = Path(state.bin_dir)
         self.api = Api(self.server, self.ca_cert, self.admin_token)
+        self._deferred: dict[str, dict[str, str]] = {}  # node -> labels set once it is Ready
 
     # ---- files and addresses ---------------------------------------------------------------
 
@@ -536,7 +541,16 @@ class Cluster:
         gpus = manifest["metadata"].get("annotations", {}).get(nodes.GPUS_ANNOTATION)
         if gpus:  # the node's GPU inventory, for whatever simulates this node's GPUs
             (self.node_dir(name) / "gpus").write_text(gpus + "\n")
-        self.api.request("POST", "/api/v1/nodes", manifest)
+        # Labels that bring DaemonSet pods are set once kwok manages the node: a pod bound to a
+        # node kwok does not manage yet can be missed by it for good (its pod event seen before
+        # the node, its re-list of the node's pods made before the binding), and would stay
+        # Pending on a Ready node.
+        labels = dict(manifest["metadata"].get("labels") or {})
+        deferred = {k: labels.pop(k) for k in DEFERRED_LABELS if k in labels}
+        body = {**manifest, "metadata": {**manifest["metadata"], "labels": labels}}
+        self.api.request("POST", "/api/v1/nodes", body)
+        if deferred:
+            self._deferred[name] = deferred
         if wait:
             self.wait_nodes_ready([name], timeout=timeout)
         return name
@@ -600,6 +614,15 @@ class Cluster:
             raise WaitTimeout(
                 f"nodes not Ready and untainted after {timeout:g} s: {', '.join(sorted(pending))}"
             ) from None
+        for name in names:
+            labels = self._deferred.pop(name, None)
+            if labels:
+                self.api.request(
+                    "PATCH",
+                    f"/api/v1/nodes/{name}",
+                    {"metadata": {"labels": labels}},
+                    content_type="application/merge-patch+json",
+                )
 
     def token_for(
         self,
@@ -662,6 +685,7 @@ class ViaProxy(Cluster):
             cluster.api,
         )
         self._url = url
+        self._deferred = cluster._deferred
 
     @property
     def server(self) -> str:
