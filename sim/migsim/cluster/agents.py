@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from mig_agent.config.settings import PROFILES as DEFAULT_PROFILES
 from migsim.nvml import state as simstate
 
 # running and stop_all are this module's too: they are what its callers know it by
+from . import scripts
 from .agent_records import RECORDS, node_procs, reap_group, supervisor_status
 from .agent_records import running as running
 from .agent_records import stop_all as stop_all
@@ -157,18 +157,11 @@ def default_device_plugin() -> str:
 def nvidia_bin() -> Path:
     """The folder of NVIDIA's binaries, as `scripts/nvidia-binaries path` reports it (it honours
     MIG_AGENT_NVIDIA_BIN); DevClusterError saying how to build them when they are missing."""
-    res = subprocess.run(
-        [str(REPO / "scripts" / "nvidia-binaries"), "path"],
-        capture_output=True,
-        text=True,
-        check=False,
+    return scripts.built(
+        "nvidia-binaries",
+        "path",
+        failed="NVIDIA's device plugin is not built; run: scripts/nvidia-binaries build",
     )
-    if res.returncode != 0:
-        raise DevClusterError(
-            "NVIDIA's device plugin is not built; run: scripts/nvidia-binaries "
-            f"build ({res.stderr.strip()})"
-        )
-    return Path(res.stdout.strip())
 
 
 def start_node(

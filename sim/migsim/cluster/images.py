@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from . import scripts
 from .errors import DevClusterError
 
 TAG: Final = "mig-agent"
@@ -135,7 +136,7 @@ def all_images() -> list[Image]:
 
 
 NVIDIA_PLUGIN: Final = f"localhost/nvidia-device-plugin:{TAG}"
-ENTER_HOST_VIEW: Final = Path(__file__).resolve().parents[2] / "native" / "enter-host-view"
+ENTER_HOST_VIEW: Final = scripts.REPO / "sim" / "native" / "enter-host-view"
 PLUGIN_APPLETS: Final = (*BUSYBOX_APPLETS, "mount", "ln", "cp", "mkdir", "rm", "basename")
 
 
@@ -186,18 +187,9 @@ def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
 
 
 AGENT: Final = "localhost/mig-agent:dev"
-REPO_ROOT: Final = Path(__file__).resolve().parents[3]
 
 
 def agent() -> Image:
     """mig-agent's image, built from the project's Containerfile by scripts/agent-image (a base
     made from Debian's packages, buildah; cached per source version)."""
-    done = subprocess.run(
-        [str(REPO_ROOT / "scripts" / "agent-image"), "build"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise DevClusterError(f"scripts/agent-image build failed: {done.stderr.strip()[-2000:]}")
-    return Image(AGENT, Path(done.stdout.strip().splitlines()[-1]))
+    return Image(AGENT, scripts.built("agent-image"))

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kubeconfig as kubeconfig_file
+from . import scripts
 from .agents import PLUGIN_NS, REPO, sim_state, start_device_plugin
 from .cluster import Cluster
 from .errors import DevClusterError
@@ -52,7 +52,6 @@ from .processes import Proc, spawn, stop
 from .records import RecordFile, kill_one, procs
 
 WITH_SIM_GPUS = REPO / "scripts" / "with-sim-gpus"
-NVIDIA_BINARIES = REPO / "scripts" / "nvidia-binaries"
 DBUS_DAEMON = "/usr/bin/dbus-daemon"
 RECORDS = RecordFile("mig-managers.json", lock=".mig-managers.json.lock")
 
@@ -88,12 +87,7 @@ class NodeMigManager:
 
 def nvidia_bin_dir() -> Path:
     """The folder of NVIDIA's binaries (built once by scripts/nvidia-binaries, then cached)."""
-    out = subprocess.run(
-        [str(NVIDIA_BINARIES), "build"], capture_output=True, text=True, check=False
-    )
-    if out.returncode != 0:
-        raise DevClusterError(f"scripts/nvidia-binaries build failed:\n{out.stderr.strip()}")
-    return Path(out.stdout.strip())
+    return scripts.built("nvidia-binaries")
 
 
 def start_node(

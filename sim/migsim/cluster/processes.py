@@ -68,6 +68,12 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent's PID of `pid`, or None if there is no such process."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
 def _read_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks) of `pid`, or None if there is no such process."""
     fields = _stat_fields(pid)

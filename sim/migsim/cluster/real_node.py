@@ -46,17 +46,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from migsim.nvml import state as simstate
 
-from . import images, pki
+from . import images, pki, scripts
 from .agents import PLUGIN_LABEL, PLUGIN_NS, nvidia_bin
 from .cluster import Cluster, find_binaries
 from .errors import DevClusterError
-from .processes import Proc, free_ports, spawn, stop
+from .processes import Proc, free_ports, parent_pid, spawn, stop
 from .waiting import wait_until
 
 NAME: Final = "kubelet-node-0"  # the machine's one real node
@@ -67,7 +68,6 @@ KUBELET_ROOT: Final = "/var/lib/kubelet"
 # twin): the node's folder may be deeper (a test's tmp_path), so its sockets live here.
 SOCKETS: Final = "/run/mig-agent-real-node"
 KUBELET_DEVICE_PLUGINS: Final = f"{KUBELET_ROOT}/device-plugins"
-REPO_ROOT: Final = Path(__file__).resolve().parents[3]
 TOOLS: Final = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")
 CNI_BIN: Final = "/usr/lib/cni"
 
@@ -174,7 +174,7 @@ path = "{nvidia / "nvidia-ctk"}"
     wrapper.chmod(0o755)
 
 
-def write_cdi_spec(node: RealNode) -> Path:
+def write_cdi_spec(node: RealNode, sim_nvml_dir: Path) -> Path:
     """The node's CDI spec (kind nvidia.com/gpu), written from the simulated GPUs: a device per
     GPU and per MIG device, by index and by UUID, and `all`. Where NVIDIA's spec mounts the
     driver's libraries and device nodes, this one mounts the simulated libnvidia-ml.so.1 and the
@@ -194,7 +194,7 @@ def write_cdi_spec(node: RealNode) -> Path:
         for i, ci in enumerate(m for m in migs if m.get("uuid")):
             device([f"{gpu['index']}:{i}", ci["uuid"]], ci["uuid"])
     device(["all"], "all")
-    lib = _sim_nvml() / "libnvidia-ml.so.1"
+    lib = sim_nvml_dir / "libnvidia-ml.so.1"
     spec = {
         "cdiVersion": "0.5.0",
         "kind": "nvidia.com/gpu",
@@ -358,17 +358,18 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
     try:
         proxy = _start_service_proxy(cluster, name, logs)
         node = dataclasses.replace(node, service_proxy=proxy)
-        if gpus:
+        library = sim_nvml() if gpus else None
+        if library is not None:
             node = _start_gpus(node, logs)
-            write_cdi_spec(node)
+            write_cdi_spec(node, library)
         wait_until(
             lambda: _alive_or_raise(containerd, logs) and node.containerd_socket.is_socket(),
             timeout=30,
             what=f"containerd of {name} to listen",
         )
         wanted = images.all_images()
-        if gpus:
-            wanted.append(images.nvidia_plugin(nvidia_bin(), _sim_nvml()))
+        if library is not None:
+            wanted.append(images.nvidia_plugin(nvidia_bin(), library))
         for image in wanted:
             import_image(node, image)
         (d / "kubelet.yaml").write_text(
@@ -417,11 +418,6 @@ def import_image(node: RealNode, image: images.Image) -> None:
     _ctr(node, "images", "import", "--base-name", image.base_name, str(image.tar))
 
 
-def sim_nvml() -> Path:
-    """The folder of the simulated libnvidia-ml.so.1 (scripts/sim-nvml build)."""
-    return _sim_nvml()
-
-
 def _start_service_proxy(cluster: Cluster, name: str, logs: Path) -> Proc:
     """The `kubernetes` Service's ClusterIP on the loopback interface, forwarded to the API
     server (no kube-proxy runs here): what an in-cluster client of the node dials."""
@@ -451,16 +447,9 @@ def _start_service_proxy(cluster: Cluster, name: str, logs: Path) -> Proc:
     return proxy
 
 
-def _sim_nvml() -> Path:
-    done = subprocess.run(
-        [str(REPO_ROOT / "scripts" / "sim-nvml"), "build"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise DevClusterError(f"scripts/sim-nvml build failed: {done.stderr.strip()}")
-    return Path(done.stdout.strip())
+def sim_nvml() -> Path:
+    """The folder of the simulated libnvidia-ml.so.1 (scripts/sim-nvml build)."""
+    return scripts.built("sim-nvml")
 
 
 def _start_gpus(node: RealNode, logs: Path) -> RealNode:
@@ -567,17 +556,20 @@ def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict
     }
 
 
-def _kubelets() -> list[int]:
-    found = []
+def _processes() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process this machine runs."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
+                yield int(entry.name), (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv0.endswith(b"/kubelet") or argv0 == b"kubelet":
-                found.append(int(entry.name))
-    return found
+
+
+def _kubelets() -> list[int]:
+    return [
+        pid for pid, argv in _processes() if argv[0].endswith(b"/kubelet") or argv[0] == b"kubelet"
+    ]
 
 
 def _unmount_under(prefix: str) -> None:
@@ -655,31 +647,15 @@ def load(cluster: Cluster, name: str) -> RealNode | None:
 
 def _shims(socket: Path) -> list[int]:
     """PIDs of the containerd shims that serve this node's containerd."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and str(socket).encode() in argv:
-            found.append(int(entry.name))
-    return found
+    return [
+        pid
+        for pid, argv in _processes()
+        if argv[0].endswith(b"containerd-shim-runc-v2") and str(socket).encode() in argv
+    ]
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
+    return [child for child, _ in _processes() if parent_pid(child) == pid]
 
 
 def _kill_tree(pid: int) -> None:
