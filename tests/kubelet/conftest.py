@@ -39,8 +39,11 @@ def kubelet_node(cluster: Cluster) -> Iterator[real_node.RealNode]:
         cluster.delete_node(REAL_NODE)
 
 
-def busybox_pod(name: str, script: str, *, grace_s: int = 30, **spec: Any) -> dict[str, Any]:
-    """A pod on the real node running `script` in the busybox image built here."""
+def node_pod(
+    name: str, container: dict[str, Any], *, grace_s: int = 30, **spec: Any
+) -> dict[str, Any]:
+    """A pod on the real node, in the node's network, of one container from an image built
+    here (imagePullPolicy Never)."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -50,17 +53,16 @@ def busybox_pod(name: str, script: str, *, grace_s: int = 30, **spec: Any) -> di
             "hostNetwork": True,
             "terminationGracePeriodSeconds": grace_s,
             "restartPolicy": "Never",
-            "containers": [
-                {
-                    "name": "main",
-                    "image": images.BUSYBOX,
-                    "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c", script],
-                }
-            ],
+            "containers": [{"name": "main", "imagePullPolicy": "Never", **container}],
             **spec,
         },
     }
+
+
+def busybox_pod(name: str, script: str, *, grace_s: int = 30, **spec: Any) -> dict[str, Any]:
+    """A pod on the real node running `script` in the busybox image built here."""
+    container = {"image": images.BUSYBOX, "command": ["/bin/sh", "-c", script]}
+    return node_pod(name, container, grace_s=grace_s, **spec)
 
 
 def wait_phase(

@@ -5,9 +5,9 @@ pod, and reports `success` only once the real kubelet advertises the new layout 
 waited, Pending, for a MIG device only the new layout has starts and is never refused with
 UnexpectedAdmissionError.
 
-The agent runs on the host (its own image is not built here yet), with a token bound to a pod of
-its ServiceAccount on the real node, so that its RBAC and own-node admission policies apply as on a
-production node."""
+The agent runs on the host here (test_chart.py runs it as the chart's pod), with a token bound to
+a pod of its ServiceAccount on the real node, so that its RBAC and own-node admission policies
+apply as on a production node."""
 
 from __future__ import annotations
 

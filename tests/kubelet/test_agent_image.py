@@ -12,35 +12,21 @@ import yaml
 from kubernetes import client
 from migsim.cluster import images, real_node
 
-from .conftest import REAL_NODE, pod_log, wait_phase
+from .conftest import node_pod, pod_log, wait_phase
 
 
 def agent_pod(name: str, *args: str) -> dict[str, Any]:
     """A pod of the agent's image under the RuntimeClass `nvidia`, given every GPU as the
     chart's DaemonSet is: NVIDIA's container runtime injects NVML from the node's CDI spec."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeName": REAL_NODE,
-            "hostNetwork": True,
-            "restartPolicy": "Never",
-            "runtimeClassName": "nvidia",
-            "containers": [
-                {
-                    "name": "mig-agent",
-                    "image": images.AGENT,
-                    "imagePullPolicy": "Never",
-                    "args": list(args),
-                    "env": [
-                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
-                        {"name": "MIG_AGENT_LOG_FORMAT", "value": "console"},
-                    ],
-                }
-            ],
-        },
+    container = {
+        "image": images.AGENT,
+        "args": list(args),
+        "env": [
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {"name": "MIG_AGENT_LOG_FORMAT", "value": "console"},
+        ],
     }
+    return node_pod(name, container, runtimeClassName="nvidia")
 
 
 def test_the_agents_image_runs_on_the_real_node_and_reads_its_gpus_through_nvml(

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from migsim.cluster import Cluster, images, real_node
 
+from .conftest import busybox_pod
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "mig-agent"
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -181,29 +183,12 @@ def test_a_rollout_of_the_agent_mid_drain_is_resumed_by_its_next_pod(chart: Clus
     state, _ = wait_state(c)
     assert state == "success"
     c.kubectl("create", "namespace", "rollout")
-    slow = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "slow", "namespace": "rollout"},
-        "spec": {
-            "nodeName": real_node.NAME,
-            "hostNetwork": True,
-            "terminationGracePeriodSeconds": 60,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": images.BUSYBOX,
-                    "imagePullPolicy": "Never",
-                    "command": [
-                        "/bin/sh",
-                        "-c",
-                        "trap 'sleep 20; exit 0' TERM; while true; do sleep 0.2; done",
-                    ],
-                    "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}},
-                }
-            ],
-        },
-    }
+    slow = busybox_pod(
+        "slow", "trap 'sleep 20; exit 0' TERM; while true; do sleep 0.2; done", grace_s=60
+    )
+    slow["metadata"]["namespace"] = "rollout"
+    slow["spec"]["restartPolicy"] = "Always"
+    slow["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/mig-1g.10gb": 1}}
     c.kubectl("apply", "-f", "-", input=json.dumps(slow))
     deadline = time.monotonic() + 60
     while kube(c, "get", "pod", "-n", "rollout", "slow")["status"].get("phase") != "Running":
