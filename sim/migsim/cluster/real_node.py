@@ -10,7 +10,7 @@ its sockets at that fixed path, and the chart mounts its pod-resources folder), 
 real node starts and stops, and for its sockets (containerd's, the GPU simulator's), in
 ``/run/mig-agent-real-node`` where a path stays short enough for a unix socket.
 
-What this machine asks of such a node (checked by hand, see the README's real-node section):
+What this machine asks of such a node (checked by hand, see docs/real-node.md):
 
 * containerd's CRI must not lower ``oom_score_adj`` (no CAP_SYS_RESOURCE here):
   ``restrict_oom_score_adj``;
