@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from migsim.gpus import MODELS, Placement
 from migsim.nvml import library as simlib
-from migsim.nvml.state import IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED
+from migsim.nvml.state import DRIVER_NOT_LOADED, IN_USE, INSUFFICIENT_RESOURCES, NOT_SUPPORTED
 
 import mig_agent
 
@@ -582,6 +582,24 @@ def test_fail_the_nth_mutating_call(make_node: MakeNode, nvml_on: NvmlOn) -> Non
     create_gi(nv, h, 19, 2, 1)
     simlib.clear_faults(path)
     assert simlib.load_node(path).fail_rules == []
+
+
+def test_a_fault_rule_on_an_init_refuses_the_inits_it_names(
+    make_node: MakeNode, nvml_on: NvmlOn
+) -> None:
+    """A driver not ready yet, for one kind of client: go-nvml's init (nvmlInit_v2) fails twice,
+    pynvml's (nvmlInitWithFlags) is not touched."""
+    path = make_node("H200")
+    nv = nvml_on(path)  # pynvml's init, before the rule
+    simlib.inject_failure(path, DRIVER_NOT_LOADED, function="nvmlInit_v2", times=2)
+    go = simlib.SimulatedNvmlLibrary(path)
+    assert [go.nvmlInit_v2() for _ in range(3)] == [DRIVER_NOT_LOADED, DRIVER_NOT_LOADED, 0]
+    assert simlib.load_node(path).fail_rules == []  # used up
+    simlib.inject_failure(path, DRIVER_NOT_LOADED, function="nvmlInit_v2")
+    nv.nvmlInit()  # another entry point: not refused
+    nv.nvmlShutdown()
+    assert go.nvmlInit_v2() == DRIVER_NOT_LOADED
+    go.nvmlShutdown()
 
 
 def test_latency(make_node: MakeNode, nvml_on: NvmlOn) -> None:

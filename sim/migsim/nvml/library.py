@@ -251,6 +251,7 @@ class _Export(NamedTuple):
 
 
 _EXPORTS: dict[str, _Export] = {}
+_INITS = frozenset({"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags"})  # fault rules apply to them
 
 
 def _export(
@@ -341,6 +342,10 @@ class SimulatedNvmlLibrary:
     def _call(self, name: str, impl: _Impl, spec: _Export, args: tuple[Any, ...]) -> Any:
         if spec.needs_init and self._init_count == 0:
             return st.UNINITIALIZED
+        if name in _INITS:
+            refused = self._init_refused(name)
+            if refused is not None:
+                return refused
         if not spec.uses_state:
             return impl(*args)
         try:
@@ -367,6 +372,18 @@ class SimulatedNvmlLibrary:
         if delay:
             time.sleep(delay)
         return code
+
+    def _init_refused(self, name: str) -> int | None:
+        """The code of a fault rule on this init (a driver not ready yet, as while a node boots
+        or its driver reloads), the rule consumed; None to go on."""
+        try:
+            node = self._store.read()
+        except FileNotFoundError:
+            return None  # the init answers DRIVER_NOT_LOADED itself
+        if node.match_rule(name, None, False) is None:
+            return None
+        with self._store.mutate() as fresh:
+            return fresh.consume_rule(name, None, False)
 
     @staticmethod
     def _run(impl: _Impl, node: SimNode, args: tuple[Any, ...]) -> int:
