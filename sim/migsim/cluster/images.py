@@ -4,7 +4,9 @@ of the real node runs is made on this machine and imported into the node's conta
 * ``pause``: the pod sandbox's process, a static C program that waits for a signal
   (containerd's ``sandbox_image``).
 * ``busybox``: Debian's static busybox with the applets a test workload uses (sh, sleep, cat,
-  ...); pods run it with ``imagePullPolicy: Never``.
+  ...) and this machine's glibc, as a CUDA image carries its own: what NVIDIA's container runtime
+  injects (the simulated ``libnvidia-ml.so.1`` and ``nvidia-smi``) then runs in it. Pods run it
+  with ``imagePullPolicy: Never``.
 
 Each image is an OCI layout written by ``umoci`` (one image per layout: a layout holding two tags,
 imported as one, can resolve to the wrong manifest) and kept as a tar in the build cache, keyed by
@@ -31,6 +33,7 @@ PAUSE: Final = f"localhost/pause:{TAG}"
 BUSYBOX: Final = f"localhost/busybox:{TAG}"
 BUSYBOX_BINARY: Final = Path("/bin/busybox")  # Debian's busybox-static
 BUSYBOX_APPLETS: Final = ("sh", "sleep", "cat", "echo", "ls", "date", "env", "true", "kill")
+GLIBC_OF: Final = Path("/bin/true")  # a program that loads the C library and nothing else
 
 PAUSE_C: Final = """\
 #include <signal.h>
@@ -118,8 +121,11 @@ def busybox() -> Image:
         raise DevClusterError(
             f"no {BUSYBOX_BINARY}: the workload image needs it (apt-get install busybox-static)"
         )
+    glibc = _libraries(GLIBC_OF)
     digest = hashlib.sha256(BUSYBOX_BINARY.read_bytes())
     digest.update(" ".join(BUSYBOX_APPLETS).encode())
+    for lib in glibc:
+        digest.update(str(lib).encode() + lib.read_bytes())
 
     def fill(rootfs: Path) -> None:
         (rootfs / "bin").mkdir(exist_ok=True)
@@ -127,6 +133,7 @@ def busybox() -> Image:
         shutil.copy2(BUSYBOX_BINARY, rootfs / "bin" / "busybox")
         for applet in BUSYBOX_APPLETS:
             (rootfs / "bin" / applet).symlink_to("busybox")
+        _copy_libraries(rootfs, glibc)
 
     return _oci_tar(BUSYBOX, digest.hexdigest(), fill, ["/bin/sh"])
 
@@ -150,6 +157,14 @@ def _libraries(binary: Path) -> list[Path]:
         if path.startswith("/"):
             found.append(Path(path))
     return found
+
+
+def _copy_libraries(rootfs: Path, libs: Sequence[Path]) -> None:
+    """`libs` at their own paths in `rootfs` (the files, not the links to them)."""
+    for lib in libs:
+        target = rootfs / lib.relative_to("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(lib.resolve(), target)
 
 
 def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
@@ -178,10 +193,7 @@ def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
         # where the dynamic loader looks without an ld.so.cache, as a driver's library is found
         shutil.copy2(library, rootfs / "usr" / "lib" / library.name)
         shutil.copy2(ENTER_HOST_VIEW, rootfs / "usr" / "local" / "bin" / "enter-host-view")
-        for lib in libs:
-            target = rootfs / lib.relative_to("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(lib.resolve(), target)
+        _copy_libraries(rootfs, libs)
 
     return _oci_tar(NVIDIA_PLUGIN, digest.hexdigest(), fill, ["/bin/sh"])
 

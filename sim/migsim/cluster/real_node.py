@@ -27,9 +27,10 @@ the PCI devices). NVIDIA's device plugin then runs as a DaemonSet pod of the rea
 and the simulated ``libnvidia-ml.so.1``; it registers with the kubelet's own device manager.
 
 The RuntimeClass ``nvidia`` maps to NVIDIA's ``nvidia-container-runtime`` (built from
-../shared/upstream) in CDI mode, over runc, with a CDI spec written from the simulated GPUs
-(``write_cdi_spec``): a container given a device (``NVIDIA_VISIBLE_DEVICES``) gets the simulated
-libnvidia-ml.so.1 and the node's GPU simulator, as the real runtime injects the driver's.
+../shared/upstream) in CDI mode, over runc, with a CDI spec written from the simulated GPUs and
+kept current with them (``cdi.py``): a container given a device (``NVIDIA_VISIBLE_DEVICES``)
+gets the simulated libnvidia-ml.so.1, nvidia-smi and the node's GPU simulator, and sees only its
+devices, as the real runtime injects the driver's.
 
 One real node per machine: its kubelet's root and cgroups (``/kubepods``) are the machine's.
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import shutil
@@ -54,7 +56,7 @@ from typing import Any, Final
 from migsim.nvml import state as simstate
 
 from . import images, pki, scripts
-from .agents import PLUGIN_LABEL, PLUGIN_NS, nvidia_bin
+from .agents import NVIDIA_RUNTIME_CLASS, PLUGIN_LABEL, PLUGIN_NS, nvidia_bin
 from .cluster import Cluster, find_binaries
 from .errors import DevClusterError
 from .processes import Proc, free_ports, parent_pid, spawn, stop
@@ -84,6 +86,7 @@ class RealNode:
     gpus: str = ""  # the simulated GPUs (`2xH100-80GB`); "" for none
     simulator: Proc | None = None  # the GPU simulator serving the node's state file
     service_proxy: Proc | None = None  # the `kubernetes` Service for in-cluster clients
+    cdi_writer: Proc | None = None  # keeps the CDI spec current with the GPUs (cdi.py)
 
     @property
     def sim_state(self) -> Path:
@@ -92,6 +95,10 @@ class RealNode:
     @property
     def nvml_socket(self) -> Path:
         return Path(SOCKETS) / "gpu" / "nvml.sock"
+
+    @property
+    def cdi_spec(self) -> Path:
+        return Path(self.dir) / "cdi" / "nvidia.json"
 
     @property
     def host_view(self) -> Path:
@@ -172,55 +179,6 @@ path = "{nvidia / "nvidia-ctk"}"
         f'exec "{nvidia / "nvidia-container-runtime"}" "$@"\n'
     )
     wrapper.chmod(0o755)
-
-
-def write_cdi_spec(node: RealNode, sim_nvml_dir: Path) -> Path:
-    """The node's CDI spec (kind nvidia.com/gpu), written from the simulated GPUs: a device per
-    GPU and per MIG device, by index and by UUID, and `all`. Where NVIDIA's spec mounts the
-    driver's libraries and device nodes, this one mounts the simulated libnvidia-ml.so.1 and the
-    node's GPU simulator socket (no /dev/nvidia* exists here), and names the devices a container
-    was given in MIG_AGENT_SIM_VISIBLE_DEVICES."""
-    state = json.loads(node.sim_state.read_text())
-    devices: list[dict[str, Any]] = []
-
-    def device(names: list[str], visible: str) -> None:
-        for name in names:
-            edits = {"env": [f"MIG_AGENT_SIM_VISIBLE_DEVICES={visible}"]}
-            devices.append({"name": name, "containerEdits": edits})
-
-    for gpu in state["gpus"]:
-        device([str(gpu["index"]), gpu["uuid"]], gpu["uuid"])
-        migs = [ci for gi in gpu["gpu_instances"] for ci in gi["compute_instances"]]
-        for i, ci in enumerate(m for m in migs if m.get("uuid")):
-            device([f"{gpu['index']}:{i}", ci["uuid"]], ci["uuid"])
-    device(["all"], "all")
-    lib = sim_nvml_dir / "libnvidia-ml.so.1"
-    spec = {
-        "cdiVersion": "0.5.0",
-        "kind": "nvidia.com/gpu",
-        "devices": devices,
-        "containerEdits": {
-            "env": [f"MIG_AGENT_SIM_NVML_SOCKET={node.nvml_socket}"],
-            "mounts": [
-                {
-                    "hostPath": str(lib),
-                    "containerPath": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
-                    "options": ["ro", "nosuid", "nodev", "bind"],
-                },
-                {
-                    "hostPath": str(node.nvml_socket.parent),
-                    "containerPath": str(node.nvml_socket.parent),
-                    "options": ["rw", "nosuid", "nodev", "bind"],
-                },
-            ],
-        },
-    }
-    target = Path(node.dir) / "cdi" / "nvidia.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
-    partial.write_text(json.dumps(spec, indent=1))
-    partial.rename(target)
-    return target
 
 
 def _containerd_config(d: Path) -> str:
@@ -361,7 +319,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         library = sim_nvml() if gpus else None
         if library is not None:
             node = _start_gpus(node, logs)
-            write_cdi_spec(node, library)
+            node = _start_cdi_writer(node, library, logs)
         wait_until(
             lambda: _alive_or_raise(containerd, logs) and node.containerd_socket.is_socket(),
             timeout=30,
@@ -378,20 +336,8 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
                 indent=1,
             )
         )
-        kubelet = spawn(
-            f"kubelet-{name}",
-            [
-                str(kubelet_bin),
-                f"--config={d / 'kubelet.yaml'}",
-                f"--kubeconfig={cluster.kubeconfig}",
-                f"--root-dir={node.root_dir}",
-                f"--hostname-override={name}",
-                f"--node-ip={address}",
-                "--v=1",
-            ],
-            logs / f"kubelet-{name}.log",
-        )
-        node = RealNode(name, str(d), containerd, kubelet, port, gpus, node.simulator, proxy)
+        kubelet = _spawn_kubelet(cluster, node, address)
+        node = dataclasses.replace(node, kubelet=kubelet)
         (d / RECORD).write_text(json.dumps(asdict(node)))
         wait_until(
             lambda: _alive_or_raise(kubelet, logs) and _ready(cluster, name),
@@ -410,6 +356,44 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
     except BaseException:
         stop_node(node)
         raise
+    return node
+
+
+def _spawn_kubelet(cluster: Cluster, node: RealNode, address: str) -> Proc:
+    d = Path(node.dir)
+    return spawn(
+        f"kubelet-{node.name}",
+        [
+            str(find_binaries() / "kubelet"),
+            f"--config={d / 'kubelet.yaml'}",
+            f"--kubeconfig={cluster.kubeconfig}",
+            f"--root-dir={node.root_dir}",
+            f"--hostname-override={node.name}",
+            f"--node-ip={address}",
+            "--v=1",
+        ],
+        cluster.dir / "logs" / f"kubelet-{node.name}.log",
+    )
+
+
+def restart_kubelet(
+    cluster: Cluster, node: RealNode, *, down_s: float = 0.0, timeout: float = 120.0
+) -> RealNode:
+    """Stop the node's kubelet (SIGTERM), as an upgrade or a crash of it would, and start it
+    again `down_s` later; its pods' containers run on under containerd meanwhile. Returns the
+    node with its new kubelet once the Node is Ready again."""
+    stop([node.kubelet])
+    time.sleep(down_s)
+    since = time.time() - 1  # the API server's heartbeat stamps have whole seconds
+    kubelet = _spawn_kubelet(cluster, node, node_address())
+    node = dataclasses.replace(node, kubelet=kubelet)
+    (Path(node.dir) / RECORD).write_text(json.dumps(asdict(node)))
+    logs = cluster.dir / "logs"
+    wait_until(
+        lambda: _alive_or_raise(kubelet, logs) and _ready(cluster, node.name, since=since),
+        timeout=timeout,
+        what=f"real node {node.name} to be Ready again",
+    )
     return node
 
 
@@ -482,6 +466,32 @@ def _start_gpus(node: RealNode, logs: Path) -> RealNode:
         lambda: _alive_or_raise(simulator, logs) and node.nvml_socket.is_socket(),
         timeout=30,
         what=f"the GPU simulator of {node.name} to listen",
+    )
+    return started
+
+
+def _start_cdi_writer(node: RealNode, library: Path, logs: Path) -> RealNode:
+    """The node's CDI spec, written before any container may ask for it and kept current with
+    the GPUs while the node runs."""
+    argv = [
+        sys.executable,
+        "-m",
+        "migsim.cluster.cdi",
+        "--state",
+        str(node.sim_state),
+        "--out",
+        str(node.cdi_spec),
+        "--sim-nvml",
+        str(library),
+        "--socket",
+        str(node.nvml_socket),
+    ]
+    writer = spawn(f"cdi-writer-{node.name}", argv, logs / f"cdi-writer-{node.name}.log")
+    started = dataclasses.replace(node, cdi_writer=writer)
+    wait_until(
+        lambda: _alive_or_raise(writer, logs) and node.cdi_spec.exists(),
+        timeout=15,
+        what=f"the CDI spec of {node.name}",
     )
     return started
 
@@ -604,9 +614,10 @@ def _clear_kubelet_root() -> None:
 
 
 def install_device_plugin(cluster: Cluster, node: RealNode) -> None:
-    """Apply the namespace and the real node's device-plugin DaemonSet (idempotent)."""
+    """What the GPU Operator leaves for the node: the RuntimeClass `nvidia`, the namespace and
+    the real node's device-plugin DaemonSet (idempotent)."""
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": PLUGIN_NS}}
-    for manifest in (namespace, device_plugin_daemonset(node)):
+    for manifest in (NVIDIA_RUNTIME_CLASS, namespace, device_plugin_daemonset(node)):
         cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
 
@@ -617,13 +628,26 @@ def _alive_or_raise(proc: Proc, logs: Path) -> bool:
     return True
 
 
-def _ready(cluster: Cluster, name: str) -> bool:
+def _ready(cluster: Cluster, name: str, *, since: float = 0.0) -> bool:
+    """Whether the Node is Ready, by a kubelet heartbeat at `since` (epoch seconds) or later."""
     try:
         node = cluster.api.get(f"/api/v1/nodes/{name}")
     except Exception:  # noqa: BLE001 - not registered yet
         return False
     conditions = node.get("status", {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    return any(
+        c["type"] == "Ready"
+        and c["status"] == "True"
+        and _epoch(c.get("lastHeartbeatTime") or "") >= since
+        for c in conditions
+    )
+
+
+def _epoch(stamp: str) -> float:
+    try:
+        return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def load(cluster: Cluster, name: str) -> RealNode | None:
@@ -631,8 +655,10 @@ def load(cluster: Cluster, name: str) -> RealNode | None:
     if not record.exists():
         return None
     raw = json.loads(record.read_text())
-    simulator = raw.get("simulator")
-    proxy = raw.get("service_proxy")
+    procs = {
+        key: Proc(**raw[key]) if raw.get(key) else None
+        for key in ("simulator", "service_proxy", "cdi_writer")
+    }
     return RealNode(
         raw["name"],
         raw["dir"],
@@ -640,8 +666,7 @@ def load(cluster: Cluster, name: str) -> RealNode | None:
         Proc(**raw["kubelet"]),
         raw["kubelet_port"],
         raw.get("gpus", ""),
-        Proc(**simulator) if simulator else None,
-        Proc(**proxy) if proxy else None,
+        **procs,
     )
 
 
@@ -676,7 +701,7 @@ def stop_node(node: RealNode) -> None:
     deadline = time.monotonic() + 5
     while _shims(node.containerd_socket) and time.monotonic() < deadline:
         time.sleep(0.1)
-    stop([p for p in (node.simulator, node.service_proxy) if p is not None])
+    stop([p for p in (node.simulator, node.service_proxy, node.cdi_writer) if p is not None])
     shutil.rmtree(SOCKETS, ignore_errors=True)
     if node.service_proxy is not None:
         ip = pki.KUBERNETES_SERVICE_IP
