@@ -5,14 +5,17 @@ and the kubelet run as root; as root, `scripts/test` installs what they need."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 from kubernetes import client
-from migsim.cluster import Cluster, agents, images, real_node
+from migsim.cluster import Cluster, agents, images, real_node, seed_checks
 
 REAL_NODE = real_node.NAME
 REAL_GPUS = "2xH100-80GB"
@@ -107,3 +110,90 @@ def pod_log(core: client.CoreV1Api, namespace: str, name: str) -> str:
     """The container's log, read by the API server from the real kubelet."""
     raw = core.read_namespaced_pod_log(name, namespace, _preload_content=False)
     return str(raw.data.decode())
+
+
+# -- a cluster whose one node is the real node, and the chart on it ----------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+
+
+class NodeCluster(NamedTuple):
+    cluster: Cluster
+    helm: str  # the helm binary
+    node: real_node.RealNode
+
+
+@pytest.fixture(scope="module")
+def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
+    """A cluster whose one node is the real node, with NVIDIA's plugin and the agent's image;
+    and helm."""
+    if os.geteuid() != 0:
+        pytest.skip("the real node runs containerd and a kubelet: run as root")
+    helm = subprocess.run(
+        [str(REPO / "scripts" / "helm-binary"), "build"],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout.strip()
+    c = Cluster.up(tmp_path_factory.mktemp("chart-cluster"), gpu_nodes=0)
+    node = None
+    try:
+        node = real_node.start(c, real_node.NAME, gpus="2xH100-80GB")
+        real_node.install_device_plugin(c, node)
+        yield NodeCluster(c, helm, node)
+    finally:
+        if node is not None:  # as recorded last: a test may have restarted its kubelet
+            real_node.stop_node(real_node.load(c, real_node.NAME) or node)
+        c.down()
+
+
+def kube(c: Cluster, *args: str) -> Any:
+    return json.loads(c.kubectl(*args, "-o", "json"))
+
+
+def agent_pods(c: Cluster) -> list[Any]:
+    pods = kube(c, "get", "pods", "-n", "mig-agent", "-l", "app.kubernetes.io/name=mig-agent")
+    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def wait_ready_agent(c: Cluster, timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        for pod in agent_pods(c):
+            conditions = {x["type"]: x["status"] for x in pod["status"].get("conditions", [])}
+            if conditions.get("Ready") == "True":
+                return pod
+        assert time.monotonic() < deadline, c.kubectl("describe", "pods", "-n", "mig-agent")
+        time.sleep(0.5)
+
+
+def wait_state(c: Cluster, timeout: float = 120) -> tuple[str, list[str]]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        state = kube(c, "get", "node", real_node.NAME)["metadata"]["labels"].get(STATE, "")
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if state in ("success", "failed"):
+            return state, seen
+        assert time.monotonic() < deadline, (seen, agent_log(c))
+        time.sleep(0.3)
+
+
+def agent_log(c: Cluster) -> str:
+    return c.kubectl(
+        "logs",
+        "-n",
+        "mig-agent",
+        "-l",
+        "app.kubernetes.io/name=mig-agent",
+        "--tail=40",
+        check=False,
+    )
+
+
+def helm_install(c: Cluster, helm: str, *values: str) -> None:
+    """The chart installed with the image built here; `values` are more `--set` pairs."""
+    # the tests' workloads are bare pods
+    seed_checks.install_chart(c, helm, "drain.evictUnmanagedPods=true", *values)

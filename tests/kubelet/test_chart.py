@@ -12,137 +12,30 @@ to take over."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 from migsim.cluster import Cluster, images, real_node
 
-from .conftest import busybox_pod
-
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "mig-agent"
-CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
-RUNTIME_CLASS = {
-    "apiVersion": "node.k8s.io/v1",
-    "kind": "RuntimeClass",
-    "metadata": {"name": "nvidia"},
-    "handler": "nvidia",
-}
-
-
-@pytest.fixture(scope="module")
-def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str]]:
-    """A cluster whose one node is the real node, with NVIDIA's plugin and the agent's image;
-    and helm."""
-    if os.geteuid() != 0:
-        pytest.skip("the real node runs containerd and a kubelet: run as root")
-    helm = subprocess.run(
-        [str(REPO / "scripts" / "helm-binary"), "build"],
-        check=True,
-        stdout=subprocess.PIPE,
-        text=True,
-    ).stdout.strip()
-    c = Cluster.up(tmp_path_factory.mktemp("chart-cluster"), gpu_nodes=0)
-    node = None
-    try:
-        c.kubectl("apply", "-f", "-", input=json.dumps(RUNTIME_CLASS))
-        node = real_node.start(c, real_node.NAME, gpus="2xH100-80GB")
-        real_node.install_device_plugin(c, node)
-        real_node.import_image(node, images.agent())
-        # as NVIDIA's feature discovery labels a GPU node: the chart's affinity
-        c.kubectl("label", "node", real_node.NAME, "nvidia.com/gpu.present=true")
-        yield c, helm
-    finally:
-        if node is not None:
-            real_node.stop_node(node)
-        c.down()
-
-
-def kube(c: Cluster, *args: str) -> Any:
-    return json.loads(c.kubectl(*args, "-o", "json"))
-
-
-def agent_pods(c: Cluster) -> list[Any]:
-    pods = kube(c, "get", "pods", "-n", "mig-agent", "-l", "app.kubernetes.io/name=mig-agent")
-    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
-
-
-def wait_ready_agent(c: Cluster, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        for pod in agent_pods(c):
-            conditions = {x["type"]: x["status"] for x in pod["status"].get("conditions", [])}
-            if conditions.get("Ready") == "True":
-                return pod
-        assert time.monotonic() < deadline, c.kubectl("describe", "pods", "-n", "mig-agent")
-        time.sleep(0.5)
-
-
-def wait_state(c: Cluster, timeout: float = 120) -> tuple[str, list[str]]:
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        state = kube(c, "get", "node", real_node.NAME)["metadata"]["labels"].get(STATE, "")
-        if not seen or seen[-1] != state:
-            seen.append(state)
-        if state in ("success", "failed"):
-            return state, seen
-        assert time.monotonic() < deadline, (seen, agent_log(c))
-        time.sleep(0.3)
-
-
-def agent_log(c: Cluster) -> str:
-    return c.kubectl(
-        "logs",
-        "-n",
-        "mig-agent",
-        "-l",
-        "app.kubernetes.io/name=mig-agent",
-        "--tail=40",
-        check=False,
-    )
+from .conftest import (
+    CONFIG,
+    STATE,
+    NodeCluster,
+    agent_log,
+    agent_pods,
+    busybox_pod,
+    helm_install,
+    kube,
+    wait_ready_agent,
+    wait_state,
+)
 
 
 @pytest.fixture(scope="module")
-def chart(node_cluster: tuple[Cluster, str]) -> Cluster:
+def chart(node_cluster: NodeCluster) -> Cluster:
     """The chart installed on the node's cluster with the image built here."""
-    c, helm = node_cluster
-    install = subprocess.run(
-        [
-            helm,
-            "--kubeconfig",
-            str(c.kubeconfig),
-            "install",
-            "mig-agent",
-            str(CHART),
-            "-n",
-            "mig-agent",
-            "--create-namespace",
-            "--set",
-            f"image.repository={images.AGENT.rsplit(':', 1)[0]}",
-            "--set",
-            f"image.tag={images.AGENT.rsplit(':', 1)[1]}",
-            "--set",
-            "image.pullPolicy=Never",
-            # no pod network here: the node's, as the device plugin's pod has
-            "--set",
-            "hostNetwork=true",
-            # the tests' workloads are bare pods
-            "--set",
-            "drain.evictUnmanagedPods=true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert install.returncode == 0, install.stderr
-    return c
+    helm_install(node_cluster.cluster, node_cluster.helm)
+    return node_cluster.cluster
 
 
 def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(chart: Cluster) -> None:

@@ -1,0 +1,360 @@
+"""We test mig-agent, installed with the chart on the real node, against workloads and a node that
+behave as real ones do: a training pod whose SIGTERM handler takes 60 s (grace 120 s) under a
+PodDisruptionBudget, a GPU DaemonSet on an operand label, a Pending pod waiting for a MIG device
+only the new layout has; a budget that forbids the eviction; a pass made long by slow NVML calls
+while the kubelet probes the agent; the kubelet itself restarted mid-pass; NVIDIA's device plugin
+crash-looping after the change. The tests run in order, each from the layout the last one left.
+
+On a cluster of its own (test_chart.py's reasons), with a drain timeout of 20 s and retries at
+most 10 s apart so that a refused change is seen, and retried, within a test."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from migsim.cluster import Cluster, agents, images, real_node
+
+from .conftest import (
+    CONFIG,
+    STATE,
+    NodeCluster,
+    agent_log,
+    agent_pods,
+    helm_install,
+    kube,
+    node_pod,
+    wait_ready_agent,
+    wait_state,
+)
+
+NS = "work"
+MONITOR_LABEL = "nvidia.com/gpu.deploy.dcgm-exporter"  # an operand label the agent pauses
+DRAIN_TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def chart(node_cluster: NodeCluster) -> NodeCluster:
+    c = node_cluster.cluster
+    helm_install(
+        c,
+        node_cluster.helm,
+        f"timeouts.drain={DRAIN_TIMEOUT_S}",
+        "extraEnv.backoff_max_s=10",
+    )
+    c.kubectl("create", "namespace", NS)
+    wait_ready_agent(c)
+    return node_cluster
+
+
+def apply(c: Cluster, *manifests: dict[str, Any]) -> None:
+    for m in manifests:
+        m.setdefault("metadata", {})["namespace"] = NS
+        c.kubectl("apply", "-f", "-", input=json.dumps(m))
+
+
+def node(c: Cluster) -> Any:
+    return kube(c, "get", "node", real_node.NAME)
+
+
+def pods(c: Cluster, selector: str) -> list[Any]:
+    return list(kube(c, "get", "pods", "-n", NS, "-l", selector)["items"])
+
+
+def until(what: str, check: Callable[[], Any], timeout: float = 90, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(every)
+
+
+def relabel(c: Cluster, layout: str) -> None:
+    c.kubectl("label", "node", real_node.NAME, "--overwrite", f"{CONFIG}={layout}", f"{STATE}-")
+
+
+def sim(node_: real_node.RealNode, *args: str) -> str:
+    """The GPU simulator's own command line (faults) on the real node's GPUs."""
+    done = subprocess.run(
+        [sys.executable, "-m", "migsim.nvml", "--state", str(node_.sim_state), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@contextlib.contextmanager
+def sim_fault(node_: real_node.RealNode, *args: str) -> Iterator[None]:
+    sim(node_, "fault", *args)
+    try:
+        yield
+    finally:
+        sim(node_, "fault", "clear")
+
+
+def gpu_instances(node_: real_node.RealNode) -> list[tuple[int, str, int]]:
+    """(GPU, GI profile, placement start) of every GPU instance the simulated GPUs hold."""
+    state = json.loads(node_.sim_state.read_text())
+    return sorted(
+        (gpu["index"], str(gi["profile_id"]), int(gi["start"]))
+        for gpu in state["gpus"]
+        for gi in gpu["gpu_instances"]
+    )
+
+
+def shell(script: str, grace_s: int = 30) -> dict[str, Any]:
+    """A pod template's spec: busybox running `script` on the real node."""
+    pod = node_pod("x", {"image": images.BUSYBOX, "command": ["/bin/sh", "-c", script]})
+    spec: dict[str, Any] = pod["spec"]
+    spec["terminationGracePeriodSeconds"] = grace_s
+    spec["restartPolicy"] = "Always"
+    return spec
+
+
+def deployment(name: str, spec: dict[str, Any], resource: str) -> dict[str, Any]:
+    spec["containers"][0]["resources"] = {"limits": {resource: 1}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": spec},
+        },
+    }
+
+
+def budget(name: str, **rule: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": {"app": name}}, **rule},
+    }
+
+
+QUICK = "trap 'exit 0' TERM; while true; do sleep 0.2; done"
+
+
+def running(c: Cluster, selector: str) -> Any:
+    live = [
+        p
+        for p in pods(c, selector)
+        if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+    ]
+    return live[0] if live else None
+
+
+def test_a_60s_training_pod_a_budget_a_gpu_daemonset_and_a_pending_pod(chart: NodeCluster) -> None:
+    c = chart.cluster
+    c.kubectl("label", "node", real_node.NAME, "--overwrite", f"{MONITOR_LABEL}=true")
+    monitor_spec = shell(QUICK)
+    monitor_spec["nodeSelector"] = {MONITOR_LABEL: "true"}
+    monitor_spec["runtimeClassName"] = "nvidia"
+    monitor_spec["containers"][0]["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    monitor = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "gpu-monitor"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "gpu-monitor"}},
+            "template": {"metadata": {"labels": {"app": "gpu-monitor"}}, "spec": monitor_spec},
+        },
+    }
+    train = "trap 'echo got TERM; sleep 60; echo done; exit 0' TERM; while true; do sleep 0.2; done"
+    trainer = deployment("trainer", shell(train, grace_s=120), "nvidia.com/gpu")
+    waiting = node_pod(
+        "new-slice",
+        {
+            "image": images.BUSYBOX,
+            "command": ["/bin/sh", "-c", "echo devices=$NVIDIA_VISIBLE_DEVICES; " + QUICK],
+            "resources": {"limits": {"nvidia.com/mig-2g.20gb": 1}},
+        },
+    )
+    del waiting["spec"]["nodeName"]  # the scheduler's: Pending until the layout offers one
+    apply(c, monitor, trainer, budget("trainer", maxUnavailable=1), waiting)
+    first_monitor = until("the GPU DaemonSet's pod", lambda: running(c, "app=gpu-monitor"))
+    first_trainer = until("the trainer", lambda: running(c, "app=trainer"))
+    until(
+        "new-slice to be unschedulable",
+        lambda: any(
+            x.get("reason") == "Unschedulable"
+            for x in kube(c, "get", "pod", "-n", NS, "new-slice")["status"].get("conditions", [])
+        ),
+    )
+
+    relabel(c, "all-balanced")
+    states: list[str] = []
+    evicted_at = gone_at = 0.0
+    monitor_paused = False
+    deadline = time.monotonic() + 300
+    while True:
+        n = node(c)
+        state = n["metadata"]["labels"].get(STATE, "")
+        if not states or states[-1] != state:
+            states.append(state)
+        if n["metadata"]["labels"].get(MONITOR_LABEL) != "true":
+            monitor_paused = True
+        live = {p["metadata"]["uid"]: p for p in pods(c, "app=trainer")}
+        old = live.get(first_trainer["metadata"]["uid"])
+        if old and old["metadata"].get("deletionTimestamp") and not evicted_at:
+            evicted_at = time.monotonic()
+        if evicted_at and not old and not gone_at:
+            gone_at = time.monotonic()
+            assert state == "pending", (states, "success before the trainer was gone")
+        slice_pod = kube(c, "get", "pod", "-n", NS, "new-slice")
+        assert slice_pod["status"].get("reason") != "UnexpectedAdmissionError", slice_pod["status"]
+        if state in ("success", "failed"):
+            break
+        assert time.monotonic() < deadline, (states, agent_log(c))
+        time.sleep(0.5)
+    assert states[-1] == "success", (states, agent_log(c))
+    assert evicted_at and gone_at, "the trainer was not drained"
+    # the kubelet, not the agent, decided: the handler's 60 s ran before the pod was gone
+    assert gone_at - evicted_at >= 55, gone_at - evicted_at
+    assert monitor_paused, "the GPU DaemonSet's operand label was never paused"
+
+    n = node(c)
+    assert n["metadata"]["labels"][MONITOR_LABEL] == "true"
+    assert not n["spec"].get("unschedulable"), n["spec"]
+    assert n["status"]["allocatable"]["nvidia.com/mig-2g.20gb"] == "2"
+    slice_pod = until(
+        "new-slice to run",
+        lambda: (
+            (p := kube(c, "get", "pod", "-n", NS, "new-slice"))["status"].get("phase") == "Running"
+            and p
+        ),
+        timeout=60,
+    )
+    assert slice_pod["spec"]["nodeName"] == real_node.NAME
+    monitor_now = until("the GPU DaemonSet's pod again", lambda: running(c, "app=gpu-monitor"))
+    assert monitor_now["metadata"]["uid"] != first_monitor["metadata"]["uid"]
+
+
+def test_a_budget_that_forbids_the_eviction_fails_the_change_touching_no_gpu(
+    chart: NodeCluster,
+) -> None:
+    c, rn = chart.cluster, chart.node
+    apply(
+        c,
+        deployment("serving", shell(QUICK), "nvidia.com/mig-2g.20gb"),
+        budget("serving", minAvailable=1),
+    )
+    until("serving", lambda: running(c, "app=serving"))
+    before = gpu_instances(rn)
+
+    relabel(c, "all-1g.10gb")
+    state, seen = wait_state(c, timeout=DRAIN_TIMEOUT_S + 120)
+    assert state == "failed", (seen, agent_log(c))
+    n = node(c)
+    reason = n["metadata"]["annotations"].get("mig-agent.dev/reason", "")
+    assert f"PodDisruptionBudget {NS}/serving" in reason, reason
+    assert gpu_instances(rn) == before  # no GPU touched
+    assert running(c, "app=serving") is not None
+    assert n["metadata"]["labels"][MONITOR_LABEL] == "true"  # operands resumed
+    until("the node uncordoned", lambda: not node(c)["spec"].get("unschedulable"), timeout=60)
+
+    # the budget lifted, the agent's next try finishes the change
+    c.kubectl("delete", "pdb", "-n", NS, "serving")
+    until(
+        "the retry to end in success",
+        lambda: node(c)["metadata"]["labels"].get(STATE) == "success",
+        timeout=180,
+    )
+    assert node(c)["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] == "14", agent_log(c)
+
+
+def test_a_long_pass_keeps_the_agent_live_and_ready(chart: NodeCluster) -> None:
+    """Every mutating NVML call takes 3 s (as MIG calls and resets take seconds on hardware):
+    the pass lasts longer than the liveness probe's window (3 x 20 s), which must not kill it."""
+    c, rn = chart.cluster, chart.node
+    (agent,) = agent_pods(c)
+    with sim_fault(rn, "latency", "3"):
+        relabel(c, "all-3g.40gb")
+        started = time.monotonic()
+        not_ready: list[str] = []
+        while True:
+            pod = kube(c, "get", "pod", "-n", "mig-agent", agent["metadata"]["name"])
+            ready = {x["type"]: x["status"] for x in pod["status"]["conditions"]}["Ready"]
+            if ready != "True":
+                not_ready.append(f"{time.monotonic() - started:.0f}s")
+            state = node(c)["metadata"]["labels"].get(STATE)
+            if state in ("success", "failed"):
+                break
+            assert time.monotonic() - started < 400, agent_log(c)
+            time.sleep(1)
+        took = time.monotonic() - started
+    assert state == "success", agent_log(c)
+    assert took > 60, f"the pass took {took:.0f} s: not longer than the liveness window"
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["restartCount"] == 0, status
+    assert not not_ready, f"not Ready at {not_ready}"
+    assert node(c)["status"]["allocatable"]["nvidia.com/mig-3g.40gb"] == "4"
+
+
+def test_the_kubelet_restarted_mid_pass(chart: NodeCluster) -> None:
+    c = chart.cluster
+    slow = "trap 'sleep 15; exit 0' TERM; while true; do sleep 0.2; done"
+    apply(c, deployment("slow", shell(slow, grace_s=60), "nvidia.com/mig-3g.40gb"))
+    first = until("slow", lambda: running(c, "app=slow"))
+    (agent,) = agent_pods(c)
+
+    relabel(c, "all-1g.10gb")
+    until(
+        "the drain to evict the slow pod",
+        lambda: any(
+            p["metadata"]["uid"] == first["metadata"]["uid"]
+            and p["metadata"].get("deletionTimestamp")
+            for p in pods(c, "app=slow")
+        ),
+    )
+    rn = real_node.restart_kubelet(c, real_node.load(c, real_node.NAME) or chart.node, down_s=10)
+    assert rn.kubelet.alive()
+    state, seen = wait_state(c, timeout=240)
+    assert state == "success", (seen, agent_log(c))
+    n = node(c)
+    assert n["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] == "14"
+    assert not n["spec"].get("unschedulable"), n["spec"]
+    (after,) = agent_pods(c)  # the kubelet's restart left the agent's container running
+    assert after["metadata"]["uid"] == agent["metadata"]["uid"]
+    assert after["status"]["containerStatuses"][0]["restartCount"] == 0
+    c.kubectl("delete", "deployment", "-n", NS, "slow")
+
+
+def test_the_device_plugin_crash_looping_after_the_change(chart: NodeCluster) -> None:
+    """NVIDIA's plugin fails to initialise NVML three times after the agent restarts it (go-nvml
+    calls nvmlInit_v2; the agent's pynvml another entry point): the kubelet restarts it with its
+    back-off, and the agent says `success` only once the plugin advertises the layout."""
+    c = chart.cluster
+    rn = real_node.load(c, real_node.NAME) or chart.node
+    with sim_fault(rn, "fail", "DRIVER_NOT_LOADED", "--function", "nvmlInit_v2", "--times", "3"):
+        relabel(c, "all-balanced")
+        seen: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 300
+        while True:
+            n = node(c)
+            state = n["metadata"]["labels"].get(STATE, "")
+            g2 = n["status"].get("allocatable", {}).get("nvidia.com/mig-2g.20gb", "0")
+            if not seen or seen[-1] != (state, g2):
+                seen.append((state, g2))
+            if state in ("success", "failed"):
+                break
+            assert time.monotonic() < deadline, (seen, agent_log(c))
+            time.sleep(0.5)
+    assert state == "success" and g2 == "2", (seen, agent_log(c))
+    plugin = kube(c, "get", "pods", "-n", agents.PLUGIN_NS, "-l", agents.PLUGIN_LABEL)
+    restarts = [
+        s["restartCount"] for p in plugin["items"] for s in p["status"]["containerStatuses"]
+    ]
+    assert max(restarts) >= 3, restarts  # it did crash-loop
