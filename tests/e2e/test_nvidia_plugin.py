@@ -35,6 +35,7 @@ from .test_device_plugin_facts import TIME_SLICING
 
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 H100 = parse_gpu_spec("H100-80GB")[0]
+B200 = parse_gpu_spec("B200")[0]
 
 
 def nvidia_node(agent_node: NodeFactory, gpus: str = "2xH100-80GB", **kw: Any) -> AgentNode:
@@ -139,6 +140,41 @@ def test_a_mixed_node_advertises_what_nvidias_plugin_lists_before_and_after_a_re
         timeout=30,
     )
     assert node.labels()["nvidia.com/mig-3g.40gb.product"] == f"{H100.product}-MIG-3g.40gb"
+
+
+def test_a_b200_node_is_labelled_repartitioned_and_advertised(agent_node: NodeFactory) -> None:
+    """Blackwell end to end: GFD labels the simulated B200s from NVML (compute capability 10.0),
+    the agent applies NVIDIA's default B200 layouts and NVIDIA's plugin advertises them."""
+    node = nvidia_node(agent_node, "2xB200")
+    wait_for(lambda: node.gpu_resources() == {"nvidia.com/gpu": 2}, "whole GPUs", node)
+    wait_for(lambda: node.labels().get("nvidia.com/mig.strategy") == "mixed", "GFD labels", node)
+    labels = node.labels()
+    assert labels["nvidia.com/gpu.product"] == B200.product
+    assert labels["nvidia.com/gpu.memory"] == str(B200.memory_total_mib)
+    assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.compute.minor"]) == (
+        "10",
+        "0",
+    )
+    assert labels["nvidia.com/mig.capable"] == "true"
+
+    node.label("all-balanced")
+    assert node.wait_state("success", "failed", timeout=120) == "success", runtime_log(node)
+    # per B200: 1g.23gb x2, 2g.45gb x1, 3g.90gb x1 (NVIDIA's default config)
+    want = {"nvidia.com/mig-1g.23gb": 4, "nvidia.com/mig-2g.45gb": 2, "nvidia.com/mig-3g.90gb": 2}
+    assert node.gpu_resources() == want
+    assert sorted(registrations(node)[1:]) == sorted(want), plugin_log(node)[-3000:]
+
+    node.core.patch_node(node.name, {"metadata": {"labels": {CONFIG: "all-1g.23gb", STATE: None}}})
+    assert node.wait_state("success", "failed", timeout=120) == "success", runtime_log(node)
+    assert node.gpu_resources() == {"nvidia.com/mig-1g.23gb": 14}
+    wait_for(
+        lambda: node.labels().get("nvidia.com/mig-1g.23gb.count") == "14",
+        "GFD's MIG labels",
+        node,
+        timeout=30,
+    )
+    assert node.labels()["nvidia.com/mig-1g.23gb.product"] == f"{B200.product}-MIG-1g.23gb"
+    assert len(mig_uuids(node)) == 14
 
 
 def test_single_strategy_advertises_and_labels_mig_devices_as_gpus(agent_node: NodeFactory) -> None:
