@@ -147,6 +147,20 @@ def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json
                             "placements": [
                                 {"start": x.start, "size": x.size} for x in p.placements
                             ],
+                            "compute_instances": [
+                                {
+                                    "name": p.ci_name(c),
+                                    "index": c.index,
+                                    "id": c.id,
+                                    "slices": c.slices,
+                                    "instances": c.instance_count,
+                                    "multiprocessors": c.multiprocessors,
+                                    "placements": [
+                                        {"start": x.start, "size": x.size} for x in c.placements
+                                    ],
+                                }
+                                for c in p.ci_profiles
+                            ],
                         }
                         for p in m.gi_profiles
                     ]

@@ -175,14 +175,19 @@ class GpuModel:
         return tuple(names)
 
     def resolve(self, device_name: str) -> tuple[GiProfile, CiProfile] | None:
-        """The GI and CI profile that make a MIG device called ``device_name``, or None."""
-        for gi in self.gi_profiles:
-            for ci in gi.ci_profiles:
-                if gi.ci_name(ci) == device_name and (
-                    ci.slices != 1 or ci.index != CI_PROFILE_1_SLICE_REV1
-                ):
-                    return gi, ci
-        return None
+        """The GI and CI profile that make a MIG device called ``device_name``, or None.
+
+        NB: a 1g REV2 GI offers CI 0 and 1_SLICE_REV1, both named like the GI; NVIDIA's stack
+        makes CI 0 (nvml-mig.md 4), so the REV1 one is taken only where no other has the name.
+        """
+        found = [
+            (gi, ci)
+            for gi in self.gi_profiles
+            for ci in gi.ci_profiles
+            if gi.ci_name(ci) == device_name
+        ]
+        rev1 = [f for f in found if f[1].slices == 1 and f[1].index == CI_PROFILE_1_SLICE_REV1]
+        return next((f for f in found if f not in rev1), found[0] if found else None)
 
 
 def mig_memory_gb(memory_mib: int, total_mib: int) -> int:

@@ -7,6 +7,9 @@ plain int, ``nvmlDeviceIsMigDeviceHandle`` returning a c_uint. Every NVMLError b
 (GpuBusy, GpuResetRequired, GpuUnavailable) in ``_nvml``, with the operation in the message.
 
 It must not decide anything (that is the planner's and executor's job): it reports and obeys.
+One exception to "reports": NVML lists compute-instance profiles only inside a GPU instance, so on
+a model the catalog does not know, reading its profiles may create a GPU instance without compute
+instances and destroy it again (``_ci_profiles_of``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from ctypes import byref, c_uint
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -106,8 +110,8 @@ class NvmlGpuBackend(GpuBackend):
         # again once that mode changes (set_mig_mode, a reset, or anyone else). Only complete
         # models are kept: see _model_under.
         self._models: dict[int, tuple[bool | None, GpuModel]] = {}
-        # CI profiles as the hardware lists them inside a GI of a given profile: (id, count).
-        self._ci_table: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+        # CI profiles as NVML lists them inside a GI, by (GPU, GI profile id).
+        self._ci_table: dict[tuple[int, int], tuple[CiProfile, ...]] = {}
 
     # -- library lifetime --------------------------------------------------------------------------
 
@@ -242,7 +246,9 @@ class NvmlGpuBackend(GpuBackend):
                     )
         return tuple(sorted(out, key=lambda g: g.id))
 
-    def _ci_profiles_in(self, gi_profile_id: int, gi: Any, gpu: int) -> tuple[tuple[int, int], ...]:
+    def _ci_profiles_in(self, gi_profile_id: int, gi: Any, gpu: int) -> tuple[CiProfile, ...]:
+        """The CI profiles NVML lists inside GPU instance ``gi`` (of GI profile
+        ``gi_profile_id``), with their placements; read once per GPU and GI profile."""
         key = (gpu, gi_profile_id)
         if key not in self._ci_table:
             found = []
@@ -255,7 +261,32 @@ class NvmlGpuBackend(GpuBackend):
                     if exc.value in _ABSENT:
                         continue
                     raise
-                found.append((int(ci.id), int(ci.instanceCount)))
+                count = c_uint(0)
+                pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(
+                    gi, int(ci.id), None, byref(count)
+                )
+                # as for GI placements: sized from the count query and instanceCount both
+                arr = (
+                    pynvml.c_nvmlComputeInstancePlacement_t
+                    * max(count.value, int(ci.instanceCount), 1)
+                )()
+                count.value = len(arr)
+                pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(
+                    gi, int(ci.id), arr, byref(count)
+                )
+                found.append(
+                    CiProfile(
+                        index=index,
+                        id=int(ci.id),
+                        slices=int(ci.sliceCount),
+                        instance_count=int(ci.instanceCount),
+                        multiprocessors=int(ci.multiprocessorCount),
+                        placements=tuple(
+                            Placement(int(arr[k].start), int(arr[k].size))
+                            for k in range(count.value)
+                        ),
+                    )
+                )
             self._ci_table[key] = tuple(found)
         return self._ci_table[key]
 
@@ -263,10 +294,10 @@ class NvmlGpuBackend(GpuBackend):
         self, gpu: int, gi_profile_id: int, gi: Any
     ) -> tuple[ComputeInstance, ...]:
         out = []
-        for ci_profile_id, instance_count in self._ci_profiles_in(gi_profile_id, gi, gpu):
-            arr = (pynvml.c_nvmlComputeInstance_t * instance_count)()
+        for cp in self._ci_profiles_in(gi_profile_id, gi, gpu):
+            arr = (pynvml.c_nvmlComputeInstance_t * cp.instance_count)()
             count = c_uint(len(arr))
-            pynvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, arr, byref(count))
+            pynvml.nvmlGpuInstanceGetComputeInstances(gi, cp.id, arr, byref(count))
             for k in range(count.value):
                 info = pynvml.nvmlComputeInstanceGetInfo(arr[k])
                 out.append(
@@ -292,19 +323,22 @@ class NvmlGpuBackend(GpuBackend):
         """GPU ``gpu``'s model, kept while its current MIG mode stays ``mig_current``.
 
         Some drivers answer NOT_SUPPORTED for GPU-instance profile info while MIG is off
-        (nvml-mig.md 2.3): a MIG GPU read without a single profile was read incomplete. Such a
-        read is not kept (the next call reads again); the last complete read, if any, stands.
+        (nvml-mig.md 2.3): a MIG GPU read without a single profile was read incomplete, and so
+        was one with a GI profile whose CI profiles could not be read (see _ci_profiles_of).
+        Such a read is not kept (the next call reads again); the last complete read, if any,
+        stands.
         """
         kept = self._models.get(gpu)
         if kept is not None and kept[0] == mig_current:
             return kept[1]
-        model = self._read_model(gpu)
-        if model.gi_profiles or mig_current is None:
+        model, complete = self._read_model(gpu, mig_current)
+        if complete and (model.gi_profiles or mig_current is None):
             self._models[gpu] = (mig_current, model)
             return model
         return kept[1] if kept is not None else model
 
-    def _read_model(self, index: int) -> GpuModel:
+    def _read_model(self, index: int, mig_current: bool | None) -> tuple[GpuModel, bool]:
+        """GPU ``index``'s model as NVML reports it, and whether every CI profile was read."""
         h = self._handle(index)
         with _nvml(f"read the MIG profiles of GPU {index}", gpu=index):
             name = _text(pynvml.nvmlDeviceGetName(h))
@@ -321,7 +355,14 @@ class NvmlGpuBackend(GpuBackend):
                     if exc.value in _ABSENT:  # what go-nvlib skips too
                         continue
                     raise
-                profiles.append(self._profile(h, gi_index, info, total_mib, catalog))
+                profiles.append(self._profile(h, gi_index, info, total_mib))
+            complete = True
+            for i, p in enumerate(profiles):
+                cis = self._ci_profiles_of(index, h, p, catalog, mig_on=bool(mig_current))
+                if cis is None:
+                    complete = False
+                    cis = (_whole_gi_ci(p),)
+                profiles[i] = replace(p, ci_profiles=cis)
         profiles.sort(key=lambda p: (p.slices, p.memory_mib, p.index))  # nvidia-smi -lgip order
         if catalog is not None:
             arch = catalog.architecture
@@ -333,7 +374,7 @@ class NvmlGpuBackend(GpuBackend):
         # (12 units over 4 slices on an RTX PRO 6000 Blackwell, one unit a slice elsewhere).
         units = max((p.placements[-1].end for p in profiles if p.placements), default=0)
         smallest = min((p.placement_size for p in profiles if p.placements), default=1)
-        return GpuModel(
+        model = GpuModel(
             key=catalog.key if catalog else name,
             name=name,
             product=catalog.product if catalog else name.replace(" ", "-"),
@@ -347,11 +388,48 @@ class NvmlGpuBackend(GpuBackend):
             gi_profiles=tuple(profiles),
             gi_by_name={p.name: p for p in profiles},
         )
+        return model, complete
+
+    def _ci_profiles_of(
+        self, gpu: int, h: Any, p: GiProfile, catalog: GpuModel | None, *, mig_on: bool
+    ) -> tuple[CiProfile, ...] | None:
+        """The CI profiles inside a GI of ``p`` on GPU ``gpu``; None where they cannot be read.
+
+        NVML lists CI profiles only inside an existing GPU instance. For a GI profile the catalog
+        knows (same PCI id, id and index) they are the catalog's, tested against the simulator's
+        tables. Otherwise they are read from NVML inside a GI of ``p``: one that exists, else,
+        with MIG on and room for one, a GI created for the read (no compute instance, so no
+        client can see it) and destroyed after it. With MIG off or no room: None.
+        """
+        known = catalog.gi_profile_by_id(p.id) if catalog else None
+        if known is not None and known.index == p.index:
+            return known.ci_profiles
+        if (gpu, p.id) in self._ci_table:
+            return self._ci_table[gpu, p.id]
+        if not mig_on:
+            return None
+        arr = (pynvml.c_nvmlGpuInstance_t * p.instance_count)()
+        count = c_uint(len(arr))
+        pynvml.nvmlDeviceGetGpuInstances(h, p.id, arr, byref(count))
+        if count.value:
+            return self._ci_profiles_in(p.id, arr[0], gpu)
+        if not pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity(h, p.id):
+            return None
+        for pl in p.placements:
+            try:
+                gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                    h, p.id, byref(pynvml.c_nvmlGpuInstancePlacement_t(pl.start, pl.size))
+                )
+            except pynvml.NVMLError_InsufficientResources:
+                continue  # taken: the next placement
+            try:
+                return self._ci_profiles_in(p.id, gi, gpu)
+            finally:
+                pynvml.nvmlGpuInstanceDestroy(gi)
+        return None
 
     @staticmethod
-    def _profile(
-        h: Any, index: int, info: Any, total_mib: int, catalog: GpuModel | None
-    ) -> GiProfile:
+    def _profile(h: Any, index: int, info: Any, total_mib: int) -> GiProfile:
         profile_id = int(info.id)
         count = c_uint(0)
         pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, None, byref(count))
@@ -363,23 +441,6 @@ class NvmlGpuBackend(GpuBackend):
             Placement(int(arr[k].start), int(arr[k].size)) for k in range(count.value)
         )
         slices = int(info.sliceCount)
-        # NVML lists CI profiles only inside an existing GI, so take them from the catalog model
-        # with this PCI id; without one, assume just the CI that spans the whole GI.
-        known = catalog.gi_profile_by_id(profile_id) if catalog else None
-        if known is not None and known.index == index:
-            ci_profiles = known.ci_profiles
-        else:
-            ci_index = CI_INDEX_BY_SLICES.get(slices, 0)
-            ci_profiles = (
-                CiProfile(
-                    ci_index,
-                    ci_index,
-                    slices,
-                    1,
-                    int(info.multiprocessorCount),
-                    (Placement(0, slices),),
-                ),
-            )
         name = (
             mig_name(index, int(info.memorySizeMB), total_mib)
             if index in GI_INDEX_SHAPE
@@ -401,7 +462,6 @@ class NvmlGpuBackend(GpuBackend):
                 int(info.ofaCount),
             ),
             placements=placements,
-            ci_profiles=ci_profiles,
         )
 
     def mig_devices(self) -> tuple[MigDevice, ...]:
@@ -563,6 +623,13 @@ class NvmlGpuBackend(GpuBackend):
             gi = self._gi_handle(gpu, gi_id)
             with _nvml(op, gpu=gpu, gi=gi_id):
                 pynvml.nvmlGpuInstanceDestroy(gi)
+
+
+def _whole_gi_ci(p: GiProfile) -> CiProfile:
+    """What a GI of ``p`` is taken to offer while NVML cannot be asked (MIG off, no room for a
+    GI of it): the one compute instance that spans it, at the index of its slice count."""
+    index = CI_INDEX_BY_SLICES.get(p.slices, 0)
+    return CiProfile(index, index, p.slices, 1, p.multiprocessors, (Placement(0, p.slices),))
 
 
 def open_backend(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pynvml
 import pytest
+from migsim.gpus import GpuModel, extra_models
 from migsim.nvml import library as simlib
 from migsim.nvml import open_node
 
@@ -17,6 +18,7 @@ from mig_agent.gpu.nvml import NvmlGpuBackend
 
 CAPTURES = Path(__file__).resolve().parents[1] / "data" / "captures"
 REPO = Path(__file__).resolve().parents[2]
+TEST_GPUS = REPO / "tests" / "data" / "gpus"
 
 MakeNode = Callable[..., str]
 
@@ -32,6 +34,14 @@ def make_node(tmp_path: Path) -> MakeNode:
         return path
 
     return make
+
+
+@pytest.fixture
+def unknown_model() -> Iterator[GpuModel]:
+    """The simulator's model of tests/data/gpus/test-x6.yaml (key TEST-X6), one no catalog
+    knows, known to the simulator for the test: ``make_node("TEST-X6")``."""
+    with extra_models(TEST_GPUS / "test-x6.yaml") as (model,):
+        yield model
 
 
 @pytest.fixture

@@ -115,7 +115,9 @@ def test_profiles_of_a_simulated_h200_reproduce_the_real_readout(
     assert code == 0
     got = json.loads(out)
     assert list(got) == ["H200"]
-    assert {p["name"]: p for p in got["H200"]} == expected
+    # the capture has no CI profiles (read with MIG off): compare the GI profiles
+    gi_only = [{k: v for k, v in p.items() if k != "compute_instances"} for p in got["H200"]]
+    assert {p["name"]: p for p in gi_only} == expected
 
     # The table: device name, memory, and each profile's placements as nvidia-smi lists them.
     code, out, _ = run(capsys, "profiles", *sim(state, "H200"))

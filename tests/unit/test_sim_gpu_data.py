@@ -8,7 +8,9 @@
 * values the references mark inferred are marked in the data, the H200's GI tables are not;
 * the loader refuses what is not the format (repeated or unknown keys, a profile whose name is not
   its index's shape, a placement off the grid, an inferred mark naming nothing);
-* GPU specs read as before, with the new models' keys.
+* GPU specs read as before, with the new models' keys;
+* ``extra_models`` makes another file's model known (GPU specs name it) only inside its block,
+  and refuses one with the key or PCI id of a known model.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import re
 from pathlib import Path
 
 import pytest
-from migsim.gpus import MODELS, GpuDataError, load_model_file, model, parse_gpu_spec
+from migsim.gpus import (
+    MODELS,
+    GpuDataError,
+    extra_models,
+    load_model_file,
+    model,
+    parse_gpu_spec,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTURES = REPO / "tests" / "data" / "captures"
@@ -299,3 +308,33 @@ def test_gpu_specs() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             parse_gpu_spec(bad)
+
+
+# -- models added for a while ---------------------------------------------------------------------
+
+
+def test_extra_models_are_known_only_inside_the_block(tmp_path: Path) -> None:
+    before = dict(MODELS)
+    with extra_models(_file(tmp_path, _MINIMAL)) as (m,):
+        assert parse_gpu_spec("2xX") == (m, m)
+        assert MODELS["X"] is m
+    assert dict(MODELS) == before
+    with pytest.raises(ValueError, match="unknown GPU model"):
+        model("X")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [("key: X\n", "key: h200\n"), ("0x12340DE", f"0x{H200.pci_device_id:08X}")],
+    ids=["key", "pci-id"],
+)
+def test_extra_models_refuse_a_known_key_or_pci_id(tmp_path: Path, change: tuple[str, str]) -> None:
+    before = dict(MODELS)
+    text = _MINIMAL.replace(*change, 1)
+    assert text != _MINIMAL
+    with (
+        pytest.raises(GpuDataError, match="has the key or PCI id of H200"),
+        extra_models(_file(tmp_path, text)),
+    ):
+        pass
+    assert dict(MODELS) == before

@@ -3,7 +3,7 @@ source and inferred values marked, read into the simulator's own types. The simu
 takes its tables from here, so the agent's catalog (mig_agent.core.gpu_models) is checked
 against data it did not write."""
 
-from migsim.gpus.catalog import MODEL_BY_PCI_ID, MODELS, model, parse_gpu_spec
+from migsim.gpus.catalog import MODEL_BY_PCI_ID, MODELS, extra_models, model, parse_gpu_spec
 from migsim.gpus.loader import GpuDataError, load_model_file, parse_placements
 from migsim.gpus.models import (
     Architecture,
@@ -26,6 +26,7 @@ __all__ = [
     "GpuModel",
     "Inferred",
     "Placement",
+    "extra_models",
     "load_model_file",
     "model",
     "parse_gpu_spec",

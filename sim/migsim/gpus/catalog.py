@@ -1,21 +1,49 @@
 """The simulated GPU models, loaded once from the data files of this folder, and GPU specs
-("8xH200", "4xA100-40GB,4xA30") read by model key."""
+("8xH200", "4xA100-40GB,4xA30") read by model key. ``extra_models`` adds the models of other
+files for a while (a test's own model, one no catalog knows)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from types import MappingProxyType
 
-from migsim.gpus.loader import load_models
+from migsim.gpus.loader import GpuDataError, load_model_file, load_models
 from migsim.gpus.models import GpuModel
 
 DATA = Path(__file__).resolve().parent
 
-MODELS: Mapping[str, GpuModel] = load_models(DATA)
-MODEL_BY_PCI_ID: Mapping[int, GpuModel] = {m.pci_device_id: m for m in MODELS.values()}
+_MODELS: dict[str, GpuModel] = load_models(DATA)
+_BY_PCI_ID: dict[int, GpuModel] = {m.pci_device_id: m for m in _MODELS.values()}
+MODELS: Mapping[str, GpuModel] = MappingProxyType(_MODELS)
+MODEL_BY_PCI_ID: Mapping[int, GpuModel] = MappingProxyType(_BY_PCI_ID)
 
 _PART = re.compile(r"(?:(?P<count>\d+)x)?(?P<key>\S+)")
+
+
+@contextmanager
+def extra_models(*paths: Path) -> Iterator[tuple[GpuModel, ...]]:
+    """The models (and variants) of the files at ``paths``, known beside this folder's until the
+    block ends, in this process only: GPU specs name them by key, simulated GPUs of them answer
+    NVML. GpuDataError for a file that does not load, or a model with a known key or PCI id."""
+    added: list[GpuModel] = []
+    try:
+        for path in paths:
+            for m in load_model_file(path):
+                clash = next(
+                    (o for o in _MODELS.values() if o.key.lower() == m.key.lower()),
+                    _BY_PCI_ID.get(m.pci_device_id),
+                )
+                if clash is not None:
+                    raise GpuDataError(f"{path.name}: {m.key} has the key or PCI id of {clash.key}")
+                _MODELS[m.key] = _BY_PCI_ID[m.pci_device_id] = m
+                added.append(m)
+        yield tuple(added)
+    finally:
+        for m in added:
+            del _MODELS[m.key], _BY_PCI_ID[m.pci_device_id]
 
 
 def model(key: str) -> GpuModel:
