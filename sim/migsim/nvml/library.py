@@ -1183,6 +1183,7 @@ def _parser() -> argparse.ArgumentParser:
     pa.add_argument("--gi", type=int)
     pa.add_argument("--ci", type=int)
     pa.add_argument("--memory", type=int, default=1024, help="MiB")
+    pa.add_argument("--name", default="", help="its name as NVML reports it (nvidia-smi)")
     pd = prs.add_parser("remove")
     pd.add_argument("pid", type=int)
     pd.add_argument("--gpu", type=int)
@@ -1253,7 +1254,13 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
             reboot_node(path)
         case "process" if args.action == "add":
             add_process(
-                path, args.gpu, args.pid, gi=args.gi, ci=args.ci, used_memory_mib=args.memory
+                path,
+                args.gpu,
+                args.pid,
+                gi=args.gi,
+                ci=args.ci,
+                used_memory_mib=args.memory,
+                name=args.name,
             )
         case "process":
             if not remove_process(path, args.pid, gpu=args.gpu):
