@@ -6,10 +6,15 @@
  * by the first nvmlInit, closed by the last nvmlShutdown, reopened in a forked child), one lock
  * around each call (thread-safe), and handles: pointers this library owns, one per token the
  * simulator hands out, stable for the life of the process; a pointer not handed out by this
- * library is sent as token 0, which the simulator refuses with NVML_ERROR_INVALID_ARGUMENT. */
+ * library is sent as token 0, which the simulator refuses with NVML_ERROR_INVALID_ARGUMENT.
+ *
+ * What the process may see (migsim/nvml/visibility.py) is read here, when it connects: the names
+ * of the files in $MIG_AGENT_SIM_VISIBLE_DIR (default /run/migsim-visible, which a container is
+ * given), sent with the init call; without that folder, everything. */
 #define _GNU_SOURCE
 #include "nvml_sim.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -23,6 +28,8 @@
 #include <nvml.h>
 
 #define ENV_SOCKET "MIG_AGENT_SIM_NVML_SOCKET"
+#define ENV_VISIBLE_DIR "MIG_AGENT_SIM_VISIBLE_DIR"
+#define VISIBLE_DIR "/run/migsim-visible"
 #define HANDLE_MAGIC 0x6d69677369686e64ULL
 
 struct sim_handle {
@@ -161,12 +168,45 @@ static int connect_server(void) {
     return 0;
 }
 
+/* Appends what this process sees: u32 n (sim_visible_everything: all), n names (abi.py). No
+ * folder: everything; a folder that cannot be read: nothing (and a warning); a file "all":
+ * everything. Dotfiles are not names. */
+static void put_visible(sim_call *c) {
+    const char *dir = getenv(ENV_VISIBLE_DIR);
+    if (!dir || !*dir) dir = VISIBLE_DIR;
+    DIR *d = opendir(dir);
+    if (!d) {
+        int absent = errno == ENOENT;
+        if (!absent) warn("cannot read the visible-devices folder; no GPU is visible", dir);
+        sim_put_u32(c, absent ? sim_visible_everything : 0);
+        return;
+    }
+    size_t at = c->len;
+    uint32_t n = 0;
+    sim_put_u32(c, 0);
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        if (strcmp(e->d_name, "all") == 0) {
+            n = sim_visible_everything;
+            break;
+        }
+        sim_put_text(c, e->d_name);
+        n++;
+    }
+    closedir(d);
+    if (c->failed) return;
+    if (n == sim_visible_everything) c->len = at + 4;
+    memcpy(c->buf + at, &n, 4);
+}
+
 /* Connects and sends an init call; NVML's code for it. Lock held. */
 static int init_locked(const char *name, int has_flags, unsigned int flags) {
     if (fd < 0 && connect_server() < 0) return NVML_ERROR_DRIVER_NOT_LOADED;
     sim_call c;
     begin(&c, name);
     if (has_flags) sim_put_u32(&c, flags);
+    put_visible(&c);
     int rc = NVML_ERROR_UNKNOWN;
     if (exchange(&c, &rc) < 0) rc = NVML_ERROR_DRIVER_NOT_LOADED;
     free(c.buf);
@@ -352,6 +392,39 @@ nvmlReturn_t nvmlShutdown(void) {
 }
 
 const char *nvmlErrorString(nvmlReturn_t result) { return sim_error_string((int)result); }
+
+/* -- GPU reset: not NVML ---------------------------------------------------------------------------
+ * Real GPU resets go to the driver, not through NVML (nvidia-smi -r). The simulated nvidia-smi
+ * finds this function with dlsym and asks the simulator to reset a GPU it has a handle of; why a
+ * refused reset was refused goes to message (length bytes, NUL-terminated; may be NULL). */
+
+nvmlReturn_t migsimDeviceReset(nvmlDevice_t device, char *message, unsigned int length);
+
+nvmlReturn_t migsimDeviceReset(nvmlDevice_t device, char *message, unsigned int length) {
+    if (message && length) message[0] = '\0';
+    sim_call c;
+    int rc = sim_start(&c, sim_reset_gpu);
+    if (rc != NVML_SUCCESS) return (nvmlReturn_t)rc;
+    sim_put_handle(&c, device.handle);
+    rc = sim_send(&c);
+    if (!c.failed) {
+        const char *src = NULL;
+        uint32_t k = 0;
+        sim_get_ptr(&c, &k, 4);
+        if (!c.failed && c.pos + k <= c.len) {
+            src = c.buf + c.pos;
+            c.pos += k;
+        } else {
+            c.failed = 1;
+        }
+        if (src && message && length) {
+            size_t n = k < length - 1 ? k : length - 1;
+            memcpy(message, src, n);
+            message[n] = '\0';
+        }
+    }
+    return (nvmlReturn_t)sim_finish(&c, rc);
+}
 
 /* -- event sets: the library's own ----------------------------------------------------------------
  * An event set is a list of (GPU, event types) registrations and a cursor: the number of the last

@@ -45,5 +45,8 @@ SIM_HIDDEN const char *sim_error_string(int code);   /* generated */
 /* The simulator's event poll (migsim.nvml.abi.POLL_EVENTS) and its interval (generated). */
 SIM_HIDDEN extern const char sim_poll_events[];
 SIM_HIDDEN extern const unsigned int sim_event_poll_ms;
+/* The simulator's GPU reset (migsim.nvml.abi.RESET_GPU) and the visibility count meaning "all". */
+SIM_HIDDEN extern const char sim_reset_gpu[];
+SIM_HIDDEN extern const uint32_t sim_visible_everything;
 
 #endif

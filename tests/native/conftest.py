@@ -36,13 +36,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def native_lib() -> str:
-    """Path of the built libnvidia-ml.so.1 (built once; needs gcc and NVML's header from Go)."""
+def native_dir() -> Path:
+    """The folder of the built libnvidia-ml.so.1 and nvidia-smi (built once; needs gcc and
+    NVML's header from Go)."""
     out = subprocess.run(
         [str(REPO / "scripts" / "sim-nvml"), "build"], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, f"scripts/sim-nvml build failed:\n{out.stderr}"
-    return str(Path(out.stdout.strip()) / "libnvidia-ml.so.1")
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture(scope="session")
+def native_lib(native_dir: Path) -> str:
+    """Path of the built libnvidia-ml.so.1."""
+    return str(native_dir / "libnvidia-ml.so.1")
+
+
+@pytest.fixture(scope="session")
+def nvidia_smi(native_dir: Path) -> Path:
+    """Path of the simulated nvidia-smi built beside the library."""
+    return native_dir / "nvidia-smi"
 
 
 class NodeServer:
@@ -119,14 +132,18 @@ def nvml_on(
 
 @pytest.fixture
 def open_sim(
-    c_lib: ctypes.CDLL, serve: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    c_lib: ctypes.CDLL,
+    serve: Callable[[str], str],
+    nvidia_smi: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Callable[[str], NvmlGpuBackend]]:
     """``open_sim(path)`` -> mig-agent's NVML backend over the C library serving node ``path``,
     as on a real node: GPU resets run ``nvidia-smi -r`` (the simulated one on PATH)."""
     opened: list[NvmlGpuBackend] = []
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").symlink_to(REPO / "sim" / "native" / "nvidia-smi")
+    (bin_dir / "nvidia-smi").symlink_to(nvidia_smi)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     def open_(path: str) -> NvmlGpuBackend:

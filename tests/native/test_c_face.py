@@ -123,15 +123,15 @@ def test_unimplemented_functions_are_not_supported(
 ) -> None:
     nv = nvml_on(make_node("H200"))
     h = nv.nvmlDeviceGetHandleByIndex(0)
-    temp = ctypes.c_uint(0)
-    assert c_lib.nvmlDeviceGetTemperature(h, 0, ctypes.byref(temp)) == st.NOT_SUPPORTED
+    fan = ctypes.c_uint(0)  # the H200 has none (smi-q Fan Speed: N/A)
+    assert c_lib.nvmlDeviceGetFanSpeed(h, ctypes.byref(fan)) == st.NOT_SUPPORTED
     active = ctypes.c_uint(7)
     # NvLink: a PCIe GPU has none (the device plugin's preferred allocation skips the links)
     assert c_lib.nvmlDeviceGetNvLinkState(h, 0, ctypes.byref(active)) == st.NOT_SUPPORTED
     assert active.value == 7
-    assert temp.value == 0
+    assert fan.value == 0
     with pytest.raises(pynvml.NVMLError_NotSupported):
-        nv.nvmlDeviceGetPowerUsage(h)
+        nv.nvmlDeviceGetTotalEnergyConsumption(h)
 
 
 def test_error_strings_and_calls_before_init(c_lib: ctypes.CDLL) -> None:

@@ -13,6 +13,7 @@ from migsim.gpus.models import (
     GpuModel,
     Inferred,
     Placement,
+    Readings,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "GpuModel",
     "Inferred",
     "Placement",
+    "Readings",
     "extra_models",
     "load_model_file",
     "model",

@@ -14,7 +14,8 @@ mode_change_needs_reset, memory_slices, compute_slices, placement_grid and gi_pr
 index, id, slices, instances, memory_mib, multiprocessors, engines {ce, dec, enc, jpg, ofa},
 placements "{starts}:size", compute_instances [{index, id, slices, instances, multiprocessors,
 placements}]); ``variants`` lists other PCI ids of the same tables (key, name, pci_device_id,
-pci_subsystem_ids, memory_total_mib).
+pci_subsystem_ids, memory_total_mib); ``readings`` (optional) what the driver reports of the idle
+GPU: temperature_c, power_draw_mw, power_limit_mw, performance_state, ecc_enabled.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from migsim.gpus.models import (
     GpuModel,
     Inferred,
     Placement,
+    Readings,
 )
 
 # NVML_GPU_INSTANCE_PROFILE_* (nvml.h): index -> (compute slices, capability in the name).
@@ -264,6 +266,20 @@ def _ids(f: _Fields, key: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _readings(f: _Fields) -> Readings:
+    r = Readings(
+        temperature_c=f.integer("temperature_c"),
+        power_draw_mw=f.integer("power_draw_mw"),
+        power_limit_mw=f.integer("power_limit_mw"),
+        performance_state=f.integer("performance_state"),
+        ecc_enabled=f.flag("ecc_enabled"),
+    )
+    f.done()
+    if not 0 <= r.performance_state <= 15 or not 0 < r.power_draw_mw <= r.power_limit_mw:
+        raise GpuDataError(f"{f.where}: a P-state is P0..P15; power drawn is within the limit")
+    return r
+
+
 def _model(f: _Fields, source: str, inferred: list[Inferred]) -> GpuModel:
     cc = f.rows("compute_capability")
     if len(cc) != 2 or not all(isinstance(v, int) for v in cc):
@@ -277,6 +293,7 @@ def _model(f: _Fields, source: str, inferred: list[Inferred]) -> GpuModel:
     profiles: tuple[GiProfile, ...] = ()
     if "mig" in f.raw:
         reset, memory_slices, compute_slices, grid, profiles = _mig(f.sub("mig"))
+    readings = _readings(f.sub("readings")) if "readings" in f.raw else None
     return GpuModel(
         key=f.text("key"),
         name=f.text("name"),
@@ -293,6 +310,7 @@ def _model(f: _Fields, source: str, inferred: list[Inferred]) -> GpuModel:
         gi_profiles=profiles,
         inferred=(),
         source=source,
+        readings=readings,
     )
 
 

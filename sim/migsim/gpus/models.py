@@ -126,6 +126,19 @@ class Inferred:
 
 
 @dataclass(frozen=True, slots=True)
+class Readings:
+    """What the driver reports of an idle GPU of a model, as read on a real one: the values
+    nvidia-smi's table shows besides identity and MIG (NVML answers NOT_SUPPORTED for all of
+    them on a model without readings)."""
+
+    temperature_c: int  # nvmlDeviceGetTemperature (NVML_TEMPERATURE_GPU)
+    power_draw_mw: int  # nvmlDeviceGetPowerUsage
+    power_limit_mw: int  # nvmlDeviceGetEnforcedPowerLimit
+    performance_state: int  # nvmlDeviceGetPerformanceState: 0 for P0
+    ecc_enabled: bool  # nvmlDeviceGetEccMode (current and pending)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuModel:
     """One simulated GPU model. A model without MIG has no GI profiles and no slices."""
 
@@ -144,6 +157,7 @@ class GpuModel:
     gi_profiles: tuple[GiProfile, ...]
     inferred: tuple[Inferred, ...]
     source: str  # the data file it came from
+    readings: Readings | None = None  # None where no readout of an idle GPU is at hand
 
     @property
     def mig_capable(self) -> bool:

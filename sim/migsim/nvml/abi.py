@@ -111,6 +111,11 @@ class FieldValue(_Struct):
     ]
 
 
+class Utilization(_Struct):
+    _c_name_ = "nvmlUtilization_t"
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+
 class ProcessInfo(_Struct):
     _c_name_ = "nvmlProcessInfo_t"
     _fields_ = [
@@ -369,6 +374,18 @@ FUNCTIONS: tuple[Function, ...] = (
         U32_OUT,
         Array(ProcessInfo, 1, "capacity"),
     ),
+    # what nvidia-smi's table shows besides identity and MIG
+    _fn("nvmlDeviceGetPersistenceMode", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetDisplayActive", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetEccMode", HANDLE, U32_OUT, U32_OUT),
+    _fn("nvmlDeviceGetTotalEccErrors", HANDLE, UINT, UINT, U64_OUT),
+    _fn("nvmlDeviceGetTemperature", HANDLE, UINT, U32_OUT),
+    _fn("nvmlDeviceGetPerformanceState", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetPowerUsage", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetEnforcedPowerLimit", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetUtilizationRates", HANDLE, Ptr(Utilization)),
+    _fn("nvmlDeviceGetComputeMode", HANDLE, U32_OUT),
+    _fn("nvmlSystemGetProcessName", UINT, TextOut(2), UINT),
     _fn("nvmlDeviceGetMigMode", HANDLE, U32_OUT, U32_OUT),
     _fn("nvmlDeviceSetMigMode", HANDLE, UINT, U32_OUT),
     _fn("nvmlDeviceGetMaxMigDeviceCount", HANDLE, U32_OUT),
@@ -455,6 +472,17 @@ BY_NAME: dict[str, Function] = {f.name: f for f in FUNCTIONS}
 # found: u64 GPU token, u64 eventType, u64 eventData, u32 gpuInstanceId, u32 computeInstanceId.
 POLL_EVENTS = "migsimPollEvents"
 EVENT_POLL_MS = 100
+
+# Not an NVML function either: GPU reset, which the driver does outside NVML (nvidia-smi -r) and
+# the simulated nvidia-smi asks the simulator for through the C library's migsimDeviceReset.
+# Request: u64 GPU token. Reply: i32 code, u32 k, k bytes (why it was refused, or nothing).
+RESET_GPU = "migsimResetGpu"
+
+# Visibility (migsim.nvml.visibility): the init calls (nvmlInit_v2; nvmlInitWithFlags after its
+# u32 flags) end with what the connecting process sees: u32 n (VISIBLE_EVERYTHING: all), then
+# n x (u32 length, bytes): the names of the files in its visible folder. A request without them
+# (an older library) sees everything.
+VISIBLE_EVERYTHING = 0xFFFFFFFF
 
 # Implemented in C by the library itself, not forwarded.
 # Event sets are the library's own too: nvmlEventSetWait_v2 polls the simulator (POLL_EVENTS) and

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple, TypeVar
 
-from migsim.gpus import CiProfile, GiProfile, Placement
+from migsim.gpus import CiProfile, GiProfile, Placement, Readings
 from migsim.nvml import state as st
 from migsim.nvml.state import (
     ENV_STATE,
@@ -57,6 +58,7 @@ from migsim.nvml.state import (
     set_latency,
     set_reset_supported,
 )
+from migsim.nvml.visibility import EVERYTHING, Visibility
 
 __all__ = [
     "ENV_STATE",
@@ -89,6 +91,9 @@ SUPPORTED_EVENT_TYPES = 0x1 | 0x2 | 0x4 | 0x8 | 0x10 | 0x80 | 0x100
 _FI_RESETLESS_MIG = 184  # NVML_FI_DEV_IS_RESETLESS_MIG_SUPPORTED
 _FI_MIG_QUERY_INDEPENDENT = 199  # NVML_FI_DEV_IS_MIG_MODE_INDEPENDENT_MIG_QUERY_CAPABLE
 _VALUE_TYPE_UINT = 1
+_VOLATILE_ECC, _AGGREGATE_ECC = 0, 1  # nvmlEccCounterType_t
+_TEMPERATURE_GPU = 0  # nvmlTemperatureSensors_t
+_COMPUTEMODE_DEFAULT = 0  # nvmlComputeMode_t
 
 _CArgObject: Any = type(ctypes.byref(ctypes.c_int()))
 
@@ -248,6 +253,7 @@ class _Export(NamedTuple):
     mutating: bool
     needs_init: bool
     uses_state: bool
+    viewed: bool  # the implementation takes the caller's Visibility (keyword ``view``)
 
 
 _EXPORTS: dict[str, _Export] = {}
@@ -255,11 +261,15 @@ _INITS = frozenset({"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags"})  # fault ru
 
 
 def _export(
-    *names: str, mutating: bool = False, needs_init: bool = True, uses_state: bool = True
+    *names: str,
+    mutating: bool = False,
+    needs_init: bool = True,
+    uses_state: bool = True,
+    viewed: bool = False,
 ) -> Callable[[_F], _F]:
     def register(fn: _F) -> _F:
         for name in names:
-            _EXPORTS[name] = _Export(fn.__name__, mutating, needs_init, uses_state)
+            _EXPORTS[name] = _Export(fn.__name__, mutating, needs_init, uses_state, viewed)
         return fn
 
     return register
@@ -275,14 +285,18 @@ class _CFunction:
         self._lib, self._impl, self.spec = lib, impl, spec
 
     def __call__(self, *args: Any) -> Any:
-        return self._lib._call(self.__name__, self._impl, self.spec, args)
+        return self._lib._call(self.__name__, self._impl, self.spec, args, self._lib.visible)
 
 
 class SimulatedNvmlLibrary:
-    """The NVML C library of one simulated node, whose state is in ``state_file``."""
+    """The NVML C library of one simulated node, whose state is in ``state_file``; ``visible``
+    is what its callers see (migsim.nvml.visibility; the server passes each client's per call)."""
 
-    def __init__(self, state_file: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, state_file: str | os.PathLike[str], visible: Visibility = EVERYTHING
+    ) -> None:
         self.state_file = os.fspath(state_file)
+        self.visible = visible
         self._store = StateFile(self.state_file)
         self._handles = _Handles()
         self._init_count = 0
@@ -302,11 +316,13 @@ class SimulatedNvmlLibrary:
         """The names of the C functions this library implements."""
         return frozenset(_EXPORTS)
 
-    def call(self, name: str, *args: Any) -> int:
-        """Calls the C function ``name`` with ctypes arguments: its nvmlReturn_t (the face the
-        C library's simulator server uses; pynvml calls the attributes directly)."""
+    def call(self, name: str, *args: Any, view: Visibility | None = None) -> int:
+        """Calls the C function ``name`` with ctypes arguments as a client that sees ``view``
+        (default: ``visible``): its nvmlReturn_t (the face the C library's simulator server
+        uses; pynvml calls the attributes directly)."""
         spec = _EXPORTS[name]
-        return int(self._call(name, getattr(self, spec.method), spec, args))
+        impl = getattr(self, spec.method)
+        return int(self._call(name, impl, spec, args, self.visible if view is None else view))
 
     def poll_events(
         self, cursor: int | None, registrations: Sequence[tuple[Any, int]]
@@ -337,9 +353,25 @@ class SimulatedNvmlLibrary:
         """``nvidia-smi -r`` for the simulated node (SimError when refused)."""
         reset_gpu(self.state_file, index)
 
+    def reset_device(self, handle: Any) -> tuple[int, str]:
+        """``nvidia-smi -r`` of the GPU whose handle this library handed out: (NVML code, why it
+        was refused), the simulated nvidia-smi's reset (migsim.nvml.abi.RESET_GPU)."""
+        key = self._handles.key(handle)
+        if self._init_count == 0:
+            return st.UNINITIALIZED, ""
+        if key is None or key.kind != "gpu":
+            return st.INVALID_ARGUMENT, "not a GPU handle"
+        try:
+            reset_gpu(self.state_file, key.gpu)
+        except SimError as exc:
+            return exc.code, str(exc)
+        return st.SUCCESS, ""
+
     # -- dispatch --------------------------------------------------------------------------------
 
-    def _call(self, name: str, impl: _Impl, spec: _Export, args: tuple[Any, ...]) -> Any:
+    def _call(
+        self, name: str, impl: _Impl, spec: _Export, args: tuple[Any, ...], view: Visibility
+    ) -> Any:
         if spec.needs_init and self._init_count == 0:
             return st.UNINITIALIZED
         if name in _INITS:
@@ -348,6 +380,8 @@ class SimulatedNvmlLibrary:
                 return refused
         if not spec.uses_state:
             return impl(*args)
+        if spec.viewed:
+            impl = functools.partial(impl, view=view)
         try:
             node = self._store.read()
         except FileNotFoundError:
@@ -482,39 +516,43 @@ class SimulatedNvmlLibrary:
 
     # -- devices -----------------------------------------------------------------------------------
 
-    @_export("nvmlDeviceGetCount_v2")
-    def _count(self, node: SimNode, out: Any) -> None:
-        _out(out, "nvmlDeviceGetCount_v2").value = len(node.gpus)
+    # GPUs and MIG devices are enumerated as the caller sees them (migsim.nvml.visibility):
+    # indices are positions among the visible ones, the others are not found.
 
-    @_export("nvmlDeviceGetHandleByIndex_v2")
-    def _by_index(self, node: SimNode, index: Any, out: Any) -> None:
+    @_export("nvmlDeviceGetCount_v2", viewed=True)
+    def _count(self, node: SimNode, out: Any, *, view: Visibility) -> None:
+        _out(out, "nvmlDeviceGetCount_v2").value = len(view.gpus(node))
+
+    @_export("nvmlDeviceGetHandleByIndex_v2", viewed=True)
+    def _by_index(self, node: SimNode, index: Any, out: Any, *, view: Visibility) -> None:
         i = _uint(index, "nvmlDeviceGetHandleByIndex_v2")
-        if i >= len(node.gpus):
+        gpus = view.gpus(node)
+        if i >= len(gpus):
             raise Refused(st.INVALID_ARGUMENT)
-        _store_address(_out(out, "nvmlDeviceGetHandleByIndex_v2"), self._gpu_handle(i))
+        _store_address(_out(out, "nvmlDeviceGetHandleByIndex_v2"), self._gpu_handle(gpus[i].index))
 
-    @_export("nvmlDeviceGetHandleByUUID")
-    def _by_uuid(self, node: SimNode, uuid: Any, out: Any) -> None:
+    @_export("nvmlDeviceGetHandleByUUID", viewed=True)
+    def _by_uuid(self, node: SimNode, uuid: Any, out: Any, *, view: Visibility) -> None:
         text = _text_in(uuid, "nvmlDeviceGetHandleByUUID")
         target = _out(out, "nvmlDeviceGetHandleByUUID")
-        for gpu in node.gpus:
+        for gpu in view.gpus(node):
             if gpu.uuid == text:
                 _store_address(target, self._gpu_handle(gpu.index))
                 return
-            for _, ci in gpu.mig_devices():
+            for _, ci in view.mig_devices(gpu):
                 if ci.uuid == text:
                     _store_address(target, self._mig_handle(gpu, ci))
                     return
         raise Refused(st.NOT_FOUND)
 
-    @_export("nvmlDeviceGetHandleByPciBusId_v2")
-    def _by_bus_id(self, node: SimNode, bus: Any, out: Any) -> None:
+    @_export("nvmlDeviceGetHandleByPciBusId_v2", viewed=True)
+    def _by_bus_id(self, node: SimNode, bus: Any, out: Any, *, view: Visibility) -> None:
         text = _text_in(bus, "nvmlDeviceGetHandleByPciBusId_v2").upper()
         if text.count(":") == 1:
             text = "00000000:" + text
         elif len(text.split(":")[0]) == 4:
             text = "0000" + text
-        gpu = next((g for g in node.gpus if g.bus_id.upper() == text), None)
+        gpu = next((g for g in view.gpus(node) if g.bus_id.upper() == text), None)
         if gpu is None:
             raise Refused(st.NOT_FOUND)
         _store_address(_out(out, "nvmlDeviceGetHandleByPciBusId_v2"), self._gpu_handle(gpu.index))
@@ -533,10 +571,17 @@ class SimulatedNvmlLibrary:
         gpu, mig = self._device(node, handle)
         _text_out(buf, length, gpu.uuid if mig is None else mig[1].uuid, "nvmlDeviceGetUUID")
 
-    @_export("nvmlDeviceGetIndex")
-    def _index(self, node: SimNode, handle: Any, out: Any) -> None:
+    @_export("nvmlDeviceGetIndex", viewed=True)
+    def _index(self, node: SimNode, handle: Any, out: Any, *, view: Visibility) -> None:
         gpu, mig = self._device(node, handle)
-        index = gpu.index if mig is None else gpu.mig_devices().index(mig)
+        if mig is None:
+            gpus = [g.index for g in view.gpus(node)]
+            index = gpus.index(gpu.index) if gpu.index in gpus else None
+        else:
+            devices = view.mig_devices(gpu)
+            index = devices.index(mig) if mig in devices else None
+        if index is None:  # a handle of a device the caller was not given
+            raise Refused(st.INVALID_ARGUMENT)
         _out(out, "nvmlDeviceGetIndex").value = index
 
     @_export("nvmlDeviceGetMinorNumber")
@@ -598,6 +643,95 @@ class SimulatedNvmlLibrary:
         self._parent(node, handle)
         _out(out, "nvmlDeviceGetVirtualizationMode").value = node.virtualization_mode
 
+    # -- what nvidia-smi's table shows: the model's readings of an idle GPU, host settings ------
+
+    @staticmethod
+    def _readings(gpu: SimGpu) -> Readings:
+        r = gpu.model.readings
+        if r is None:  # no readout of this model: nothing to report (nvidia-smi prints N/A)
+            raise Refused(st.NOT_SUPPORTED)
+        return r
+
+    @_export("nvmlDeviceGetPersistenceMode")
+    def _persistence(self, node: SimNode, handle: Any, out: Any) -> None:
+        self._parent(node, handle)
+        _out(out, "nvmlDeviceGetPersistenceMode").value = int(node.persistence_mode)
+
+    @_export("nvmlDeviceGetDisplayActive")
+    def _display_active(self, node: SimNode, handle: Any, out: Any) -> None:
+        # Data-centre GPUs drive no display (smi-q Display Active: Disabled; the table's "Off").
+        self._parent(node, handle)
+        _out(out, "nvmlDeviceGetDisplayActive").value = 0
+
+    @_export("nvmlDeviceGetEccMode")
+    def _ecc_mode(self, node: SimNode, handle: Any, current: Any, pending: Any) -> None:
+        enabled = int(self._readings(self._parent(node, handle)).ecc_enabled)
+        _out(current, "nvmlDeviceGetEccMode").value = enabled
+        _out(pending, "nvmlDeviceGetEccMode").value = enabled
+
+    @_export("nvmlDeviceGetTotalEccErrors")
+    def _ecc_errors(
+        self, node: SimNode, handle: Any, error_type: Any, counter: Any, out: Any
+    ) -> None:
+        gpu, mig = self._device(node, handle)
+        _uint(error_type, "memory error type")
+        if _uint(counter, "ECC counter type") not in (_VOLATILE_ECC, _AGGREGATE_ECC):
+            raise Refused(st.INVALID_ARGUMENT)
+        if not self._readings(gpu).ecc_enabled:
+            raise Refused(st.NOT_SUPPORTED)
+        # NB: with MIG on, the parent GPU's counts are not answered: nvidia-smi then shows the
+        # ECC mode ("On") in the Volatile Uncorr. ECC column, as every MIG-enabled GPU's row in
+        # nvidia-smi's output does; the MIG devices answer their own. A fresh GPU counts none.
+        if mig is None and gpu.mig_current:
+            raise Refused(st.NOT_SUPPORTED)
+        _out(out, "nvmlDeviceGetTotalEccErrors").value = 0
+
+    @_export("nvmlDeviceGetTemperature")
+    def _temperature(self, node: SimNode, handle: Any, sensor: Any, out: Any) -> None:
+        r = self._readings(self._parent(node, handle))
+        if _uint(sensor, "temperature sensor") != _TEMPERATURE_GPU:
+            raise Refused(st.INVALID_ARGUMENT)
+        _out(out, "nvmlDeviceGetTemperature").value = r.temperature_c
+
+    @_export("nvmlDeviceGetPerformanceState")
+    def _performance_state(self, node: SimNode, handle: Any, out: Any) -> None:
+        r = self._readings(self._parent(node, handle))
+        _out(out, "nvmlDeviceGetPerformanceState").value = r.performance_state
+
+    @_export("nvmlDeviceGetPowerUsage")
+    def _power_usage(self, node: SimNode, handle: Any, out: Any) -> None:
+        r = self._readings(self._parent(node, handle))
+        _out(out, "nvmlDeviceGetPowerUsage").value = r.power_draw_mw
+
+    @_export("nvmlDeviceGetEnforcedPowerLimit")
+    def _power_limit(self, node: SimNode, handle: Any, out: Any) -> None:
+        r = self._readings(self._parent(node, handle))
+        _out(out, "nvmlDeviceGetEnforcedPowerLimit").value = r.power_limit_mw
+
+    @_export("nvmlDeviceGetUtilizationRates")
+    def _utilization(self, node: SimNode, handle: Any, out: Any) -> None:
+        gpu = self._parent(node, handle)
+        self._readings(gpu)
+        if gpu.mig_current:  # per-GPU utilization is not sampled in MIG mode (nvidia-smi: N/A)
+            raise Refused(st.NOT_SUPPORTED)
+        u = _out(out, "nvmlDeviceGetUtilizationRates")
+        u.gpu, u.memory = 0, 0  # idle: smi-q Utilization GPU 0 %, Memory 0 %
+
+    @_export("nvmlDeviceGetComputeMode")
+    def _compute_mode(self, node: SimNode, handle: Any, out: Any) -> None:
+        self._parent(node, handle)
+        _out(out, "nvmlDeviceGetComputeMode").value = _COMPUTEMODE_DEFAULT  # smi-q: Default
+
+    @_export("nvmlSystemGetProcessName")
+    def _process_name(self, node: SimNode, pid: Any, buf: Any, length: Any) -> None:
+        wanted = _uint(pid, "nvmlSystemGetProcessName")
+        for gpu in node.gpus:
+            for p in gpu.processes:
+                if p.pid == wanted and p.name:
+                    _text_out(buf, length, p.name, "nvmlSystemGetProcessName")
+                    return
+        raise Refused(st.NOT_FOUND)
+
     @_export("nvmlDeviceGetFieldValues")
     def _fields(self, node: SimNode, handle: Any, count: Any, values: Any) -> None:
         gpu = self._parent(node, handle)
@@ -617,12 +751,21 @@ class SimulatedNvmlLibrary:
             else:
                 v.nvmlReturn = st.NOT_SUPPORTED
 
-    @_export("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
-    def _processes(self, node: SimNode, handle: Any, count: Any, infos: Any) -> None:
+    @_export(
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+        viewed=True,
+    )
+    def _processes(
+        self, node: SimNode, handle: Any, count: Any, infos: Any, *, view: Visibility
+    ) -> None:
         gpu, mig = self._device(node, handle)
         procs = gpu.processes
         if mig is not None:
             procs = [p for p in procs if (p.gi, p.ci) == (mig[0].id, mig[1].id)]
+        elif not view.whole(gpu):  # a GPU seen through some of its MIG devices: theirs only
+            ids = {(gi.id, ci.id) for gi, ci in view.mig_devices(gpu)}
+            procs = [p for p in procs if (p.gi, p.ci) in ids]
         self._write_processes(procs, count, infos)
 
     @_export(
@@ -672,10 +815,12 @@ class SimulatedNvmlLibrary:
         gpu = self._parent(node, handle)
         _out(out, "nvmlDeviceGetMaxMigDeviceCount").value = gpu.max_mig_devices()
 
-    @_export("nvmlDeviceGetMigDeviceHandleByIndex")
-    def _mig_by_index(self, node: SimNode, handle: Any, index: Any, out: Any) -> None:
+    @_export("nvmlDeviceGetMigDeviceHandleByIndex", viewed=True)
+    def _mig_by_index(
+        self, node: SimNode, handle: Any, index: Any, out: Any, *, view: Visibility
+    ) -> None:
         gpu = self._parent(node, handle)
-        devices = gpu.mig_devices()
+        devices = view.mig_devices(gpu)
         i = _uint(index, "nvmlDeviceGetMigDeviceHandleByIndex")
         if i >= len(devices):
             raise Refused(st.NOT_FOUND)
@@ -1055,6 +1200,7 @@ def _parser() -> argparse.ArgumentParser:
     pa.add_argument("--gi", type=int)
     pa.add_argument("--ci", type=int)
     pa.add_argument("--memory", type=int, default=1024, help="MiB")
+    pa.add_argument("--name", default="", help="its name as NVML reports it (nvidia-smi)")
     pd = prs.add_parser("remove")
     pd.add_argument("pid", type=int)
     pd.add_argument("--gpu", type=int)
@@ -1125,7 +1271,13 @@ def _run_cli(args: argparse.Namespace, path: str) -> int:
             reboot_node(path)
         case "process" if args.action == "add":
             add_process(
-                path, args.gpu, args.pid, gi=args.gi, ci=args.ci, used_memory_mib=args.memory
+                path,
+                args.gpu,
+                args.pid,
+                gi=args.gi,
+                ci=args.ci,
+                used_memory_mib=args.memory,
+                name=args.name,
             )
         case "process":
             if not remove_process(path, args.pid, gpu=args.gpu):

@@ -5,6 +5,8 @@ forwards (wire format: ``migsim.nvml.abi``) by rebuilding their ctypes arguments
 node's ``SimulatedNvmlLibrary``: the same code, the same state file, the same fault injection and
 call counts as pynvml in-process. One library serves every connection (so a handle's token is the
 same in every process); each connection's nvmlInit is undone when it closes. Calls are serialised.
+Each connection sees what its init call said its process may see (migsim.nvml.visibility), and
+the simulated nvidia-smi's GPU reset comes here too (abi.RESET_GPU).
 
 The socket appears (renamed into place) only once it accepts connections.
 """
@@ -22,12 +24,14 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from migsim.nvml import abi
 from migsim.nvml import state as st
 from migsim.nvml.library import SimulatedNvmlLibrary, SimulatedNvmlMisuse
+from migsim.nvml.visibility import EVERYTHING, Visibility
 
 _INIT_FUNCTIONS = ("nvmlInit_v2", "nvmlInitWithFlags")
 _NULL_TEXT = 0xFFFFFFFF
@@ -51,6 +55,23 @@ class _Reader:
 
 
 Reply = Callable[[int], bytes]
+
+
+@dataclass
+class _Client:
+    """One connection: its nvmlInit count and what its process sees."""
+
+    inits: int = 0
+    view: Visibility = EVERYTHING
+
+
+def _visibility(r: _Reader) -> Visibility:
+    if r.pos == len(r.data):
+        return EVERYTHING
+    n = r.unpack("I")
+    if n == abi.VISIBLE_EVERYTHING:
+        return EVERYTHING
+    return Visibility.of(r.take(r.unpack("I")).decode(errors="replace") for _ in range(n))
 
 
 def _decode(fn: abi.Function, r: _Reader) -> tuple[list[Any], list[Reply]]:
@@ -158,30 +179,38 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
 
-    def call(self, name: str, payload: bytes, inits: list[int]) -> bytes:
-        """The reply body (code and outs) of one request; ``inits`` counts this connection's."""
+    def call(self, name: str, payload: bytes, client: _Client) -> bytes:
+        """The reply body (code and outs) of one request of ``client``'s connection."""
         with self.lock:
             try:
-                code, outs = self._call(name, payload, inits)
+                code, outs = self._call(name, payload, client)
             except SimulatedNvmlMisuse as exc:
                 print(f"migsim.nvml.server: {name}: {exc}", file=sys.stderr)
                 code, outs = st.INVALID_ARGUMENT, b""
         return struct.pack("=i", code) + outs
 
-    def _call(self, name: str, payload: bytes, inits: list[int]) -> tuple[int, bytes]:
+    def _call(self, name: str, payload: bytes, client: _Client) -> tuple[int, bytes]:
         lib = self.library
         if name in _INIT_FUNCTIONS:
-            args = [_Reader(payload).unpack("I")] if name == "nvmlInitWithFlags" else []
+            r = _Reader(payload)
+            args = [r.unpack("I")] if name == "nvmlInitWithFlags" else []
+            view = _visibility(r)
+            if r.pos != len(payload):
+                raise SimulatedNvmlMisuse(f"request longer than the parameters of {name}")
             code = lib.call(name, *args)
-            inits[0] += code == st.SUCCESS
+            if code == st.SUCCESS:
+                client.inits += 1
+                client.view = view
             return code, b""
         if name == "nvmlShutdown":
-            if not inits[0]:
+            if not client.inits:
                 return st.UNINITIALIZED, b""
-            inits[0] -= 1
+            client.inits -= 1
             return lib.call("nvmlShutdown"), b""
         if name == abi.POLL_EVENTS:
-            return self._poll_events(payload, inits)
+            return self._poll_events(payload, client)
+        if name == abi.RESET_GPU:
+            return self._reset_gpu(payload, client)
         fn = abi.BY_NAME.get(name)
         if fn is None:
             return st.FUNCTION_NOT_FOUND, b""
@@ -189,11 +218,21 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
         args, replies = _decode(fn, reader)
         if reader.pos != len(payload):
             raise SimulatedNvmlMisuse(f"request longer than the parameters of {name}")
-        code = lib.call(fn.server_name, *args)
+        code = lib.call(fn.server_name, *args, view=client.view)
         return code, b"".join(reply(code) for reply in replies)
 
-    def _poll_events(self, payload: bytes, inits: list[int]) -> tuple[int, bytes]:
-        if not inits[0]:
+    def _reset_gpu(self, payload: bytes, client: _Client) -> tuple[int, bytes]:
+        if not client.inits:
+            return st.UNINITIALIZED, b""
+        r = _Reader(payload)
+        token = r.unpack("Q")
+        if r.pos != len(payload):
+            raise SimulatedNvmlMisuse(f"request longer than the parameters of {abi.RESET_GPU}")
+        code, why = self.library.reset_device(ctypes.c_void_p(token) if token else None)
+        return code, _counted(why.encode(), 1)
+
+    def _poll_events(self, payload: bytes, client: _Client) -> tuple[int, bytes]:
+        if not client.inits:
             return st.UNINITIALIZED, b""
         r = _Reader(payload)
         cursor = r.unpack("Q")
@@ -215,9 +254,9 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
             "=QBQQQII", after, 1, gpu, event.event_type, event.data, event.gi, event.ci
         )
 
-    def disconnected(self, inits: list[int]) -> None:
+    def disconnected(self, client: _Client) -> None:
         with self.lock:
-            for _ in range(inits[0]):
+            for _ in range(client.inits):
                 self.library.call("nvmlShutdown")
 
 
@@ -226,7 +265,7 @@ class _Connection(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        inits = [0]
+        client = _Client()
         try:
             while True:
                 head = _recv(sock, 4)
@@ -237,7 +276,7 @@ class _Connection(socketserver.BaseRequestHandler):
                     return
                 name, _, payload = body.partition(b"\0")
                 try:
-                    reply = self.server.call(name.decode(), payload, inits)
+                    reply = self.server.call(name.decode(), payload, client)
                 except Exception:  # a bug here must not kill the node's other clients
                     traceback.print_exc()
                     reply = struct.pack("=i", st.UNKNOWN)
@@ -245,7 +284,7 @@ class _Connection(socketserver.BaseRequestHandler):
         except OSError:
             return
         finally:
-            self.server.disconnected(inits)
+            self.server.disconnected(client)
 
 
 def _recv(sock: socket.socket, n: int) -> bytes | None:

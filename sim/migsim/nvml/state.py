@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -193,6 +193,7 @@ class SimProcess:
     ci: int | None = None
     used_memory_mib: int = 0
     owner: str = ""  # who started it in the simulated world, e.g. a pod ("" for a test's own)
+    name: str = ""  # nvmlSystemGetProcessName ("": NOT_FOUND, as for a process NVML cannot see)
 
 
 @dataclass(slots=True)
@@ -288,6 +289,9 @@ class SimNode:
     driver_version: str = DRIVER_VERSION
     nvml_version: str = NVML_VERSION
     cuda_version: int = CUDA_VERSION
+    # Host settings the driver reports per GPU (nvmlDeviceGetPersistenceMode): the H200's host
+    # runs with persistence mode on (smi-q Persistence Mode: Enabled; the table's "On").
+    persistence_mode: bool = True
     next_serial: int = 1
     fail_rules: list[FailRule] = field(default_factory=list)
     latency_seconds: float = 0.0
@@ -644,6 +648,8 @@ def create_node(
     profile_info_needs_mig: bool = False,
     driver_knows_3_slice_gfx: bool = False,
     mig_enabled: bool = False,
+    uuids: Sequence[str] = (),
+    bus_ids: Sequence[str] = (),
     replace: bool = True,
 ) -> None:
     """Create the state file of a simulated node with ``gpus`` ("8xH100-80GB", "2xA100-40GB,2xA30").
@@ -655,8 +661,12 @@ def create_node(
     the driver one that answers GPU-instance profile info only on GPUs with MIG mode on;
     ``driver_knows_3_slice_gfx`` one whose profile table includes index 0x11 (NOT_SUPPORTED there
     on GPUs without it, where the measured 580 driver answers INVALID_ARGUMENT).
+    ``uuids`` and ``bus_ids`` give the first GPUs those of real ones (a capture's), the others
+    keep the derived ones (``bus_id(index)``).
     """
     models = parse_gpu_spec(gpus) if isinstance(gpus, str) else gpus
+    if len(uuids) > len(models) or len(bus_ids) > len(models):
+        raise ValueError(f"more UUIDs or bus ids than the node's {len(models)} GPU(s)")
     state = StateFile(path)
     if state.exists() and not replace:
         raise FileExistsError(f"simulated node state {state.path} exists")
@@ -675,8 +685,12 @@ def create_node(
             SimGpu(
                 index=i,
                 model_key=m.key,
-                uuid="GPU-" + str(uuid.uuid5(_UUID_NAMESPACE, f"{seed}/gpu/{i}")),
-                bus_id=bus_id(i),
+                uuid=(
+                    uuids[i]
+                    if i < len(uuids)
+                    else "GPU-" + str(uuid.uuid5(_UUID_NAMESPACE, f"{seed}/gpu/{i}"))
+                ),
+                bus_id=bus_ids[i] if i < len(bus_ids) else bus_id(i),
                 mig_current=mig_enabled and m.mig_capable,
                 mig_pending=mig_enabled and m.mig_capable,
                 reset_supported=reset_supported,
@@ -757,8 +771,10 @@ def add_process(
     gi: int | None = None,
     ci: int | None = None,
     used_memory_mib: int = 1024,
+    name: str = "",
 ) -> None:
-    """Put process ``pid`` on GPU ``gpu``, or on its existing MIG device (``gi``, ``ci``)."""
+    """Put process ``pid`` on GPU ``gpu``, or on its existing MIG device (``gi``, ``ci``);
+    ``name`` is what NVML reports as its name (nvidia-smi's "Process name")."""
     if (gi is None) != (ci is None):
         raise ValueError("give both gi and ci for a process on a MIG device, or neither")
     with _mutate(path) as node:
@@ -769,7 +785,7 @@ def add_process(
             inst = g.gi(gi)
             if inst is None or inst.ci(ci) is None:
                 raise SimError(NOT_FOUND, f"GPU {gpu} has no MIG device gi={gi} ci={ci}")
-        g.processes.append(SimProcess(pid, gi, ci, used_memory_mib))
+        g.processes.append(SimProcess(pid, gi, ci, used_memory_mib, name=name))
 
 
 def raise_xid(
