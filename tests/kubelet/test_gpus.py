@@ -2,24 +2,24 @@
 from the image built here, registers with the kubelet's own device manager; the node's allocatable
 is what the kubelet makes of it; a pod asking for a GPU, then for a MIG device after a
 repartition, is admitted by the kubelet, which calls the plugin's Allocate for the device the pod
-gets (its NVIDIA_VISIBLE_DEVICES)."""
+gets (its NVIDIA_VISIBLE_DEVICES), and run under the RuntimeClass `nvidia`, whose CDI spec gives
+it the simulated NVML and nvidia-smi and lets it see only that device. These are the checks an
+operator makes on a GPU node (migsim.cluster.seed_checks, scripts/demo --real-node)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
 
 from kubernetes import client
-from migsim.cluster import real_node
+from migsim.cluster import Cluster, real_node, seed_checks
 
 from .conftest import (
     REAL_GPUS,
-    busybox_pod,
     gpu_resources,
     plugin_pods,
-    pod_log,
-    wait_phase,
     wait_resources,
 )
 
@@ -43,10 +43,23 @@ def _values(obj: object, key: str) -> list[str]:
     return []
 
 
-def visible_devices_pod(name: str, resource: str) -> dict[str, object]:
-    pod = busybox_pod(name, "echo devices=$NVIDIA_VISIBLE_DEVICES")
-    pod["spec"]["containers"][0]["resources"] = {"limits": {resource: 1}}  # type: ignore[index]
-    return pod
+def gpu_pod(name: str, resource: str) -> dict[str, Any]:
+    """A tiny pod under the RuntimeClass `nvidia` given one `resource`: the device NVIDIA's
+    plugin named, and what nvidia-smi in the container lists."""
+    return seed_checks.gpu_pod(
+        name, resource, "sh", "-c", "echo devices=$NVIDIA_VISIBLE_DEVICES; nvidia-smi -L"
+    )
+
+
+def listed(log: str) -> tuple[str, list[str], list[str]]:
+    """The pod's device from its log, and the GPU and MIG lines nvidia-smi -L printed."""
+    lines = log.splitlines()
+    device = lines[0].removeprefix("devices=")
+    return (
+        device,
+        [ln for ln in lines if ln.startswith("GPU ")],
+        [ln for ln in lines if ln.startswith("  MIG ")],
+    )
 
 
 def test_nvidias_plugin_registers_with_the_kubelet_and_sets_allocatable(
@@ -59,15 +72,24 @@ def test_nvidias_plugin_registers_with_the_kubelet_and_sets_allocatable(
     assert (kubelet_node.device_plugin_dir / "nvidia-gpu.sock").is_socket()
 
 
-def test_a_gpu_pod_is_given_a_gpu_by_the_kubelet_and_a_mig_device_after_a_repartition(
-    kubelet_node: real_node.RealNode, core: client.CoreV1Api, namespace: str
+def test_the_operators_checks_whole_gpus_then_a_mig_device_after_a_repartition(
+    kubelet_node: real_node.RealNode, core: client.CoreV1Api, cluster: Cluster, namespace: str
 ) -> None:
+    """nvidia-smi on the host, the node's allocatable, a tiny GPU pod whose log shows its GPU;
+    then, the GPUs repartitioned, a pod given a MIG device sees that device and no other."""
     wait_resources(core, {"nvidia.com/gpu": "2"})
-    core.create_namespaced_pod(namespace, visible_devices_pod("whole", "nvidia.com/gpu"))
-    wait_phase(core, namespace, "whole", "Succeeded")
     gpus, _ = gpu_uuids(kubelet_node)
-    line = pod_log(core, namespace, "whole").strip()
-    assert line.startswith("devices=") and line.removeprefix("devices=") in gpus, (line, gpus)
+    table = seed_checks.host_nvidia_smi(kubelet_node)
+    assert table.count("NVIDIA H100 80GB HBM3") == 2, table
+    assert "No running processes found" in table
+    assert seed_checks.gpu_resources(cluster) == {"nvidia.com/gpu": "2"}
+
+    log = seed_checks.run_pod(cluster, gpu_pod("whole", "nvidia.com/gpu"), namespace)
+    device, gpu_lines, mig_lines = listed(log)
+    assert device in gpus, (log, gpus)
+    # NVIDIA's runtime gave the container that GPU alone: nvidia-smi numbers it 0
+    assert gpu_lines == [f"GPU 0: NVIDIA H100 80GB HBM3 (UUID: {device})"], log
+    assert mig_lines == [], log
 
     # the GPUs repartitioned on the host (mig-agent's CLI on the simulated GPUs), then the
     # plugin's pod deleted: its DaemonSet's new pod registers what the GPUs now hold
@@ -94,10 +116,20 @@ def test_a_gpu_pod_is_given_a_gpu_by_the_kubelet_and_a_mig_device_after_a_repart
     wait_resources(core, {"nvidia.com/mig-1g.10gb": "14"})
     [new] = plugin_pods(core)
     assert new.metadata.uid != old.metadata.uid
+    host = seed_checks.host_nvidia_smi(kubelet_node, "-L")
+    assert host.count("  MIG 1g.10gb     Device") == 14, host
 
-    core.create_namespaced_pod(namespace, visible_devices_pod("slice", "nvidia.com/mig-1g.10gb"))
-    wait_phase(core, namespace, "slice", "Succeeded")
+    # under the RuntimeClass nvidia: the node's CDI spec has followed the repartition
+    log = seed_checks.run_pod(cluster, gpu_pod("slice", "nvidia.com/mig-1g.10gb"), namespace)
+    device, gpu_lines, mig_lines = listed(log)
     _, migs = gpu_uuids(kubelet_node)
-    line = pod_log(core, namespace, "slice").strip()
-    assert line.removeprefix("devices=") in migs, (line, sorted(migs)[:3])
+    assert device in migs, (log, sorted(migs)[:3])
+    parent = next(
+        g["uuid"]
+        for g in json.loads(kubelet_node.sim_state.read_text())["gpus"]
+        if device in json.dumps(g)
+    )
+    assert gpu_lines == [f"GPU 0: NVIDIA H100 80GB HBM3 (UUID: {parent})"], log
+    assert len(mig_lines) == 1 and mig_lines[0].endswith(f"(UUID: {device})"), log
+    assert mig_lines[0].startswith("  MIG 1g.10gb"), log
     assert gpu_resources(core) == {"nvidia.com/mig-1g.10gb": "14"}
