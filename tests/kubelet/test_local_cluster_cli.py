@@ -53,3 +53,29 @@ def test_up_with_a_real_node_then_down(tmp_path: Path) -> None:
     assert not record.kubelet.alive() and not record.containerd.alive()
     assert record.simulator is not None and not record.simulator.alive()
     assert not list(Path(real_node.KUBELET_DEVICE_PLUGINS).iterdir())
+
+
+def test_the_demo_on_a_real_node() -> None:
+    """`scripts/demo --real-node`, the README's command: the operator's checks, then a MIG layout
+    applied by the chart's agent and a pod given one MIG device; it stops what it started."""
+    if os.geteuid() != 0:
+        pytest.skip("the real node runs containerd and a kubelet: run as root")
+    done = subprocess.run(
+        [str(REPO / "scripts" / "demo"), "--real-node"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    out = done.stdout
+    assert done.returncode == 0, (out[-3000:], done.stderr[-3000:])
+    assert out.count("NVIDIA H100 80GB HBM3") >= 2, out  # the host's nvidia-smi table
+    assert '{"nvidia.com/gpu": "2"}' in out, out
+    whole = out.split("nvidia.com/gpu: 1 (runtimeClassName: nvidia), its log\n", 1)[1]
+    assert whole.startswith("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-"), out
+    assert "nvidia.com/mig.config.state=success" in out, out
+    pod = out.split("nvidia.com/mig-1g.10gb: 1, its log\n", 1)[1].splitlines()
+    assert pod[0].startswith("GPU 0: ") and pod[1].startswith("  MIG 1g.10gb     Device  0:"), out
+    assert not pod[2].startswith("  MIG"), out  # that device alone
+    assert "kubelet-node-0  all-1g.10gb  success" in out, out
+    assert not real_node.running_kubelets(), "the demo left a kubelet running"

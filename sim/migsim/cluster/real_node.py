@@ -289,7 +289,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         raise DevClusterError(f"the real node needs: {', '.join(missing)}")
     if os.geteuid() != 0:
         raise DevClusterError("the real node runs containerd and a kubelet: run as root")
-    others = _kubelets()
+    others = running_kubelets()
     if others:
         raise DevClusterError(
             f"a kubelet already runs here (pid {others[0]}): one real node per machine"
@@ -576,7 +576,7 @@ def _processes() -> Iterator[tuple[int, list[bytes]]]:
                 continue
 
 
-def _kubelets() -> list[int]:
+def running_kubelets() -> list[int]:
     return [
         pid for pid, argv in _processes() if argv[0].endswith(b"/kubelet") or argv[0] == b"kubelet"
     ]
