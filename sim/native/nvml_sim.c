@@ -426,6 +426,42 @@ nvmlReturn_t migsimDeviceReset(nvmlDevice_t device, char *message, unsigned int 
     return (nvmlReturn_t)sim_finish(&c, rc);
 }
 
+/* -- a CUDA program's footprint: not NVML ------------------------------------------------------
+ * A CUDA program shows as a compute process on the devices it uses until it exits. The simulated
+ * gpu-workload finds this function with dlsym and asks the simulator to show the calling process
+ * (name, usedMemoryMiB) on every device it sees, for as long as its connection stays open: until
+ * the process exits (however) or its last nvmlShutdown. The UUIDs held go to held (length bytes,
+ * each followed by a newline, NUL-terminated, cut short if too long; may be NULL). */
+
+nvmlReturn_t migsimHoldDevices(const char *name, unsigned int usedMemoryMiB, char *held,
+                               unsigned int length);
+
+nvmlReturn_t migsimHoldDevices(const char *name, unsigned int usedMemoryMiB, char *held,
+                               unsigned int length) {
+    if (held && length) held[0] = '\0';
+    sim_call c;
+    int rc = sim_start(&c, sim_hold_devices);
+    if (rc != NVML_SUCCESS) return (nvmlReturn_t)rc;
+    sim_put_u32(&c, usedMemoryMiB);
+    sim_put_text(&c, name ? name : "");
+    rc = sim_send(&c);
+    if (!c.failed) {
+        uint32_t k = 0;
+        sim_get_ptr(&c, &k, 4);
+        if (!c.failed && c.pos + k <= c.len) {
+            if (held && length) {
+                size_t n = k < length - 1 ? k : length - 1;
+                memcpy(held, c.buf + c.pos, n);
+                held[n] = '\0';
+            }
+            c.pos += k;
+        } else {
+            c.failed = 1;
+        }
+    }
+    return (nvmlReturn_t)sim_finish(&c, rc);
+}
+
 /* -- event sets: the library's own ----------------------------------------------------------------
  * An event set is a list of (GPU, event types) registrations and a cursor: the number of the last
  * simulator event it has seen (events raised before the set was created are not its). Events are

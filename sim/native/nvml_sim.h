@@ -48,5 +48,7 @@ SIM_HIDDEN extern const unsigned int sim_event_poll_ms;
 /* The simulator's GPU reset (migsim.nvml.abi.RESET_GPU) and the visibility count meaning "all". */
 SIM_HIDDEN extern const char sim_reset_gpu[];
 SIM_HIDDEN extern const uint32_t sim_visible_everything;
+/* The simulator's hold of the devices a process sees (migsim.nvml.abi.HOLD_DEVICES). */
+SIM_HIDDEN extern const char sim_hold_devices[];
 
 #endif

@@ -478,6 +478,13 @@ EVENT_POLL_MS = 100
 # Request: u64 GPU token. Reply: i32 code, u32 k, k bytes (why it was refused, or nothing).
 RESET_GPU = "migsimResetGpu"
 
+# Not an NVML function either: a CUDA program's footprint. The simulated gpu-workload asks the
+# simulator, through the C library's migsimHoldDevices, to show its process (by the pid the
+# kernel gives the socket's peer) as a compute process on every device it sees, until its
+# connection closes. Request: u32 used memory (MiB), u32 n, n bytes (the process name).
+# Reply: i32 code, u32 k, k bytes: the UUIDs held, each followed by a newline.
+HOLD_DEVICES = "migsimHoldDevices"
+
 # Visibility (migsim.nvml.visibility): the init calls (nvmlInit_v2; nvmlInitWithFlags after its
 # u32 flags) end with what the connecting process sees: u32 n (VISIBLE_EVERYTHING: all), then
 # n x (u32 length, bytes): the names of the files in its visible folder. A request without them

@@ -166,6 +166,7 @@ def calls_c(protos: dict[str, list[str]]) -> str:
         f'    default: return "Unknown Error";\n    }}\n}}\n',
         f'const char sim_poll_events[] = "{abi.POLL_EVENTS}";',
         f'const char sim_reset_gpu[] = "{abi.RESET_GPU}";',
+        f'const char sim_hold_devices[] = "{abi.HOLD_DEVICES}";',
         f"const uint32_t sim_visible_everything = {abi.VISIBLE_EVERYTHING:#x}u;",
         f"const unsigned int sim_event_poll_ms = {abi.EVENT_POLL_MS};\n",
         *(_function(f, protos[f.name]) for f in abi.FUNCTIONS),

@@ -367,6 +367,48 @@ class SimulatedNvmlLibrary:
             return exc.code, str(exc)
         return st.SUCCESS, ""
 
+    def hold_devices(
+        self, view: Visibility, pid: int, used_memory_mib: int, name: str, held_via: str
+    ) -> tuple[int, list[str]]:
+        """Process ``pid`` (a client seeing ``view``) as a CUDA program on every device it sees,
+        until release_holds(): (NVML code, the UUIDs held). A MIG device it sees is held; a GPU
+        seen whole with MIG off is held itself; a GPU seen whole with MIG on is used through
+        its MIG devices, as CUDA does (the GPU itself runs no CUDA context then), so each of
+        them is held (none if it has none). The simulated gpu-workload's migsimHoldDevices
+        (migsim.nvml.abi.HOLD_DEVICES)."""
+        if self._init_count == 0:
+            return st.UNINITIALIZED, []
+        try:
+            node = self._store.read()
+        except FileNotFoundError:
+            return st.DRIVER_NOT_LOADED, []
+        devices: list[tuple[int, int | None, int | None]] = []
+        uuids: list[str] = []
+        for gpu in view.gpus(node):
+            if gpu.mig_current:
+                for gi, ci in view.mig_devices(gpu):
+                    devices.append((gpu.index, gi.id, ci.id))
+                    uuids.append(ci.uuid)
+            else:
+                devices.append((gpu.index, None, None))
+                uuids.append(gpu.uuid)
+        try:
+            st.hold_devices(
+                self.state_file,
+                pid,
+                devices,
+                used_memory_mib=used_memory_mib,
+                name=name,
+                held_via=held_via,
+            )
+        except SimError as exc:
+            return exc.code, []
+        return st.SUCCESS, uuids
+
+    def release_holds(self, held_via: str, pid: int | None = None) -> int:
+        """Take off what hold_devices() put on for ``held_via`` (only ``pid``'s if given)."""
+        return st.release_holds(self.state_file, held_via, pid)
+
     # -- dispatch --------------------------------------------------------------------------------
 
     def _call(

@@ -8,12 +8,19 @@ same in every process); each connection's nvmlInit is undone when it closes. Cal
 Each connection sees what its init call said its process may see (migsim.nvml.visibility), and
 the simulated nvidia-smi's GPU reset comes here too (abi.RESET_GPU).
 
+The simulated gpu-workload's hold (abi.HOLD_DEVICES) puts the connection's peer process (its pid
+as the kernel gives it to this server, SO_PEERCRED: the host's, as NVML reports) on the devices
+it sees; those process entries carry this server's socket path (SimProcess.held_via) and are
+removed when the connection closes (however the process ended) and, left by a server that died,
+when a server on the same socket starts.
+
 The socket appears (renamed into place) only once it accepts connections.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
@@ -63,6 +70,8 @@ class _Client:
 
     inits: int = 0
     view: Visibility = EVERYTHING
+    pid: int = 0  # the peer's, as this server's pid namespace numbers it (0: unknown)
+    holding: bool = False
 
 
 def _visibility(r: _Reader) -> Visibility:
@@ -172,7 +181,15 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
         if os.path.exists(staging):
             os.unlink(staging)
         super().__init__(staging, _Connection)
+        # What clients of an earlier server on this socket held went with their connections.
+        with contextlib.suppress(FileNotFoundError):  # no node yet: nothing is held
+            self.library.release_holds(self.held_via)
         os.replace(staging, socket_path)
+
+    @property
+    def held_via(self) -> str:
+        """The mark of the processes this server's clients hold (SimProcess.held_via)."""
+        return os.path.abspath(self.socket_path)
 
     def server_close(self) -> None:
         super().server_close()
@@ -211,6 +228,8 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
             return self._poll_events(payload, client)
         if name == abi.RESET_GPU:
             return self._reset_gpu(payload, client)
+        if name == abi.HOLD_DEVICES:
+            return self._hold_devices(payload, client)
         fn = abi.BY_NAME.get(name)
         if fn is None:
             return st.FUNCTION_NOT_FOUND, b""
@@ -230,6 +249,23 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
             raise SimulatedNvmlMisuse(f"request longer than the parameters of {abi.RESET_GPU}")
         code, why = self.library.reset_device(ctypes.c_void_p(token) if token else None)
         return code, _counted(why.encode(), 1)
+
+    def _hold_devices(self, payload: bytes, client: _Client) -> tuple[int, bytes]:
+        none = _counted(b"", 1)
+        if not client.inits:
+            return st.UNINITIALIZED, none
+        r = _Reader(payload)
+        memory = r.unpack("I")
+        name = r.take(r.unpack("I")).decode(errors="replace")
+        if r.pos != len(payload):
+            raise SimulatedNvmlMisuse(f"request longer than the parameters of {abi.HOLD_DEVICES}")
+        if client.pid <= 0:
+            return st.NOT_SUPPORTED, none  # no peer pid: nothing NVML could report
+        code, uuids = self.library.hold_devices(
+            client.view, client.pid, memory, name, self.held_via
+        )
+        client.holding = client.holding or code == st.SUCCESS
+        return code, _counted("".join(f"{u}\n" for u in uuids).encode(), 1)
 
     def _poll_events(self, payload: bytes, client: _Client) -> tuple[int, bytes]:
         if not client.inits:
@@ -258,6 +294,8 @@ class NvmlServer(socketserver.ThreadingUnixStreamServer):
         with self.lock:
             for _ in range(client.inits):
                 self.library.call("nvmlShutdown")
+            if client.holding:
+                self.library.release_holds(self.held_via, client.pid)
 
 
 class _Connection(socketserver.BaseRequestHandler):
@@ -265,7 +303,7 @@ class _Connection(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        client = _Client()
+        client = _Client(pid=_peer_pid(sock))
         try:
             while True:
                 head = _recv(sock, 4)
@@ -285,6 +323,16 @@ class _Connection(socketserver.BaseRequestHandler):
             return
         finally:
             self.server.disconnected(client)
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The connecting process's pid in this server's pid namespace (0 if unknown)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return 0
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid
 
 
 def _recv(sock: socket.socket, n: int) -> bytes | None:

@@ -194,6 +194,9 @@ class SimProcess:
     used_memory_mib: int = 0
     owner: str = ""  # who started it in the simulated world, e.g. a pod ("" for a test's own)
     name: str = ""  # nvmlSystemGetProcessName ("": NOT_FOUND, as for a process NVML cannot see)
+    # The simulator (migsim.nvml.server, by its socket) whose client holds it (hold_devices);
+    # that simulator removes it when the client's connection closes, or when it starts again.
+    held_via: str = ""
 
 
 @dataclass(slots=True)
@@ -880,6 +883,48 @@ def remove_process(path: str | os.PathLike[str], pid: int, *, gpu: int | None = 
                 before = len(g.processes)
                 g.processes = [p for p in g.processes if p.pid != pid]
                 removed += before - len(g.processes)
+    return removed
+
+
+def hold_devices(
+    path: str | os.PathLike[str],
+    pid: int,
+    devices: Sequence[tuple[int, int | None, int | None]],
+    *,
+    used_memory_mib: int,
+    name: str,
+    held_via: str,
+) -> None:
+    """Put process ``pid`` on each of ``devices`` ((GPU index, GI id, CI id), the ids None for
+    the whole GPU) for the simulator ``held_via``, after removing what it held for ``pid``
+    before; release_holds() takes them off again."""
+    with _mutate(path) as node:
+        for g in node.gpus:
+            g.processes = [p for p in g.processes if (p.pid, p.held_via) != (pid, held_via)]
+        for index, gi, ci in devices:
+            g = node.gpu(index)
+            if gi is not None and ci is not None:
+                inst = g.gi(gi)
+                if inst is None or inst.ci(ci) is None:
+                    raise SimError(NOT_FOUND, f"GPU {index} has no MIG device gi={gi} ci={ci}")
+            g.processes.append(
+                SimProcess(pid, gi, ci, used_memory_mib, name=name, held_via=held_via)
+            )
+
+
+def release_holds(path: str | os.PathLike[str], held_via: str, pid: int | None = None) -> int:
+    """Remove the processes the simulator ``held_via`` holds (only ``pid``'s if given);
+    returns how many were removed."""
+    removed = 0
+    with _mutate(path) as node:
+        for g in node.gpus:
+            keep = [
+                p
+                for p in g.processes
+                if p.held_via != held_via or (pid is not None and p.pid != pid)
+            ]
+            removed += len(g.processes) - len(keep)
+            g.processes = keep
     return removed
 
 
