@@ -61,6 +61,7 @@ def test_every_gpu_and_mig_device_by_index_and_uuid_with_its_own_marker(tmp_path
     paths = [m["containerPath"] for m in edits["mounts"]]
     assert cdi.LIBRARY_PATH in paths
     assert cdi.SMI_PATH not in paths  # no simulated nvidia-smi in that folder: none mounted
+    assert cdi.WORKLOAD_PATH not in paths
 
 
 def test_the_writer_follows_a_repartition(tmp_path: Path) -> None:
@@ -68,6 +69,7 @@ def test_the_writer_follows_a_repartition(tmp_path: Path) -> None:
     out, lib = tmp_path / "cdi" / "nvidia.json", tmp_path / "lib"
     lib.mkdir()
     (lib / "nvidia-smi").write_text("")
+    (lib / "gpu-workload").write_text("")
     argv = [sys.executable, "-m", "migsim.cluster.cdi", "--state", str(state), "--out", str(out)]
     argv += ["--sim-nvml", str(lib), "--socket", str(tmp_path / "nvml.sock"), "--interval", "0.05"]
     writer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
@@ -85,6 +87,7 @@ def test_the_writer_follows_a_repartition(tmp_path: Path) -> None:
             m["containerPath"] for m in json.loads(out.read_text())["containerEdits"]["mounts"]
         ]
         assert cdi.SMI_PATH in paths
+        assert cdi.WORKLOAD_PATH in paths
         with open_node(str(state)) as gpus:
             apply_layout(CATALOG.get("all-3g.40gb"), gpus)
         migs = _mig_uuids(state)

@@ -4,10 +4,12 @@ current while the node runs.
 NVIDIA's ``nvidia-ctk cdi generate`` finds no driver files and no ``/dev/nvidia*`` here, so the
 spec is the simulator's: a device per GPU and per MIG device, by index and by UUID, and ``all``.
 Where NVIDIA's spec mounts the driver's libraries, ``nvidia-smi`` and device nodes, this one mounts
-the simulated ``libnvidia-ml.so.1``, the simulated ``nvidia-smi`` and the node's GPU simulator
-socket; in place of a device node, each device mounts a marker file named by its UUID into
-``/run/migsim-visible``, from which the simulated library shows a container only the devices it
-was given (as a real container sees only the device nodes it was given).
+the simulated ``libnvidia-ml.so.1``, the simulated ``nvidia-smi``, the simulator's
+``gpu-workload`` (a stand-in for a CUDA program: it holds the devices it sees until it exits) and
+the node's GPU simulator socket; in place of a device node, each device mounts a marker file
+named by its UUID into ``/run/migsim-visible``, from which the simulated library shows a
+container only the devices it was given (as a real container sees only the device nodes it
+was given).
 
 A MIG device exists only once the agent creates it, so ``python -m migsim.cluster.cdi`` runs beside
 the node and writes the spec again whenever the node's GPU state file changes (a real node's
@@ -28,6 +30,7 @@ KIND: Final = "nvidia.com/gpu"
 VISIBLE_DIR: Final = "/run/migsim-visible"  # the simulated library's contract (sim/native)
 LIBRARY_PATH: Final = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
 SMI_PATH: Final = "/usr/bin/nvidia-smi"
+WORKLOAD_PATH: Final = "/usr/bin/gpu-workload"
 ALL: Final = "all"
 
 
@@ -66,6 +69,8 @@ def spec(
     mounts = [bind(sim_nvml_dir / "libnvidia-ml.so.1", LIBRARY_PATH)]
     if (sim_nvml_dir / "nvidia-smi").exists():
         mounts.append(bind(sim_nvml_dir / "nvidia-smi", SMI_PATH))
+    if (sim_nvml_dir / "gpu-workload").exists():
+        mounts.append(bind(sim_nvml_dir / "gpu-workload", WORKLOAD_PATH))
     mounts.append(bind(socket.parent, str(socket.parent), "rw"))
     return {
         "cdiVersion": "0.5.0",
