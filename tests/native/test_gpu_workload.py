@@ -7,7 +7,8 @@ simulated nvidia-smi's Processes section, and is gone once it exits on SIGTERM a
 SIGKILLed; a whole GPU with MIG off is held itself; a whole GPU with MIG on is held through each
 of its MIG devices; mig-agent refuses (GpuBusy naming the pid) to destroy the MIG device while the
 workload runs, and goes ahead once it is gone; a server drops what clients of an earlier server
-on its socket held, and starts before its node's state exists."""
+on its socket held, and starts before its node's state exists; nothing visible is an error, and
+so are bad arguments."""
 
 from __future__ import annotations
 
@@ -233,3 +234,29 @@ def test_a_server_drops_what_clients_of_an_earlier_one_held(
 
 def test_a_server_starts_before_its_node_exists(serve: Serve, tmp_path: Path) -> None:
     serve(str(tmp_path / "not-yet.json"))  # the node's state is created later
+
+
+def test_nothing_visible_or_a_bad_argument_is_an_error(
+    make_node: MakeNode, serve: Serve, native_dir: Path, tmp_path: Path
+) -> None:
+    path = make_node("2xH100-80GB")
+    serve(path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(native_dir / "gpu-workload"), "--seconds", "0", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env={**os.environ, ENV_VISIBLE_DIR: str(empty)},
+        )
+
+    out = run()
+    assert (out.returncode, out.stdout) == (1, "")
+    assert "no GPU or MIG device is visible" in out.stderr
+    assert run("--memory-mib", "lots").returncode == 2
+    assert run("--frobnicate").returncode == 2
+    assert pids_of(path) == {}
