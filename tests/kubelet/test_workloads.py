@@ -16,10 +16,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from migsim.cluster import Cluster, agents, images, real_node
+from migsim.cluster import Cluster, agents, images, real_node, seed_checks
 
 from .conftest import (
     CONFIG,
@@ -172,8 +173,16 @@ def test_a_60s_training_pod_a_budget_a_gpu_daemonset_and_a_pending_pod(chart: No
             "template": {"metadata": {"labels": {"app": "gpu-monitor"}}, "spec": monitor_spec},
         },
     }
-    train = "trap 'echo got TERM; sleep 60; echo done; exit 0' TERM; while true; do sleep 0.2; done"
-    trainer = deployment("trainer", shell(train, grace_s=120), "nvidia.com/gpu")
+    # a CUDA program's stand-in holds its GPU as a GPU process; on SIGTERM the pod takes 60 s
+    # to finish, holding it, then ends the program
+    train = (
+        "gpu-workload --name trainer & "
+        "trap 'echo got TERM; sleep 60; kill $!; wait; exit 0' TERM; "
+        "while true; do sleep 0.2; done"
+    )
+    trainer_spec = shell(train, grace_s=120)
+    trainer_spec["runtimeClassName"] = "nvidia"
+    trainer = deployment("trainer", trainer_spec, "nvidia.com/gpu")
     waiting = node_pod(
         "new-slice",
         {
@@ -193,6 +202,16 @@ def test_a_60s_training_pod_a_budget_a_gpu_daemonset_and_a_pending_pod(chart: No
             for x in kube(c, "get", "pod", "-n", NS, "new-slice")["status"].get("conditions", [])
         ),
     )
+
+    # the trainer's program is a process of its GPU, by its host PID, as NVML reports it
+    def trainer_listed() -> str:
+        table = seed_checks.host_nvidia_smi(chart.node)
+        return table if " trainer " in table else ""
+
+    table = until("the trainer's GPU process", trainer_listed, timeout=30)
+    [row] = [ln for ln in table.splitlines() if " trainer " in ln]
+    pid = int(row.split()[4])  # |  GPU  GI  CI  PID  Type  Process name ...
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"gpu-workload"), row
 
     relabel(c, "all-balanced")
     states: list[str] = []
@@ -224,6 +243,7 @@ def test_a_60s_training_pod_a_budget_a_gpu_daemonset_and_a_pending_pod(chart: No
     # the kubelet, not the agent, decided: the handler's 60 s ran before the pod was gone
     assert gone_at - evicted_at >= 55, gone_at - evicted_at
     assert monitor_paused, "the GPU DaemonSet's operand label was never paused"
+    assert " trainer " not in seed_checks.host_nvidia_smi(chart.node)  # it left with its pod
 
     n = node(c)
     assert n["metadata"]["labels"][MONITOR_LABEL] == "true"
