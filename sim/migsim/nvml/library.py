@@ -89,6 +89,7 @@ SUPPORTED_EVENT_TYPES = 0x1 | 0x2 | 0x4 | 0x8 | 0x10 | 0x80 | 0x100
 _FI_RESETLESS_MIG = 184  # NVML_FI_DEV_IS_RESETLESS_MIG_SUPPORTED
 _FI_MIG_QUERY_INDEPENDENT = 199  # NVML_FI_DEV_IS_MIG_MODE_INDEPENDENT_MIG_QUERY_CAPABLE
 _VALUE_TYPE_UINT = 1
+_ADDRESSING_MODE_NONE = 0  # NVML_DEVICE_ADDRESSING_MODE_NONE
 
 _CArgObject: Any = type(ctypes.byref(ctypes.c_int()))
 
@@ -950,6 +951,23 @@ class SimulatedNvmlLibrary:
         _store_field_address(info, "gpuInstance", self._gi_handle(gpu, gi))
         info.id, info.profileId = ci.id, ci.profile_id
         info.placement.start, info.placement.size = ci.start, ci.size
+
+    # -- read by NVIDIA's DRA driver (gpu-kubelet-plugin) when it discovers the GPUs -------------
+
+    @_export("nvmlDeviceGetBrand")
+    def _brand(self, node: SimNode, handle: Any, out: Any) -> None:
+        # a MIG device answers its parent's brand (inferred: no readout of one)
+        gpu, _ = self._device(node, handle)
+        _out(out, "nvmlDeviceGetBrand").value = gpu.model.brand.nvml_code
+
+    @_export("nvmlDeviceGetAddressingMode")
+    def _addressing_mode(self, node: SimNode, handle: Any, out: Any) -> None:
+        # The H200 of the captures (x86, driver 580) reads "Addressing Mode: None": supported, no
+        # HMM or ATS active. Coherent platforms (Grace: ATS) are not simulated.
+        self._parent(node, handle)
+        info = _out(out, "nvmlDeviceGetAddressingMode")
+        _check_version(info, 1)
+        info.value = _ADDRESSING_MODE_NONE
 
 
 # -------------------------------------------------------------------------------------------------
