@@ -8,12 +8,16 @@ name) lists each GPU as `gpu-<minor>` with type gpu and the UUID, brand, archite
 NVML reports; after mig-agent applies all-balanced and the plugin restarts (it reads the GPUs only
 when it starts) it lists exactly the MIG devices of the simulator's state, named
 gpu-<minor>-mig-<profile>-<GI profile id>-<placement start>, with type mig, uuid, parentUUID and
-profile, as many per profile as the layout says, and no whole GPU; the DeviceClasses select them.
+profile, as many per profile as the layout says, and no whole GPU; a `+me` profile's name made
+RFC 1123 (`1g10gb-me`); MIG on without MIG devices: a slice without devices; a compute instance
+that does not span its GPU instance (1c.3g.40gb): the plugin refuses to start, naming the MIG
+device (as NVIDIA's device plugin does under the mixed strategy); the DeviceClasses select by type.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -24,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 from migsim.cluster import Cluster, dra_plugin
+from migsim.cluster.errors import DevClusterError
 from migsim.nvml import state as st
 
 from .conftest import REPO
@@ -67,6 +72,32 @@ def state(cluster: Cluster) -> Path:
     path.unlink(missing_ok=True)
     st.create_node(path, gpus=GPUS, name=NODE)
     return path
+
+
+def apply(state: Path, layout: str, *config: str) -> None:
+    """mig-agent applies `layout` (from `config` files, default the shipped profiles)."""
+    files = [arg for f in config for arg in ("-f", f)]
+    subprocess.run(
+        [sys.executable, "-m", "mig_agent", "apply", "--backend", "simulated"]
+        + ["--sim-state", str(state), *files, "-c", layout],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'sim'}"},
+    )
+
+
+def mig_devices(state: Path) -> Devices:
+    """The MIG devices of the simulator's state as the plugin names them (reference/dra.md 1):
+    gpu-<minor>-mig-<profile, dots removed, RFC 1123>-<GI profile id>-<placement start>."""
+    want: Devices = {}
+    for gpu in st.load_node(state).gpus:
+        for gi, ci in gpu.mig_devices():
+            gp = st.gi_profile(gpu, gi.profile_id)
+            profile = gp.ci_name(st.ci_profile(gpu, gi, ci.profile_id))
+            label = re.sub(r"[^a-z0-9-]", "-", profile.replace(".", "").lower())
+            name = f"gpu-{gpu.index}-mig-{label}-{gi.profile_id}-{gi.start}"
+            want[name] = {"uuid": ci.uuid, "parentUUID": gpu.uuid, "profile": profile}
+    return want
 
 
 def run_plugin_until(cluster: Cluster, state: Path, done: Any, *, fresh: bool = True) -> Devices:
@@ -118,22 +149,9 @@ def _layout(name: str) -> dict[str, int]:
 def test_all_balanced_lists_exactly_the_mig_devices(cluster: Cluster, state: Path) -> None:
     # the plugin ran on the GPUs with MIG off: its slice lists them, and stays when it stops
     run_plugin_until(cluster, state, lambda d: set(d) == {"gpu-0", "gpu-1"})
-    subprocess.run(
-        [sys.executable, "-m", "mig_agent", "apply", "--backend", "simulated"]
-        + ["--sim-state", str(state), "-c", "all-balanced"],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'sim'}"},
-    )
-
+    apply(state, "all-balanced")
     node = st.load_node(state)
-    want: Devices = {}
-    for gpu in node.gpus:
-        for gi, ci in gpu.mig_devices():
-            gp = st.gi_profile(gpu, gi.profile_id)
-            profile = gp.ci_name(st.ci_profile(gpu, gi, ci.profile_id))
-            name = f"gpu-{gpu.index}-mig-{profile.replace('.', '')}-{gi.profile_id}-{gi.start}"
-            want[name] = {"uuid": ci.uuid, "parentUUID": gpu.uuid, "profile": profile}
+    want = mig_devices(state)
     assert len(want) == 8
 
     # restarted (it reads the layout only at start), it replaces the GPUs by the MIG devices
@@ -154,3 +172,70 @@ def test_device_classes_select_by_type(cluster: Cluster) -> None:
         (selector,) = by_name[name]["selectors"]
         assert f".type == '{device_type}'" in selector["cel"]["expression"]
         assert "device.driver == 'gpu.nvidia.com'" in selector["cel"]["expression"]
+
+
+CONFIG = """\
+version: v1
+mig-configs:
+  me:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb+me": 1, "1g.20gb": 1, "4g.40gb": 1}
+  none:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {}
+  split:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1c.3g.40gb": 1, "3g.40gb": 1}
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> str:
+    path = tmp_path / "layouts.yaml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def test_a_me_profile_is_named_rfc1123(cluster: Cluster, state: Path, config: str) -> None:
+    apply(state, "me", config)
+    want = mig_devices(state)
+    assert {"gpu-0-mig-1g10gb-me-20-6", "gpu-1-mig-1g10gb-me-20-6"} <= set(want)
+    devices = run_plugin_until(cluster, state, lambda d: set(d) == set(want))
+    for name, dev in devices.items():
+        assert {k: dev[k] for k in ("uuid", "parentUUID", "profile")} == want[name], name
+
+
+def test_mig_on_without_mig_devices_publishes_an_empty_slice(
+    cluster: Cluster, state: Path, config: str
+) -> None:
+    apply(state, "none", config)
+    devices = run_plugin_until(
+        cluster, state, lambda _d: bool(dra_plugin.resource_slices(cluster, NODE))
+    )
+    assert devices == {}
+
+
+def test_a_split_gpu_instance_makes_the_plugin_refuse_to_start(
+    cluster: Cluster, state: Path, config: str
+) -> None:
+    apply(state, "split", config)
+    split = [
+        ci.uuid
+        for gpu in st.load_node(state).gpus
+        for gi, ci in gpu.mig_devices()
+        if st.ci_profile(gpu, gi, ci.profile_id).slices != st.gi_profile(gpu, gi.profile_id).slices
+    ]
+    assert split
+    dra_plugin.delete_slices(cluster, NODE)
+    plugin = dra_plugin.start(cluster, NODE, state)
+    try:
+        with pytest.raises(DevClusterError, match="exited") as exited:
+            dra_plugin.wait_devices(cluster, plugin, lambda _d: False, timeout=60)
+    finally:
+        dra_plugin.stop_plugin(plugin)
+    assert "error getting profile info for MIG device: " in str(exited.value)
+    assert any(uuid in str(exited.value) for uuid in split)
+    assert dra_plugin.resource_slices(cluster, NODE) == []
