@@ -11,7 +11,8 @@ gpu-<minor>-mig-<profile>-<GI profile id>-<placement start>, with type mig, uuid
 profile, as many per profile as the layout says, and no whole GPU; a `+me` profile's name made
 RFC 1123 (`1g10gb-me`); MIG on without MIG devices: a slice without devices; a compute instance
 that does not span its GPU instance (1c.3g.40gb): the plugin refuses to start, naming the MIG
-device (as NVIDIA's device plugin does under the mixed strategy); the DeviceClasses select by type.
+device (as NVIDIA's device plugin does under the mixed strategy); the DeviceClasses select by type;
+the cluster's `down` stops a plugin left running.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 from migsim.cluster import Cluster, dra_plugin
+from migsim.cluster.agent_records import stop_all
 from migsim.cluster.errors import DevClusterError
 from migsim.nvml import state as st
 
@@ -239,3 +241,12 @@ def test_a_split_gpu_instance_makes_the_plugin_refuse_to_start(
     assert "error getting profile info for MIG device: " in str(exited.value)
     assert any(uuid in str(exited.value) for uuid in split)
     assert dra_plugin.resource_slices(cluster, NODE) == []
+
+
+def test_the_clusters_down_stops_a_plugin_left_running(cluster: Cluster, state: Path) -> None:
+    plugin = dra_plugin.start(cluster, NODE, state)
+    dra_plugin.wait_devices(cluster, plugin, lambda d: set(d) == {"gpu-0", "gpu-1"})
+    stop_all(cluster.dir)  # what Cluster.down and `scripts/local-cluster down` stop first
+    assert not plugin.proc.alive()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(plugin.proc.pid, 0)  # nothing of its group is left: plugin, GPU simulator

@@ -14,7 +14,8 @@ what a pod would mount:
 The plugin reads the GPUs once, when it starts, and publishes one ResourceSlice for the node
 (driver gpu.nvidia.com, pool = node name); no kubelet needs to connect for that. It leaves the
 slice behind when it stops, so after a layout change the caller restarts it and waits until the
-slice lists the new devices (`wait_devices`). `install_device_classes` applies the driver's two
+slice lists the new devices (`wait_devices`). A started plugin is recorded (agent_records), so
+that the cluster's `down` stops it too. `install_device_classes` applies the driver's two
 DeviceClasses, written here from what the chart's are (reference/dra.md 1), not copied from it.
 """
 
@@ -26,14 +27,15 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from . import scripts
+from .agent_records import DRA_RECORDS, stop_dra_plugins
 from .cluster import Cluster
 from .errors import DevClusterError
-from .processes import Proc, spawn, stop
+from .processes import Proc, spawn
 
 REPO = Path(__file__).resolve().parents[3]
 DRIVER = "gpu.nvidia.com"
@@ -84,6 +86,7 @@ class DraPlugin:
     node: str
     proc: Proc
     log: Path
+    cluster_dir: Path
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log.exists():
@@ -159,12 +162,16 @@ def start(
     ]
     log = cluster.dir / "logs" / f"dra-plugin-{node}.log"
     env = {**os.environ, "PYTHON": sys.executable}
-    return DraPlugin(node, spawn(f"dra-plugin@{node}", argv, log, env=env), log)
+    stop_dra_plugins(cluster.dir, node)  # one plugin per node, as its DaemonSet runs it
+    proc = spawn(f"dra-plugin@{node}", argv, log, env=env)
+    # recorded at once: the cluster's `down` stops it even if this process dies a moment later
+    DRA_RECORDS.put(cluster.dir, node, {"plugin": asdict(proc)})
+    return DraPlugin(node, proc, log, cluster.dir)
 
 
-def stop_plugin(plugin: DraPlugin, timeout: float = 10.0) -> None:
-    """Stop the plugin (its process group: with-sim-gpus, the simulator and the plugin)."""
-    stop([plugin.proc], timeout=timeout)
+def stop_plugin(plugin: DraPlugin) -> None:
+    """Stop the plugin: its process group (with-sim-gpus, the GPU simulator and the plugin)."""
+    stop_dra_plugins(plugin.cluster_dir, plugin.node)
 
 
 def resource_slices(cluster: Cluster, node: str) -> list[dict[str, Any]]:
