@@ -22,6 +22,12 @@ from migsim.nvml import state as st
 from migsim.nvml.library import SimulatedNvmlLibrary
 
 # The Python face's behaviour tests, collected again here over the C face.
+from tests.gpu.test_dra_discovery import (  # noqa: F401
+    test_a_mig_device_reports_its_parents_brand,
+    test_addressing_mode_checks_its_struct_version,
+    test_brand_comes_from_the_model_data,
+    test_h200_brand_and_addressing_mode_as_captured,
+)
 from tests.gpu.test_executor import (  # noqa: F401
     test_ampere_mode_change_resets_only_the_gpus_that_need_it,
     test_busy_instance_that_must_go_is_refused_and_nothing_changes,

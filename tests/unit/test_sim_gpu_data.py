@@ -238,6 +238,7 @@ _MINIMAL = """\
 key: X
 name: NVIDIA X
 architecture: hopper
+brand: nvidia
 compute_capability: [9, 0]
 pci_device_id: 0x12340DE
 memory_total_mib: 1000
@@ -277,6 +278,8 @@ def test_a_minimal_file_loads(tmp_path: Path) -> None:
         (("instances: 2\n", "instances: 3\n"), "at least one per instance"),
         (("multiprocessors: null\n", "multiprocessors: null\ninferred: {colour: x}\n"), "colour"),
         (("architecture: hopper", "architecture: volta"), "one of"),
+        (("brand: nvidia", "brand: geforce"), "brand: one of"),
+        (("brand: nvidia\n", ""), "brand"),
         (("memory_mib: 500", "memory_mib: lots"), "expected int"),
     ],
 )

@@ -17,6 +17,8 @@ from .processes import Proc, stop
 from .records import RecordFile, procs
 
 RECORDS = RecordFile("agents.json", lock=".agents.lock")
+# NVIDIA's DRA kubelet plugin per node (dra_plugin.py): {"plugin": Proc}
+DRA_RECORDS = RecordFile("dra-plugins.json", lock=".dra-plugins.lock")
 
 
 def supervisor_status(status_file: Path | str) -> dict[str, Any]:
@@ -52,13 +54,30 @@ def reap_group(leader: Proc, timeout: float = 10.0) -> None:
 
 
 def stop_all(directory: Path) -> list[str]:
+    """Stop every recorded node process (agents, device plugins, DRA plugins); the names of those
+    that needed SIGKILL."""
+    killed = stop_dra_plugins(directory)
     with RECORDS.locked(directory):
         records = running(directory)
-        killed = stop([p for r in records.values() for p in node_procs(r)])
+        killed += stop([p for r in records.values() for p in node_procs(r)])
         for r in records.values():
             if r.get("device_plugin"):
                 reap_group(Proc(**r["device_plugin"]))
         RECORDS.save(directory, {})
+    return killed
+
+
+def stop_dra_plugins(directory: Path, node: str | None = None) -> list[str]:
+    """Stop the recorded DRA plugins (of `node` only, if given), their process groups to the last
+    member (the plugin and the GPU simulator outlive the script that leads the group)."""
+    with DRA_RECORDS.locked(directory):
+        records = DRA_RECORDS.load(directory)
+        mine = {n: r for n, r in records.items() if node is None or n == node}
+        plugins = [Proc(**r["plugin"]) for r in mine.values()]
+        killed = stop(plugins)
+        for plugin in plugins:
+            reap_group(plugin)
+        DRA_RECORDS.save(directory, {n: r for n, r in records.items() if n not in mine})
     return killed
 
 

@@ -8,7 +8,7 @@ values of that mapping that have no readout behind them (``list.field`` marks th
 row of a list); they are kept as GpuModel.inferred. A top-level ``reasons`` mapping only holds
 YAML anchors for those reasons.
 
-Format (see h200.yaml): key, name, architecture, compute_capability, pci_device_id,
+Format (see h200.yaml): key, name, architecture, brand, compute_capability, pci_device_id,
 pci_subsystem_ids, memory_total_mib, multiprocessors, and for MIG-capable models ``mig`` with
 mode_change_needs_reset, memory_slices, compute_slices, placement_grid and gi_profiles (name,
 index, id, slices, instances, memory_mib, multiprocessors, engines {ce, dec, enc, jpg, ofa},
@@ -30,6 +30,7 @@ import yaml
 
 from migsim.gpus.models import (
     Architecture,
+    Brand,
     CiProfile,
     Engines,
     GiProfile,
@@ -289,6 +290,11 @@ def _model(f: _Fields, source: str, inferred: list[Inferred]) -> GpuModel:
     except ValueError:
         known = ", ".join(a.value for a in Architecture)
         raise GpuDataError(f"{f.where}.architecture: one of {known}") from None
+    try:
+        brand = Brand(f.text("brand"))
+    except ValueError:
+        known = ", ".join(b.value for b in Brand)
+        raise GpuDataError(f"{f.where}.brand: one of {known}") from None
     reset, memory_slices, compute_slices, grid = False, 0, 0, 0
     profiles: tuple[GiProfile, ...] = ()
     if "mig" in f.raw:
@@ -302,6 +308,7 @@ def _model(f: _Fields, source: str, inferred: list[Inferred]) -> GpuModel:
         memory_total_mib=f.integer("memory_total_mib"),
         multiprocessors=f.optional_integer("multiprocessors"),
         architecture=arch,
+        brand=brand,
         compute_capability=(cc[0], cc[1]),
         mig_mode_needs_reset=reset,
         memory_slices=memory_slices,

@@ -30,6 +30,21 @@ _ARCH_CODES = {
 }
 
 
+class Brand(StrEnum):
+    """What ``nvmlDeviceGetBrand`` reports (nvidia-smi's "Product Brand")."""
+
+    NVIDIA = "nvidia"
+    NVIDIA_RTX = "nvidia-rtx"
+
+    @property
+    def nvml_code(self) -> int:
+        """The NVML_BRAND_* value (nvml.h)."""
+        return _BRAND_CODES[self]
+
+
+_BRAND_CODES = {Brand.NVIDIA: 14, Brand.NVIDIA_RTX: 13}
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Placement:
     """Where an instance sits: ``start`` and ``size`` in the units NVML reports (GPU instances:
@@ -149,6 +164,7 @@ class GpuModel:
     memory_total_mib: int
     multiprocessors: int | None  # of the whole GPU; None where no source gives it
     architecture: Architecture
+    brand: Brand
     compute_capability: tuple[int, int]
     mig_mode_needs_reset: bool  # a MIG mode change applies only after a GPU reset
     memory_slices: int

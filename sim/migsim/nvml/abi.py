@@ -222,6 +222,11 @@ class ComputeInstanceInfo(_Struct):
     ]
 
 
+class DeviceAddressingMode(_Struct):
+    _c_name_ = "nvmlDeviceAddressingMode_t"
+    _fields_ = [("version", ctypes.c_uint), ("value", ctypes.c_uint)]
+
+
 Scalar: TypeAlias = type[ctypes.c_uint] | type[ctypes.c_int] | type[ctypes.c_ulonglong]
 CType: TypeAlias = Scalar | type[_Struct]
 
@@ -461,6 +466,12 @@ FUNCTIONS: tuple[Function, ...] = (
         Ptr(ComputeInstanceInfo),
         serve="nvmlComputeInstanceGetInfo_v2",
     ),
+)
+
+# Read by NVIDIA's DRA driver (gpu-kubelet-plugin) when it discovers the GPUs, besides the above.
+FUNCTIONS += (
+    _fn("nvmlDeviceGetBrand", HANDLE, U32_OUT),
+    _fn("nvmlDeviceGetAddressingMode", HANDLE, Ptr(DeviceAddressingMode)),
 )
 
 BY_NAME: dict[str, Function] = {f.name: f for f in FUNCTIONS}

@@ -94,6 +94,7 @@ _VALUE_TYPE_UINT = 1
 _VOLATILE_ECC, _AGGREGATE_ECC = 0, 1  # nvmlEccCounterType_t
 _TEMPERATURE_GPU = 0  # nvmlTemperatureSensors_t
 _COMPUTEMODE_DEFAULT = 0  # nvmlComputeMode_t
+_ADDRESSING_MODE_NONE = 0  # NVML_DEVICE_ADDRESSING_MODE_NONE
 
 _CArgObject: Any = type(ctypes.byref(ctypes.c_int()))
 
@@ -1137,6 +1138,23 @@ class SimulatedNvmlLibrary:
         _store_field_address(info, "gpuInstance", self._gi_handle(gpu, gi))
         info.id, info.profileId = ci.id, ci.profile_id
         info.placement.start, info.placement.size = ci.start, ci.size
+
+    # -- read by NVIDIA's DRA driver (gpu-kubelet-plugin) when it discovers the GPUs -------------
+
+    @_export("nvmlDeviceGetBrand")
+    def _brand(self, node: SimNode, handle: Any, out: Any) -> None:
+        # a MIG device answers its parent's brand (inferred: no readout of one)
+        gpu, _ = self._device(node, handle)
+        _out(out, "nvmlDeviceGetBrand").value = gpu.model.brand.nvml_code
+
+    @_export("nvmlDeviceGetAddressingMode")
+    def _addressing_mode(self, node: SimNode, handle: Any, out: Any) -> None:
+        # The H200 of the captures (x86, driver 580) reads "Addressing Mode: None": supported, no
+        # HMM or ATS active. Coherent platforms (Grace: ATS) are not simulated.
+        self._parent(node, handle)
+        info = _out(out, "nvmlDeviceGetAddressingMode")
+        _check_version(info, 1)
+        info.value = _ADDRESSING_MODE_NONE
 
 
 # -------------------------------------------------------------------------------------------------
