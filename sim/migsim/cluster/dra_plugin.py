@@ -110,7 +110,7 @@ def _driver_root(folder: Path) -> Path:
     # copied afresh each start: a rebuilt library is the one the plugin loads
     shutil.copyfile(built / "libnvidia-ml.so.1", lib_dir / "libnvidia-ml.so.1")
     smi = bin_dir / "nvidia-smi"
-    shutil.copyfile(REPO / "sim" / "native" / "nvidia-smi", smi)
+    shutil.copyfile(built / "nvidia-smi", smi)
     smi.chmod(0o755)
     return root
 

@@ -48,7 +48,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -408,27 +408,20 @@ def _start_service_proxy(cluster: Cluster, name: str, logs: Path) -> Proc:
     ip = pki.KUBERNETES_SERVICE_IP
     subprocess.run(["ip", "addr", "add", f"{ip}/32", "dev", "lo"], capture_output=True, check=False)
     server = cluster.server.removeprefix("https://")
-    proxy = spawn(
-        f"service-proxy-{name}",
-        [
-            sys.executable,
-            "-m",
-            "migsim.cluster.service_proxy",
-            "--listen",
-            f"{ip}:443",
-            "--to",
-            server,
-        ],
-        logs / f"service-proxy-{name}.log",
-    )
+    argv = [sys.executable, "-m", "migsim.cluster.service_proxy", "--listen", f"{ip}:443"]
 
     def listening() -> bool:
-        _alive_or_raise(proxy, logs)
         with socket.socket() as s:
             return s.connect_ex((ip, 443)) == 0
 
-    wait_until(listening, timeout=15, what="the kubernetes Service's forwarder")
-    return proxy
+    return _spawn_ready(
+        f"service-proxy-{name}",
+        [*argv, "--to", server],
+        logs,
+        listening,
+        what="the kubernetes Service's forwarder",
+        timeout=15,
+    )
 
 
 def sim_nvml() -> Path:
@@ -448,26 +441,16 @@ def _start_gpus(node: RealNode, logs: Path) -> RealNode:
     )
     if done.returncode != 0:
         raise DevClusterError(f"host view of {node.name}: {done.stderr.strip()}")
-    simulator = spawn(
+    argv = [sys.executable, "-m", "migsim.nvml.server", "--state", str(node.sim_state)]
+    simulator = _spawn_ready(
         f"gpu-simulator-{node.name}",
-        [
-            sys.executable,
-            "-m",
-            "migsim.nvml.server",
-            "--state",
-            str(node.sim_state),
-            "--socket",
-            str(node.nvml_socket),
-        ],
-        logs / f"gpu-simulator-{node.name}.log",
-    )
-    started = dataclasses.replace(node, simulator=simulator)
-    wait_until(
-        lambda: _alive_or_raise(simulator, logs) and node.nvml_socket.is_socket(),
-        timeout=30,
+        [*argv, "--socket", str(node.nvml_socket)],
+        logs,
+        node.nvml_socket.is_socket,
         what=f"the GPU simulator of {node.name} to listen",
+        timeout=30,
     )
-    return started
+    return dataclasses.replace(node, simulator=simulator)
 
 
 def _start_cdi_writer(node: RealNode, library: Path, logs: Path) -> RealNode:
@@ -486,14 +469,29 @@ def _start_cdi_writer(node: RealNode, library: Path, logs: Path) -> RealNode:
         "--socket",
         str(node.nvml_socket),
     ]
-    writer = spawn(f"cdi-writer-{node.name}", argv, logs / f"cdi-writer-{node.name}.log")
-    started = dataclasses.replace(node, cdi_writer=writer)
-    wait_until(
-        lambda: _alive_or_raise(writer, logs) and node.cdi_spec.exists(),
-        timeout=15,
+    writer = _spawn_ready(
+        f"cdi-writer-{node.name}",
+        argv,
+        logs,
+        node.cdi_spec.exists,
         what=f"the CDI spec of {node.name}",
+        timeout=15,
     )
-    return started
+    return dataclasses.replace(node, cdi_writer=writer)
+
+
+def _spawn_ready(
+    name: str, argv: list[str], logs: Path, ready: Callable[[], bool], *, what: str, timeout: float
+) -> Proc:
+    """Start `argv` as process `name` (its log in `logs`) and return it once `ready()`; stopped
+    again if it exits or is not ready in time (DevClusterError, naming `what`)."""
+    proc = spawn(name, argv, logs / f"{name}.log")
+    try:
+        wait_until(lambda: _alive_or_raise(proc, logs) and ready(), timeout=timeout, what=what)
+    except BaseException:
+        stop([proc])
+        raise
+    return proc
 
 
 def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict[str, Any]:
