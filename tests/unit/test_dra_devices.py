@@ -1,0 +1,58 @@
+"""What NVIDIA's DRA driver publishes for a node's GPUs, against a ResourceSlice as the driver
+writes it (the shape tests/native/test_dra_driver.py reads from the real driver)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mig_agent.core import dra_devices as dra
+
+
+def _slice(node: str, *devices: tuple[str, str], driver: str = dra.DRIVER) -> dict[str, Any]:
+    def device(i: int, kind: str, profile: str) -> dict[str, Any]:
+        attributes: dict[str, Any] = {"type": {"string": kind}, "uuid": {"string": f"U-{i}"}}
+        if profile:
+            attributes["profile"] = {"string": profile}
+        return {"name": f"gpu-{i}", "attributes": attributes}
+
+    return {
+        "spec": {
+            "driver": driver,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "nodeName": node,
+            "devices": [device(i, k, p) for i, (k, p) in enumerate(devices)],
+        }
+    }
+
+
+def test_whole_gpus_and_mig_devices_by_kind() -> None:
+    devices = {0: None, 1: Counter({"1g.10gb": 2, "3g.40gb": 1}), 2: Counter()}
+    assert dra.expected_devices(devices) == Counter(
+        {dra.GPU: 1, ("mig", "1g.10gb"): 2, ("mig", "3g.40gb"): 1}
+    )  # GPU 2: MIG on with no device publishes nothing
+    assert dra.split_problem(devices) == ""
+
+
+def test_a_split_gpu_instance_publishes_nothing() -> None:
+    problem = dra.split_problem({0: Counter({"1c.3g.40gb": 2}), 1: None})
+    assert "1c.3g.40gb" in problem and "publish no device" in problem
+
+
+def test_published_devices_count_only_the_drivers_slices_of_the_node() -> None:
+    slices = [
+        _slice("n1", ("mig", "1g.10gb"), ("mig", "1g.10gb"), ("mig", "2g.20gb+me")),
+        _slice("n1", ("gpu", "")),
+        _slice("n2", ("gpu", "")),  # another node's pool
+        _slice("n1", ("gpu", ""), driver="other.example.com"),
+    ]
+    assert dra.published_devices(slices, "n1") == Counter(
+        {("mig", "1g.10gb"): 2, ("mig", "2g.20gb+me"): 1, dra.GPU: 1}
+    )
+
+
+def test_the_difference_names_what_is_missing_and_what_is_extra() -> None:
+    want = Counter({("mig", "1g.10gb"): 4, ("mig", "2g.20gb"): 2})
+    got = Counter({("mig", "1g.10gb"): 3, dra.GPU: 2, ("mig", "2g.20gb"): 2})
+    assert dra.difference(want, got) == "missing 1 x MIG 1g.10gb; extra 2 x whole GPU"
+    assert dra.difference(want, Counter(want)) == ""
