@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import pytest
 from kubernetes import client
 from migsim.cluster import Cluster, agents, images, real_node, seed_checks
+from migsim.cluster.errors import WaitTimeout
 
 REAL_NODE = real_node.NAME
 REAL_GPUS = "2xH100-80GB"
@@ -158,14 +159,11 @@ def agent_pods(c: Cluster) -> list[Any]:
 
 
 def wait_ready_agent(c: Cluster, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        for pod in agent_pods(c):
-            conditions = {x["type"]: x["status"] for x in pod["status"].get("conditions", [])}
-            if conditions.get("Ready") == "True":
-                return pod
-        assert time.monotonic() < deadline, c.kubectl("describe", "pods", "-n", "mig-agent")
-        time.sleep(0.5)
+    """The chart's agent pod once Ready (the pods described if none is in time)."""
+    try:
+        return seed_checks.wait_agent_ready(c, timeout)
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}\n{c.kubectl('describe', 'pods', '-n', 'mig-agent')}") from e
 
 
 def wait_state(c: Cluster, timeout: float = 120) -> tuple[str, list[str]]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from migsim.cluster import Cluster, agents, images, real_node, seed_checks
+from migsim.cluster.waiting import wait_until
 
 from .conftest import (
     CONFIG,
@@ -68,14 +69,8 @@ def pods(c: Cluster, selector: str) -> list[Any]:
     return list(kube(c, "get", "pods", "-n", NS, "-l", selector)["items"])
 
 
-def until(what: str, check: Callable[[], Any], timeout: float = 90, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(every)
+def until(what: str, check: Callable[[], Any], timeout: float = 90) -> Any:
+    return wait_until(check, timeout=timeout, what=what, interval=0.5)
 
 
 def relabel(c: Cluster, layout: str) -> None:

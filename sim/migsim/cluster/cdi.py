@@ -111,7 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sim-nvml", type=Path, required=True, help="scripts/sim-nvml's folder")
     p.add_argument("--socket", type=Path, required=True, help="the node's GPU simulator socket")
     p.add_argument("--interval", type=float, default=0.2, help="seconds between looks")
-    p.add_argument("--once", action="store_true", help="write the spec once and exit")
     args = p.parse_args(argv)
     seen: tuple[int, int] | None = None
     names: list[str] = []
@@ -127,8 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if now != names:
                     print(f"cdi spec: {len(now)} device names", flush=True)
                     names = now
-        if args.once:
-            return 0 if seen is not None else 1
         time.sleep(args.interval)
 
 

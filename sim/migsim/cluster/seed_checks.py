@@ -21,6 +21,7 @@ from typing import Any, Final
 from . import images, real_node, scripts
 from .cluster import Cluster
 from .errors import DevClusterError
+from .waiting import wait_until
 
 CHART: Final = scripts.REPO / "charts" / "mig-agent"
 CONFIG: Final = "nvidia.com/mig.config"
@@ -54,12 +55,12 @@ def gpu_resources(cluster: Cluster, name: str = real_node.NAME) -> dict[str, str
 
 def wait_gpu_resources(cluster: Cluster, timeout: float = 120) -> dict[str, str]:
     """The node's GPU resources once NVIDIA's plugin has registered some with the kubelet."""
-    deadline = time.monotonic() + timeout
-    while not (found := gpu_resources(cluster)):
-        if time.monotonic() > deadline:
-            raise DevClusterError(f"no GPU resource on {real_node.NAME} within {timeout:g} s")
-        time.sleep(0.5)
-    return found
+    return wait_until(
+        lambda: gpu_resources(cluster),
+        timeout=timeout,
+        what=f"a GPU resource on {real_node.NAME}",
+        interval=0.5,
+    )
 
 
 def gpu_pod(name: str, resource: str, *command: str) -> dict[str, Any]:
@@ -94,15 +95,13 @@ def run_pod(
     name = pod["metadata"]["name"]
     path = f"/api/v1/namespaces/{namespace}/pods"
     cluster.api.request("POST", path, pod)
-    deadline = time.monotonic() + timeout
+
+    def ended() -> dict[str, Any]:  # the pod's status once it ended, {} before
+        status: dict[str, Any] = cluster.api.get(f"{path}/{name}").get("status", {})
+        return status if status.get("phase") in ("Succeeded", "Failed") else {}
+
     try:
-        while True:
-            status = cluster.api.get(f"{path}/{name}").get("status", {})
-            if status.get("phase") in ("Succeeded", "Failed"):
-                break
-            if time.monotonic() > deadline:
-                raise DevClusterError(f"pod {name} did not end within {timeout:g} s: {status}")
-            time.sleep(0.3)
+        status = wait_until(ended, timeout=timeout, what=f"pod {name} to end", interval=0.3)
         log = cluster.kubectl("logs", "-n", namespace, name, check=False)
         if status["phase"] != "Succeeded":
             raise DevClusterError(f"pod {name} {status['phase']}: {status} {log}")
@@ -137,30 +136,29 @@ def install_chart(cluster: Cluster, helm: str, *values: str) -> None:
 
 def wait_agent_ready(cluster: Cluster, timeout: float = 180) -> dict[str, Any]:
     """The chart's agent pod on the real node, once the kubelet's readiness probe passed."""
-    deadline = time.monotonic() + timeout
     selector = "labelSelector=app.kubernetes.io/name%3Dmig-agent"
-    while True:
+
+    def ready() -> dict[str, Any]:  # a Ready pod, {} while there is none
         pods = cluster.api.get(f"/api/v1/namespaces/mig-agent/pods?{selector}")["items"]
         for pod in pods:
             conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
             if conditions.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp"):
                 return dict(pod)
-        if time.monotonic() > deadline:
-            raise DevClusterError(f"mig-agent's pod not Ready within {timeout:g} s")
-        time.sleep(0.5)
+        return {}
+
+    return wait_until(ready, timeout=timeout, what="mig-agent's pod to be Ready", interval=0.5)
 
 
 def apply_layout(cluster: Cluster, layout: str, timeout: float = 300) -> str:
     """Label the real node with `layout` and return the state the agent ends it in."""
     cluster.kubectl("label", "node", real_node.NAME, "--overwrite", f"{CONFIG}={layout}")
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ended() -> str:
         labels = cluster.api.get(f"/api/v1/nodes/{real_node.NAME}")["metadata"]["labels"]
-        if labels.get(CONFIG) == layout and labels.get(STATE) in ("success", "failed"):
-            return str(labels[STATE])
-        if time.monotonic() > deadline:
-            raise DevClusterError(f"{layout} not applied within {timeout:g} s: {labels.get(STATE)}")
-        time.sleep(0.3)
+        done = labels.get(CONFIG) == layout and labels.get(STATE) in ("success", "failed")
+        return str(labels[STATE]) if done else ""
+
+    return wait_until(ended, timeout=timeout, what=f"{layout} to be applied", interval=0.3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
