@@ -1,8 +1,11 @@
 """Fixtures for end-to-end tests: simulated GPU nodes of the session's cluster, each with a real
 agent process (under the DaemonSet's ServiceAccount, own-node admission policy active) and a
 device plugin, as `scripts/local-cluster up` runs them: NVIDIA's own (`nvidia`, under the node
-runtime; root only) or the home-made model of it (`simulated`). `agent_node(device_plugin=...)`
-chooses per node; the default is agents.default_device_plugin() (MIG_AGENT_DEVICE_PLUGIN)."""
+runtime; root only) or the home-made model of it (`simulated`); or, as on a GPUCluster's node, no
+device plugin but NVIDIA's DRA kubelet plugin (`dra`; root only: the DRA driver's DaemonSet is
+installed once per session, and a follower runs the plugin while the node's pod runs).
+`agent_node(device_plugin=...)` chooses per node; the default is agents.default_device_plugin()
+(MIG_AGENT_DEVICE_PLUGIN)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from migsim.cluster import Cluster, agents
+from migsim.cluster import Cluster, agents, dra_plugin
 from migsim.nvml import state as simstate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +47,18 @@ def installed(cluster: Cluster) -> Cluster:
     return cluster
 
 
-_built: list[Path] = []
+_built: dict[str, Path] = {}
+
+
+def _build_once(script: str) -> Path:
+    """What scripts/<script> build prints last (built once per session, cached)."""
+    if script not in _built:
+        out = subprocess.run(
+            [str(REPO / "scripts" / script), "build"], capture_output=True, text=True, check=False
+        )
+        assert out.returncode == 0, f"scripts/{script} build failed:\n{out.stderr}"
+        _built[script] = Path(out.stdout.strip().splitlines()[-1])
+    return _built[script]
 
 
 def nvidia_binaries() -> Path:
@@ -54,16 +68,21 @@ def nvidia_binaries() -> Path:
         pytest.skip(
             "NVIDIA's device plugin runs in a private mount namespace (unshare -m): run as root"
         )
-    if not _built:
-        out = subprocess.run(
-            [str(REPO / "scripts" / "nvidia-binaries"), "build"],
-            capture_output=True,
-            text=True,
-            check=False,
+    return _build_once("nvidia-binaries")
+
+
+@pytest.fixture(scope="session")
+def dra_installed(installed: Cluster) -> Cluster:
+    """NVIDIA's DRA kubelet plugin built (and nvidia-cdi-hook), its DeviceClasses and default
+    DaemonSet installed: once per session, for the first `agent_node(device_plugin="dra")`."""
+    if os.geteuid() != 0:
+        pytest.skip(
+            "NVIDIA's DRA plugin runs in a private mount namespace (unshare -m): run as root"
         )
-        assert out.returncode == 0, f"scripts/nvidia-binaries build failed:\n{out.stderr}"
-        _built.append(Path(out.stdout.strip()))
-    return _built[0]
+    _build_once("dra-driver")
+    _build_once("nvidia-binaries")
+    agents.install_dra(installed)
+    return installed
 
 
 @dataclass
@@ -130,6 +149,10 @@ class AgentNode:
         while not self.gpu_resources():
             assert time.monotonic() < deadline, f"{self.name}: no device plugin back"
             time.sleep(0.1)
+
+    def dra_devices(self) -> dict[str, dict[str, Any]]:
+        """The devices the node's DRA slices list: name -> attributes (dra_plugin.devices)."""
+        return dra_plugin.devices(self.cluster, self.name)
 
     def agent_record(self) -> dict[str, Any]:
         """The node's agent as `agents.running` has it: `agent` (now), `state`, `restarts`."""
@@ -216,9 +239,27 @@ def plugin_pods_report(node: AgentNode) -> str:
     return "\n".join(lines)
 
 
+def wait_dra_slice(node: AgentNode, timeout: float = 60.0) -> None:
+    """Wait until the node's DRA plugin has published its slice (the follower runs it once the
+    DRA driver's pod runs there), so a test starts from a node as the plugin leaves it."""
+    deadline = time.monotonic() + timeout
+    while not dra_plugin.resource_slices(node.cluster, node.name):
+        log = node.cluster.dir / "logs" / f"dra-runtime-{node.name}.log"
+        assert time.monotonic() < deadline, (
+            f"{node.name}: no DRA slice after {timeout:g} s; follower log:\n"
+            f"{log.read_text()[-3000:] if log.exists() else ''}"
+        )
+        time.sleep(0.1)
+
+
 @pytest.fixture
-def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFactory]:
-    """Creates GPU nodes with a running agent; stops the agents and deletes the nodes after."""
+def agent_node(
+    installed: Cluster, core: client.CoreV1Api, request: pytest.FixtureRequest
+) -> Iterator[NodeFactory]:
+    """Creates GPU nodes with a running agent; stops the agents and deletes the nodes after.
+    `device_plugin="dra"` makes a DRA node (`dra_node_label_value` picks the DaemonSet: `true`
+    is install_dra's default one; another value needs a DaemonSet of its own, installed with
+    dra_plugin.install_daemonset(node_selector=..., feature_gates=...))."""
     made: list[AgentNode] = []
 
     def make(
@@ -230,10 +271,13 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
         name: str | None = None,
         plugin_args: Sequence[str] = (),
         device_plugin: str | None = None,
+        dra_node_label_value: str = "true",
     ) -> AgentNode:
         kind = device_plugin or agents.default_device_plugin()
         if kind == "nvidia":
             nvidia_binaries()
+        if kind == "dra":
+            request.getfixturevalue("dra_installed")
         name = name or f"e2e-{next(_ids)}-{int(time.time() * 1000) % 100000}"
         installed.add_gpu_node(name, gpus)
         procs = agents.start_node(
@@ -245,6 +289,7 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
             plugin_args=plugin_args,
             restart_backoff=RESTART_BACKOFF,
             device_plugin=kind,
+            dra_node_label_value=dra_node_label_value,
         )
         node = AgentNode(name, installed, core, procs)
         made.append(node)
@@ -255,6 +300,8 @@ def agent_node(installed: Cluster, core: client.CoreV1Api) -> Iterator[NodeFacto
             time.sleep(0.1)
         if kind == "nvidia":
             wait_node_runtime(node)
+        if kind == "dra":
+            wait_dra_slice(node)
         return node
 
     yield make

@@ -1,6 +1,7 @@
-"""The local cluster's record of the agents it started (agents.json): what runs per node, and
-stopping them all. Apart from agents.py so that the cluster's `down` stops them without a
-circle of imports (agents.py starts agents on a Cluster)."""
+"""The local cluster's record of the agents it started (agents.json) and of NVIDIA's DRA plugins
+and their followers (dra-plugins.json): what runs per node, and stopping them all. Apart from
+agents.py so that the cluster's `down` stops them without a circle of imports (agents.py starts
+agents on a Cluster)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,8 @@ from .processes import Proc, stop
 from .records import RecordFile, procs
 
 RECORDS = RecordFile("agents.json", lock=".agents.lock")
-# NVIDIA's DRA kubelet plugin per node (dra_plugin.py): {"plugin": Proc}
+# NVIDIA's DRA kubelet plugin per node: {"plugin": Proc} (dra_plugin.py) and, where it follows
+# the node's DRA driver pod, {"runtime": Proc}, the follower that runs it (dra_runtime.py)
 DRA_RECORDS = RecordFile("dra-plugins.json", lock=".dra-plugins.lock")
 
 
@@ -54,8 +57,8 @@ def reap_group(leader: Proc, timeout: float = 10.0) -> None:
 
 
 def stop_all(directory: Path) -> list[str]:
-    """Stop every recorded node process (agents, device plugins, DRA plugins); the names of those
-    that needed SIGKILL."""
+    """Stop every recorded node process (agents, device plugins, DRA followers and plugins); the
+    names of those that needed SIGKILL."""
     killed = stop_dra_plugins(directory)
     with RECORDS.locked(directory):
         records = running(directory)
@@ -68,17 +71,55 @@ def stop_all(directory: Path) -> list[str]:
 
 
 def stop_dra_plugins(directory: Path, node: str | None = None) -> list[str]:
-    """Stop the recorded DRA plugins (of `node` only, if given), their process groups to the last
-    member (the plugin and the GPU simulator outlive the script that leads the group)."""
+    """Stop the recorded DRA followers and plugins (of `node` only, if given), the process groups
+    to the last member (the plugin and the GPU simulator outlive the script that leads the group).
+
+    The followers go first, so that none starts a plugin again, and without the records' lock
+    held: a follower that stops clears its plugin's record. Then whatever plugin is still recorded
+    (a follower's that was killed, or one started by hand) is stopped."""
+
+    def mine(records: Mapping[str, Any]) -> dict[str, Any]:
+        return {n: r for n, r in records.items() if node is None or n == node}
+
+    with DRA_RECORDS.locked(directory):
+        followers = [
+            p for r in mine(DRA_RECORDS.load(directory)).values() for p in procs(r, ("runtime",))
+        ]
+    killed = stop(followers)
+    for follower in followers:
+        reap_group(follower)
     with DRA_RECORDS.locked(directory):
         records = DRA_RECORDS.load(directory)
-        mine = {n: r for n, r in records.items() if node is None or n == node}
-        plugins = [Proc(**r["plugin"]) for r in mine.values()]
-        killed = stop(plugins)
+        gone = mine(records)
+        plugins = [p for r in gone.values() for p in procs(r, ("plugin",))]
+        killed += stop(plugins)
         for plugin in plugins:
             reap_group(plugin)
-        DRA_RECORDS.save(directory, {n: r for n, r in records.items() if n not in mine})
+        DRA_RECORDS.save(directory, {n: r for n, r in records.items() if n not in gone})
     return killed
+
+
+def record_dra(directory: Path, node: str, key: str, proc: Proc) -> None:
+    """Record `proc` as `node`'s DRA `key` (`plugin` or `runtime`), beside the node's other one."""
+    with DRA_RECORDS.locked(directory):
+        records = DRA_RECORDS.load(directory)
+        records[node] = {**records.get(node, {}), key: asdict(proc)}
+        DRA_RECORDS.save(directory, records)
+
+
+def forget_dra(directory: Path, node: str, key: str, proc: Proc) -> None:
+    """Drop `node`'s DRA `key` if it still records `proc` (a stopped plugin, say)."""
+    with DRA_RECORDS.locked(directory):
+        records = DRA_RECORDS.load(directory)
+        record = records.get(node, {})
+        if record.get(key) != asdict(proc):
+            return
+        del record[key]
+        if record:
+            records[node] = record
+        else:
+            del records[node]
+        DRA_RECORDS.save(directory, records)
 
 
 def running(directory: Path) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,10 @@ device plugin. Both share the node's simulated GPU state file. The device plugin
   `scripts/with-sim-gpus --host-view`: root only), which plays the kubelet's device manager and
   PodResources API and NFD; or
 - `simulated`: the home-made model of it (`python -m migsim device-plugin`), which computes what
-  NVIDIA's plugin would advertise and needs neither root nor NVIDIA's binaries.
+  NVIDIA's plugin would advertise and needs neither root nor NVIDIA's binaries; or
+- `dra`: no device plugin, but NVIDIA's DRA kubelet plugin, as on a GPUCluster's node: the node
+  is labelled for the DRA driver's DaemonSet (`install_dra`) and loses the device plugin's label,
+  and a follower (dra_runtime.py; root only) runs gpu-kubelet-plugin while the node's pod runs.
 
 The default is `nvidia` as root, `simulated` otherwise (MIG_AGENT_DEVICE_PLUGIN overrides it).
 
@@ -38,8 +41,8 @@ from mig_agent.config.settings import PROFILES as DEFAULT_PROFILES
 from migsim.nvml import state as simstate
 
 # running and stop_all are this module's too: they are what its callers know it by
-from . import scripts
-from .agent_records import RECORDS, node_procs, reap_group, supervisor_status
+from . import dra_plugin, dra_runtime, scripts
+from .agent_records import RECORDS, node_procs, reap_group, stop_dra_plugins, supervisor_status
 from .agent_records import running as running
 from .agent_records import stop_all as stop_all
 from .cluster import Cluster
@@ -55,7 +58,8 @@ PROFILES = DEFAULT_PROFILES  # the layouts shipped in the agent's package
 AGENT_NS = AGENT_SA = "mig-agent"
 PLUGIN_NS = "gpu-operator"
 PLUGIN_LABEL = "app=nvidia-device-plugin-daemonset"
-DEVICE_PLUGINS = ("nvidia", "simulated")
+DEVICE_PLUGINS = ("nvidia", "simulated", "dra")
+DEVICE_PLUGIN_NODE_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 
 DEVICE_PLUGIN = {
     "apiVersion": "apps/v1",
@@ -68,7 +72,7 @@ DEVICE_PLUGIN = {
             "spec": {
                 # As the GPU Operator deploys it: pausing this label removes the pod. Only on
                 # kwok's nodes: a real node runs NVIDIA's plugin in a container (real_node.py).
-                "nodeSelector": {"nvidia.com/gpu.deploy.device-plugin": "true", "type": "kwok"},
+                "nodeSelector": {DEVICE_PLUGIN_NODE_LABEL: "true", "type": "kwok"},
                 "tolerations": [{"operator": "Exists"}],
                 "terminationGracePeriodSeconds": 1,
                 "containers": [{"name": "device-plugin", "image": "registry.invalid/sim:1"}],
@@ -82,7 +86,7 @@ DEVICE_PLUGIN = {
 class NodeAgents:
     node: str
     agent: Proc
-    device_plugin: Proc
+    device_plugin: Proc  # for `dra`, the follower that runs NVIDIA's DRA plugin
     metrics_port: int
     sim_state: str
     kubeconfig: str
@@ -109,6 +113,50 @@ def install(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", "-", input=json.dumps(NVIDIA_RUNTIME_CLASS))
     cluster.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_PLUGIN))
     cluster.kubectl("apply", "-f", str(DAEMONSET))
+
+
+def install_dra(cluster: Cluster) -> None:
+    """Apply NVIDIA's DRA DeviceClasses and the DRA plugin's default DaemonSet (idempotent)."""
+    dra_plugin.install_device_classes(cluster)
+    dra_plugin.install_daemonset(cluster)
+
+
+def make_dra_node(
+    cluster: Cluster, node: str, *, label_value: str = "true", timeout: float = 30.0
+) -> None:
+    """Make `node` a DRA node as on a GPUCluster: the DRA driver's label set to `label_value`
+    (what the DRA DaemonSets select), the device plugin's taken away, as the node-labeling
+    controller deletes it (the driver cannot run beside the device plugin, reference/dra.md 5),
+    and no `nvidia.com/` extended resource in the node's status (the kwok node's manifest
+    advertises nvidia.com/gpu, which only a device plugin would). Returns once no pod of the
+    device plugin's DaemonSet is left on the node."""
+    labels = {dra_plugin.NODE_LABEL: label_value, DEVICE_PLUGIN_NODE_LABEL: None}
+    cluster.api.request(
+        "PATCH",
+        f"/api/v1/nodes/{node}",
+        {"metadata": {"labels": labels}},
+        content_type="application/merge-patch+json",
+    )
+    status = cluster.api.get(f"/api/v1/nodes/{node}").get("status") or {}
+    resources = {
+        key: {r: None for r in status.get(key) or {} if r.startswith("nvidia.com/")}
+        for key in ("capacity", "allocatable")
+    }
+    cluster.api.request(
+        "PATCH",
+        f"/api/v1/nodes/{node}/status",
+        {"status": resources},
+        content_type="application/merge-patch+json",
+    )
+    path = (
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods?fieldSelector=spec.nodeName%3D{node}"
+        f"&labelSelector={PLUGIN_LABEL.replace('=', '%3D')}"
+    )
+    deadline = time.monotonic() + timeout
+    while cluster.api.get(path)["items"]:
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"the device plugin's pod is still on {node} after {timeout:g} s")
+        time.sleep(0.2)
 
 
 def sim_state_path(cluster: Cluster, node: str) -> Path:
@@ -175,6 +223,7 @@ def start_node(
     plugin_args: Sequence[str] = (),
     restart_backoff: tuple[float, float] = KUBELET_BACKOFF,
     device_plugin: str | None = None,
+    dra_node_label_value: str = "true",
 ) -> NodeAgents:
     """Start the agent and the device plugin of `node`; its GPUs from nodes/<node>/gpus.
 
@@ -183,26 +232,35 @@ def start_node(
     `{"reset_supported": False}` for a pass-through VM); `plugin_args` are more flags of the
     device plugin (both kinds take `--mig-strategy single` and `--config-file FILE`);
     `restart_backoff` is the agent's restart delay (first, cap) when it exits; `device_plugin`
-    is `nvidia` or `simulated` (default: default_device_plugin()).
+    is `nvidia`, `simulated` or `dra` (default: default_device_plugin()). A `dra` node is labelled
+    `nvidia.com/gpu.deploy.dra-driver=<dra_node_label_value>` (make_dra_node; another value picks
+    another DaemonSet of dra_plugin.install_daemonset), and `plugin_args` go to NVIDIA's DRA
+    plugin; install_dra first.
     """
     kind = device_plugin or default_device_plugin()
     if kind not in DEVICE_PLUGINS:
         raise DevClusterError(
             f"device plugin {kind!r}: expected one of {', '.join(DEVICE_PLUGINS)}"
         )
-    if kind == "nvidia" and os.geteuid() != 0:
+    if kind in ("nvidia", "dra") and os.geteuid() != 0:
         raise DevClusterError(
-            "NVIDIA's device plugin runs in a private mount namespace "
+            "NVIDIA's plugins run in a private mount namespace "
             "(unshare -m): run as root, or use device_plugin='simulated'"
         )
     bin_dir = nvidia_bin() if kind == "nvidia" else None
+    if kind == "dra":
+        dra_plugin.dra_bin()  # said now if it is not built, not in the follower's log
+        make_dra_node(cluster, node, label_value=dra_node_label_value, timeout=timeout)
     state = sim_state(cluster, node, sim)
     supervisor, agent, port, kubeconfig, status_file = _start_agent(
         cluster, node, settings, profiles, timeout, restart_backoff
     )
-    plugin = start_device_plugin(
-        cluster, node, kind, state, _env(settings), plugin_args, bin_dir=bin_dir
-    )
+    if kind == "dra":
+        plugin = dra_runtime.start(cluster, node, state, plugin_args=plugin_args)
+    else:
+        plugin = start_device_plugin(
+            cluster, node, kind, state, _env(settings), plugin_args, bin_dir=bin_dir
+        )
     started = NodeAgents(
         node, agent, plugin, port, str(state), str(kubeconfig), supervisor, str(status_file), kind
     )
@@ -423,12 +481,14 @@ def _first_agent(supervisor: Proc, status_file: Path, timeout: float = 30.0) -> 
 
 
 def stop_node(directory: Path, node: str) -> None:
-    """Stop the agent (its supervisor first) and device plugin of `node` (SIGTERM, then SIGKILL)."""
+    """Stop the agent (its supervisor first), device plugin or DRA follower and DRA plugin of
+    `node` (SIGTERM, then SIGKILL)."""
     mine = running(directory).get(node)
     if mine is not None:
         stop(node_procs(mine))
         if mine.get("device_plugin"):
             reap_group(Proc(**mine["device_plugin"]))
+    stop_dra_plugins(directory, node)  # a follower's plugin, or one left by a killed follower
     with RECORDS.locked(directory):
         RECORDS.save(directory, {n: r for n, r in RECORDS.load(directory).items() if n != node})
 

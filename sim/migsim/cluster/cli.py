@@ -20,6 +20,7 @@ from .processes import Proc
 PLUGIN_NAMES = {
     "nvidia": "NVIDIA's device plugin and GFD",
     "simulated": "a simulated device plugin",
+    "dra": "NVIDIA's DRA kubelet plugin",
 }
 
 
@@ -95,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="nvidia: NVIDIA's device plugin and GFD over the simulated GPUs (root; "
         "scripts/nvidia-binaries build); simulated: the home-made model of it "
-        "(default: $MIG_AGENT_DEVICE_PLUGIN, else nvidia as root)",
+        "(default: $MIG_AGENT_DEVICE_PLUGIN, else nvidia as root); dra: no device plugin "
+        "but NVIDIA's DRA kubelet plugin while its DaemonSet's pod runs (root; "
+        "scripts/dra-driver build)",
     )
     up.add_argument(
         "--real-node",
@@ -145,6 +148,8 @@ def _up(args: argparse.Namespace) -> int:
     if not args.no_agents:
         agents.install(cluster)
         kind = args.device_plugin or agents.default_device_plugin()
+        if kind == "dra":
+            agents.install_dra(cluster)
         gpu_nodes = [f"gpu-node-{i}" for i in range(args.nodes)]
         running = agents.running(cluster.dir)
         backoff = (args.restart_backoff, args.restart_backoff_max)

@@ -17,6 +17,10 @@ slice behind when it stops, so after a layout change the caller restarts it and 
 slice lists the new devices (`wait_devices`). A started plugin is recorded (agent_records), so
 that the cluster's `down` stops it too. `install_device_classes` applies the driver's two
 DeviceClasses, written here from what the chart's are (reference/dra.md 1), not copied from it.
+
+`install_daemonset` applies the plugin's DaemonSet as the GPU Operator's GPUCluster renders it
+(reference/dra.md 5): kwok "runs" its pods, and on each DRA node a follower (dra_runtime.py)
+runs the plugin while the node's pod runs, as a kubelet runs the pod's `gpus` container.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import scripts
-from .agent_records import DRA_RECORDS, stop_dra_plugins
+from .agent_records import record_dra, stop_dra_plugins
 from .cluster import Cluster
 from .errors import DevClusterError
 from .processes import Proc, spawn
@@ -41,6 +45,14 @@ REPO = Path(__file__).resolve().parents[3]
 DRIVER = "gpu.nvidia.com"
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 IMAGE = "registry.invalid/dra-driver-nvidia-gpu:sim"  # required by the plugin, never pulled here
+# The GPU Operator's names (manifests/state-dra-driver): the DaemonSet, its pods' label, the node
+# label it selects, and the container that runs gpu-kubelet-plugin.
+DAEMONSET = "nvidia-dra-driver-kubelet-plugin"
+NAMESPACE = "gpu-operator"
+APP = "nvidia-dra-driver-kubelet-plugin"
+NODE_LABEL = "nvidia.com/gpu.deploy.dra-driver"
+CONTAINER = "gpus"
+FEATURE_GATES_ENV = "FEATURE_GATES"
 
 
 def _device_class(name: str, device_type: str, extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,6 +89,64 @@ def install_device_classes(cluster: Cluster) -> None:
     """Apply the DeviceClasses gpu.nvidia.com and mig.nvidia.com (idempotent)."""
     for manifest in DEVICE_CLASSES:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+
+
+def daemonset(
+    *,
+    name: str = DAEMONSET,
+    namespace: str = NAMESPACE,
+    app: str = APP,
+    node_selector: Mapping[str, str] | None = None,
+    feature_gates: str = "",
+) -> dict[str, Any]:
+    """The plugin's DaemonSet as a GPUCluster renders it; by default on the kwok nodes labelled
+    NODE_LABEL=true (a real node would run the plugin in a container). `feature_gates` goes to
+    the `gpus` container's FEATURE_GATES, which the follower passes on as --feature-gates."""
+    container: dict[str, Any] = {"name": CONTAINER, "image": IMAGE}
+    if feature_gates:
+        container["env"] = [{"name": FEATURE_GATES_ENV, "value": feature_gates}]
+    selector = {NODE_LABEL: "true", "type": "kwok"} if node_selector is None else node_selector
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "selector": {"matchLabels": {"app": app}},
+            "template": {
+                "metadata": {"labels": {"app": app}},
+                "spec": {
+                    "nodeSelector": dict(selector),
+                    "tolerations": [{"operator": "Exists"}],
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def install_daemonset(
+    cluster: Cluster,
+    *,
+    name: str = DAEMONSET,
+    namespace: str = NAMESPACE,
+    app: str = APP,
+    node_selector: Mapping[str, str] | None = None,
+    feature_gates: str = "",
+) -> None:
+    """Apply `daemonset(...)` and its namespace (idempotent). A second one (another name, another
+    NODE_LABEL value in `node_selector`) can carry other feature gates: the follower's default
+    selector (app) takes the pod of either."""
+    ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(ns))
+    manifest = daemonset(
+        name=name,
+        namespace=namespace,
+        app=app,
+        node_selector=node_selector,
+        feature_gates=feature_gates,
+    )
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
 
 @dataclass(frozen=True)
@@ -124,22 +194,40 @@ def start(
     bin_dir: Path | None = None,
     cdi_hook: Path | None = None,
 ) -> DraPlugin:
-    """Start gpu-kubelet-plugin for `node` over the simulated GPUs of `state`; `args` are more of
-    its flags. `cdi_hook` is NVIDIA's nvidia-cdi-hook (default: scripts/nvidia-binaries' one)."""
+    """Start gpu-kubelet-plugin for `node` over the simulated GPUs of `state`, by hand: the node's
+    plugin and follower are stopped first (one plugin per node, as its DaemonSet runs it). `args`
+    are more of its flags; `cdi_hook` is NVIDIA's nvidia-cdi-hook (default: cdi_hook_path())."""
+    stop_dra_plugins(cluster.dir, node)
+    return launch(cluster, node, state, args=args, bin_dir=bin_dir, cdi_hook=cdi_hook)
+
+
+def cdi_hook_path() -> Path:
+    """NVIDIA's nvidia-cdi-hook (scripts/nvidia-binaries), which the plugin copies at start."""
+    built = scripts.built(
+        "nvidia-binaries",
+        "path",
+        failed="nvidia-cdi-hook is not built; run: scripts/nvidia-binaries build",
+    )
+    return built / "nvidia-cdi-hook"
+
+
+def launch(
+    cluster: Cluster,
+    node: str,
+    state: Path,
+    *,
+    args: Sequence[str] = (),
+    bin_dir: Path | None = None,
+    cdi_hook: Path | None = None,
+) -> DraPlugin:
+    """Start the plugin as `start` does, but beside whatever runs: the follower's way, which stops
+    its own plugin first. Recorded at once as the node's `plugin`."""
     if os.geteuid() != 0:
         raise DevClusterError(
             "NVIDIA's DRA plugin runs in a private mount namespace (unshare -m): run as root"
         )
     plugin = (bin_dir or dra_bin()) / "gpu-kubelet-plugin"
-    hook = (
-        cdi_hook
-        or scripts.built(
-            "nvidia-binaries",
-            "path",
-            failed="nvidia-cdi-hook is not built; run: scripts/nvidia-binaries build",
-        )
-        / "nvidia-cdi-hook"
-    )
+    hook = cdi_hook or cdi_hook_path()
     folder = node_folder(cluster, node)
     dirs = {name: folder / name for name in ("cdi", "plugins", "plugins_registry")}
     for d in dirs.values():
@@ -162,10 +250,9 @@ def start(
     ]
     log = cluster.dir / "logs" / f"dra-plugin-{node}.log"
     env = {**os.environ, "PYTHON": sys.executable}
-    stop_dra_plugins(cluster.dir, node)  # one plugin per node, as its DaemonSet runs it
     proc = spawn(f"dra-plugin@{node}", argv, log, env=env)
     # recorded at once: the cluster's `down` stops it even if this process dies a moment later
-    DRA_RECORDS.put(cluster.dir, node, {"plugin": asdict(proc)})
+    record_dra(cluster.dir, node, "plugin", proc)
     return DraPlugin(node, proc, log, cluster.dir)
 
 
