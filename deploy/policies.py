@@ -144,6 +144,16 @@ def validator_match(s: Settings) -> str:
     return f"variables.labels.?app.orValue('') in {cel_list(VALIDATOR_APPS)}"
 
 
+def dra_match(s: Settings) -> str:
+    """CEL true when the pod deleted is NVIDIA's DRA kubelet plugin's (restarted after a change
+    on a DRA node: request.namespace and the map `variables.labels`), false with dra off."""
+    if not s.dra:
+        return "false"
+    ns = cel(s.dra_plugin_namespace)
+    labels = selector_match(s.dra_plugin_selector, "variables.labels")
+    return f"(request.namespace == {ns} && {labels})"
+
+
 def _let(name: str, value: str) -> str:
     """CEL that binds `name` to `value` in what follows, to be closed with ")": CEL of
     Kubernetes 1.34 has no cel.bind, but a one-element list's all() binds its element."""
@@ -224,6 +234,8 @@ CHART_VALUES = (
     "condition_field",
     "plugin_match",
     "validator_match",
+    "dra_match",
+    "dra_selector",
 )
 """What the chart's values decide (charts/mig-agent/templates/_helpers.tpl, mig-agent.policyValues
 renders each from the values as `values` below does from the settings)."""
@@ -281,5 +293,9 @@ def _values(s: Settings) -> dict[str, str]:
         **managed_fields_variables(),
         "plugin_match": selector_match(s.device_plugin_selector, "variables.labels"),
         "validator_match": validator_match(s),
+        "dra_match": dra_match(s),
+        "dra_selector": (
+            f"{s.dra_plugin_namespace}, {s.dra_plugin_selector}" if s.dra else "none: dra is off"
+        ),
     }
     return values

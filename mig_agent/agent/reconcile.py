@@ -26,6 +26,7 @@ import structlog
 
 from mig_agent.agent import (
     device_plugin,
+    dra,
     host_clients,
     loop,
     node_guard,
@@ -38,11 +39,13 @@ from mig_agent.agent.reboot import run_reboot
 from mig_agent.config.settings import Settings
 from mig_agent.core import planner
 from mig_agent.core.advertised import (
+    Devices,
     Sharing,
     expected_resources,
     planned_devices,
     strategy_problem,
 )
+from mig_agent.core.dra_devices import split_problem
 from mig_agent.core.errors import (
     ConfigError,
     DrainRefused,
@@ -99,6 +102,8 @@ class _Change:
     plan: planner.Plan
     strategy: str
     sharing: Sharing
+    # a DRA node: NVIDIA's DRA kubelet plugin publishes the GPUs, claims hold them
+    dra: bool = False
     interrupted: bool = False  # a pass before this one left its marks: it is finished now
 
 
@@ -386,7 +391,8 @@ class Agent:
             return Outcome.NOOP
         hook_run, reset_gpus = self._refuse_before_touching(change)
         self._announce(change, hook_run)
-        old_plugins = {p.ref.uid for p in device_plugin.plugin_pods(self.cluster, self.settings)}
+        plugins = (dra if change.dra else device_plugin).plugin_pods(self.cluster, self.settings)
+        old_plugins = {p.ref.uid for p in plugins}
         with node_guard.gpu_clients_paused(self.cluster, self.settings, change.node) as paused:
             if not change.plan.is_empty:
                 self._drain_phase(change, paused)
@@ -423,12 +429,18 @@ class Agent:
             self.gpu_status = ""
             the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
             strategy, sharing = device_plugin.plugin_rules(self.settings, node)
-            problem = strategy_problem(
-                planned_devices(the_plan, observed, models), strategy, sharing
+            dra_pods = dra.plugin_pods(self.cluster, self.settings)
+            if dra_pods and (refused := dra.refusal(self.cluster, self.settings, dra_pods)):
+                raise PlanError(f"layout {desired}: {refused}", layout=desired)
+            planned: Devices = planned_devices(the_plan, observed, models)
+            problem = (
+                split_problem(planned) if dra_pods else strategy_problem(planned, strategy, sharing)
             )
             if problem:
                 raise PlanError(f"layout {desired}: {problem}", layout=desired)
-        return _Change(node, desired, layout, models, observed, the_plan, strategy, sharing)
+        return _Change(
+            node, desired, layout, models, observed, the_plan, strategy, sharing, bool(dra_pods)
+        )
 
     def _in_place(self, change: _Change) -> bool:
         """True when the layout and its devices are in place and no interrupted pass is left
@@ -436,7 +448,11 @@ class Agent:
         s, node, desired = self.settings, change.node, change.desired
         # a pod list and an NVML read: asked once, by whichever check needs it first
         advertised = functools.cache(
-            lambda: device_plugin.resources_ok(self.cluster, s, self.gpus, node, change.models)
+            lambda: (
+                dra.devices_ok(self.cluster, s, self.gpus, change.models)
+                if change.dra
+                else device_plugin.resources_ok(self.cluster, s, self.gpus, node, change.models)
+            )
         )
         empty = change.plan.is_empty
         interrupted = node_guard.interrupted(s, node) or (
@@ -480,8 +496,10 @@ class Agent:
         reset_gpus = host_clients.reset_gpus(change.plan, change.models)
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
-        self._refuse_what_no_drain_ends(change.plan, change.observed, reset_gpus, hook_run)
-        self._refuse_what_the_drain_must_not_evict(change.plan, change.node)
+        self._refuse_what_no_drain_ends(
+            change.plan, change.observed, reset_gpus, hook_run, dra_node=change.dra
+        )
+        self._refuse_what_the_drain_must_not_evict(change)
         return hook_run, reset_gpus
 
     def _announce(self, change: _Change, hook_run: hooks.HookRunner) -> None:
@@ -518,7 +536,7 @@ class Agent:
         with self._phase(
             change, "drain", "MIGDraining", "evicting the pods that use the GPUs that change"
         ):
-            self._drain(paused, change.plan)
+            self._drain(paused, change)
 
     def _apply_phase(
         self, change: _Change, hook_run: hooks.HookRunner, reset_gpus: list[int]
@@ -556,6 +574,8 @@ class Agent:
         self, change: _Change, paused: list[str], old_plugins: set[str]
     ) -> dict[str, int]:
         """Restart the device plugin; the resources the node then advertises."""
+        if change.dra:
+            return self._dra_phase(change, old_plugins)
         with self._phase(
             change,
             "device_plugin",
@@ -567,6 +587,22 @@ class Agent:
             return device_plugin.wait_resources(
                 self.cluster, self.settings, self.gpus, self.clock, change.models, old_plugins
             )
+
+    def _dra_phase(self, change: _Change, old_plugins: set[str]) -> dict[str, int]:
+        """Restart NVIDIA's DRA kubelet plugin (it reads the GPUs only when it starts); the
+        devices the node's ResourceSlice then lists."""
+        with self._phase(
+            change,
+            "device_plugin",
+            "MIGDevicePluginRestart",
+            "restarting NVIDIA's DRA kubelet plugin and waiting for the node's ResourceSlice to "
+            "list the layout's devices",
+        ):
+            old_plugins |= dra.restart(self.cluster, self.settings)
+            dra.wait_devices(
+                self.cluster, self.settings, self.gpus, self.clock, change.models, old_plugins
+            )
+            return {}  # no extended resources to watch the health of
 
     def _applied(self, change: _Change, advertised: Mapping[str, int]) -> None:
         """The validators rerun, the GPUs published, ``success``."""
@@ -587,12 +623,26 @@ class Agent:
             ),
         )
 
-    def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str] | None:
+    def _holds(self, dra_node: bool) -> dict[tuple[str, str], frozenset[str]] | None:
+        """(namespace, pod) -> the device ids (GPU and MIG UUIDs) it holds: from the kubelet's
+        PodResources and, on a DRA node, from the ResourceClaims allocated from the node's
+        pool. None when neither can tell."""
+        holds: dict[tuple[str, str], frozenset[str]] = {}
+        known = dra_node
+        if self.pod_devices is not None:
+            try:
+                holds.update(self.pod_devices())
+                known = True
+            except MigAgentError as exc:
+                log.warning("drain.pod_resources_unavailable", error=str(exc))
+        if dra_node:
+            for key, devices in dra.holders(self.cluster, self.settings).items():
+                holds[key] = holds.get(key, frozenset()) | devices
+        return holds if known else None
+
+    def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str]:
         """Device ids (GPU and MIG UUIDs) that outlive ``the_plan``: every device of an unchanged
-        GPU and the compute instances of kept GPU instances. None when the kubelet cannot tell
-        which pod holds which device."""
-        if self.pod_devices is None:
-            return None
+        GPU and the compute instances of kept GPU instances."""
         changed = {g.gpu: g for g in the_plan.gpus if not g.is_empty}
         staying: set[str] = set()
         for gpu in self.gpus.observe().gpus:
@@ -605,15 +655,12 @@ class Agent:
                     staying.update(ci.uuid for ci in gi.compute_instances if ci.uuid)
         return frozenset(staying)
 
-    def _pods_that_may_stay(self, the_plan: planner.Plan) -> Callable[[PodView], bool] | None:
-        staying = self._staying_devices(the_plan)
-        if staying is None or self.pod_devices is None:  # (the second check narrows the type)
-            return None
-        try:
-            holds = self.pod_devices()
-        except MigAgentError as exc:
-            log.warning("drain.pod_resources_unavailable", error=str(exc))
+    def _pods_that_may_stay(
+        self, the_plan: planner.Plan, holds: Mapping[tuple[str, str], frozenset[str]] | None
+    ) -> Callable[[PodView], bool] | None:
+        if holds is None:
             return None  # cannot tell: every GPU pod goes
+        staying = self._staying_devices(the_plan)
 
         def may_stay(pod: PodView) -> bool:
             devices = holds.get((pod.ref.namespace, pod.ref.name), frozenset())
@@ -627,6 +674,8 @@ class Agent:
         observed: NodeState,
         reset_gpus: list[int],
         hook_run: hooks.HookRunner,
+        *,
+        dra_node: bool = False,
     ) -> None:
         """GpuBusy, before anything is touched, when the plan would end processes on devices no
         pod holds (a host process, a container outside Kubernetes): the drain cannot end them,
@@ -636,7 +685,7 @@ class Agent:
         tell who holds what, or when something the agent runs may end them (the host GPU
         clients it stops for a reset, the site's hooks before the apply)."""
         s = self.settings
-        if self.pod_devices is None or any(
+        if (self.pod_devices is None and not dra_node) or any(
             hook_run.hooks.of(h)
             for h in (hooks.APPLY_START, hooks.PRE_APPLY_MODE, hooks.PRE_APPLY_CONFIG)
         ):
@@ -653,8 +702,10 @@ class Agent:
             if not ended:
                 return
             try:
-                holds = self.pod_devices()
+                holds = self._holds(dra_node)
             except MigAgentError:
+                holds = None
+            if holds is None:
                 return  # cannot tell: the drain and the re-plan after it decide
             held = frozenset().union(*holds.values())
             foreign = [p for p in ended if not p.devices & held]
@@ -700,18 +751,21 @@ class Agent:
         )
         reporting.event_on_node(self.cluster, s, "MIGDrainWaiting", message)
 
-    def _refuse_what_the_drain_must_not_evict(self, the_plan: planner.Plan, node: NodeView) -> None:
+    def _refuse_what_the_drain_must_not_evict(self, change: _Change) -> None:
         """DrainRefused, before the cordon, for GPU pods the drain would evict but must not: a
         DaemonSet's that no paused operand label stops (it would come back at once and take
         its device again: GpuBusy at every retry), a static pod, or one no controller owns
         (gone for good: kubectl drain's default), naming each."""
-        s = self.settings
+        s, the_plan = self.settings, change.plan
         if the_plan.is_empty:
             return
-        paused = paused_during_change(node.labels, s.operand_labels)
+        paused = paused_during_change(change.node.labels, s.operand_labels)
         # the drain asks the kubelet again after the cordon: a pod placed meanwhile is then known
+        holds = self._holds(change.dra)
         pods = to_drain(
-            self.cluster.list_pods(node=s.node_name), self._pods_that_may_stay(the_plan)
+            self.cluster.list_pods(node=s.node_name),
+            self._pods_that_may_stay(the_plan, holds),
+            claimed=_claimed(change, holds),
         )
         refusals = drain_refusals(
             pods,
@@ -722,8 +776,9 @@ class Agent:
         if refusals:
             raise DrainRefused("; ".join(refusals) + "; nothing was touched")
 
-    def _drain(self, paused: list[str], the_plan: planner.Plan) -> None:
-        s = self.settings
+    def _drain(self, paused: list[str], change: _Change) -> None:
+        s, the_plan = self.settings, change.plan
+        holds = self._holds(change.dra)
         operand_pods = [
             p.ref
             for p in self.cluster.list_pods(node=s.node_name)
@@ -741,7 +796,8 @@ class Agent:
             poll_s=s.poll_s,
             clock=self.clock,
             exclude=operand_pods,
-            may_stay=self._pods_that_may_stay(the_plan),
+            may_stay=self._pods_that_may_stay(the_plan, holds),
+            claimed=_claimed(change, holds),
             on_blocked=self._drain_blocked,
             on_waiting=self._drain_waiting,
         )
@@ -985,3 +1041,11 @@ class Agent:
     def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
         self.stopping = stop  # the waits inside a pass look at it
         loop.run(self, stop, config_poll_s=config_poll_s)
+
+
+def _claimed(
+    change: _Change, holds: Mapping[tuple[str, str], frozenset[str]] | None
+) -> frozenset[tuple[str, str]]:
+    """On a DRA node, the pods that hold the node's devices by claim: GPU pods, though they
+    request no GPU resource."""
+    return frozenset(holds or {}) if change.dra else frozenset()

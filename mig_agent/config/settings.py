@@ -56,6 +56,16 @@ class Settings:
     device_plugin_namespace: str = "gpu-operator"
     device_plugin_selector: str = "app=nvidia-device-plugin-daemonset"
     """Namespace and label selector of the device plugin pod (restarted after a change)."""
+    dra: bool = True
+    """Look for NVIDIA's DRA kubelet plugin on the node: where it runs, the node's MIG devices
+    are claimed through ResourceClaims (drained by claim, republished by restarting that
+    plugin). On by default: on a DRA node an agent that did not look would destroy claimed
+    devices under running pods."""
+    dra_plugin_namespace: str = "gpu-operator"
+    dra_plugin_selector: str = "app=nvidia-dra-driver-kubelet-plugin"
+    """Namespace and label selector of the DRA kubelet plugin pod, as the GPU Operator's
+    GPUCluster deploys it (NVIDIA's DRA chart: dra-driver-nvidia-gpu and
+    dra-driver-nvidia-gpu-component=kubelet-plugin)."""
     pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     """The kubelet's PodResources socket: which pod holds which GPU device, so that only pods on
     changed GPUs are drained (without it, every GPU pod of the node is)."""

@@ -52,14 +52,10 @@ def expected_devices(devices: Devices) -> Counter[Kind]:
 def published_devices(slices: Iterable[Mapping[str, Any]], node: str) -> Counter[Kind]:
     """The devices the driver's ResourceSlices publish for ``node`` (its pool), by kind."""
     out: Counter[Kind] = Counter()
-    for s in slices:
-        spec = s.get("spec") or {}
-        if spec.get("driver") != DRIVER or (spec.get("pool") or {}).get("name") != node:
-            continue
-        for device in spec.get("devices") or []:
-            attributes = device.get("attributes") or {}
-            kind = _string(attributes.get("type"))
-            out[(kind, _string(attributes.get("profile")) if kind == "mig" else "")] += 1
+    for device in _devices(slices, node):
+        attributes = device.get("attributes") or {}
+        kind = _string(attributes.get("type"))
+        out[(kind, _string(attributes.get("profile")) if kind == "mig" else "")] += 1
     return out
 
 
@@ -83,3 +79,67 @@ def _kinds(kinds: Counter[Kind]) -> str:
         f"{n} x {'whole GPU' if kind == GPU else f'MIG {kind[1]}'}"
         for kind, n in sorted(kinds.items())
     )
+
+
+def dynamic_mig(feature_gates: Iterable[str]) -> bool:
+    """Whether the plugin's feature gates (``FEATURE_GATES`` values, ``--feature-gates`` flags:
+    ``A=true,B=false``) switch on DynamicMIG, under which the driver creates one MIG device per
+    claim and destroys at start every MIG device it did not create."""
+    on = False
+    for gates in feature_gates:
+        for gate in gates.split(","):
+            name, _, value = gate.partition("=")
+            if name.strip() == "DynamicMIG":
+                on = value.strip().lower() == "true"
+    return on
+
+
+def claim_holders(
+    claims: Iterable[Mapping[str, Any]], slices: Iterable[Mapping[str, Any]], node: str
+) -> dict[tuple[str, str], frozenset[str]]:
+    """(namespace, pod) -> the UUIDs of the devices of ``node``'s pool that its claims were
+    allocated (a pod reserved a claim: ``status.reservedFor``). A device the slices no longer
+    list is named by its device name: it is held, and no UUID that stays is it."""
+    uuids: dict[str, str] = {}
+    for device in _devices(slices, node):
+        uuid = _string((device.get("attributes") or {}).get("uuid"))
+        uuids[str(device.get("name", ""))] = uuid or str(device.get("name", ""))
+    out: dict[tuple[str, str], set[str]] = {}
+    for claim in claims:
+        status = claim.get("status") or {}
+        results = ((status.get("allocation") or {}).get("devices") or {}).get("results") or []
+        held = {
+            uuids.get(str(r.get("device", "")), f"{node}/{r.get('device', '')}")
+            for r in results
+            if r.get("driver") == DRIVER and r.get("pool") == node
+        }
+        if not held:
+            continue
+        namespace = (claim.get("metadata") or {}).get("namespace", "")
+        for consumer in status.get("reservedFor") or []:
+            if consumer.get("resource", "pods") == "pods" and not consumer.get("apiGroup"):
+                out.setdefault((namespace, str(consumer.get("name", ""))), set()).update(held)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def named(kinds: Mapping[Kind, int]) -> dict[str, int]:
+    """Kinds by name, sorted: ``gpu`` for a whole GPU, the profile for a MIG device."""
+    return {("gpu" if k == GPU else k[1]): n for k, n in sorted(kinds.items())}
+
+
+def _devices(slices: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str, Any]]:
+    """The devices the driver's slices list for ``node``'s pool, from its newest generation
+    only: a slice of an older one is stale (the plugin that wrote it restarted), as the
+    scheduler reads a pool."""
+    specs = [
+        spec
+        for s in slices
+        if (spec := s.get("spec") or {}).get("driver") == DRIVER
+        and (spec.get("pool") or {}).get("name") == node
+    ]
+    newest = max((_generation(spec) for spec in specs), default=0)
+    return [d for spec in specs if _generation(spec) == newest for d in spec.get("devices") or []]
+
+
+def _generation(spec: Mapping[str, Any]) -> int:
+    return int((spec.get("pool") or {}).get("generation") or 0)

@@ -148,6 +148,7 @@ class KubernetesCluster(Cluster):
     ) -> None:
         self._api = api
         self._core = client.CoreV1Api(api)
+        self._resource = client.ResourceV1Api(api)
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
@@ -480,6 +481,19 @@ class KubernetesCluster(Cluster):
         with _kube("create event", node=node.name):
             self._call(self._core.create_namespaced_event, "default", event)
 
+    # DRA ----------------------------------------------------------------------------------
+
+    def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
+        selector = f"spec.nodeName={node}" if node else ""
+        with _kube("list resourceslices", node=node):
+            items = self._call(self._resource.list_resource_slice, field_selector=selector)["items"]
+        return list(items)
+
+    def list_resource_claims(self) -> list[dict[str, Any]]:
+        with _kube("list resourceclaims"):
+            items = self._call(self._resource.list_resource_claim_for_all_namespaces)["items"]
+        return list(items)
+
 
 def _blocked_reason(ref: PodRef, exc: ApiException) -> str:
     pdb = _pdb_name(exc)
@@ -570,4 +584,22 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         runtime_class=spec.get("runtimeClassName") or "",
         controller=controller,
         grace_period_s=30.0 if grace is None else float(grace),
+        feature_gates=_feature_gates(spec),
     )
+
+
+def _feature_gates(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    out = []
+    for c in spec.get("containers") or []:
+        out += [
+            str(e.get("value") or "")
+            for e in c.get("env") or []
+            if e.get("name") == "FEATURE_GATES"
+        ]
+        args = [str(a) for a in [*(c.get("command") or []), *(c.get("args") or [])]]
+        for i, a in enumerate(args):
+            if a.startswith("--feature-gates="):
+                out.append(a.split("=", 1)[1])
+            elif a == "--feature-gates" and i + 1 < len(args):
+                out.append(args[i + 1])
+    return tuple(out)

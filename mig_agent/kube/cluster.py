@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # the field manager of the agent's node patches: who set spec.unschedulable is told by it
@@ -101,6 +101,9 @@ class PodView:
     # spec.terminationGracePeriodSeconds (the API server's default is 30); for a pod being
     # deleted, metadata.deletionGracePeriodSeconds (what its kubelet gives it)
     grace_period_s: float = 30.0
+    # the feature gates its containers run with (FEATURE_GATES env values, --feature-gates
+    # flags): how NVIDIA's DRA plugin says it runs DynamicMIG
+    feature_gates: tuple[str, ...] = ()
 
     @property
     def uses_gpu(self) -> bool:
@@ -171,3 +174,12 @@ class Cluster(Protocol):
     def emit_event(
         self, node: NodeView, *, reason: str, message: str, warning: bool = False
     ) -> None: ...
+
+    def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
+        """The ResourceSlices of ``node`` ("": of every node; resource.k8s.io/v1), as the API
+        returns them."""
+        ...
+
+    def list_resource_claims(self) -> list[dict[str, Any]]:
+        """Every ResourceClaim of the cluster (resource.k8s.io/v1), as the API returns them."""
+        ...

@@ -8,7 +8,7 @@ does not count as the old one still running. Knows no GPUs; time is injected.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -79,20 +79,35 @@ def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, EvictionBloc
     return results
 
 
-def gpu_pods(cluster: Cluster, node: str, *, exclude: Iterable[PodRef] = ()) -> list[PodView]:
-    """Pods on ``node`` that request GPU resources and have not finished."""
+def gpu_pods(
+    cluster: Cluster,
+    node: str,
+    *,
+    exclude: Iterable[PodRef] = (),
+    claimed: Collection[tuple[str, str]] = (),
+) -> list[PodView]:
+    """Pods on ``node`` that request GPU resources (or are ``claimed``) and have not finished."""
     skip = {(r.namespace, r.name) for r in exclude}
     return to_drain(
-        p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip
+        (p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip),
+        claimed=claimed,
     )
 
 
 def to_drain(
-    pods: Iterable[PodView], may_stay: Callable[[PodView], bool] | None = None
+    pods: Iterable[PodView],
+    may_stay: Callable[[PodView], bool] | None = None,
+    *,
+    claimed: Collection[tuple[str, str]] = (),
 ) -> list[PodView]:
     """The GPU pods the drain evicts of ``pods``: those that have not finished, but the ones
-    ``may_stay`` spares."""
-    gpu = [p for p in pods if p.uses_gpu and not p.finished]
+    ``may_stay`` spares. ``claimed`` (namespace, name) are GPU pods too: they hold devices by
+    ResourceClaim, requesting no GPU resource."""
+    gpu = [
+        p
+        for p in pods
+        if (p.uses_gpu or (p.ref.namespace, p.ref.name) in claimed) and not p.finished
+    ]
     return [p for p in gpu if may_stay is None or not may_stay(p)]
 
 
@@ -160,6 +175,7 @@ def drain_gpu_pods(
     clock: Clock = Clock(),
     exclude: Iterable[PodRef] = (),
     may_stay: Callable[[PodView], bool] | None = None,
+    claimed: Collection[tuple[str, str]] = (),
     on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None,
     on_waiting: Callable[[PodView, int, float], None] | None = None,
 ) -> list[PodRef]:
@@ -175,8 +191,8 @@ def drain_gpu_pods(
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
     KubeError for a static (mirror) pod, which cannot be evicted.
     """
-    candidates = gpu_pods(cluster, node, exclude=exclude)
-    pods = to_drain(candidates, may_stay)
+    candidates = gpu_pods(cluster, node, exclude=exclude, claimed=claimed)
+    pods = to_drain(candidates, may_stay, claimed=claimed)
     if len(pods) < len(candidates):
         log.info("drain.pods_kept", pods=len(candidates) - len(pods))
     for p in pods:

@@ -17,6 +17,8 @@ from mig_agent.core.planner import plan
 from mig_agent.core.snapshot import from_json
 from mig_agent.kube.cluster import Cluster
 from mig_agent.node.drain import gpu_pods
+from mig_agent.ops.dra_view import DraView
+from mig_agent.ops.dra_view import read as dra_view_of
 from mig_agent.ops.values import _BUSY, DEFAULT_SETTINGS, Action, NodePreview, Writer
 
 
@@ -57,11 +59,13 @@ def preview(
     count_pods: bool = True,
 ) -> list[NodePreview]:
     """Per node: already applied, in flight, or the plan the agent would make; never patches."""
-    return [_preview(cluster, layout, n, settings, count_pods) for n in nodes]
+    # on DRA nodes a pod holds a GPU by ResourceClaim, requesting no GPU resource
+    dra = dra_view_of(cluster, claims=True) if count_pods and settings.dra else DraView()
+    return [_preview(cluster, layout, n, settings, count_pods, dra) for n in nodes]
 
 
 def _preview(
-    cluster: Cluster, layout: Layout, name: str, s: Settings, count_pods: bool
+    cluster: Cluster, layout: Layout, name: str, s: Settings, count_pods: bool, dra: DraView
 ) -> NodePreview:
     node = cluster.get_node(name)
     current = node.labels.get(s.config_label)
@@ -81,7 +85,7 @@ def _preview(
             reason=f"the agent is applying layout {current!r} (state {state}); "
             "wait until it finishes",
         )
-    pods = len(gpu_pods(cluster, name)) if count_pods else None
+    pods = len(gpu_pods(cluster, name, claimed=dra.claimed(name))) if count_pods else None
     text = node.annotations.get(s.gpu_state_annotation)
     if text is None:
         return replace(base, gpu_pods=pods, reason="no GPU state published, no plan ahead")

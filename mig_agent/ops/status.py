@@ -1,5 +1,5 @@
-"""The pool's state: per GPU node its layout, state, reason, GPUs and advertised MIG resources, as
-a table or JSON.
+"""The pool's state: per GPU node its layout, state, reason, GPUs and advertised MIG resources
+(on a DRA node, the devices its ResourceSlice lists), as a table or JSON.
 """
 
 from __future__ import annotations
@@ -13,20 +13,25 @@ from mig_agent.config.settings import Settings
 from mig_agent.core.planner import observed_devices
 from mig_agent.core.snapshot import from_json
 from mig_agent.kube.cluster import MIG_RESOURCE_PREFIX, Cluster
+from mig_agent.ops.dra_view import DraView
+from mig_agent.ops.dra_view import read as dra_view_of
 from mig_agent.ops.values import DEFAULT_SETTINGS, GpuSummary, NodeStatus, table
 
 
 def status(
     cluster: Cluster, *, settings: Settings = DEFAULT_SETTINGS, selector: str = ""
 ) -> list[NodeStatus]:
-    """GPU nodes (with GPU resources, a layout or state label, or published GPU state) by name."""
+    """GPU nodes (with GPU resources, DRA devices, a layout or state label, or published GPU
+    state) by name."""
     s = settings
+    dra_view = dra_view_of(cluster) if s.dra else DraView()
     rows = []
     for node in sorted(cluster.list_nodes(selector), key=lambda n: n.name):
         resources = node.gpu_resources()
         marks = (s.config_label in node.labels, s.state_label in node.labels)
         published = node.annotations.get(s.gpu_state_annotation)
-        if not (resources or any(marks) or published):
+        dra = {} if resources else dra_view.devices(node.name)
+        if not (resources or any(marks) or published or dra):
             continue
         rows.append(
             NodeStatus(
@@ -37,6 +42,7 @@ def status(
                 node.unschedulable,
                 resources,
                 _gpus(published),
+                dra,
             )
         )
     return rows
@@ -69,6 +75,7 @@ def status_table(rows: Sequence[NodeStatus]) -> list[str]:
 
     def resources(st: NodeStatus) -> str:
         short = {k.removeprefix("nvidia.com/"): v for k, v in st.resources.items()}
+        short |= {f"dra:{k}": v for k, v in st.dra_devices.items()}
         return ",".join(f"{k}={v}" for k, v in sorted(short.items())) or "-"
 
     rows_text = [
@@ -99,6 +106,7 @@ def status_json(rows: Sequence[NodeStatus]) -> list[dict[str, Any]]:
             "mig_resources": {
                 k: v for k, v in sorted(st.resources.items()) if k.startswith(MIG_RESOURCE_PREFIX)
             },
+            "dra_devices": dict(st.dra_devices),
             "gpus": None
             if st.gpus is None
             else [

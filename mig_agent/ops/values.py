@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from mig_agent.config.settings import Settings
@@ -127,6 +127,8 @@ class NodeStatus:
     unschedulable: bool
     resources: Mapping[str, int]  # allocatable nvidia.com/gpu and nvidia.com/mig-*
     gpus: tuple[GpuSummary, ...] | None  # None when the agent has published no GPU state
+    # a DRA node: the devices its ResourceSlice lists by kind (gpu, 1g.10gb): {} elsewhere
+    dra_devices: Mapping[str, int] = field(default_factory=dict)
 
 
 def table(

@@ -8,7 +8,9 @@ node). Writes are server dry runs against objects that exist, so admission runs 
 nothing changes. Changes to Node objects are the table in test_deployment.py (test_policy); this
 one covers the rest:
 
-* pod deletion: only the device plugin's pod on A (policy mig-agent-own-device-plugin);
+* pod deletion: only the device plugin's pod on A, and NVIDIA's DRA kubelet plugin's pod on A
+  (policy mig-agent-own-device-plugin);
+* DRA: listing ResourceSlices and ResourceClaims, no more (no get, no writes);
 * Events: only about A, with the agent's reasons (policy mig-agent-own-events);
 * what RBAC refuses: secrets, logs, exec, node proxy, pod writes, other namespaces, tokens;
 * the residual rights (docs/security.md): evicting any pod on any node (no PDB: at once, grace
@@ -42,6 +44,8 @@ TEAM_NS = "team-attack"
 DELETE_POLICY = "mig-agent-own-device-plugin"
 EVENT_POLICY = "mig-agent-own-events"
 PLUGIN_SELECTOR = "app%3Dnvidia-device-plugin-daemonset"
+DRA_APP = "nvidia-dra-driver-kubelet-plugin"
+RESOURCE = "/apis/resource.k8s.io/v1"
 SECRET_ENV = "not-for-the-agent"
 
 
@@ -115,6 +119,12 @@ def targets(installed: Cluster) -> Iterator[Targets]:
             f"/api/v1/namespaces/{PLUGIN_NS}/pods",
             _pod(driver, PLUGIN_NS, own, {"app": "nvidia-driver-daemonset"}),
         )
+        for node in (own, other):  # NVIDIA's DRA kubelet plugin's pods (GPUCluster's names)
+            api.request(
+                "POST",
+                f"/api/v1/namespaces/{PLUGIN_NS}/pods",
+                _pod(f"dra-{node}", PLUGIN_NS, node, {"app": DRA_APP}),
+            )
         api.request(
             "POST",
             f"/api/v1/namespaces/{TEAM_NS}/pods",
@@ -126,13 +136,20 @@ def targets(installed: Cluster) -> Iterator[Targets]:
             "own_plugin": _plugin_pod(installed, own),
             "other_plugin": _plugin_pod(installed, other),
             "own_driver": driver,
+            "own_dra": f"dra-{own}",
+            "other_dra": f"dra-{other}",
             "workload": workload,
         }
         t = Targets(own, other, bound, unbound, names)
         _wait_policies(t)
         yield t
     finally:
-        for ns, name in ((PLUGIN_NS, f"nvidia-driver-{stamp}"), (TEAM_NS, f"training-{stamp}")):
+        for ns, name in (
+            (PLUGIN_NS, f"nvidia-driver-{stamp}"),
+            (TEAM_NS, f"training-{stamp}"),
+            (PLUGIN_NS, f"dra-{own}"),
+            (PLUGIN_NS, f"dra-{other}"),
+        ):
             installed.kubectl(
                 "delete",
                 "pod",
@@ -269,6 +286,42 @@ ATTEMPTS: dict[str, Attempt] = {
     ),
     "read-device-plugin-log": Attempt(
         "bound", "GET", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_plugin}}/log"
+    ),
+    # DRA: the agent restarts NVIDIA's DRA kubelet plugin on its node, and reads who holds what
+    "delete-own-dra-plugin": Attempt(
+        "bound", "DELETE", f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_dra}}{DRY}", expect=ALLOWED
+    ),
+    "delete-other-nodes-dra-plugin": Attempt(
+        "bound",
+        "DELETE",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{other_dra}}{DRY}",
+        expect=DELETE_POLICY,
+        fragment="may delete pods only on the node it runs on ({own}), not on {other}",
+    ),
+    "delete-dra-plugin-unbound": Attempt(
+        "unbound",
+        "DELETE",
+        f"/api/v1/namespaces/{PLUGIN_NS}/pods/{{own_dra}}{DRY}",
+        expect=DELETE_POLICY,
+        fragment="(its token names no node)",
+    ),
+    "list-resource-slices": Attempt("bound", "GET", f"{RESOURCE}/resourceslices", expect=ALLOWED),
+    "list-resource-claims": Attempt("bound", "GET", f"{RESOURCE}/resourceclaims", expect=ALLOWED),
+    "get-a-resource-claim": Attempt(
+        "bound", "GET", f"{RESOURCE}/namespaces/{TEAM_NS}/resourceclaims/x"
+    ),
+    "create-resource-slice": Attempt(
+        "bound",
+        "POST",
+        f"{RESOURCE}/resourceslices{DRY}",
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "x"}},
+    ),
+    "delete-resource-slices": Attempt("bound", "DELETE", f"{RESOURCE}/resourceslices{DRY}"),
+    "patch-resource-claim-status": Attempt(
+        "bound",
+        "PATCH",
+        f"{RESOURCE}/namespaces/{TEAM_NS}/resourceclaims/x/status{DRY}",
+        {"status": {}},
     ),
     # events: about its own node, with its own reasons
     "event-about-own-node": Attempt("bound", "POST", EVENTS, _event(), expect=ALLOWED),

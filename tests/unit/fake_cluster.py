@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from mig_agent.core.errors import EvictionBlocked, KubeUnavailable, LabelsChanged
 from mig_agent.kube.cluster import (
@@ -38,6 +39,9 @@ class FakeCluster(Cluster):
     # pods that, once evicted, only start terminating (a grace period, a checkpoint): the
     # test takes them away when it likes
     linger: set[PodRef] = field(default_factory=set)
+    # DRA: the ResourceSlices and ResourceClaims as the API returns them
+    slices: list[dict[str, Any]] = field(default_factory=list)
+    claims: list[dict[str, Any]] = field(default_factory=list)
 
     def add_node(
         self,
@@ -222,6 +226,14 @@ class FakeCluster(Cluster):
     ) -> None:
         self._check()
         self.events.append((node.name, reason, message, warning))
+
+    def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
+        self._check()
+        return [s for s in self.slices if node in ("", s.get("spec", {}).get("nodeName"))]
+
+    def list_resource_claims(self) -> list[dict[str, Any]]:
+        self._check()
+        return list(self.claims)
 
 
 def _merge(old: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

@@ -240,6 +240,9 @@ def test_cluster_role_grants_exactly_what_the_agent_needs(docs: list[Doc]) -> No
         ("pods", "list"),
         ("pods", "watch"),  # the drain's waits watch the node's pods
         ("pods/eviction", "create"),
+        # DRA nodes: who holds which device by claim, what the node's slice lists
+        ("resourceslices", "list"),
+        ("resourceclaims", "list"),
     }
 
 
@@ -375,6 +378,8 @@ def test_other_settings_render_another_policy() -> None:
         condition_type="MIGExample",
         device_plugin_namespace="plugins",
         device_plugin_selector="app=dp,!legacy",
+        dra_plugin_namespace="dra-driver-nvidia-gpu",
+        dra_plugin_selector="dra-driver-nvidia-gpu-component=kubelet-plugin",
     )
     text = policies.render(s)
     docs = [d for d in yaml.safe_load_all(text) if d]
@@ -393,6 +398,13 @@ def test_other_settings_render_another_policy() -> None:
     ):
         assert default not in text, default
     assert "c.type != 'MIGExample'" in text and '"type":"MIGExample"' in text
+    assert (
+        "(request.namespace == 'dra-driver-nvidia-gpu' && ('dra-driver-nvidia-gpu-component' in "
+        "variables.labels && variables.labels['dra-driver-nvidia-gpu-component'] == "
+        "'kubelet-plugin'))"
+    ) in text
+    off = policies.render(Settings(dra=False))
+    assert "nvidia-dra-driver-kubelet-plugin" not in off and "|| false" in off
     assert (
         "request.namespace == 'plugins' && ((('app' in variables.labels && "
         "variables.labels['app'] == 'dp') && !('legacy' in variables.labels)) || "

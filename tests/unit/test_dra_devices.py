@@ -56,3 +56,60 @@ def test_the_difference_names_what_is_missing_and_what_is_extra() -> None:
     got = Counter({("mig", "1g.10gb"): 3, dra.GPU: 2, ("mig", "2g.20gb"): 2})
     assert dra.difference(want, got) == "missing 1 x MIG 1g.10gb; extra 2 x whole GPU"
     assert dra.difference(want, Counter(want)) == ""
+
+
+def test_dynamic_mig_is_on_only_when_the_last_word_says_true() -> None:
+    assert dra.dynamic_mig(["DynamicMIG=true"])
+    assert dra.dynamic_mig(["A=true, DynamicMIG=True"])
+    assert not dra.dynamic_mig(["DynamicMIG=false"])
+    assert not dra.dynamic_mig(["DynamicMIG=true", "DynamicMIG=false"])  # the flag after wins
+    assert not dra.dynamic_mig(["", "PassthroughSupport=true", "NotDynamicMIG=true"])
+    assert not dra.dynamic_mig([])
+
+
+def _claim(namespace: str, pods: list[str], *results: tuple[str, str, str]) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": namespace, "name": f"claim-{'-'.join(pods) or 'none'}"},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"driver": d, "pool": p, "device": name, "request": "r"}
+                        for d, p, name in results
+                    ]
+                }
+            },
+            "reservedFor": [{"resource": "pods", "name": pod, "uid": "u"} for pod in pods],
+        },
+    }
+
+
+def test_claim_holders_name_the_uuids_of_the_nodes_devices_each_pod_holds() -> None:
+    slices = [_slice("n1", ("mig", "1g.10gb"), ("mig", "2g.20gb")), _slice("n2", ("gpu", ""))]
+    claims = [
+        _claim("a", ["p1", "p2"], (dra.DRIVER, "n1", "gpu-0")),  # one claim, two pods
+        _claim("a", ["p1"], (dra.DRIVER, "n1", "gpu-1")),
+        _claim("b", ["p3"], (dra.DRIVER, "n2", "gpu-0")),  # another node's pool
+        _claim("b", ["p4"], ("other.example.com", "n1", "gpu-1")),  # another driver
+        _claim("b", [], (dra.DRIVER, "n1", "gpu-1")),  # allocated, reserved by no pod
+        {"metadata": {"namespace": "c", "name": "pending"}, "spec": {}},  # not allocated
+        _claim("c", ["p5"], (dra.DRIVER, "n1", "gone")),  # a device the slice no longer lists
+    ]
+    assert dra.claim_holders(claims, slices, "n1") == {
+        ("a", "p1"): frozenset({"U-0", "U-1"}),
+        ("a", "p2"): frozenset({"U-0"}),
+        ("c", "p5"): frozenset({"n1/gone"}),
+    }
+
+
+def test_kinds_are_named_by_profile_or_gpu() -> None:
+    kinds = Counter({("mig", "2g.20gb"): 2, dra.GPU: 1, ("mig", "1g.10gb+me"): 1})
+    assert dra.named(kinds) == {"gpu": 1, "1g.10gb+me": 1, "2g.20gb": 2}
+
+
+def test_slices_of_an_older_pool_generation_are_stale() -> None:
+    old = _slice("n1", ("mig", "1g.10gb"), ("mig", "1g.10gb"))
+    new = _slice("n1", ("gpu", ""))
+    new["spec"]["pool"]["generation"] = 2
+    assert dra.published_devices([old, new], "n1") == Counter({dra.GPU: 1})
+    assert dra.published_devices([old], "n1") == Counter({("mig", "1g.10gb"): 2})

@@ -409,6 +409,25 @@ def test_dry_run_of_a_layout_that_changes_no_gpu_evicts_nothing() -> None:
     assert preview.changed_gpus == () and preview.gpu_pods == 0
 
 
+def test_dry_run_on_a_dra_node_counts_the_pods_that_hold_its_gpus_by_claim() -> None:
+    p = pool(1)
+    p.add_pod("team-a", "train-0", "gpu-node-0")  # requests no GPU: its claim holds one
+    p.add_pod("team-a", "web", "gpu-node-0")
+    p.slices = [_dra_slice("gpu-node-0", 1, "", "")]
+    result = {"driver": "gpu.nvidia.com", "pool": "gpu-node-0", "device": "d0", "request": "r"}
+    p.claims = [
+        {
+            "metadata": {"namespace": "team-a", "name": "c"},
+            "status": {
+                "allocation": {"devices": {"results": [result]}},
+                "reservedFor": [{"resource": "pods", "name": "train-0", "uid": "u"}],
+            },
+        }
+    ]
+    (preview,) = ops.dry_run(p, CATALOG, NEW, ["gpu-node-0"], out=lambda _: None)
+    assert preview.gpu_pods == 1
+
+
 def test_dry_run_shows_refusals() -> None:
     p = pool(1)
     lines: list[str] = []
@@ -485,6 +504,51 @@ def test_status_json() -> None:
     assert row["layout"] == NEW and row["state"] == "failed" and row["reason"] == PDB_REASON
     assert row["mig_resources"] == {"nvidia.com/mig-1g.10gb": 7}
     assert row["gpus"][0] == {"index": 0, "model": "H100-80GB", "mig_enabled": False, "devices": {}}
+
+
+def _dra_slice(node: str, generation: int, *profiles: str) -> dict[str, object]:
+    devices = [
+        {"name": f"d{i}", "attributes": {"type": {"string": "mig"}, "profile": {"string": p}}}
+        if p
+        else {"name": f"d{i}", "attributes": {"type": {"string": "gpu"}}}
+        for i, p in enumerate(profiles)
+    ]
+    pool = {"name": node, "generation": generation, "resourceSliceCount": 1}
+    return {
+        "spec": {"driver": "gpu.nvidia.com", "nodeName": node, "pool": pool, "devices": devices}
+    }
+
+
+def test_status_shows_the_devices_of_a_dra_nodes_slice() -> None:
+    p = _status_pool()
+    p.add_node("dra-node", {CONFIG: "all-balanced", STATE: "success"})
+    p.add_node("dra-only")  # no label, no GPU state: its slice makes it a GPU node
+    p.slices = [
+        _dra_slice("dra-node", 1, "", ""),  # stale: the plugin restarted since
+        _dra_slice("dra-node", 2, "1g.10gb", "1g.10gb", "2g.20gb"),
+        _dra_slice("dra-only", 1, ""),
+        _dra_slice("gpu-node-0", 1, ""),  # a node with GPU resources is not asked
+    ]
+    rows = {r.node: r for r in ops.status(p)}
+    assert rows["dra-node"].dra_devices == {"1g.10gb": 2, "2g.20gb": 1}
+    assert rows["dra-only"].dra_devices == {"gpu": 1}
+    assert rows["gpu-node-0"].dra_devices == {}
+    lines = {line.split()[0]: line.split() for line in ops.status_table(list(rows.values()))}
+    assert lines["dra-node"][3:5] == ["-", "dra:1g.10gb=2,dra:2g.20gb=1"]
+    data = {d["node"]: d for d in ops.status_json(list(rows.values()))}
+    assert data["dra-only"]["dra_devices"] == {"gpu": 1}
+
+
+def test_status_without_the_dra_api_shows_no_dra_devices() -> None:
+    from mig_agent.core.errors import KubeError
+
+    class OldCluster(FakeCluster):
+        def list_resource_slices(self, node: str = "") -> list[dict[str, object]]:
+            raise KubeError("list resourceslices: 404 the server could not find it", status=404)
+
+    p = OldCluster()
+    FakeCluster.add_node(p, "gpu-node-0", {CONFIG: NEW})
+    assert [r.dra_devices for r in ops.status(p)] == [{}]
 
 
 def test_status_of_no_gpu_nodes() -> None:

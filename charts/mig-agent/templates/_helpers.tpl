@@ -62,6 +62,16 @@ false
 {{- join " && " $terms -}}
 {{- end -}}
 
+{{/* CEL true for the DRA kubelet plugin's pod the agent deletes (deploy/policies.py
+     dra_match), false with dra.enabled off. */}}
+{{- define "mig-agent.draMatch" -}}
+{{- if .Values.dra.enabled -}}
+(request.namespace == {{ include "mig-agent.cel" .Values.dra.namespace }} && {{ include "mig-agent.pluginMatch" .Values.dra.selector }})
+{{- else -}}
+false
+{{- end -}}
+{{- end -}}
+
 {{/* The setting-dependent parts of the admission policies (deploy/policies.py render), as JSON. */}}
 {{- define "mig-agent.policyValues" -}}
 {{- $v := .Values -}}
@@ -85,5 +95,7 @@ false
   "condition_field" (printf "'k:{\"type\":\"%s\"}'" $cond)
   "plugin_match" (include "mig-agent.pluginMatch" $v.devicePlugin.selector)
   "validator_match" (include "mig-agent.validatorMatch" .)
+  "dra_match" (include "mig-agent.draMatch" .)
+  "dra_selector" (ternary (printf "%s, %s" $v.dra.namespace $v.dra.selector) "none: dra is off" $v.dra.enabled)
   | toJson -}}
 {{- end -}}

@@ -1,0 +1,136 @@
+"""The DRA step of a change, on a node where NVIDIA's DRA kubelet plugin publishes the GPUs
+(driver gpu.nvidia.com) instead of a device plugin: what refuses such a node, who holds which
+device (ResourceClaims allocated from the node's pool), and the plugin's restart and the wait
+until the node's ResourceSlice lists the layout's devices (the plugin reads the GPUs only when
+it starts)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+import structlog
+
+from mig_agent.agent import device_plugin
+from mig_agent.config.settings import Settings
+from mig_agent.core import dra_devices
+from mig_agent.core.advertised import Devices, plugin_devices
+from mig_agent.core.dra_devices import Kind
+from mig_agent.core.errors import DevicePluginTimeout
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.gpu.backend import GpuBackend
+from mig_agent.kube.cluster import Cluster, PodView
+from mig_agent.node.waits import Clock, poll_delays
+
+log = structlog.get_logger(__name__)
+
+
+def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
+    """The node's DRA kubelet plugin pods, but those on their way out ([] with ``dra`` off)."""
+    if not s.dra:
+        return []
+    return [
+        p
+        for p in cluster.list_pods(
+            node=s.node_name, namespace=s.dra_plugin_namespace, label_selector=s.dra_plugin_selector
+        )
+        if not p.terminating
+    ]
+
+
+def refusal(cluster: Cluster, s: Settings, pods: list[PodView]) -> str:
+    """Why the agent must not change this DRA node's GPUs, or "": a driver running DynamicMIG
+    (it makes and destroys the MIG devices itself), or NVIDIA's device plugin beside it (two
+    owners of the same devices: NVIDIA's DRA chart refuses to deploy so)."""
+    where = f"{s.dra_plugin_namespace}, {s.dra_plugin_selector}"
+    dynamic = [str(p.ref) for p in pods if dra_devices.dynamic_mig(p.feature_gates)]
+    if dynamic:
+        return (
+            f"NVIDIA's DRA driver runs with DynamicMIG on this node ({', '.join(dynamic)}): it "
+            "creates a MIG device per claim and destroys at start every MIG device it did not "
+            "create, so a static layout would not survive it; nothing was touched (remove the "
+            "mig.config label, or turn DynamicMIG off)"
+        )
+    both = device_plugin.plugin_pods(cluster, s)
+    if both:
+        return (
+            f"both NVIDIA's device plugin ({', '.join(str(p.ref) for p in both)}) and its DRA "
+            f"kubelet plugin ({where}) run on this node, which NVIDIA does not support (each "
+            "would hand out the same devices); nothing was touched"
+        )
+    return ""
+
+
+def holders(cluster: Cluster, s: Settings) -> dict[tuple[str, str], frozenset[str]]:
+    """(namespace, pod) -> the UUIDs of this node's devices its ResourceClaims were allocated."""
+    return dra_devices.claim_holders(
+        cluster.list_resource_claims(), cluster.list_resource_slices(s.node_name), s.node_name
+    )
+
+
+def expected(gpus: GpuBackend, models: Mapping[int, GpuModel]) -> Counter[Kind]:
+    """What the plugin publishes for the GPUs as they are now."""
+    devices: Devices = plugin_devices(gpus.observe(), models)
+    return dra_devices.expected_devices(devices)
+
+
+def published(cluster: Cluster, s: Settings) -> Counter[Kind]:
+    return dra_devices.published_devices(cluster.list_resource_slices(s.node_name), s.node_name)
+
+
+def devices_ok(
+    cluster: Cluster, s: Settings, gpus: GpuBackend, models: Mapping[int, GpuModel]
+) -> bool:
+    """True when the node's slice lists the devices of the GPUs as they are."""
+    return published(cluster, s) == expected(gpus, models)
+
+
+def restart(cluster: Cluster, s: Settings) -> set[str]:
+    """Delete the DRA plugin pods (their DaemonSet brings new ones, which re-read the GPUs);
+    the UIDs of those deleted."""
+    pods = plugin_pods(cluster, s)
+    for p in pods:
+        cluster.delete_pod(p.ref)
+    log.info("dra_plugin.restarted", pods=[p.ref.name for p in pods])
+    return {p.ref.uid for p in pods}
+
+
+def wait_devices(
+    cluster: Cluster,
+    s: Settings,
+    gpus: GpuBackend,
+    clock: Clock,
+    models: Mapping[int, GpuModel],
+    old_plugins: set[str],
+) -> dict[str, int]:
+    """Wait for a new DRA plugin pod (one not there before: the slice it left is stale) to run
+    and for the node's slice to list the devices of the GPUs as they are; DevicePluginTimeout
+    naming what is missing or extra. Returns the devices, named by kind."""
+    want = expected(gpus, models)
+    deadline = clock.now() + s.device_plugin_timeout_s
+    delays = poll_delays(s.poll_s)
+    while True:
+        new_pod = any(
+            p.phase == "Running" and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s)
+        )
+        have = published(cluster, s)
+        if new_pod and have == want:
+            log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
+            return dra_devices.named(want)
+        if clock.now() >= deadline:
+            if not new_pod:
+                problem = (
+                    f"no new DRA kubelet plugin pod ({s.dra_plugin_namespace}, "
+                    f"{s.dra_plugin_selector}) ran on the node within "
+                    f"{s.device_plugin_timeout_s:.0f} s"
+                )
+            else:
+                problem = (
+                    f"the node's ResourceSlice (driver {dra_devices.DRIVER}) does not list the "
+                    f"layout's devices after {s.device_plugin_timeout_s:.0f} s: "
+                    f"{dra_devices.difference(want, have)}"
+                )
+            raise DevicePluginTimeout(
+                problem, expected=dra_devices.named(want), advertised=dra_devices.named(have)
+            )
+        clock.sleep(next(delays))

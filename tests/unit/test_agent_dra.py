@@ -1,0 +1,267 @@
+"""We test the agent's reconcile pass on a DRA node (NVIDIA's DRA kubelet plugin publishes the
+GPUs in ResourceSlices; pods hold them by ResourceClaim), with in-memory fakes of our own
+Cluster and GpuBackend interfaces; NVIDIA's real driver is in tests/e2e/test_dra.py:
+
+* a change restarts the plugin and succeeds once the slice lists the layout's devices;
+* a plugin that republishes the old devices, or never comes back, fails the pass naming what
+  is missing and extra, the node uncordoned;
+* only the pods whose claimed devices go are evicted;
+* DynamicMIG, and NVIDIA's device plugin beside the DRA driver, are refused before anything is
+  touched;
+* with DRA off in the settings, the DRA plugin is left alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mig_agent.agent import Agent, Outcome
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.core import dra_devices
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.planner import observed_devices
+from mig_agent.node.waits import Clock
+from tests.unit.fake_cluster import FakeCluster
+
+from .fake_gpus import FakeGpus
+from .test_agent import DP_NS, DP_SEL, NODE, PROFILES, STATE, FakeTime, assert_clean
+
+DRA_NS, DRA_APP = "gpu-operator", "nvidia-dra-driver-kubelet-plugin"
+REASON = "mig-agent.dev/reason"
+
+
+def slice_of(gpus: FakeGpus, generation: int) -> dict[str, Any]:
+    """The node's ResourceSlice as NVIDIA's plugin writes it for the GPUs as they are."""
+    devices: list[dict[str, Any]] = []
+    for gpu in gpus.observe().gpus:
+        uuid = {"string": gpu.info.uuid}
+        if not gpu.mig_current:
+            attrs = {"type": {"string": "gpu"}, "uuid": uuid}
+            devices.append({"name": f"gpu-{gpu.info.index}", "attributes": attrs})
+            continue
+        names = sorted(observed_devices(gpus.models()[gpu.info.index], gpu).elements())
+        cis = [ci for gi in gpu.gpu_instances for ci in gi.compute_instances]
+        for n, (name, ci) in enumerate(zip(names, cis, strict=True)):
+            attrs = {
+                "type": {"string": "mig"},
+                "profile": {"string": name},
+                "uuid": {"string": ci.uuid},
+                "parentUUID": uuid,
+            }
+            devices.append({"name": f"gpu-{gpu.info.index}-mig-{n}", "attributes": attrs})
+    pool = {"name": NODE, "generation": generation, "resourceSliceCount": 1}
+    spec = {"driver": dra_devices.DRIVER, "nodeName": NODE, "pool": pool, "devices": devices}
+    return {"metadata": {"name": f"{NODE}-gpu.nvidia.com-{generation}"}, "spec": spec}
+
+
+@dataclasses.dataclass
+class FakeDraPlugin:
+    """Plays the DaemonSet controller and NVIDIA's DRA kubelet plugin: a deleted pod is
+    replaced at once, and the new one republishes the node's slice from the GPUs (unless
+    ``republishes`` is off: it keeps the old devices; ``comes_back`` off: no new pod)."""
+
+    gpus: FakeGpus
+    feature_gates: tuple[str, ...] = ()
+    republishes: bool = True
+    comes_back: bool = True
+    generation: int = 0
+    started: int = 0
+
+    def __call__(self, c: FakeCluster) -> None:
+        pods = c.list_pods(node=NODE, namespace=DRA_NS, label_selector=f"app={DRA_APP}")
+        if pods or (self.started and not self.comes_back):
+            return
+        ref = c.add_pod(DRA_NS, f"dra-{self.started}", NODE, labels={"app": DRA_APP}, owner="")
+        c.pods[ref] = dataclasses.replace(
+            c.pods[ref], owner_kinds=("DaemonSet",), feature_gates=self.feature_gates
+        )
+        self.started += 1
+        if self.republishes or not c.slices:
+            self.generation += 1
+            c.slices = [slice_of(self.gpus, self.generation)]
+
+
+def make_dra(
+    *, device_plugin: bool = False, **plugin: Any
+) -> tuple[Agent, FakeCluster, FakeGpus, FakeDraPlugin]:
+    gpus = FakeGpus([MODELS["H100-80GB"]] * 2)
+    cluster = FakeCluster()
+    cluster.add_node(NODE, {})
+    if device_plugin:
+        cluster.add_pod(DP_NS, "dp", NODE, labels=DP_SEL, owner="DaemonSet")
+    dra = FakeDraPlugin(gpus, **plugin)
+    cluster.on_change = dra
+    dra(cluster)
+    t = FakeTime()
+    s = Settings(node_name=NODE, config=PROFILES, device_plugin_timeout_s=30.0)
+    agent = Agent(
+        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, t.wait)
+    )
+    agent.reload_config()
+    return agent, cluster, gpus, dra
+
+
+def label(cluster: FakeCluster, layout: str) -> None:
+    cluster.patch_node(NODE, labels={"nvidia.com/mig.config": layout})
+
+
+def kinds(cluster: FakeCluster) -> dict[tuple[str, str], int]:
+    return dict(dra_devices.published_devices(cluster.slices, NODE))
+
+
+def test_a_change_restarts_the_plugin_and_succeeds_once_the_slice_follows() -> None:
+    agent, cluster, gpus, dra = make_dra()
+    assert kinds(cluster) == {dra_devices.GPU: 2}
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert dra.started == 2  # the pod there before was deleted, its replacement republished
+    assert kinds(cluster) == {("mig", "1g.10gb"): 4, ("mig", "2g.20gb"): 2, ("mig", "3g.40gb"): 2}
+    assert_clean(cluster)
+    label(cluster, "all-disabled")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert kinds(cluster) == {dra_devices.GPU: 2} and dra.started == 3
+    # in place: nothing restarts again
+    assert agent.reconcile_once().outcome is Outcome.NOOP and dra.started == 3
+
+
+def test_a_plugin_that_keeps_the_old_devices_fails_the_pass_naming_them() -> None:
+    agent, cluster, gpus, dra = make_dra(republishes=False)
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "failed"
+    reason = node.annotations[REASON]
+    assert "missing 4 x MIG 1g.10gb, 2 x MIG 2g.20gb, 2 x MIG 3g.40gb" in reason, reason
+    assert "extra 2 x whole GPU" in reason, reason
+    assert_clean(cluster)
+
+
+def test_a_plugin_that_never_comes_back_fails_the_pass_saying_so() -> None:
+    agent, cluster, gpus, dra = make_dra(comes_back=False)
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "no new DRA kubelet plugin pod" in reason, reason
+    assert_clean(cluster)
+
+
+def _claim(namespace: str, pod: str, device: str) -> dict[str, Any]:
+    result = {"driver": dra_devices.DRIVER, "pool": NODE, "device": device, "request": "mig"}
+    return {
+        "metadata": {"namespace": namespace, "name": pod},
+        "status": {
+            "allocation": {"devices": {"results": [result]}},
+            "reservedFor": [{"resource": "pods", "name": pod, "uid": pod}],
+        },
+    }
+
+
+def _device_on(cluster: FakeCluster, gpu: int) -> str:
+    return next(
+        d["name"]
+        for d in cluster.slices[0]["spec"]["devices"]
+        if d["name"].startswith(f"gpu-{gpu}-mig-")
+    )
+
+
+def test_only_pods_whose_claimed_devices_go_are_evicted() -> None:
+    agent, cluster, gpus, dra = make_dra()
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    kept = cluster.add_pod("work", "on-gpu0", NODE)  # no GPU resource: a claim holds it
+    goes = cluster.add_pod("work", "on-gpu1", NODE)
+    cpu = cluster.add_pod("work", "web", NODE)
+    cluster.claims = [
+        _claim("work", "on-gpu0", _device_on(cluster, 0)),
+        _claim("work", "on-gpu1", _device_on(cluster, 1)),
+    ]
+    _gpu1_changes(agent)
+    gpus.calls.clear()
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.evicted == [goes]
+    assert kept in cluster.pods and cpu in cluster.pods
+    assert gpus.calls[0] == 0, "GPU 0 kept its layout: not touched"
+    assert_clean(cluster)
+
+
+def _gpu1_changes(agent: Agent) -> None:
+    from mig_agent.core.layout import (
+        DeviceSelector,
+        GpuLayout,
+        Layout,
+        LayoutCatalog,
+        MigProfile,
+        Rule,
+    )
+
+    seven = GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 7})
+    two = GpuLayout.of(True, {MigProfile.parse("3g.40gb"): 2})
+    custom = Layout(
+        "gpu1-changes",
+        (Rule(DeviceSelector(frozenset({0})), seven), Rule(DeviceSelector(frozenset({1})), two)),
+    )
+    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), custom])  # type: ignore[union-attr]
+
+
+def _refused(agent: Agent, cluster: FakeCluster, gpus: FakeGpus) -> str:
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    node = cluster.nodes[NODE]
+    assert node.labels[STATE] == "failed"
+    assert sum(gpus.calls.values()) == 0, "a refused node's GPUs are not touched"
+    assert not cluster.evicted and not node.unschedulable
+    assert_clean(cluster)
+    return node.annotations[REASON]
+
+
+def test_dynamic_mig_is_refused_before_anything_is_touched() -> None:
+    agent, cluster, gpus, dra = make_dra(feature_gates=("DynamicMIG=true",))
+    cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    reason = _refused(agent, cluster, gpus)
+    assert "DynamicMIG" in reason and "nothing was touched" in reason, reason
+    assert dra.started == 1, "the plugin was not restarted"
+
+
+def test_the_device_plugin_beside_the_dra_driver_is_refused() -> None:
+    agent, cluster, gpus, dra = make_dra(device_plugin=True)
+    reason = _refused(agent, cluster, gpus)
+    assert "device plugin" in reason and "DRA" in reason and "nothing was touched" in reason
+    assert dra.started == 1
+
+
+def test_a_split_gpu_instance_is_refused_on_a_dra_node() -> None:
+    agent, cluster, gpus, dra = make_dra()
+    _split_layout(agent)
+    label(cluster, "split")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "refuses to start" in reason and "1c.3g.40gb" in reason, reason
+    assert sum(gpus.calls.values()) == 0
+
+
+def _split_layout(agent: Agent) -> None:
+    from mig_agent.core.layout import (
+        DeviceSelector,
+        GpuLayout,
+        Layout,
+        LayoutCatalog,
+        MigProfile,
+        Rule,
+    )
+
+    split = GpuLayout.of(True, {MigProfile.parse("1c.3g.40gb"): 3})
+    custom = Layout("split", (Rule(DeviceSelector(frozenset({0})), split),))
+    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), custom])  # type: ignore[union-attr]
+
+
+def test_with_dra_off_the_dra_plugin_is_not_the_agents() -> None:
+    agent, cluster, gpus, dra = make_dra()
+    agent.settings = dataclasses.replace(agent.settings, dra=False)
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert dra.started == 1, "the DRA plugin was restarted with DRA off"
+    assert kinds(cluster) == {dra_devices.GPU: 2}  # stale: why DRA is on by default
