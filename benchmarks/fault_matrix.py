@@ -132,6 +132,8 @@ def main() -> int:
         cluster = Cluster.up(Path(tmp), gpu_nodes=0) if own else Cluster.attach(args.dir)
         try:
             agents.install(cluster)
+            if harness.DRA in scenarios:
+                agents.install_dra(cluster)
             harness.ensure_namespace(cluster)
             started = time.monotonic()
             results = []

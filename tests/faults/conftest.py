@@ -21,3 +21,10 @@ def fault_cluster(cluster: Cluster) -> Cluster:
     agents.install(cluster)
     harness.ensure_namespace(cluster)
     return cluster
+
+
+@pytest.fixture(scope="session")
+def dra_fault_cluster(fault_cluster: Cluster) -> Cluster:
+    """The same cluster with NVIDIA's DRA driver installed (its DaemonSet, DeviceClasses)."""
+    agents.install_dra(fault_cluster)
+    return fault_cluster

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from migsim.cluster import SIMULATED_IMAGE, Cluster, ViaProxy, agents
+from migsim.cluster import SIMULATED_IMAGE, Cluster, ViaProxy, agents, dra_plugin
 from migsim.cluster.api import ApiError
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
 from migsim.cluster.errors import DevClusterError
@@ -52,7 +52,8 @@ from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
 from mig_agent.config.profiles import load_catalog
-from mig_agent.core import planner
+from mig_agent.core import dra_devices, planner
+from mig_agent.core.advertised import plugin_devices
 from mig_agent.core.errors import MigAgentError
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -61,6 +62,7 @@ PAUSED = "paused-for-mig-change"
 GPUS = "1xH100-80GB"
 START, TARGET, OTHER = "all-1g.10gb", "all-balanced", "all-2g.20gb"
 TYPO = "all-balancedx"
+RESOURCE = "/apis/resource.k8s.io/v1"
 NAMESPACE = "fault-matrix"
 BACKOFF = (0.5, 5.0)
 _ids = itertools.count()
@@ -148,6 +150,10 @@ class Scenario:
     points: tuple[Point, ...]
     # a pod made first, on a device the pass keeps: the drain must leave it running
     stay_pod_limits: Mapping[str, str] | None = None
+    # "dra": NVIDIA's DRA driver publishes the node's GPUs; `pod_limits` and `ready` then name
+    # MIG profiles: the pod's ResourceClaim asks that many devices of the profile, and the
+    # node's ResourceSlice lists that many of START's before the pod
+    device_plugin: str | None = None
 
 
 H100 = Scenario(
@@ -173,7 +179,32 @@ A100 = Scenario(
     ("nvidia.com/gpu", 1),
     A100_POINTS,
 )
-SCENARIOS = (H100, A100)
+# A DRA node (NVIDIA's DRA kubelet plugin): the H100's pass, the pod holding its devices by claim.
+DRA_POINTS: tuple[Point, ...] = (
+    Point("node.paused", "node.paused"),
+    Point("drain.pod_evicted", "drain.pod_evicted"),
+    _phase("apply", "started"),
+    Point("gpu.instance_destroyed#3", "gpu.instance_destroyed", nth=3),
+    Point("gpu.instance_created#1", "gpu.instance_created"),
+    _phase("apply", "finished"),
+    _phase("device_plugin", "started"),
+    Point("dra_plugin.restarted", "dra_plugin.restarted"),
+    Point("dra_plugin.devices_match", "dra_plugin.devices_match"),
+    Point("node.resumed", "node.resumed"),
+)
+DRA = Scenario(
+    "h100-dra",
+    GPUS,
+    START,
+    TARGET,
+    OTHER,
+    TYPO,
+    {"1g.10gb": "3"},
+    ("1g.10gb", 7),
+    DRA_POINTS,
+    device_plugin="dra",
+)
+SCENARIOS = (H100, A100, DRA)
 
 QUICK_POINTS = (
     "node.paused",
@@ -289,6 +320,16 @@ BALANCED_H100 = (
 )
 CHANGED_H100 = BALANCED_H100.replace('{"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}', '{"3g.40gb": 2}')
 FAULTS = LABEL_FAULTS + tuple(API_FAULTS) + CONTROL_PLANE_FAULTS + NODE_FAULTS
+# The DRA scenario's faults beyond the label faults (every point), and where they land: the
+# plugin stopped once the GPUs are done (nothing republishes: the slice lists START's devices)
+DRA_FAULT_POINTS: dict[str, tuple[str, ...]] = {
+    **{
+        f: ("drain.pod_evicted", "phase.started(device_plugin)", "dra_plugin.restarted")
+        for f in (*API_FAULTS, *CONTROL_PLANE_FAULTS)
+        if f != "watch-silent"
+    },
+    "plugin-gone": ("phase.finished(apply)", "phase.started(device_plugin)"),
+}
 # API faults land at one point of each phase (the H100 scenario).
 API_POINTS = (
     "labels.patched(pending)",
@@ -355,6 +396,7 @@ class FaultNode:
             self.procs = agents.start_node(
                 via,
                 self.name,
+                device_plugin=self.scenario.device_plugin,
                 restart_backoff=BACKOFF,
                 settings=settings,
                 profiles=self.profiles,
@@ -437,11 +479,8 @@ class FaultNode:
             f"success of {sc.start}", lambda: self.labels().get(STATE) == "success", SETUP_TIMEOUT_S
         )
         self.wait(
-            "GPU resources",
-            lambda: (
-                int(self.node()["status"].get("allocatable", {}).get(sc.ready[0], "0"))
-                == sc.ready[1]
-            ),
+            "GPU resources" if sc.device_plugin != "dra" else "the node's DRA devices",
+            lambda: self.ready() == sc.ready[1],
             SETUP_TIMEOUT_S,
         )
         if self.procs.device_plugin_kind == "nvidia":
@@ -468,11 +507,51 @@ class FaultNode:
         self.log_lines()
         self.lines = []  # from here on: the trial's lines
 
+    def ready(self) -> int:
+        """How many of `scenario.ready` the node offers: allocatable, or devices in its slice."""
+        what = self.scenario.ready[0]
+        if self.scenario.device_plugin == "dra":
+            devices = dra_plugin.devices(self.cluster, self.name).values()
+            return sum(d.get("profile") == what for d in devices)
+        return int(self.node()["status"].get("allocatable", {}).get(what, "0"))
+
+    def dra_problem(self) -> str:
+        """On a DRA node, how its slice differs from what the GPUs hold now ("" if it agrees)."""
+        if self.scenario.device_plugin != "dra":
+            return ""
+        backend = open_node(self.procs.sim_state)
+        try:
+            want = dra_devices.expected_devices(plugin_devices(backend.observe(), backend.models()))
+        finally:
+            backend.close()
+        have = dra_devices.published_devices(
+            dra_plugin.resource_slices(self.cluster, self.name), self.name
+        )
+        return dra_devices.difference(want, have)
+
     @property
     def stay_pod(self) -> str:
         return f"{self.name}-stays"
 
     def _run_pod(self, name: str, limits: Mapping[str, str]) -> None:
+        claims: dict[str, Any] = {}
+        if self.scenario.device_plugin == "dra":  # a claim of the MIG devices, then its pod
+            ((profile, count),) = limits.items()
+            self.cluster.api.request(
+                "POST",
+                f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims",
+                _claim(name, profile, int(count)),
+            )
+            claims = {
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
+                "containers": [
+                    {
+                        "name": "cuda",
+                        "image": SIMULATED_IMAGE,
+                        "resources": {"claims": [{"name": "gpu"}]},
+                    }
+                ],
+            }
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -487,6 +566,7 @@ class FaultNode:
                         "resources": {"limits": dict(limits), "requests": dict(limits)},
                     }
                 ],
+                **claims,
             },
         }
         self.cluster.api.request("POST", f"/api/v1/namespaces/{NAMESPACE}/pods", pod)
@@ -561,6 +641,11 @@ class FaultNode:
                     "DELETE",
                     f"/api/v1/namespaces/{NAMESPACE}/pods/{self.stay_pod}",
                     {"gracePeriodSeconds": 0},
+                )
+        if self.scenario.device_plugin == "dra":
+            with contextlib.suppress(ApiError):
+                self.cluster.api.request(
+                    "DELETE", f"{RESOURCE}/namespaces/{NAMESPACE}/resourceclaims/{self.name}"
                 )
         self.cluster.delete_node(self.name)
 
@@ -666,6 +751,8 @@ def inject_node_fault(node: FaultNode, fault: str) -> None:
 
 def expected_cause(fault: str, scenario: Scenario) -> str:
     """What a `failed` reason must name for a trial with `fault` to count as failed-with-reason."""
+    if fault == "plugin-gone" and scenario.device_plugin == "dra":
+        return "does not list the layout's devices"
     return {
         "relabel-typo": scenario.typo,
         "gpu-busy": "in use by",
@@ -958,6 +1045,8 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
         problems.append(f"stray GPU instance(s) without a compute instance: {stray}")
     if state == "success" and not applied:
         problems.append(f"success, but layout {layout} is not what the GPUs hold")
+    if state == "success" and (slice_off := node.dra_problem()):
+        problems.append(f"success, but the node's ResourceSlice differs: {slice_off}")
     false = false_success(node)
     if false:
         problems.append(false)
@@ -1054,6 +1143,11 @@ def fault_points(
 ) -> list[Point]:
     """The points of the matrix where `fault` is injected: every point of the scenario for the
     label faults, one per phase of the H100 pass for the API and control-plane faults."""
+    if scenario is DRA:  # the faults of its own: the agent, the API, the DRA plugin
+        named = DRA_FAULT_POINTS.get(fault) if fault not in LABEL_FAULTS else None
+        if fault not in LABEL_FAULTS and named is None:
+            return []
+        return [p for p in points(named, scenario) if names is None or p.name in names]
     if fault in ("reset-fails", "reboot-hangs"):  # only the A100 resets
         return (
             []
@@ -1071,3 +1165,21 @@ def fault_points(
             return []
         return [p for p in points(API_POINTS, scenario) if names is None or p.name in names]
     return points(names, scenario)
+
+
+def _claim(name: str, profile: str, count: int) -> dict[str, Any]:
+    """A ResourceClaim of `count` MIG devices of `profile` (DeviceClass mig.nvidia.com)."""
+    request = {
+        "deviceClassName": "mig.nvidia.com",
+        "allocationMode": "ExactCount",
+        "count": count,
+        "selectors": [
+            {"cel": {"expression": f"device.attributes['gpu.nvidia.com'].profile == '{profile}'"}}
+        ],
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "mig", "exactly": request}]}},
+    }

@@ -54,6 +54,13 @@ QUICK = {
 
 
 QUICK_A100 = {"kill": ("gpu.reset",), "reboot-hangs": ("node.paused",)}
+# a DRA node: the agent killed as it restarts the DRA plugin, an API fault in the wait for the
+# slice, and a plugin that never republishes
+QUICK_DRA = {
+    "kill": ("gpu.instance_created#1", "dra_plugin.restarted"),
+    "api-500x3": ("dra_plugin.restarted",),
+    "plugin-gone": ("phase.started(device_plugin)",),
+}
 
 
 def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
@@ -61,6 +68,7 @@ def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
         return [
             (sc, p, f)
             for sc in harness.SCENARIOS
+            if sc is not harness.DRA
             for f in harness.FAULTS
             for p in harness.fault_points(f, sc)
         ]
@@ -69,6 +77,12 @@ def _cases() -> list[tuple[harness.Scenario, harness.Point, str]]:
         for f, names in QUICK_A100.items()
         for p in harness.points(names, harness.A100)
     ]
+
+
+def _dra_cases() -> list[tuple[harness.Point, str]]:
+    if full_matrix():
+        return [(p, f) for f in harness.FAULTS for p in harness.fault_points(f, harness.DRA)]
+    return [(p, f) for f, names in QUICK_DRA.items() for p in harness.points(names, harness.DRA)]
 
 
 def _id(value: object) -> str:
@@ -98,6 +112,16 @@ def test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
         assert result.detail == f"{want} applied"
     if fault in harness.API_FAULTS:  # the fault was answered to the agent, not lost
         assert result.hits, f"{fault} at {point.name}: the proxy answered nothing"
+
+
+@pytest.mark.parametrize(("point", "fault"), _dra_cases(), ids=_id)
+def test_fault_on_a_dra_node_ends_as_the_label_asks_and_the_slice_true(
+    dra_fault_cluster: Cluster, point: harness.Point, fault: str
+) -> None:
+    """The same invariants, and on success the node's ResourceSlice lists what the GPUs hold."""
+    test_fault_at_point_ends_as_the_label_asks_and_the_node_clean(
+        dra_fault_cluster, harness.DRA, point, fault
+    )
 
 
 def test_the_eviction_check_tells_a_kept_device_from_a_destroyed_one(
