@@ -32,6 +32,7 @@ from mig_agent.ops import (
     dry_run,
     preview,
     repartition,
+    resources_text,
     select_nodes,
     status,
     status_json,
@@ -72,11 +73,7 @@ def status_lines(
         reason = r.reason.replace("\n", " ") or "-"
         if not wide and len(reason) > _REASON_WIDTH:
             reason = reason[: _REASON_WIDTH - 3] + "..."
-        resources = (
-            ",".join(f"{k.removeprefix('nvidia.com/')}={v}" for k, v in sorted(r.resources.items()))
-            or "-"
-        )
-        line = [r.node, r.layout or "-", state, resources, reason]
+        line = [r.node, r.layout or "-", state, resources_text(r), reason]
         if wide:
             gpus = (
                 "?"

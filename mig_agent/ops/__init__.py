@@ -15,7 +15,7 @@ are injected, so the whole rollout is unit-tested against FakeCluster without sl
 
 from mig_agent.ops.preview import check_layout, dry_run, preview, preview_text, select_nodes
 from mig_agent.ops.rollout import repartition, summary_table
-from mig_agent.ops.status import status, status_json, status_table
+from mig_agent.ops.status import resources_text, status, status_json, status_table
 from mig_agent.ops.values import (
     DEFAULT_SETTINGS,
     EXIT_FAILED,
@@ -55,6 +55,7 @@ __all__ = [
     "repartition",
     "select_nodes",
     "status",
+    "resources_text",
     "status_json",
     "status_table",
     "summary_table",

@@ -66,6 +66,13 @@ def _gpus(text: str | None) -> tuple[GpuSummary, ...] | None:
     )
 
 
+def resources_text(st: NodeStatus) -> str:
+    """``gpu=1,mig-1g.10gb=7``; a DRA node's devices as ``dra:1g.10gb=4``; ``-`` for none."""
+    short = {k.removeprefix("nvidia.com/"): v for k, v in st.resources.items()}
+    short |= {f"dra:{k}": v for k, v in st.dra_devices.items()}
+    return ",".join(f"{k}={v}" for k, v in sorted(short.items())) or "-"
+
+
 def status_table(rows: Sequence[NodeStatus]) -> list[str]:
     def gpus(st: NodeStatus) -> str:
         if st.gpus is None:
@@ -73,18 +80,13 @@ def status_table(rows: Sequence[NodeStatus]) -> list[str]:
         by_model = Counter(g.model for g in st.gpus)
         return ",".join(f"{n}x{m}" for m, n in sorted(by_model.items()))
 
-    def resources(st: NodeStatus) -> str:
-        short = {k.removeprefix("nvidia.com/"): v for k, v in st.resources.items()}
-        short |= {f"dra:{k}": v for k, v in st.dra_devices.items()}
-        return ",".join(f"{k}={v}" for k, v in sorted(short.items())) or "-"
-
     rows_text = [
         (
             st.node,
             st.layout or "-",
             (st.state or "-") + (",cordoned" if st.unschedulable else ""),
             gpus(st),
-            resources(st),
+            resources_text(st),
             st.reason.replace("\n", " ") or "-",
         )
         for st in rows
