@@ -22,6 +22,7 @@ Needs root (private mount namespaces): skips loudly otherwise.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from migsim.cluster import Cluster, agents, dra_plugin
 from migsim.nvml import state as simstate
 
 from .conftest import REASON, AgentNode, NodeFactory, mig_counts, wait_running
+from .test_ops import mig_agent_cli
 
 RESOURCE = "/apis/resource.k8s.io/v1"
 
@@ -142,6 +144,20 @@ def test_layouts_come_and_go_and_the_slice_follows(dra_node: AgentNode) -> None:
     assert kinds(dra_node) == Counter({"1g.10gb": 4, "2g.20gb": 2, "3g.40gb": 2})
     assert all(d["type"] == "mig" for d in dra_node.dra_devices().values())
     assert not dra_node.node().spec.unschedulable
+    # status reads the slices as the agent does (every node's, one request)
+    st = mig_agent_cli(
+        "status",
+        "-l",
+        f"kubernetes.io/hostname={dra_node.name}",
+        "-o",
+        "json",
+        "--kubeconfig",
+        str(dra_node.cluster.kubeconfig),
+    )
+    assert st.returncode == 0, st.stderr
+    (row,) = [r for r in json.loads(st.stdout) if r["node"] == dra_node.name]
+    assert row["dra_devices"] == {"1g.10gb": 4, "2g.20gb": 2, "3g.40gb": 2}, row
+    assert row["resources"] == {} and row["state"] == "success"
     assert change(dra_node, "all-disabled") == "success", dra_node.log_tail()
     assert kinds(dra_node) == Counter({"gpu": 2})
     assert "dra_plugin.devices_match" in dra_node.log_tail(60)
@@ -202,6 +218,18 @@ mig-configs:
     kept = wait_running(core, namespace, "on-gpu-0")
     wait_running(core, namespace, "on-gpu-1")
     held = allocated_device(node, namespace, "on-gpu-0")
+    # a dry run counts both: they hold the node's devices by claim, requesting no GPU resource
+    dry = mig_agent_cli(
+        "repartition",
+        "dra-half",
+        node.name,
+        "--dry-run",
+        "-f",
+        str(profiles),
+        "--kubeconfig",
+        str(node.cluster.kubeconfig),
+    )
+    assert dry.returncode == 0 and "2 GPU pod(s) would be evicted" in dry.stdout, dry
     assert change(node, "dra-half") == "success", node.log_tail()
     assert kinds(node) == Counter({"1g.10gb": 7, "3g.40gb": 2})
     now = core.read_namespaced_pod("on-gpu-0", namespace)
