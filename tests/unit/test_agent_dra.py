@@ -21,6 +21,14 @@ from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
 from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.layout import (
+    DeviceSelector,
+    GpuLayout,
+    Layout,
+    LayoutCatalog,
+    MigProfile,
+    Rule,
+)
 from mig_agent.core.planner import observed_devices
 from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
@@ -178,7 +186,7 @@ def test_only_pods_whose_claimed_devices_go_are_evicted() -> None:
         _claim("work", "on-gpu0", _device_on(cluster, 0)),
         _claim("work", "on-gpu1", _device_on(cluster, 1)),
     ]
-    _gpu1_changes(agent)
+    _with_layout(agent, "gpu1-changes", {0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
     gpus.calls.clear()
     label(cluster, "gpu1-changes")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
@@ -188,23 +196,16 @@ def test_only_pods_whose_claimed_devices_go_are_evicted() -> None:
     assert_clean(cluster)
 
 
-def _gpu1_changes(agent: Agent) -> None:
-    from mig_agent.core.layout import (
-        DeviceSelector,
-        GpuLayout,
-        Layout,
-        LayoutCatalog,
-        MigProfile,
-        Rule,
+def _with_layout(agent: Agent, name: str, gpus: dict[int, dict[str, int]]) -> None:
+    """Adds layout ``name``: per GPU index, its MIG devices."""
+    rules = tuple(
+        Rule(
+            DeviceSelector(frozenset({gpu})),
+            GpuLayout.of(True, {MigProfile.parse(p): n for p, n in devices.items()}),
+        )
+        for gpu, devices in gpus.items()
     )
-
-    seven = GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 7})
-    two = GpuLayout.of(True, {MigProfile.parse("3g.40gb"): 2})
-    custom = Layout(
-        "gpu1-changes",
-        (Rule(DeviceSelector(frozenset({0})), seven), Rule(DeviceSelector(frozenset({1})), two)),
-    )
-    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), custom])  # type: ignore[union-attr]
+    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), Layout(name, rules)])  # type: ignore[union-attr]
 
 
 def _refused(agent: Agent, cluster: FakeCluster, gpus: FakeGpus) -> str:
@@ -235,27 +236,12 @@ def test_the_device_plugin_beside_the_dra_driver_is_refused() -> None:
 
 def test_a_split_gpu_instance_is_refused_on_a_dra_node() -> None:
     agent, cluster, gpus, dra = make_dra()
-    _split_layout(agent)
+    _with_layout(agent, "split", {0: {"1c.3g.40gb": 3}})
     label(cluster, "split")
     assert agent.reconcile_once().outcome is Outcome.FAILED
     reason = cluster.nodes[NODE].annotations[REASON]
     assert "refuses to start" in reason and "1c.3g.40gb" in reason, reason
     assert sum(gpus.calls.values()) == 0
-
-
-def _split_layout(agent: Agent) -> None:
-    from mig_agent.core.layout import (
-        DeviceSelector,
-        GpuLayout,
-        Layout,
-        LayoutCatalog,
-        MigProfile,
-        Rule,
-    )
-
-    split = GpuLayout.of(True, {MigProfile.parse("1c.3g.40gb"): 3})
-    custom = Layout("split", (Rule(DeviceSelector(frozenset({0})), split),))
-    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), custom])  # type: ignore[union-attr]
 
 
 def test_with_dra_off_the_dra_plugin_is_not_the_agents() -> None:
