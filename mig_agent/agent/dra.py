@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -16,7 +18,7 @@ from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, plugin_devices
 from mig_agent.core.dra_devices import Kind
-from mig_agent.core.errors import DevicePluginTimeout
+from mig_agent.core.errors import DevicePluginTimeout, KubeError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, PodView
@@ -38,15 +40,44 @@ def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
     ]
 
 
-def refusal(cluster: Cluster, s: Settings, pods: list[PodView]) -> str:
+@dataclass(frozen=True)
+class DraNode:
+    pods: list[PodView]  # the DRA plugin's pods on the node, but those on their way out
+    slices: list[dict[str, Any]]  # the node's ResourceSlices
+
+
+def find(cluster: Cluster, s: Settings) -> DraNode | None:
+    """The node's DRA plugin pods and slices; None when it is no DRA node: no pod of the DRA
+    plugin there (in any phase: one going, one coming), and no slice of the driver for it. A
+    running pod alone would not do: between a plugin pod's deletion and its replacement a DRA
+    node would pass for a node of no plugin, its slice stale, its claims not drained."""
+    if not s.dra:
+        return None
+    pods = cluster.list_pods(
+        node=s.node_name, namespace=s.dra_plugin_namespace, label_selector=s.dra_plugin_selector
+    )
+    try:
+        slices = cluster.list_resource_slices(s.node_name)
+    except KubeError as exc:
+        if exc.context.get("status") != 404:
+            raise
+        slices = []  # an API server before Kubernetes 1.34 serves no resource.k8s.io/v1
+    if not pods and not dra_devices.publishes(slices, s.node_name):
+        return None
+    return DraNode([p for p in pods if not p.terminating], slices)
+
+
+def refusal(cluster: Cluster, s: Settings, found: DraNode) -> str:
     """Why the agent must not change this DRA node's GPUs, or "": a driver running DynamicMIG
-    (it makes and destroys the MIG devices itself), or NVIDIA's device plugin beside it (two
-    owners of the same devices: NVIDIA's DRA chart refuses to deploy so)."""
+    (it makes and destroys the MIG devices itself: said by its pod's feature gates, or by the
+    shared counters of its slices), or NVIDIA's device plugin beside it (two owners of the same
+    devices: NVIDIA's DRA chart refuses to deploy so)."""
     where = f"{s.dra_plugin_namespace}, {s.dra_plugin_selector}"
-    dynamic = [str(p.ref) for p in pods if dra_devices.dynamic_mig(p.feature_gates)]
-    if dynamic:
+    dynamic = [str(p.ref) for p in found.pods if dra_devices.dynamic_mig(p.feature_gates)]
+    if dynamic or dra_devices.partitionable(found.slices, s.node_name):
+        which = ", ".join(dynamic) or "its ResourceSlices share counters between devices"
         return (
-            f"NVIDIA's DRA driver runs with DynamicMIG on this node ({', '.join(dynamic)}): it "
+            f"NVIDIA's DRA driver runs with DynamicMIG on this node ({which}): it "
             "creates a MIG device per claim and destroys at start every MIG device it did not "
             "create, so a static layout would not survive it; nothing was touched (remove the "
             "mig.config label, or turn DynamicMIG off)"

@@ -429,17 +429,17 @@ class Agent:
             self.gpu_status = ""
             the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
             strategy, sharing = device_plugin.plugin_rules(self.settings, node)
-            dra_pods = dra.plugin_pods(self.cluster, self.settings)
-            if dra_pods and (refused := dra.refusal(self.cluster, self.settings, dra_pods)):
+            dra_node = dra.find(self.cluster, self.settings)
+            if dra_node and (refused := dra.refusal(self.cluster, self.settings, dra_node)):
                 raise PlanError(f"layout {desired}: {refused}", layout=desired)
             planned: Devices = planned_devices(the_plan, observed, models)
             problem = (
-                split_problem(planned) if dra_pods else strategy_problem(planned, strategy, sharing)
+                split_problem(planned) if dra_node else strategy_problem(planned, strategy, sharing)
             )
             if problem:
                 raise PlanError(f"layout {desired}: {problem}", layout=desired)
         return _Change(
-            node, desired, layout, models, observed, the_plan, strategy, sharing, bool(dra_pods)
+            node, desired, layout, models, observed, the_plan, strategy, sharing, bool(dra_node)
         )
 
     def _in_place(self, change: _Change) -> bool:

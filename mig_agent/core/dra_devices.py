@@ -81,6 +81,30 @@ def _kinds(kinds: Counter[Kind]) -> str:
     )
 
 
+def publishes(slices: Iterable[Mapping[str, Any]], node: str) -> bool:
+    """Whether the driver has a slice for ``node``'s pool: its plugin ran there (a slice
+    outlives the plugin's pod, and claims allocated from it outlive both)."""
+    return any(_of_node(s, node) for s in slices)
+
+
+def partitionable(slices: Iterable[Mapping[str, Any]], node: str) -> bool:
+    """Whether ``node``'s slices are DynamicMIG's: counters shared by the devices they list
+    (``sharedCounters``, ``consumesCounters``), which static MIG never publishes."""
+    for s in slices:
+        spec = s.get("spec") or {}
+        if _of_node(s, node) and (
+            spec.get("sharedCounters")
+            or any(d.get("consumesCounters") for d in spec.get("devices") or [])
+        ):
+            return True
+    return False
+
+
+def _of_node(piece: Mapping[str, Any], node: str) -> bool:
+    spec = piece.get("spec") or {}
+    return spec.get("driver") == DRIVER and (spec.get("pool") or {}).get("name") == node
+
+
 def dynamic_mig(feature_gates: Iterable[str]) -> bool:
     """Whether the plugin's feature gates (``FEATURE_GATES`` values, ``--feature-gates`` flags:
     ``A=true,B=false``) switch on DynamicMIG, under which the driver creates one MIG device per
@@ -131,12 +155,7 @@ def _devices(slices: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str
     """The devices the driver's slices list for ``node``'s pool, from its newest generation
     only: a slice of an older one is stale (the plugin that wrote it restarted), as the
     scheduler reads a pool."""
-    specs = [
-        spec
-        for s in slices
-        if (spec := s.get("spec") or {}).get("driver") == DRIVER
-        and (spec.get("pool") or {}).get("name") == node
-    ]
+    specs = [s.get("spec") or {} for s in slices if _of_node(s, node)]
     newest = max((_generation(spec) for spec in specs), default=0)
     return [d for spec in specs if _generation(spec) == newest for d in spec.get("devices") or []]
 

@@ -20,6 +20,7 @@ from mig_agent.agent import Agent, Outcome
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
+from mig_agent.core.errors import KubeError
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.layout import (
     DeviceSelector,
@@ -251,3 +252,65 @@ def test_with_dra_off_the_dra_plugin_is_not_the_agents() -> None:
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert dra.started == 1, "the DRA plugin was restarted with DRA off"
     assert kinds(cluster) == {dra_devices.GPU: 2}  # stale: why DRA is on by default
+
+
+def test_a_dra_node_whose_plugin_pod_is_away_is_still_a_dra_node() -> None:
+    """Between the plugin pod's deletion and its replacement (an API server outage, a slow
+    DaemonSet controller) the node's slice is all that says it is a DRA node: a pass then must
+    not take the stale slice for the layout, nor drain as if no claim held a device."""
+    agent, cluster, gpus, dra = make_dra()
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    dra.comes_back = False
+    cluster.pods.pop(next(r for r in cluster.pods if r.namespace == DRA_NS))
+    # the pass was cut off after the apply (the state still says pending, no marks left)
+    _with_layout(agent, "gpu1-changes", {0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
+    label(cluster, "gpu1-changes")
+    holder = cluster.add_pod("work", "on-gpu1", NODE)
+    cluster.claims = [_claim("work", "on-gpu1", _device_on(cluster, 1))]
+    result = agent.reconcile_once()
+    assert cluster.evicted == [holder], "the pod holding a device that goes by claim stays"
+    assert result.outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "no new DRA kubelet plugin pod" in reason, reason
+    # and a later pass does not take the GPUs as they are for a success: the slice is stale
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert cluster.nodes[NODE].labels[STATE] == "failed"
+
+
+def test_slices_with_shared_counters_are_refused_as_dynamic_mig() -> None:
+    """DynamicMIG said by the slices, where the pod's gates do not say it (a pod set up
+    otherwise, or away)."""
+    agent, cluster, gpus, dra = make_dra()
+    cluster.slices[0]["spec"]["sharedCounters"] = [{"name": "gpu-0-counter-set"}]
+    reason = _refused(agent, cluster, gpus)
+    assert "DynamicMIG" in reason and "share counters" in reason, reason
+
+
+class NoDraApi(FakeCluster):
+    """An API server before Kubernetes 1.34, or one the agent may not read slices from."""
+
+    status = 404
+
+    def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
+        raise KubeError(f"list resourceslices: {self.status} nope", status=self.status)
+
+
+def test_without_the_dra_api_a_node_is_a_device_plugin_node() -> None:
+    from .test_agent import make
+
+    agent, cluster, gpus = make(cluster=NoDraApi())
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+
+
+def test_a_forbidden_slice_list_fails_the_pass_naming_it() -> None:
+    from .test_agent import make
+
+    forbidden = NoDraApi()
+    forbidden.status = 403
+    agent, cluster, gpus = make(cluster=forbidden)
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert "list resourceslices: 403" in cluster.nodes[NODE].annotations[REASON]
+    assert sum(gpus.calls.values()) == 0

@@ -113,3 +113,21 @@ def test_slices_of_an_older_pool_generation_are_stale() -> None:
     new["spec"]["pool"]["generation"] = 2
     assert dra.published_devices([old, new], "n1") == Counter({dra.GPU: 1})
     assert dra.published_devices([old], "n1") == Counter({("mig", "1g.10gb"): 2})
+
+
+def test_a_node_publishes_while_any_slice_of_the_driver_names_its_pool() -> None:
+    assert dra.publishes([_slice("n1", ("gpu", ""))], "n1")
+    assert dra.publishes([_slice("n1")], "n1")  # a MIG-on GPU without devices: an empty slice
+    assert not dra.publishes([_slice("n2", ("gpu", ""))], "n1")
+    assert not dra.publishes([_slice("n1", ("gpu", ""), driver="other.example.com")], "n1")
+
+
+def test_shared_counters_are_dynamic_migs() -> None:
+    static = _slice("n1", ("mig", "1g.10gb"))
+    assert not dra.partitionable([static], "n1")
+    shared = _slice("n1", ("mig", "1g.10gb"))
+    shared["spec"]["sharedCounters"] = [{"name": "gpu-0-counter-set", "counters": {}}]
+    assert dra.partitionable([shared], "n1") and not dra.partitionable([shared], "n2")
+    consuming = _slice("n1", ("mig", "1g.10gb"))
+    consuming["spec"]["devices"][0]["consumesCounters"] = [{"counterSet": "gpu-0-counter-set"}]
+    assert dra.partitionable([consuming], "n1")
