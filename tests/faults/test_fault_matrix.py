@@ -55,10 +55,12 @@ QUICK = {
 
 QUICK_A100 = {"kill": ("gpu.reset",), "reboot-hangs": ("node.paused",)}
 # a DRA node: the agent killed as it restarts the DRA plugin, an API fault in the wait for the
-# slice, and a plugin that never republishes
+# slice, the API server restarted as the plugin's pod is replaced (the node once passed for one
+# of no plugin then), and a plugin that never republishes
 QUICK_DRA = {
     "kill": ("gpu.instance_created#1", "dra_plugin.restarted"),
     "api-500x3": ("dra_plugin.restarted",),
+    "apiserver-restart": ("dra_plugin.restarted",),
     "plugin-gone": ("phase.started(device_plugin)",),
 }
 
