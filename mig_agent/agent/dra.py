@@ -29,15 +29,13 @@ log = structlog.get_logger(__name__)
 
 def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
     """The node's DRA kubelet plugin pods, but those on their way out ([] with ``dra`` off)."""
-    if not s.dra:
-        return []
-    return [
-        p
-        for p in cluster.list_pods(
-            node=s.node_name, namespace=s.dra_plugin_namespace, label_selector=s.dra_plugin_selector
-        )
-        if not p.terminating
-    ]
+    return [p for p in _all_plugin_pods(cluster, s) if not p.terminating] if s.dra else []
+
+
+def _all_plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
+    return cluster.list_pods(
+        node=s.node_name, namespace=s.dra_plugin_namespace, label_selector=s.dra_plugin_selector
+    )
 
 
 @dataclass(frozen=True)
@@ -53,9 +51,7 @@ def find(cluster: Cluster, s: Settings) -> DraNode | None:
     node would pass for a node of no plugin, its slice stale, its claims not drained."""
     if not s.dra:
         return None
-    pods = cluster.list_pods(
-        node=s.node_name, namespace=s.dra_plugin_namespace, label_selector=s.dra_plugin_selector
-    )
+    pods = _all_plugin_pods(cluster, s)
     try:
         slices = cluster.list_resource_slices(s.node_name)
     except KubeError as exc:
