@@ -38,16 +38,40 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "cluster: runs against the local Kubernetes cluster (needs scripts/k8s-binaries build)",
     )
+    # pytest-xdist's own, named here too so that a run without xdist keeps --strict-markers
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
+
+
+# Folders by what they cost, dearest first: parallel workers (scripts/test runs pytest-xdist,
+# one module or group per worker at a time, in this order) start the long waits early, so the
+# real node's 14 minutes do not begin when everything else is done.
+_FIRST = ("kubelet", "e2e", "faults", "cluster", "native", "gpu", "packaging", "unit")
+# Tests that must not run beside each other on one machine, by group: the real node owns
+# /var/lib/kubelet, containerd's socket and the kubelet's ports of this host.
+_ALONE = {"kubelet": "real-node"}
+
+
+def _folder(item: pytest.Item) -> str:
+    parts = Path(str(item.path)).relative_to(Path(__file__).parent).parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _rank(item: pytest.Item) -> int:
+    folder = _folder(item)
+    return _FIRST.index(folder) if folder in _FIRST else len(_FIRST)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Every test in tests/cluster, tests/e2e and tests/kubelet needs the cluster; marking them
     # here lets `-m "not cluster"` skip those folders without each module remembering the marker.
-    here = Path(__file__).parent
-    folders = (here / "cluster", here / "e2e", here / "kubelet")
     for item in items:
-        if any(f in Path(str(item.path)).parents for f in folders):
+        folder = _folder(item)
+        if folder in ("cluster", "e2e", "kubelet"):
             item.add_marker(pytest.mark.cluster)
+        # xdist's loadgroup runs a group on one worker: a module's tests share its fixtures
+        group = _ALONE.get(folder) or str(Path(str(item.path)).relative_to(Path(__file__).parent))
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=_rank)  # stable: each folder keeps its own order
 
 
 NVIDIA_RUNTIME_CLASS = {

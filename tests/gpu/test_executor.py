@@ -139,11 +139,31 @@ def test_operator_layout_applies_asserts_and_exports(
     assert simlib.call_counts(path).total == 0
 
 
+# The operator layouts that fit each model, counted from the config file without fit_report
+# (all-disabled, all-enabled, all-balanced and the all-<profile> ones of the model's profiles):
+# fit_report chooses the cases above, so one that wrongly rejects a layout must fail here rather
+# than leave that layout untested.
+OPERATOR_LAYOUTS_THAT_FIT = {
+    "A100-40GB": 10,
+    "A100-80GB": 10,
+    "A30": 8,
+    "B200": 10,
+    "B300": 10,
+    "GB200": 10,
+    "GB300": 10,
+    "H100-80GB": 10,
+    "H100-NVL": 10,
+    "H200": 10,
+    "RTX-PRO-6000": 14,
+}
+
+
 def test_every_mig_model_has_operator_layouts() -> None:
     # Guards the parametrization above against silently testing nothing for a model.
     by_model = Counter(key for key, _ in operator_cases())
     assert sorted(by_model) == MIG_MODELS and len(MIG_MODELS) == 11
     assert all(n >= 8 for n in by_model.values()), by_model
+    assert by_model == OPERATOR_LAYOUTS_THAT_FIT
 
 
 # -- from any present state -------------------------------------------------------------------

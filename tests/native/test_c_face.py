@@ -37,6 +37,7 @@ from tests.gpu.test_executor import (  # noqa: F401
 )
 from tests.gpu.test_nvml_backend import (  # noqa: F401
     test_destroy_and_errors,
+    test_memory_total_from_hardware_equals_the_catalog,
     test_mig_mode_and_reset,
     test_models_from_hardware_equal_the_catalog,
     test_observe_round_trip,

@@ -12,6 +12,7 @@ so are bad arguments."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -232,8 +233,18 @@ def test_a_server_drops_what_clients_of_an_earlier_one_held(
     assert pids_of(path) == {(0, None, None): [777], (1, None, None): [4343]}
 
 
-def test_a_server_starts_before_its_node_exists(serve: Serve, tmp_path: Path) -> None:
-    serve(str(tmp_path / "not-yet.json"))  # the node's state is created later
+def test_a_server_starts_before_its_node_exists(
+    serve: Serve, c_lib: ctypes.CDLL, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "not-yet.json")
+    serve(path)  # the node's state is created later
+    # no node yet: no driver, as on a host still booting; then the same server serves it
+    assert c_lib.nvmlInit_v2() == st.DRIVER_NOT_LOADED
+    st.create_node(path, "2xH100-80GB")
+    assert c_lib.nvmlInit_v2() == st.SUCCESS
+    count = ctypes.c_uint()
+    assert c_lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) == st.SUCCESS
+    assert count.value == 2
 
 
 def test_nothing_visible_or_a_bad_argument_is_an_error(

@@ -330,8 +330,11 @@ def test_api_down_during_pass_is_retried() -> None:
     assert_clean(cluster)
 
 
-@pytest.mark.parametrize("crash_at", range(0, 60, 7))
+# all-balanced -> all-1g.10gb on 8 H100s is 112 GPU mutations (16 + 16 destroys, 40 + 40
+# creates): the crash points cover the pass from before its first mutation to its creates.
+@pytest.mark.parametrize("crash_at", range(0, 112, 7))
 def test_killed_during_apply_a_new_agent_converges(crash_at: int) -> None:
+    """``crash_at``: how many GPU mutations succeed before the agent is killed."""
     agent, cluster, gpus = make()
     label(cluster, "all-balanced")
     agent.reconcile_once()
@@ -341,13 +344,14 @@ def test_killed_during_apply_a_new_agent_converges(crash_at: int) -> None:
 
     def crash(gpu: int, op: str) -> None:
         calls[0] += 1
-        if calls[0] == crash_at:
+        if calls[0] > crash_at:
             raise Crash()
         original(gpu, op)
 
     gpus._mutate = crash  # type: ignore[method-assign]
-    with contextlib.suppress(Crash):
+    with pytest.raises(Crash):  # the kill must reach the caller: no agent outlives it
         agent.reconcile_once()
+    assert calls[0] == crash_at + 1  # killed at that point, not later
     gpus._mutate = original  # type: ignore[method-assign]
     fresh, _, _ = make(gpus)
     fresh.cluster = cluster
