@@ -38,17 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "cluster: runs against the local Kubernetes cluster (needs scripts/k8s-binaries build)",
     )
-    # pytest-xdist's own, named here too so that a run without xdist keeps --strict-markers
-    config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker")
 
 
-# Folders by what they cost, dearest first: parallel workers (scripts/test runs pytest-xdist,
-# one module or group per worker at a time, in this order) start the long waits early, so the
-# real node's 14 minutes do not begin when everything else is done.
+# Folders by what they cost, dearest first: parallel workers (scripts/test runs pytest-xdist)
+# take a module, or a group, at a time in this order, so the long waits start early and the real
+# node's quarter of an hour does not begin when everything else is done.
 _FIRST = ("kubelet", "e2e", "faults", "cluster", "native", "gpu", "packaging", "unit")
-# Tests that must not run beside each other on one machine, by group: the real node owns
-# /var/lib/kubelet, containerd's socket and the kubelet's ports of this host.
-_ALONE = {"kubelet": "real-node"}
+# Folders whose tests must all run on one worker, one after the other: the real node owns this
+# machine's /var/lib/kubelet, containerd's socket and the kubelet's ports.
+_ONE_WORKER = ("kubelet",)
 
 
 def _folder(item: pytest.Item) -> str:
@@ -65,13 +63,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Every test in tests/cluster, tests/e2e and tests/kubelet needs the cluster; marking them
     # here lets `-m "not cluster"` skip those folders without each module remembering the marker.
     for item in items:
-        folder = _folder(item)
-        if folder in ("cluster", "e2e", "kubelet"):
+        if _folder(item) in ("cluster", "e2e", "kubelet"):
             item.add_marker(pytest.mark.cluster)
-        # xdist's loadgroup runs a group on one worker: a module's tests share its fixtures
-        group = _ALONE.get(folder) or str(Path(str(item.path)).relative_to(Path(__file__).parent))
-        item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=_rank)  # stable: each folder keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when it is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Work handed out a module at a time (its tests share its fixtures), a folder of
+    _ONE_WORKER at a time; in collection order, which is dearest first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            parts = module.split("/")
+            if len(parts) > 2 and parts[0] == "tests" and parts[1] in _ONE_WORKER:
+                return "/".join(parts[:2])
+            return module
+
+    config.option.loadscopereorder = False  # keep the dearest-first order
+    return ByModule(config, log)
 
 
 NVIDIA_RUNTIME_CLASS = {

@@ -35,6 +35,7 @@ from migsim.cluster import Cluster, agents, dra_plugin
 from migsim.nvml import state as simstate
 
 from .conftest import REASON, AgentNode, NodeFactory, mig_counts, wait_running
+from .test_agent import wait_unschedulable
 from .test_ops import mig_agent_cli
 
 RESOURCE = "/apis/resource.k8s.io/v1"
@@ -173,8 +174,7 @@ def test_a_claim_for_a_profile_waits_until_a_layout_offers_it(
         "device.attributes['gpu.nvidia.com'].profile == '2g.20gb'",
     )
     claiming_pod(core, namespace, "wants-2g", "wants-2g")
-    time.sleep(3)  # the scheduler has looked: nothing offers 2g.20gb
-    pod = core.read_namespaced_pod("wants-2g", namespace)
+    pod = wait_unschedulable(core, namespace, "wants-2g")  # the scheduler looked: no 2g.20gb
     assert pod.status.phase == "Pending" and not pod.spec.node_name
     dra_node.label("all-balanced")
     assert dra_node.wait_state("success", "failed", timeout=120) == "success", dra_node.log_tail()

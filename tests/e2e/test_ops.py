@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client, watch
-from migsim.cluster import Cluster, agents
+from migsim.cluster import Cluster, agents, wait_until
 
 from mig_agent.config.profiles import load_catalog
 
 from .conftest import CONFIG, REPO, STATE, AgentNode, NodeFactory, wait_running
 
 POOL_LABEL = "e2e.mig-agent.dev/pool"
+SYNC = "e2e.mig-agent.dev/sync"  # a mark the test writes to learn that its watch caught up
 RESULTS = ("success", "failed", "timeout", "not started", "in progress", "already applied")
 _ROW = re.compile(rf"^(\S+)\s+({'|'.join(RESULTS)})\s+(\S+)\s*(.*)$")
 _pools = iter(range(10**6))
@@ -124,6 +125,7 @@ class PoolWatch:
     transitions: list[Transition] = field(default_factory=list)
     initial: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
+    synced: set[str] = field(default_factory=set)  # SYNC values the watch delivered
     _rv: str = ""
     _t0: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -157,6 +159,8 @@ class PoolWatch:
                     node = event["object"]
                     self._rv = node.metadata.resource_version
                     name, marks = node.metadata.name, _marks(node)
+                    if sync := (node.metadata.annotations or {}).get(SYNC):
+                        self.synced.add(sync)
                     if event["type"] != "DELETED" and last.get(name) != marks:
                         last[name] = marks
                         self.transitions.append(
@@ -166,6 +170,15 @@ class PoolWatch:
                         w.stop()
         except BaseException as exc:  # reported by the test, not lost in the thread
             self.errors.append(exc)
+
+    def catch_up(self, node: str) -> None:
+        """Return once the watch has delivered every change committed before this call: a watch
+        delivers in commit order, so seeing a mark written on `node` now is enough."""
+        mark = str(time.monotonic_ns())
+        self.core.patch_node(node, {"metadata": {"annotations": {SYNC: mark}}})
+        wait_until(
+            lambda: mark in self.synced or self.errors, timeout=30, what="the watch to see the mark"
+        )
 
     def states(self, node: str) -> list[str | None]:
         return [t.state for t in self.transitions if t.node == node]
@@ -326,7 +339,7 @@ def test_layout_typo_is_refused_before_any_node_is_touched(
 
     with PoolWatch(core, selector) as seen:
         res = repartition(installed, typo, selector, "-p", "2", timeout=60)
-        time.sleep(1)  # time for a (wrong) label change to reach the watch
+        seen.catch_up(nodes[0].name)  # a (wrong) label change has reached the watch by now
     assert not seen.errors, seen.errors
     assert res.returncode == 2, explain(res, nodes)
     assert res.stdout == ""

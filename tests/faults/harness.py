@@ -499,7 +499,11 @@ class FaultNode:
         if sc.stay_pod_limits:
             self._run_pod(self.stay_pod, sc.stay_pod_limits)
         self._run_pod(self.name, sc.pod_limits)
-        time.sleep(0.5)  # the agent's idle pass after success is over
+        # a running pod's processes start on its devices a moment later: the start taken before
+        # that leaves the pod out of the check that it was not evicted from devices that stay
+        self.wait(
+            "the GPU pods' processes on their devices", self._pods_hold_devices, SETUP_TIMEOUT_S
+        )
         self.pods_at_start, self.held_at_start = self.pods_left(), self.held_devices()
         # each mutating NVML call takes a moment, as on hardware: a fault lands near its point
         simstate.set_latency(self.procs.sim_state, 0.02)
@@ -579,6 +583,18 @@ class FaultNode:
                 == "Running"
             ),
             SETUP_TIMEOUT_S,
+        )
+
+    def _pods_hold_devices(self) -> bool:
+        """Whether each trial pod holds a process on every device it asked for (a claim's
+        devices, on a DRA node, hold none)."""
+        if self.scenario.device_plugin == "dra":
+            return True
+        asked = {self.name: self.scenario.pod_limits, self.stay_pod: self.scenario.stay_pod_limits}
+        held = self.held_devices()
+        return all(
+            len(held.get(uid, ())) == sum(int(n) for n in (asked[name] or {}).values())
+            for name, uid in self.pods_left().items()
         )
 
     def pods_left(self) -> dict[str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -100,6 +99,29 @@ def wait_devices(
     return wait_until(listed, timeout=timeout, what=f"{node}'s slice\n{log(cluster, node)}")
 
 
+def pod_lists(cluster: Cluster) -> int:
+    """The LISTs of pods in one namespace that the API server has answered: in this cluster only
+    the followers' polls (node_pods) and `pod` make them; none come while nothing polls."""
+    metrics = cluster.kubectl("get", "--raw", "/metrics")
+    return sum(
+        int(float(line.rpartition(" ")[2]))
+        for line in metrics.splitlines()
+        if line.startswith("apiserver_request_total{")
+        and all(k in line for k in ('resource="pods"', 'scope="namespace"', 'verb="LIST"'))
+    )
+
+
+def looked_again(cluster: Cluster, since: int) -> None:
+    """Return once the follower has acted on a poll answered after `since` (pod_lists): it sends
+    its next poll only once it has acted on the last answer."""
+    wait_until(
+        lambda: pod_lists(cluster) >= since + 2,
+        timeout=30,
+        what="the follower to poll twice",
+        interval=0.5,
+    )
+
+
 def log(cluster: Cluster, node: str) -> str:
     path = cluster.dir / "logs" / f"dra-runtime-{node}.log"
     return path.read_text() if path.exists() else ""
@@ -133,8 +155,9 @@ def label(cluster: Cluster, node: str, value: str | None) -> None:
 
 
 def test_the_plugin_runs_only_while_the_nodes_pod_runs(cluster: Cluster, node: str) -> None:
+    before = pod_lists(cluster)
     follower = follow(cluster, node)
-    time.sleep(3)  # no pod yet: nothing to run, however long the follower polls
+    looked_again(cluster, before)  # it found no pod: nothing to run
     assert follower.alive()
     assert recorded(cluster, node) is None
     assert dra_plugin.resource_slices(cluster, node) == []
@@ -166,7 +189,8 @@ def test_a_new_pod_restarts_the_plugin_over_the_new_gpus(cluster: Cluster, node:
     apply(state, "all-balanced")
     mig_uuids = {ci.uuid for gpu in st.load_node(state).gpus for _gi, ci in gpu.mig_devices()}
     assert len(mig_uuids) == 8
-    time.sleep(2)  # the plugin read the GPUs when it started: it does not see the change
+    looked_again(cluster, pod_lists(cluster))  # same pod: the follower leaves the plugin be,
+    # which read the GPUs when it started and does not see the change
     assert set(dra_plugin.devices(cluster, node)) == WHOLE_GPUS
     assert first.alive()
 
