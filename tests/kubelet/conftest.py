@@ -27,6 +27,13 @@ PLUGIN_DAEMONSET = "nvidia-device-plugin-real-node"
 def kubelet_node(cluster: Cluster) -> Iterator[real_node.RealNode]:
     """A real node of the session's cluster with simulated GPUs and NVIDIA's device plugin as
     its DaemonSet's pod, Ready; stopped and deleted after the module."""
+    with real_node_running(cluster) as node:
+        yield node
+
+
+@contextlib.contextmanager
+def real_node_running(cluster: Cluster) -> Iterator[real_node.RealNode]:
+    """The real node (kubelet_node's), stopped and deleted, with its GPUs, when the block ends."""
     if os.geteuid() != 0:
         pytest.skip("the real node runs containerd and a kubelet: run as root")
     missing = real_node.missing_tools()

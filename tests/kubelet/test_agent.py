@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
-from migsim.cluster import Cluster, agents, real_node
+from migsim.cluster import Cluster, agents, real_node, wait_until
 from migsim.cluster.processes import Proc, free_ports, spawn, stop
 
 from .conftest import REAL_NODE, busybox_pod, gone, gpu_resources, pod_log, wait_phase
@@ -152,8 +152,14 @@ def test_a_repartition_drains_the_slow_pod_on_its_gpu_keeps_the_other_and_starts
     del waiting["spec"]["nodeName"]  # the scheduler places it once the node has the resource
     waiting["spec"]["nodeSelector"] = {"kubernetes.io/hostname": REAL_NODE}
     core.create_namespaced_pod(namespace, waiting)
-    time.sleep(1)
-    assert core.read_namespaced_pod("waits-for-a-slice", namespace).status.phase == "Pending"
+
+    def unschedulable() -> Any:  # the scheduler has tried it: no node has the resource yet
+        pod = core.read_namespaced_pod("waits-for-a-slice", namespace)
+        said = {(c.type, c.status, c.reason) for c in pod.status.conditions or ()}
+        return pod if ("PodScheduled", "False", "Unschedulable") in said else None
+
+    pending = wait_until(unschedulable, timeout=30, what="the scheduler to try the waiting pod")
+    assert pending.status.phase == "Pending" and not pending.spec.node_name
 
     started = time.monotonic()
     core.patch_node(REAL_NODE, {"metadata": {"labels": {CONFIG: "gpu1-all-1g.10gb"}}})

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 import pytest
 from migsim.cluster import Cluster, images, real_node
+from migsim.cluster.waiting import wait_until
 
 from .conftest import (
     CONFIG,
@@ -30,12 +32,27 @@ from .conftest import (
     wait_state,
 )
 
+METRICS_PORT = 9400  # the chart's metrics.port
+
 
 @pytest.fixture(scope="module")
 def chart(node_cluster: NodeCluster) -> Cluster:
     """The chart installed on the node's cluster with the image built here."""
     helm_install(node_cluster.cluster, node_cluster.helm)
     return node_cluster.cluster
+
+
+def agent_metrics() -> str:
+    """The chart's agent's /metrics, on the node's network at the chart's port ("" if none)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+    except OSError:
+        return ""
+
+
+def first_pass_done(metrics: str) -> str:
+    return metrics if 'mig_agent_state{state="success"} 1.0' in metrics else ""
 
 
 def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(chart: Cluster) -> None:
@@ -60,7 +77,14 @@ def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(chart: Cl
     c.kubectl("delete", "pod", "-n", "mig-agent", pod["metadata"]["name"], "--wait=true")
     new = wait_ready_agent(c)
     assert new["metadata"]["uid"] != pod["metadata"]["uid"]
-    time.sleep(3)
+    # the new pod's first pass is over once its metrics (the node's network, the chart's port)
+    # say success: that pass found the layout in place
+    metrics = wait_until(
+        lambda: first_pass_done(agent_metrics()),
+        timeout=60,
+        what="the new agent's first pass to end in success",
+    )
+    assert "mig_agent_reconfigurations_total{" not in metrics, metrics  # no change tried
     labels = kube(c, "get", "node", real_node.NAME)["metadata"]["labels"]
     assert labels[STATE] == "success", agent_log(c)
     after = kube(c, "get", "node", real_node.NAME)["metadata"]["annotations"]

@@ -4,12 +4,25 @@ container's own SIGTERM handler, where kwok deletes every pod after a fixed dela
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
+import pytest
 from kubernetes import client
-from migsim.cluster import real_node
+from migsim.cluster import Cluster, real_node
 
-from .conftest import REAL_NODE, busybox_pod, gone, pod_log, wait_phase
+from .conftest import (
+    REAL_NODE,
+    busybox_pod,
+    gone,
+    plugin_pods,
+    pod_log,
+    real_node_running,
+    wait_phase,
+    wait_resources,
+)
 
 
 def test_the_node_runs_a_real_kubelet_on_containerd(
@@ -21,11 +34,32 @@ def test_the_node_runs_a_real_kubelet_on_containerd(
     assert "kwok.x-k8s.io/node" not in (core.read_node(REAL_NODE).metadata.annotations or {})
 
 
+@pytest.fixture(scope="module")
+def kubelet_node(cluster: Cluster, core: client.CoreV1Api) -> Iterator[real_node.RealNode]:
+    """This module's real node, started where one whose plugin advertised MIG devices ran just
+    before: the precondition of test_a_new_real_node_inherits_no_resource_of_an_earlier_one."""
+    with real_node_running(cluster) as earlier:
+        done = subprocess.run(
+            [sys.executable, "-m", "mig_agent", "apply", "-c", "all-1g.10gb"]
+            + ["--backend", "simulated", "--sim-state", str(earlier.sim_state)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        [plugin] = plugin_pods(core)  # its DaemonSet's next pod registers the MIG devices
+        core.delete_namespaced_pod(plugin.metadata.name, plugin.metadata.namespace)
+        wait_resources(core, {"nvidia.com/mig-1g.10gb": "14"})
+    with real_node_running(cluster) as node:
+        yield node
+
+
 def test_a_new_real_node_inherits_no_resource_of_an_earlier_one(
     kubelet_node: real_node.RealNode, core: client.CoreV1Api
 ) -> None:
-    """The device manager's checkpoint sits at a fixed path: the node of test_gpus.py (which
-    ends with MIG devices) must not leave its resources on this one (GPUs without MIG)."""
+    """The device manager's checkpoint sits at a fixed path: the earlier node (this module's
+    fixture), which ended with MIG devices, must not leave its resources on this one (GPUs
+    without MIG)."""
     deadline = time.monotonic() + 60
     while "nvidia.com/gpu" not in (core.read_node(REAL_NODE).status.allocatable or {}):
         assert time.monotonic() < deadline, core.read_node(REAL_NODE).status.allocatable
