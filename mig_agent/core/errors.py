@@ -103,6 +103,13 @@ class EvictionBlocked(KubeError):
     retryable = True
 
 
+class PodReplaced(KubeError):
+    """An eviction's pod is gone and another pod has its name (a StatefulSet, a rollout): the
+    drain reads the new one and decides again."""
+
+    retryable = True
+
+
 class KubeForbidden(KubeError):
     """Retried by the agent's back-off, not within the request: a restarted API server
     refuses a valid token until its caches fill, and a fixed RBAC must heal the node

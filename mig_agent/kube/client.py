@@ -14,7 +14,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -31,6 +31,7 @@ from mig_agent.core.errors import (
     KubeForbidden,
     KubeUnavailable,
     LabelsChanged,
+    PodReplaced,
 )
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
@@ -365,19 +366,15 @@ class KubernetesCluster(Cluster):
         yield list(pods.values())
         seconds = max(1, math.ceil(timeout_s))
         self._on_request("watch_pods")
-        w = watch.Watch()
-        events = w.stream(
-            self._core.list_pod_for_all_namespaces,
-            field_selector=field,
-            resource_version=(listed.get("metadata") or {}).get("resourceVersion") or "",
-            timeout_seconds=seconds,
-            _request_timeout=(10, seconds + 10),
-            deserialize=False,  # the raw JSON: the client's models cost five times the read
-        )
+        since = (listed.get("metadata") or {}).get("resourceVersion") or ""
+        events = pod_events(self._core, field, since, seconds)
         try:
             for event in events:
-                if event["type"] == "ERROR":  # e.g. 410 Gone: the caller lists again
+                if event["type"] == "ERROR":  # 410 Gone, "too old resource version": list again
+                    log.debug("watch_pods.expired", node=node, status=event["object"])
                     return
+                if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
+                    continue  # a BOOKMARK, never asked for
                 pod = _pod(event["object"])  # unparsed: the JSON object as sent
                 key = (pod.ref.namespace, pod.ref.name)
                 if event["type"] == "DELETED":
@@ -421,27 +418,34 @@ class KubernetesCluster(Cluster):
             ),
         )
         try:
-            self._call_once_on_429(
+            self._call_but_not_past_a_budget(
                 self._core.create_namespaced_pod_eviction, ref.name, ref.namespace, body
             )
         except ApiException as exc:
             if exc.status == 404:
                 return  # already gone
-            if exc.status == 429:
+            if exc.status == 409:  # the UID precondition: the name is another pod's now
+                raise PodReplaced(
+                    f"pod {ref} was replaced by another of its name before its eviction",
+                    pod=str(ref),
+                ) from exc
+            if _is_budget_refusal(exc):
                 raise EvictionBlocked(
                     _blocked_reason(ref, exc), pod=str(ref), pdb=_pdb_name(exc)
                 ) from exc
-            with _kube("evict pod", pod=str(ref)):
+            with _kube("evict pod", pod=str(ref)):  # throttled past every retry, or else
                 raise
         except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError):
             with _kube("evict pod", pod=str(ref)):
                 raise
 
-    def _call_once_on_429(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call_but_not_past_a_budget(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Retried as any call (a throttling 429 after its Retry-After), but for a 429 from a
+        PodDisruptionBudget: that one the drain retries at its own pace."""
         self._on_request(getattr(fn, "__name__", "request"))
         retrying = self._retrying.copy(
             retry=tenacity.retry_if_exception(
-                lambda e: _is_transient(e) and not (isinstance(e, ApiException) and e.status == 429)
+                lambda e: _is_transient(e) and not _is_budget_refusal(e)
             )
         )
         return _json(retrying(fn, *args, _request_timeout=self._timeout, _preload_content=False))
@@ -495,6 +499,23 @@ class KubernetesCluster(Cluster):
         return list(items)
 
 
+def _is_budget_refusal(exc: BaseException) -> bool:
+    """A 429 that a PodDisruptionBudget caused (its Status names a DisruptionBudget cause),
+    not API Priority and Fairness throttling (a plain 429 with Retry-After)."""
+    if not isinstance(exc, ApiException) or exc.status != 429:
+        return False
+    try:
+        body = json.loads(exc.body or "{}")
+    except ValueError:
+        return False
+    if not isinstance(body, dict):
+        return False
+    causes = (body.get("details") or {}).get("causes") or []
+    said = [str(body.get("message", ""))]
+    said += [f"{c.get('reason')} {c.get('message')}" for c in causes if isinstance(c, dict)]
+    return any("DisruptionBudget" in text or "disruption budget" in text for text in said)
+
+
 def _blocked_reason(ref: PodRef, exc: ApiException) -> str:
     pdb = _pdb_name(exc)
     what = f"PodDisruptionBudget {ref.namespace}/{pdb}" if pdb else "a PodDisruptionBudget"
@@ -520,6 +541,30 @@ def _json(resp: Any) -> Any:
     finally:
         resp.release_conn()
     return json.loads(data) if data else None
+
+
+def pod_events(core: Any, field: str, since: str, seconds: int) -> Generator[dict[str, Any]]:
+    """The events of a watch of pods (``field`` their field selector) from resource version
+    ``since``, each parsed from its JSON line, an ``ERROR`` one included (its object the
+    server's Status). Read here, not through the client's Watch.stream: unparsed, that one
+    reads a key plain JSON events lack and fails on the ``ERROR`` event an expired resource
+    version brings."""
+    resp = core.list_pod_for_all_namespaces(
+        field_selector=field,
+        resource_version=since,
+        watch=True,
+        timeout_seconds=seconds,
+        # the server ends the watch at `seconds`; silence beyond that is a dead connection
+        _request_timeout=(10, seconds + 10),
+        _preload_content=False,  # the raw JSON: the client's models cost five times the read
+    )
+    try:
+        for line in watch.watch.iter_resp_lines(resp):
+            if line.strip():
+                yield json.loads(line)
+    finally:
+        resp.close()
+        resp.release_conn()
 
 
 def _node(n: Mapping[str, Any]) -> NodeView:

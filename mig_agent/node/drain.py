@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from mig_agent.core.errors import DrainTimeout, EvictionBlocked, KubeError
+from mig_agent.core.errors import DrainTimeout, EvictionBlocked, KubeError, PodReplaced
 from mig_agent.kube.cluster import Cluster, PodRef, PodView
 from mig_agent.node.waits import Clock, watch_slices
 
@@ -48,17 +48,20 @@ def still_present(cluster: Cluster, node: str, refs: Iterable[PodRef]) -> set[Po
     return present(cluster.list_pods(node=node), refs) if refs else set()
 
 
-def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, EvictionBlocked | None]:
+Evicted = EvictionBlocked | PodReplaced | None
+
+
+def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, Evicted]:
     """Evict ``refs`` side by side (an eviction is a round trip of its own, ~0.1 s: 56 pods one
-    after another would add seconds to the pass); per pod None or the budget that refused it.
-    Any other error is raised once every eviction has been tried."""
+    after another would add seconds to the pass); per pod None, the budget that refused it, or
+    PodReplaced. Any other error is raised once every eviction has been tried."""
     if not refs:
         return {}
 
-    def one(ref: PodRef) -> EvictionBlocked | None:
+    def one(ref: PodRef) -> Evicted:
         try:
             cluster.evict(ref)
-        except EvictionBlocked as exc:
+        except (EvictionBlocked, PodReplaced) as exc:
             return exc
         return None
 
@@ -66,7 +69,7 @@ def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, EvictionBloc
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="evict") as pool:
         # each in a copy of this context: the log lines keep the node and layout bound to it
         futures = {ref: pool.submit(contextvars.copy_context().run, one, ref) for ref in refs}
-    results: dict[PodRef, EvictionBlocked | None] = {}
+    results: dict[PodRef, Evicted] = {}
     failure: BaseException | None = None
     for ref, future in futures.items():
         exc = future.exception()
@@ -228,9 +231,36 @@ def drain_gpu_pods(
             times.append(start + WAIT_NOTICE_S)
         return min(times)
 
+    successors: list[PodRef] = []  # pods of a replaced one's name, drained in its place
+
+    def successor(ref: PodRef) -> PodView | None:  # the pod now of a replaced one's name
+        fresh = to_drain(gpu_pods(cluster, node, exclude=exclude, claimed=claimed), may_stay)
+        named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
+        return next((p for p in named if p.ref.uid != ref.uid), None)
+
     while True:
         if to_evict and clock.now() >= next_try:
             for ref, exc in evict_all(cluster, list(to_evict)).items():
+                if isinstance(exc, PodReplaced):  # gone; the one of its name decided afresh
+                    del to_evict[ref]
+                    waiting.discard(ref)
+                    blocked.pop(ref, None)
+                    new = successor(ref)
+                    log.info(
+                        "drain.pod_replaced",
+                        pod=ref.name,
+                        namespace=ref.namespace,
+                        drained=new is not None,
+                    )
+                    if new is not None:
+                        successors.append(new.ref)
+                        views[new.ref] = new
+                        waiting.add(new.ref)
+                        if new.terminating:
+                            gone_by[new.ref] = clock.now() + new.grace_period_s + GRACE_MARGIN_S
+                        else:
+                            to_evict[new.ref] = new
+                    continue
                 if exc is not None:
                     if ref not in blocked:
                         log.warning(
@@ -259,8 +289,8 @@ def drain_gpu_pods(
                 break
         watch.close()
         if not waiting:
-            log.info("drain.finished", pods=len(pods))
-            return [p.ref for p in pods]
+            log.info("drain.finished", pods=len(pods) + len(successors))
+            return [p.ref for p in pods] + successors
         going = waiting - to_evict.keys()
         now = clock.now()
         if not told and on_waiting is not None and going and now - start >= WAIT_NOTICE_S:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from kubernetes import client, config
 from migsim.cluster import DELETE_DELAY_ANNOTATION, SIMULATED_IMAGE, Cluster, wait_until
+from migsim.cluster.api_faults import ApiFaultProxy, Fault
 
 if TYPE_CHECKING:
     from tests.cluster.conftest import GpuNodeFactory, GpuPodFactory, SaKubeconfig
@@ -464,3 +465,36 @@ def test_the_agents_pod_watch_sees_a_deletion_as_it_happens(
     assert any(terminating for names, terminating in seen if "goes" in names)  # then deleted
     assert took < 10, took  # the deletion (after its 1 s linger), not the watch's 20 s end
     assert requests == ["list_pod_for_all_namespaces", "watch_pods"]
+
+
+def test_a_pod_watch_the_api_server_ends_with_an_error_event_ends_quietly(
+    cluster: Cluster, gpu_node_factory: GpuNodeFactory, tmp_path: Path
+) -> None:
+    """A watch from a resource version the API server no longer holds gets an `ERROR` event
+    (410 Expired) in its stream, served here by the fault proxy in front of the real API server
+    as that server sends it. Before: the kubernetes client's unparsed stream read a key such
+    events lack, and the drain died of a KeyError ("internal error") while the pods it had
+    evicted still terminated. Now the watch ends, and the drain's next look lists again."""
+    from mig_agent.kube.client import KubernetesCluster
+
+    node = gpu_node_factory()
+    proxy = ApiFaultProxy(
+        cluster.server,
+        cert=cluster.dir / "pki" / "serving.crt",
+        key=cluster.dir / "pki" / "serving.key",
+        ca=cluster.ca_cert,
+    )
+    proxy.add(Fault("watch-expired", watch=True))
+    via = tmp_path / "via-proxy.kubeconfig"  # the list passes through, the watch expires
+    via.write_text(cluster.kubeconfig.read_text().replace(cluster.server, proxy.url))
+    k = KubernetesCluster.connect(str(via))
+    try:
+        start = time.monotonic()
+        looks = list(k.watch_pods(node, timeout_s=20))
+        took = time.monotonic() - start
+    finally:
+        k.close()
+        proxy.stop()
+    assert proxy.hits["watch-expired"] == 1
+    assert len(looks) == 1  # the list; the watch ended at its error event
+    assert took < 10, took  # at the event, not at the watch's 20 s end

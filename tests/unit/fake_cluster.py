@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mig_agent.core.errors import EvictionBlocked, KubeUnavailable, LabelsChanged
+from mig_agent.core.errors import EvictionBlocked, KubeUnavailable, LabelsChanged, PodReplaced
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     Cluster,
@@ -202,6 +202,9 @@ class FakeCluster(Cluster):
 
     def evict(self, ref: PodRef) -> None:
         self._check()
+        if ref.uid and ref not in self.pods and self.get_pod(PodRef(ref.namespace, ref.name)):
+            # the API server's 409: the eviction's UID precondition names a pod gone since
+            raise PodReplaced(f"pod {ref} was replaced (fake)", pod=str(ref))
         if ref in self.blocked:
             raise EvictionBlocked(
                 f"eviction of pod {ref} refused: PodDisruptionBudget "

@@ -228,3 +228,38 @@ def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
     device_plugin.wait_resources(cluster, s, gpus, clock, gpus.models(), {old.ref.uid})
     assert looks["n"] == 20
     assert looks["lists"] <= 3, looks  # not one per look
+
+
+class ReplacedAtEviction(FakeCluster):
+    """A StatefulSet's pod deleted and made again under its name, on this node, between the
+    drain's look and its eviction (the API server then answers the eviction 409)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[PodRef] = []
+
+    def evict(self, ref: PodRef) -> None:
+        if not self.replaced:
+            old = self.pods.pop(ref)
+            self.replaced.append(
+                self.add_pod(ref.namespace, ref.name, old.node, gpu=old.gpu_requests)
+            )
+        super().evict(ref)
+
+
+def test_a_pod_replaced_before_its_eviction_is_decided_afresh_and_evicted() -> None:
+    """Before: the eviction's 409 (the UID precondition of a pod made again under its name)
+    failed the change for good."""
+    cluster = ReplacedAtEviction()
+    first = cluster.add_pod(
+        "work", "db-0", NODE, gpu={"nvidia.com/mig-1g.10gb": 1}, owner="StatefulSet"
+    )
+    t = FakeTime()
+    evicted = drain_gpu_pods(
+        cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0, clock=Clock(t.now, t.sleep)
+    )
+    [second] = cluster.replaced
+    assert second.uid != first.uid
+    assert cluster.evicted == [second]  # the pod of that name now, not the one looked at
+    assert not cluster.pods
+    assert evicted == [first, second]

@@ -17,8 +17,9 @@ from kubernetes.client.exceptions import ApiException
 from migsim.cluster import kubeconfig, pki
 from migsim.cluster.api_faults import ApiFaultProxy, Fault
 
-from mig_agent.core.errors import KubeError, KubeUnavailable
+from mig_agent.core.errors import EvictionBlocked, KubeError, KubeUnavailable, PodReplaced
 from mig_agent.kube.client import KubernetesCluster
+from mig_agent.kube.cluster import PodRef
 
 
 @pytest.fixture
@@ -246,3 +247,59 @@ def test_pods_and_nodes_are_read_from_the_servers_json() -> None:
     assert n.gpu_resources() == {"nvidia.com/mig-1g.10gb": 7}
     assert n.conditions[0].reason == "KubeletReady"
     assert answers["pods"].released and answers["node"].released  # connections go back
+
+
+def _evictions(monkeypatch: pytest.MonkeyPatch, k: KubernetesCluster, answers: list[Any]) -> None:
+    def create_namespaced_pod_eviction(name: str, namespace: str, body: Any, **_: Any) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(k._core, "create_namespaced_pod_eviction", create_namespaced_pod_eviction)
+
+
+def _status(code: int, message: str, causes: list[dict[str, str]] | None = None) -> ApiException:
+    exc = ApiException(status=code, reason=message)
+    body: dict[str, Any] = {"kind": "Status", "code": code, "message": message}
+    if causes is not None:
+        body["details"] = {"causes": causes}
+    exc.body = json.dumps(body)
+    return exc
+
+
+def test_an_eviction_answered_409_says_the_pod_was_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: the 409 of the eviction's UID precondition (a pod made again under its name)
+    was a KubeError that failed the change for good."""
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    conflict = _status(409, "Precondition failed: UID in precondition: a, UID in object meta: b")
+    _evictions(monkeypatch, k, [conflict])
+    with pytest.raises(PodReplaced, match="work/db-0"):
+        k.evict(PodRef("work", "db-0", "a"))
+
+
+def test_a_budgets_429_is_told_from_throttling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: every 429 was "a PodDisruptionBudget does not allow it", API Priority and
+    Fairness throttling included; now throttling is waited out (its Retry-After) and retried."""
+    slept: list[float] = []
+    k = KubernetesCluster(client.ApiClient(), backoff_s=0.1, sleep=slept.append)
+    budget = _status(
+        429,
+        "Cannot evict pod as it would violate the pod's disruption budget.",
+        [
+            {
+                "reason": "DisruptionBudget",
+                "message": "The disruption budget db needs 1 healthy pods",
+            }
+        ],
+    )
+    throttled = _status(429, "Too many requests, please try again later.")
+    throttled.headers = {"Retry-After": "2"}
+    _evictions(monkeypatch, k, [budget, throttled, _Answer({"kind": "Status", "code": 201})])
+    with pytest.raises(EvictionBlocked, match="PodDisruptionBudget work/db does not allow it"):
+        k.evict(PodRef("work", "db-0", "a"))
+    assert slept == []  # a budget's refusal is the drain's to retry, at its own pace
+    k.evict(PodRef("work", "db-0", "a"))  # throttled once, then evicted
+    assert len(slept) == 1 and slept[0] >= 2.0

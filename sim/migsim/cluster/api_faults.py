@@ -13,6 +13,8 @@ API server over a connection of its own, and, on command, answers instead of it:
   server ends a watch at its timeout or when it restarts;
 * ``watch-silent``: the watches open now get no more events, nor their end, while their
   connections stay open: dead connections that nobody closed (later watches work).
+* ``watch-expired``: a watch answered as the API server answers one from a resource version it
+  no longer holds: 200, then one ``ERROR`` event (a Status, 410 Expired) and the stream's end.
 
 A fault matches requests by method, path (a regular expression) and whether they are watches; it
 applies ``times`` times (None: until cleared) and/or for ``seconds``. `hits` counts the requests
@@ -39,7 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-KINDS = ("status", "throttle", "hang", "reset", "conflict", "watch-end", "watch-silent")
+KINDS = (
+    "status",
+    "throttle",
+    "hang",
+    "reset",
+    "conflict",
+    "watch-end",
+    "watch-silent",
+    "watch-expired",
+)
 _REASONS = {
     409: "Conflict",
     429: "Too Many Requests",
@@ -232,6 +243,9 @@ class ApiFaultProxy:
                     "version and try again",
                 )
                 return True
+            if fault.kind == "watch-expired":
+                _answer_expired_watch(conn)
+                return False
             _answer(conn, fault.status, f"injected {fault.status}")
             return True
         self._forward(conn, method, target, rest, body, is_watch)
@@ -390,6 +404,32 @@ def _read_request(conn: socket.socket) -> tuple[bytes, bytes]:
             raise _Closed()
         body += chunk
     return head, body[:length]
+
+
+def _answer_expired_watch(conn: socket.socket) -> None:
+    """A watch's stream as the API server sends it for an expired resource version."""
+    event = json.dumps(
+        {
+            "type": "ERROR",
+            "object": {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": "too old resource version: 1 (2322)",
+                "reason": "Expired",
+                "code": 410,
+            },
+        }
+    ).encode()
+    line = event + b"\n"
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        + f"{len(line):x}\r\n".encode()
+        + line
+        + b"\r\n0\r\n\r\n"
+    )
 
 
 def _answer(
