@@ -800,6 +800,7 @@ class Agent:
             claimed=_claimed(change, holds),
             on_blocked=self._drain_blocked,
             on_waiting=self._drain_waiting,
+            still_wanted=lambda: self._still_wanted(change.desired),
         )
         self.metrics.evictions.inc(len(evicted))
         if operand_pods:

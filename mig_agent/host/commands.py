@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -24,6 +25,12 @@ from mig_agent.core.errors import InvalidConfig
 
 OUTPUT_CAP = 1500
 """Characters of a failed command's output kept for the failure reason (its end)."""
+NODE_OUTPUT_CAP = 300
+"""Characters of a failed hook's output put on the node, which anyone who reads Nodes reads
+(its annotation, condition and Event); the agent's log keeps OUTPUT_CAP."""
+_SECRET = re.compile(
+    r"(?i)\b(password|passwd|token|secret|api[_-]?key|authorization|bearer)(\s*[=:]?\s*)(\S+)"
+)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -50,15 +57,21 @@ class Completed:
     def ok(self) -> bool:
         return not self.error and self.returncode == 0
 
-    def failure(self) -> str:
-        """What went wrong, with the end of the output: for a reason on the node."""
-        said = trimmed(self.output)
+    def failure(self, cap: int = OUTPUT_CAP, *, scrub: bool = False) -> str:
+        """What went wrong, with the end of the output (at most ``cap`` characters; with
+        ``scrub``, what looks like a password or token masked): for a reason."""
+        said = trimmed(scrubbed(self.output) if scrub else self.output, cap)
         what = self.error or f"exited with status {self.returncode}"
         return what + (f": {said}" if said else "")
 
 
 Runner = Callable[[Command, Mapping[str, str], float], Completed]
 """Runs a command with this environment (replacing the agent's) and timeout (run_command)."""
+
+
+def scrubbed(output: str) -> str:
+    """``output`` with the values after words like password, token or secret masked."""
+    return _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}***", output)
 
 
 def trimmed(output: str, cap: int = OUTPUT_CAP) -> str:

@@ -31,8 +31,10 @@ WAIT_NOTICE_S = 10.0
 
 
 def present(pods: Iterable[PodView], refs: Iterable[PodRef]) -> set[PodRef]:
-    """Those of ``refs`` that are among ``pods``, by UID where known. Pure."""
-    here = {(p.ref.namespace, p.ref.name): p.ref.uid for p in pods}
+    """Those of ``refs`` that are among ``pods``, by UID where known, and not finished: a pod
+    whose containers have all exited holds no device, though a finalizer may keep its object
+    for long. Pure."""
+    here = {(p.ref.namespace, p.ref.name): p.ref.uid for p in pods if not p.finished}
     out: set[PodRef] = set()
     for ref in refs:
         uid = here.get((ref.namespace, ref.name))
@@ -181,6 +183,7 @@ def drain_gpu_pods(
     claimed: Collection[tuple[str, str]] = (),
     on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None,
     on_waiting: Callable[[PodView, int, float], None] | None = None,
+    still_wanted: Callable[[], None] | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
     gone; returns the evicted pods.
@@ -189,6 +192,10 @@ def drain_gpu_pods(
     for at least its own grace period plus GRACE_MARGIN_S. A wait that lasts WAIT_NOTICE_S is
     told once to ``on_waiting`` (the slowest pod, how many are left, the wait's deadline in
     seconds from the drain's start).
+
+    ``still_wanted`` is asked at most every ``retry_s`` while the drain lasts and raises when
+    the change is no longer wanted (a relabel): a budget that blocks for minutes must not keep
+    a cancelled change's cordon.
 
     Raises EvictionBlocked (naming the pod and its PodDisruptionBudget) when a budget still
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
@@ -238,7 +245,11 @@ def drain_gpu_pods(
         named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
         return next((p for p in named if p.ref.uid != ref.uid), None)
 
+    asked_at = clock.now()  # the pass has just looked
     while True:
+        if still_wanted is not None and clock.now() - asked_at >= retry_s:
+            asked_at = clock.now()
+            still_wanted()
         if to_evict and clock.now() >= next_try:
             for ref, exc in evict_all(cluster, list(to_evict)).items():
                 if isinstance(exc, PodReplaced):  # gone; the one of its name decided afresh

@@ -39,7 +39,14 @@ from mig_agent.config.yaml_files import load_yaml, only_keys
 from mig_agent.core import planner
 from mig_agent.core.errors import HookFailed, InvalidConfig
 from mig_agent.core.observed import NodeState
-from mig_agent.host.commands import DEFAULT_PATH, Command, Completed, Runner
+from mig_agent.host.commands import (
+    DEFAULT_PATH,
+    NODE_OUTPUT_CAP,
+    Command,
+    Completed,
+    Runner,
+    trimmed,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -159,8 +166,18 @@ def run_hook(
         done = runner(command, env, timeout_s)
         ran += 1
         if not done.ok:
+            # the whole end of its output in the log; on the node, read by anyone who reads
+            # Nodes, a short one with what looks like a secret masked
+            log.error(
+                "hook.failed",
+                hook=name,
+                command=str(command),
+                returncode=done.returncode,
+                error=done.error,
+                output=trimmed(done.output),
+            )
             raise HookFailed(
-                f"{name} hook `{command}` {done.failure()}",
+                f"{name} hook `{command}` {done.failure(NODE_OUTPUT_CAP, scrub=True)}",
                 hook=name,
                 command=str(command),
                 returncode=done.returncode,

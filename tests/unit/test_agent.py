@@ -272,6 +272,29 @@ def test_a_blocked_drain_says_so_on_the_node_while_it_keeps_trying() -> None:
     assert_clean(cluster)
 
 
+def test_a_relabel_while_a_budget_blocks_the_drain_ends_the_pass_at_the_next_try() -> None:
+    """Before: the drain kept retrying the blocked eviction, the node cordoned, until its
+    deadline (300 s by default) although the layout was no longer asked for."""
+    agent, cluster, gpus = make(drain_timeout_s=300.0)
+    pod = cluster.add_pod("work", "guarded", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.blocked[pod] = "keep-one"
+    sleep = agent.clock.sleep
+
+    def relabel_once_the_drain_waits(seconds: float) -> None:
+        if cluster.nodes[NODE].labels.get(CONFIG) == "all-balanced":
+            label(cluster, "all-1g.10gb")
+        sleep(seconds)
+
+    agent.clock = dataclasses.replace(agent.clock, sleep=relabel_once_the_drain_waits)
+    label(cluster, "all-balanced")
+    started = agent.clock.now()
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.SUPERSEDED and result.retry_after_s == 0.0
+    assert agent.clock.now() - started <= 10.0  # the next eviction round, not the deadline
+    assert not gpus.calls and pod in cluster.pods
+    assert_clean(cluster)
+
+
 def test_busy_gpu_after_drain_is_refused_and_left_as_it_was() -> None:
     agent, cluster, gpus = make()
     label(cluster, "all-1g.10gb")

@@ -3,6 +3,7 @@ the operands and the GPU pods terminate side by side (tests/unit/test_agent.py h
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections import Counter
@@ -263,3 +264,24 @@ def test_a_pod_replaced_before_its_eviction_is_decided_afresh_and_evicted() -> N
     assert cluster.evicted == [second]  # the pod of that name now, not the one looked at
     assert not cluster.pods
     assert evicted == [first, second]
+
+
+class KeptByAFinalizer(FakeCluster):
+    """An evicted pod's containers exit (phase Succeeded) but a finalizer keeps its object."""
+
+    def evict(self, ref: PodRef) -> None:
+        self.pods[ref] = dataclasses.replace(self.pods[ref], phase="Succeeded", terminating=True)
+        self.evicted.append(ref)
+
+
+def test_a_finished_pod_a_finalizer_keeps_is_not_waited_for() -> None:
+    """Before: the drain waited for it until its grace and margin ran out, then failed the
+    change naming a pod that held no device."""
+    cluster = KeptByAFinalizer()
+    ref = cluster.add_pod("work", "job-0", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    t = FakeTime()
+    evicted = drain_gpu_pods(
+        cluster, NODE, timeout_s=60, retry_s=5, poll_s=1.0, clock=Clock(t.now, t.sleep)
+    )
+    assert evicted == [ref] and ref in cluster.pods  # still there, finished
+    assert t.t < 1.0  # seen at the first look, not after 30 s of grace and margin

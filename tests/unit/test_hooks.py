@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import ConfigError, HookFailed, InvalidConfig
@@ -219,6 +220,31 @@ hooks:
     )
     assert err.value.context["returncode"] == 7
     assert hooks.run_hook(h, "pre-apply-mode", {}, runner=commands.run_command, timeout_s=1) == 0
+
+
+def test_a_failed_hooks_output_on_the_node_is_short_and_masked_the_log_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """Before: up to 1,500 characters of a hook's output went into the node's annotation,
+    condition and Event, read by anyone who may read Nodes, a token it printed included."""
+    text = """version: v1
+hooks:
+  apply-exit:
+  - command: /bin/sh
+    args: ["-c", "seq 1 400; echo login failed: token=$T password: $P; exit 5"]
+    envs: {T: s3cr3t, P: hunter2}
+"""
+    h = hooks.load_hooks(write(tmp_path, text))
+    with structlog.testing.capture_logs() as logs, pytest.raises(HookFailed) as err:
+        hooks.run_hook(h, "apply-exit", {}, runner=commands.run_command, timeout_s=10)
+    reason = str(err.value)
+    said = reason.split("exited with status 5: ", 1)[1]
+    assert len(said) <= commands.NODE_OUTPUT_CAP and said.startswith("...")
+    assert said.endswith("login failed: token=*** password: ***"), said
+    assert "s3cr3t" not in reason and "hunter2" not in reason
+    [failed] = [e for e in logs if e["event"] == "hook.failed"]
+    assert "token=s3cr3t" in failed["output"] and len(failed["output"]) > 1000
+    assert failed["returncode"] == 5 and failed["hook"] == "apply-exit"
 
 
 def test_output_in_a_reason_is_trimmed_to_its_end() -> None:
