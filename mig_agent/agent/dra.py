@@ -18,7 +18,7 @@ from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, plugin_devices
 from mig_agent.core.dra_devices import Kind
-from mig_agent.core.errors import DevicePluginTimeout, KubeError
+from mig_agent.core.errors import DevicePluginTimeout, DraPluginMissing, KubeError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, PodView
@@ -86,6 +86,24 @@ def refusal(cluster: Cluster, s: Settings, found: DraNode) -> str:
             "would hand out the same devices); nothing was touched"
         )
     return ""
+
+
+def plugin_missing(s: Settings, found: DraNode, layout: str) -> DraPluginMissing:
+    """The refusal of a change on a DRA node known only by its slices: no plugin pod where the
+    settings look (the chart's defaults name the GPUCluster's pods, not those of NVIDIA's DRA
+    chart), so none could be restarted after it, and the slice would go on listing devices that
+    are gone."""
+    return DraPluginMissing(
+        f"layout {layout}: NVIDIA's DRA driver publishes this node's GPUs (ResourceSlices of "
+        f"{dra_devices.DRIVER}), but no pod of its kubelet plugin is on the node in namespace "
+        f"{s.dra_plugin_namespace} with selector {s.dra_plugin_selector}: it could not be "
+        "restarted after a change, and its slice would go on listing devices that are gone; "
+        "nothing was touched (point the chart's dra.namespace and dra.selector at the plugin's "
+        "pods; NVIDIA's DRA chart runs them in dra-driver-nvidia-gpu, labelled "
+        "dra-driver-nvidia-gpu-component=kubelet-plugin)",
+        layout=layout,
+        slices=len(found.slices),
+    )
 
 
 def holders(cluster: Cluster, s: Settings) -> dict[tuple[str, str], frozenset[str]]:

@@ -432,6 +432,8 @@ class Agent:
             dra_node = dra.find(self.cluster, self.settings)
             if dra_node and (refused := dra.refusal(self.cluster, self.settings, dra_node)):
                 raise PlanError(f"layout {desired}: {refused}", layout=desired)
+            if dra_node and not dra_node.pods and not the_plan.is_empty:
+                raise dra.plugin_missing(self.settings, dra_node, desired)
             planned: Devices = planned_devices(the_plan, observed, models)
             problem = (
                 split_problem(planned) if dra_node else strategy_problem(planned, strategy, sharing)

@@ -19,6 +19,9 @@
                            server restart; until an admin fixes a broken install)  (retryable)
   + DrainTimeout           GPU clients still present at the deadline                  (retryable)
   + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
+  + DraPluginMissing       NVIDIA's DRA driver publishes the node's GPUs but no pod of its
+                           kubelet plugin is where the settings look: refused before anything
+                           is touched, as it could not be restarted after a change   (retryable)
   + RebootFailed           the configured reboot command failed or did not return
   + HookFailed             a hook (mig-parted hooks file, pre/post-apply command) failed or
                            did not finish in time; its output (trimmed) in the message
@@ -123,6 +126,10 @@ class DrainTimeout(MigAgentError):
 
 
 class DevicePluginTimeout(MigAgentError):
+    retryable = True
+
+
+class DraPluginMissing(MigAgentError):
     retryable = True
 
 

@@ -257,25 +257,31 @@ def test_with_dra_off_the_dra_plugin_is_not_the_agents() -> None:
 def test_a_dra_node_whose_plugin_pod_is_away_is_still_a_dra_node() -> None:
     """Between the plugin pod's deletion and its replacement (an API server outage, a slow
     DaemonSet controller) the node's slice is all that says it is a DRA node: a pass then must
-    not take the stale slice for the layout, nor drain as if no claim held a device."""
+    not take the stale slice for the layout, nor drain as if no claim held a device. With no
+    plugin pod to restart after it, a change is refused before anything is touched, and
+    retried: it goes ahead once the pod is back."""
     agent, cluster, gpus, dra = make_dra()
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     dra.comes_back = False
     cluster.pods.pop(next(r for r in cluster.pods if r.namespace == DRA_NS))
-    # the pass was cut off after the apply (the state still says pending, no marks left)
     _with_layout(agent, "gpu1-changes", {0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
     label(cluster, "gpu1-changes")
     holder = cluster.add_pod("work", "on-gpu1", NODE)
     cluster.claims = [_claim("work", "on-gpu1", _device_on(cluster, 1))]
+    calls = sum(gpus.calls.values())
     result = agent.reconcile_once()
-    assert cluster.evicted == [holder], "the pod holding a device that goes by claim stays"
-    assert result.outcome is Outcome.FAILED
+    assert result.outcome is Outcome.FAILED and result.retry_after_s is not None
     reason = cluster.nodes[NODE].annotations[REASON]
-    assert "no new DRA kubelet plugin pod" in reason, reason
-    # and a later pass does not take the GPUs as they are for a success: the slice is stale
-    assert agent.reconcile_once().outcome is Outcome.FAILED
-    assert cluster.nodes[NODE].labels[STATE] == "failed"
+    assert f"namespace {DRA_NS} with selector app={DRA_APP}" in reason, reason
+    assert "nothing was touched" in reason
+    assert not cluster.evicted and sum(gpus.calls.values()) == calls
+    assert not cluster.nodes[NODE].unschedulable
+    assert_clean(cluster)
+    dra.comes_back = True  # its DaemonSet's pod again: the retry drains by claim, then applies
+    dra(cluster)
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.evicted == [holder]
 
 
 def test_slices_with_shared_counters_are_refused_as_dynamic_mig() -> None:
