@@ -12,7 +12,7 @@ import structlog
 
 from mig_agent.config.settings import Settings
 from mig_agent.core import labels
-from mig_agent.core.errors import DrainTimeout, EvictionBlocked, MigAgentError
+from mig_agent.core.errors import DrainTimeout, EvictionBlocked, MigAgentError, Stopping
 from mig_agent.core.labels import State
 from mig_agent.kube.cluster import Cluster, NodeView, PodRef
 from mig_agent.node.drain import still_present
@@ -106,7 +106,10 @@ def gpu_clients_paused(cluster: Cluster, s: Settings, node: NodeView) -> Iterato
 
 
 def still_terminating(exc: BaseException) -> tuple[PodRef, ...]:
-    """The evicted pods a failed drain left terminating (none for any other failure)."""
+    """The evicted pods a failed or stopped drain left terminating (none for any other
+    failure)."""
+    if isinstance(exc, Stopping):
+        return tuple(r for r in exc.refs if isinstance(r, PodRef))
     if isinstance(exc, DrainTimeout | EvictionBlocked):
         refs = exc.context.get("refs", ())
         return tuple(r for r in refs if isinstance(r, PodRef)) if isinstance(refs, tuple) else ()

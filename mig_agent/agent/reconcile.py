@@ -331,11 +331,14 @@ class Agent:
             return PassResult(Outcome.REBOOTING, retry_after_s=self.settings.backoff_s)
         except LabelsChanged as exc:
             return self._superseded(desired, exc)
-        except Stopping:
+        except Stopping as exc:
             # told to stop inside a wait: undo the marks (a successor starts the pass over;
-            # the state label still says pending) and end the loop
+            # the state label still says pending) and end the loop; but the cordon stays
+            # while pods the drain evicted still terminate on devices about to change
             log.info("reconcile.stopped", reason="the agent is stopping")
-            node_guard.tidy_up(self.cluster, self.settings)
+            going = node_guard.still_terminating(exc)
+            if not node_guard.tidy_up(self.cluster, self.settings, going) and going:
+                self._stopped_mid_drain(going)
             return PassResult(Outcome.STOPPED)
         except MigAgentError as exc:
             return self._failed_and_tidied(desired, exc)
@@ -357,6 +360,21 @@ class Agent:
                 duration_s=round(self.clock.now() - start, 3),
             )
         return PassResult(result)
+
+    def _stopped_mid_drain(self, going: tuple[PodRef, ...]) -> None:
+        """Say on the node why it stays cordoned in `pending` (best effort: the agent is
+        going)."""
+        reason = (
+            "the agent stopped mid-change while pods it evicted still terminated ("
+            + ", ".join(map(str, going))
+            + "): the node stays cordoned until the agent's next start finishes the change"
+        )
+        try:
+            self.cluster.patch_node(
+                self.settings.node_name, annotations={self.settings.reason_annotation: reason}
+            )
+        except MigAgentError as err:
+            log.warning("reason.not_written", error=str(err))
 
     def _failed_and_tidied(self, desired: str, exc: MigAgentError) -> PassResult:
         tidy = node_guard.tidy_up(self.cluster, self.settings, node_guard.still_terminating(exc))

@@ -158,4 +158,9 @@ class InternalError(MigAgentError):
 
 
 class Stopping(Exception):  # noqa: N818 (a signal to stop, not an error)
-    """The agent was told to stop while a pass waited."""
+    """The agent was told to stop while a pass waited; ``refs``: the pods the drain had
+    evicted that were still terminating (their cordon stays for the agent's successor)."""
+
+    def __init__(self, refs: tuple[object, ...] = ()) -> None:
+        super().__init__()
+        self.refs = refs

@@ -10,10 +10,17 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import structlog
 
-from mig_agent.core.errors import DrainTimeout, EvictionBlocked, KubeError, PodReplaced
+from mig_agent.core.errors import (
+    DrainTimeout,
+    EvictionBlocked,
+    KubeError,
+    PodReplaced,
+    Stopping,
+)
 from mig_agent.kube.cluster import Cluster, PodRef, PodView
 from mig_agent.node.waits import Clock, watch_slices
 
@@ -246,6 +253,7 @@ def drain_gpu_pods(
         return next((p for p in named if p.ref.uid != ref.uid), None)
 
     asked_at = clock.now()  # the pass has just looked
+    clock = _naming_on_stop(clock, lambda: tuple(sorted(waiting - to_evict.keys(), key=str)))
     while True:
         if still_wanted is not None and clock.now() - asked_at >= retry_s:
             asked_at = clock.now()
@@ -320,6 +328,20 @@ def drain_gpu_pods(
                 pods=sorted(str(r) for r in waiting),
                 refs=tuple(sorted(waiting, key=str)),
             )
+
+
+def _naming_on_stop(clock: Clock, going: Callable[[], tuple[PodRef, ...]]) -> Clock:
+    """``clock``, whose sleep, when the agent is told to stop, says which evicted pods are
+    still terminating (Stopping.refs): their cordon stays for the agent's successor."""
+    sleep = clock.sleep
+
+    def sleep_or_say(seconds: float) -> None:
+        try:
+            sleep(seconds)
+        except Stopping as exc:
+            raise Stopping(exc.refs or going()) from exc
+
+    return replace(clock, sleep=sleep_or_say)
 
 
 def wait_pods_gone(

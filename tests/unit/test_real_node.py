@@ -279,9 +279,10 @@ def test_a_refused_condition_is_logged_once_per_cause() -> None:
 # -- 5. SIGTERM --------------------------------------------------------------------------------
 
 
-def test_a_stop_ends_the_drains_wait_at_once_and_undoes_the_marks() -> None:
+def test_a_stop_ends_the_drains_wait_at_once_and_keeps_the_cordon_for_the_evicted_pod() -> None:
     """Before: the drain waited its 300 s whatever the stop event said (the DaemonSet gives the
-    agent 60 s: SIGKILL mid-pass)."""
+    agent 60 s: SIGKILL mid-pass); then the stop uncordoned the node while the pod it had
+    evicted still terminated on a device about to change, `pending` saying nothing more."""
     agent, cluster, gpus = make()
     stuck = cluster.add_pod(
         "ml", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1}, grace_period_s=600
@@ -302,6 +303,16 @@ def test_a_stop_ends_the_drains_wait_at_once_and_undoes_the_marks() -> None:
     assert result.outcome is Outcome.STOPPED
     assert sum(slept) < 7.0
     assert not gpus.calls
+    node = cluster.nodes[NODE]
+    assert node.unschedulable and "mig-agent.dev/cordoned" in node.annotations
+    assert node.labels[STATE] == "pending" and node.labels[DP_LABEL] == "true"
+    reason = node.annotations["mig-agent.dev/reason"]
+    assert "stopped mid-change" in reason and "ml/checkpointing" in reason, reason
+    # the agent's next start, once the pod is gone, finishes the change and tidies up
+    cluster.pods.pop(stuck)
+    agent.stopping.clear()
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].labels[STATE] == "success"
     assert_clean(cluster)
 
 
