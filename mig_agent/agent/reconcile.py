@@ -791,6 +791,7 @@ class Agent:
             pods,
             operand_labels=paused,
             evict_unmanaged=s.evict_unmanaged_pods,
+            delete_emptydir_data=s.delete_emptydir_data,
             advise=s.operand_labels,
         )
         if refusals:

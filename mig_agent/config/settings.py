@@ -90,6 +90,10 @@ class Settings:
     evict_unmanaged_pods: bool = False
     """Let the drain evict GPU pods no controller owns (gone for good once evicted). Off, as
     kubectl drain without --force: the pass is refused before the cordon, naming them."""
+    delete_emptydir_data: bool = False
+    """Let the drain evict GPU pods whose emptyDir volumes hold data (lost once evicted). Off,
+    as kubectl drain without --delete-emptydir-data: the pass is refused before the cordon,
+    naming them."""
     operand_timeout_s: float = 300.0
     """How long to wait for paused operand pods to go."""
     device_plugin_timeout_s: float = 300.0

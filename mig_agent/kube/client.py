@@ -630,6 +630,9 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         controller=controller,
         grace_period_s=30.0 if grace is None else float(grace),
         feature_gates=_feature_gates(spec),
+        empty_dirs=tuple(
+            str(v.get("name", "")) for v in spec.get("volumes") or [] if "emptyDir" in v
+        ),
     )
 
 

@@ -104,6 +104,8 @@ class PodView:
     # the feature gates its containers run with (FEATURE_GATES env values, --feature-gates
     # flags): how NVIDIA's DRA plugin says it runs DynamicMIG
     feature_gates: tuple[str, ...] = ()
+    # names of its emptyDir volumes: data kept on the node, lost when the pod is evicted
+    empty_dirs: tuple[str, ...] = ()
 
     @property
     def uses_gpu(self) -> bool:

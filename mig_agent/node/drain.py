@@ -128,6 +128,7 @@ def drain_refusals(
     *,
     operand_labels: Iterable[str],
     evict_unmanaged: bool,
+    delete_emptydir_data: bool = False,
     advise: Iterable[str] = (),
 ) -> list[str]:
     """Why the drain must not start, one line per kind of pod (empty: it may), as ``kubectl
@@ -136,10 +137,11 @@ def drain_refusals(
     * a static (mirror) pod cannot be evicted;
     * a DaemonSet's pod comes straight back (DaemonSets tolerate the cordon) and takes its
       device again, unless its nodeSelector names an operand label the agent pauses;
-    * a pod no controller owns is gone for good once evicted (unless ``evict_unmanaged``).
+    * a pod no controller owns is gone for good once evicted (unless ``evict_unmanaged``);
+    * a pod's emptyDir data goes with it (unless ``delete_emptydir_data``).
     ``operand_labels`` are those the change pauses; ``advise``, those to suggest. Pure."""
     paused = set(operand_labels)
-    mirror, daemons, bare = [], [], []
+    mirror, daemons, bare, local = [], [], [], []
     for p in pods:
         if p.is_mirror:
             mirror.append(str(p.ref))
@@ -149,6 +151,8 @@ def drain_refusals(
                 daemons.append(f"{p.ref} (DaemonSet {p.ref.namespace}/{owner})")
         elif not p.controller and not evict_unmanaged:
             bare.append(str(p.ref))
+        if p.empty_dirs and not delete_emptydir_data and not p.is_mirror:
+            local.append(f"{p.ref} ({', '.join(p.empty_dirs)})")
     out = []
     if mirror:
         out.append(
@@ -168,6 +172,12 @@ def drain_refusals(
             f"GPU pod(s) {', '.join(bare)} have no controller: evicted, they would be gone for "
             "good; delete them, or let the drain evict such pods (chart value "
             "drain.evictUnmanagedPods, MIG_AGENT_EVICT_UNMANAGED_PODS=true)"
+        )
+    if local:
+        out.append(
+            f"GPU pod(s) {', '.join(local)} keep data in emptyDir volumes, lost once evicted; "
+            "let the drain evict them anyway, as kubectl drain --delete-emptydir-data does "
+            "(chart value drain.deleteEmptyDirData, MIG_AGENT_DELETE_EMPTYDIR_DATA=true)"
         )
     return out
 

@@ -303,3 +303,21 @@ def test_a_budgets_429_is_told_from_throttling(monkeypatch: pytest.MonkeyPatch) 
     assert slept == []  # a budget's refusal is the drain's to retry, at its own pace
     k.evict(PodRef("work", "db-0", "a"))  # throttled once, then evicted
     assert len(slept) == 1 and slept[0] >= 2.0
+
+
+def test_a_pods_emptydir_volumes_are_read() -> None:
+    from mig_agent.kube.client import _pod
+
+    pod = _pod(
+        {
+            "metadata": {"name": "p", "namespace": "ml", "uid": "u"},
+            "spec": {
+                "volumes": [
+                    {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                    {"name": "cfg", "configMap": {"name": "c"}},
+                    {"name": "scratch", "emptyDir": {}},
+                ]
+            },
+        }
+    )
+    assert pod.empty_dirs == ("shm", "scratch")

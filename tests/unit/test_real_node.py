@@ -326,6 +326,25 @@ def test_the_agents_sleep_raises_stopping_once_told() -> None:
 # -- 6. the drain as kubectl drain -------------------------------------------------------------
 
 
+def test_a_gpu_pod_with_emptydir_data_is_refused_before_the_cordon_unless_allowed() -> None:
+    """Before: evicted without a word, its emptyDir data lost (kubectl drain refuses such pods
+    without --delete-emptydir-data)."""
+    agent, cluster, gpus = make()
+    ref = cluster.add_pod("ml", "trainer", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.pods[ref] = dataclasses.replace(cluster.pods[ref], empty_dirs=("scratch",))
+    label(cluster, "all-1g.10gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and result.retry_after_s
+    reason = cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    assert "ml/trainer (scratch)" in reason and "emptyDir" in reason, reason
+    assert "drain.deleteEmptyDirData" in reason and "nothing was touched" in reason
+    assert cluster.evicted == [] and not gpus.calls
+    assert_clean(cluster)
+    agent.settings = dataclasses.replace(agent.settings, delete_emptydir_data=True)
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.evicted == [ref]
+
+
 def test_a_daemonsets_gpu_pod_no_paused_label_stops_is_refused_before_the_cordon() -> None:
     """Before: evicted, re-created at once (DaemonSets tolerate the cordon), the pass failed
     GpuBusy at every retry with the node cordoned each time."""
