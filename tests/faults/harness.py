@@ -226,6 +226,9 @@ API_FAULTS = {
     "api-reset": Fault("reset", times=3, watch=False),
     "api-409": Fault("conflict", method="PATCH", path=r"^/api/v1/nodes/[^/]+$", times=2),
     "watch-end": Fault("watch-end"),
+    # the drain's pod watches answered as from a resource version the API server no longer
+    # holds: an ERROR event (410 Expired) in the stream
+    "watch-expired": Fault("watch-expired", path=r"^/api/v1/pods$", watch=True, times=3),
     # the node watch's connection dies unnoticed; once the pass is over the layout is relabelled
     "watch-silent": Fault("watch-silent"),
 }
@@ -1070,6 +1073,13 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
         problems.append(f"success with a stale reason: {annotations[REASON]}")
     if fault == "reboot-hangs":
         problems += reboot_problems(node, annotations)
+    # a bug the pass survived (reported as an internal error, retried) is still a bug
+    crashed = [ln for ln in node.lines if ln.get("event") in ("reconcile.crashed", "cli.crashed")]
+    if crashed:
+        problems.append(
+            "a pass crashed: "
+            + "; ".join(f"{ln.get('error_type', '')}: {ln.get('error', '')}" for ln in crashed)
+        )
     if problems:
         return "violated", "; ".join(problems)
     if not layout:

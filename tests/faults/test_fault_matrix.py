@@ -48,6 +48,7 @@ QUICK = {
     "repartition-other": ("node.resumed",),
     # one per family of faults, and the trials of the bugs they found
     "api-409": ("drain.pod_evicted",),
+    "watch-expired": ("drain.pod_evicted",),
     "apiserver-restart": ("gpu.instance_created#1",),
     "nvml-half": ("phase.started(apply)",),
 }
