@@ -114,6 +114,11 @@ def shell(script: str, grace_s: int = 30) -> dict[str, Any]:
     spec: dict[str, Any] = pod["spec"]
     spec["terminationGracePeriodSeconds"] = grace_s
     spec["restartPolicy"] = "Always"
+    # no service-account token: none of these pods reads the API, and a restarted kubelet
+    # (test_the_kubelet_restarted_mid_pass) was seen retrying a projected token volume
+    # ("kube-root-ca.crt not registered") and never stopping such a pod's container, which
+    # then held its device through the next test's drain
+    spec["automountServiceAccountToken"] = False
     return spec
 
 
@@ -187,6 +192,7 @@ def test_a_60s_training_pod_a_budget_a_gpu_daemonset_and_a_pending_pod(chart: No
         },
     )
     del waiting["spec"]["nodeName"]  # the scheduler's: Pending until the layout offers one
+    waiting["spec"]["automountServiceAccountToken"] = False  # as shell's pods
     apply(c, monitor, trainer, budget("trainer", maxUnavailable=1), waiting)
     first_monitor = until("the GPU DaemonSet's pod", lambda: running(c, "app=gpu-monitor"))
     first_trainer = until("the trainer", lambda: running(c, "app=trainer"))
@@ -320,12 +326,10 @@ def test_a_long_pass_keeps_the_agent_live_and_ready(chart: NodeCluster) -> None:
 
 def test_the_kubelet_restarted_mid_pass(chart: NodeCluster) -> None:
     """The kubelet restarted while the drain waits for a pod that takes 15 s to stop: the change
-    ends in `success` with the node schedulable, the agent's container untouched. The pod mounts
-    no service-account token: in a CI run the restarted kubelet kept retrying a projected token
-    volume ("kube-root-ca.crt not registered") and never stopped that pod's container."""
+    ends in `success` with the node schedulable, the agent's container untouched (the pods
+    mount no service-account token: see shell)."""
     c = chart.cluster
     slow = shell("trap 'sleep 15; exit 0' TERM; while true; do sleep 0.2; done", grace_s=60)
-    slow["automountServiceAccountToken"] = False
     apply(c, deployment("slow", slow, "nvidia.com/mig-3g.40gb"))
     first = until("slow", lambda: running(c, "app=slow"))
     (agent,) = agent_pods(c)
