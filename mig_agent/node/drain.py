@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -187,6 +187,18 @@ def _client_label(operand_labels: set[str]) -> str:
     return (client or sorted(operand_labels) or ["nvidia.com/gpu.deploy.client"])[0]
 
 
+@dataclass(frozen=True)
+class DrainRules:
+    """How long and how often the drain tries (see drain_gpu_pods), and whom it tells."""
+
+    timeout_s: float
+    retry_s: float
+    poll_s: float
+    on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None
+    on_waiting: Callable[[PodView, int, float], None] | None = None
+    still_wanted: Callable[[], None] | None = None
+
+
 def drain_gpu_pods(
     cluster: Cluster,
     node: str,
@@ -203,7 +215,7 @@ def drain_gpu_pods(
     still_wanted: Callable[[], None] | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
-    gone; returns the evicted pods.
+    gone; returns the evicted pods (and those that took a replaced pod's name).
 
     ``timeout_s`` bounds the evictions a PodDisruptionBudget refuses; an evicted pod is waited
     for at least its own grace period plus GRACE_MARGIN_S. A wait that lasts WAIT_NOTICE_S is
@@ -232,111 +244,157 @@ def drain_gpu_pods(
     if not pods:
         return []
     log.info("drain.started", pods=len(pods), timeout_s=timeout_s)
-    start = clock.now()
-    deadline = start + timeout_s
-    views = {p.ref: p for p in pods}
-    to_evict = {p.ref: p for p in pods if not p.terminating}
-    waiting = {p.ref for p in pods}
-    # when each pod's wait ends: its grace from its eviction (or from now, if it was already
-    # terminating), plus the margin
-    gone_by = {p.ref: start + p.grace_period_s + GRACE_MARGIN_S for p in pods if p.terminating}
-    blocked: dict[PodRef, EvictionBlocked] = {}
-    next_try = clock.now()
-    told = False
-
-    def end() -> float:  # when the evicted pods still here have had their time
-        return max([deadline, *(gone_by.get(r, deadline) for r in waiting - to_evict.keys())])
-
-    def due() -> float:  # when the drain must look, whatever the watch brings
-        times = [end(), deadline] if blocked else [end()]
-        if to_evict:
-            times.append(next_try)
-        if not told and on_waiting is not None and waiting - to_evict.keys():
-            times.append(start + WAIT_NOTICE_S)
-        return min(times)
-
-    successors: list[PodRef] = []  # pods of a replaced one's name, drained in its place
+    rules = DrainRules(timeout_s, retry_s, poll_s, on_blocked, on_waiting, still_wanted)
 
     def successor(ref: PodRef) -> PodView | None:  # the pod now of a replaced one's name
         fresh = to_drain(gpu_pods(cluster, node, exclude=exclude, claimed=claimed), may_stay)
         named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
         return next((p for p in named if p.ref.uid != ref.uid), None)
 
-    asked_at = clock.now()  # the pass has just looked
-    clock = _naming_on_stop(clock, lambda: tuple(sorted(waiting - to_evict.keys(), key=str)))
-    while True:
-        if still_wanted is not None and clock.now() - asked_at >= retry_s:
-            asked_at = clock.now()
-            still_wanted()
-        if to_evict and clock.now() >= next_try:
-            for ref, exc in evict_all(cluster, list(to_evict)).items():
-                if isinstance(exc, PodReplaced):  # gone; the one of its name decided afresh
-                    del to_evict[ref]
-                    waiting.discard(ref)
-                    blocked.pop(ref, None)
-                    new = successor(ref)
-                    log.info(
-                        "drain.pod_replaced",
-                        pod=ref.name,
-                        namespace=ref.namespace,
-                        drained=new is not None,
-                    )
-                    if new is not None:
-                        successors.append(new.ref)
-                        views[new.ref] = new
-                        waiting.add(new.ref)
-                        if new.terminating:
-                            gone_by[new.ref] = clock.now() + new.grace_period_s + GRACE_MARGIN_S
-                        else:
-                            to_evict[new.ref] = new
-                    continue
-                if exc is not None:
-                    if ref not in blocked:
-                        log.warning(
-                            "drain.blocked",
-                            pod=ref.name,
-                            namespace=ref.namespace,
-                            pdb=exc.context.get("pdb", ""),
-                            error=str(exc),
-                        )
-                        if on_blocked is not None:  # tell the operator now, not at the deadline
-                            on_blocked(ref, exc)
-                    blocked[ref] = exc
-                    continue
-                blocked.pop(ref, None)
-                del to_evict[ref]
-                gone_by[ref] = clock.now() + views[ref].grace_period_s + GRACE_MARGIN_S
+    return _Drain(cluster, node, clock, rules, pods, successor).run()
+
+
+class _Drain:
+    """One drain's state: the pods to evict, those evicted and still going, the budgets that
+    refuse, and when each wait ends."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        node: str,
+        clock: Clock,
+        rules: DrainRules,
+        pods: list[PodView],
+        successor: Callable[[PodRef], PodView | None],
+    ) -> None:
+        self.cluster, self.node, self.rules, self.successor = cluster, node, rules, successor
+        self.pods = pods
+        self.start = clock.now()
+        self.deadline = self.start + rules.timeout_s
+        self.views = {p.ref: p for p in pods}
+        self.to_evict = {p.ref: p for p in pods if not p.terminating}
+        self.waiting = {p.ref for p in pods}
+        # when each pod's wait ends: its grace from its eviction (or from now, if it was
+        # already terminating), plus the margin
+        self.gone_by = {
+            p.ref: self.start + p.grace_period_s + GRACE_MARGIN_S for p in pods if p.terminating
+        }
+        self.blocked: dict[PodRef, EvictionBlocked] = {}
+        self.successors: list[PodRef] = []  # pods of a replaced one's name, drained instead
+        self.next_try = self.asked_at = self.start  # the pass has just looked
+        self.told = False
+        self.clock = _naming_on_stop(clock, lambda: tuple(sorted(self.going(), key=str)))
+
+    def going(self) -> set[PodRef]:
+        """Evicted (or terminating before) and still there."""
+        return self.waiting - self.to_evict.keys()
+
+    def end(self) -> float:
+        """When the evicted pods still here have had their time."""
+        return max([self.deadline, *(self.gone_by.get(r, self.deadline) for r in self.going())])
+
+    def due(self) -> float:
+        """When the drain must look, whatever the watch brings."""
+        times = [self.end(), self.deadline] if self.blocked else [self.end()]
+        if self.to_evict:
+            times.append(self.next_try)
+        if not self.told and self.rules.on_waiting is not None and self.going():
+            times.append(self.start + WAIT_NOTICE_S)
+        return min(times)
+
+    def run(self) -> list[PodRef]:
+        clock, rules = self.clock, self.rules
+        while True:
+            if rules.still_wanted is not None and clock.now() - self.asked_at >= rules.retry_s:
+                self.asked_at = clock.now()
+                rules.still_wanted()
+            if self.to_evict and clock.now() >= self.next_try:
+                self.evict_round()
+                self.next_try = clock.now() + rules.retry_s
+            self.watch_until_due()
+            if not self.waiting:
+                log.info("drain.finished", pods=len(self.pods) + len(self.successors))
+                return [p.ref for p in self.pods] + self.successors
+            self.tell_or_give_up()
+
+    def evict_round(self) -> None:
+        for ref, exc in evict_all(self.cluster, list(self.to_evict)).items():
+            if isinstance(exc, PodReplaced):  # gone; the one of its name decided afresh
+                self.replaced(ref)
+            elif exc is not None:
+                self.refused(ref, exc)
+            else:
+                self.blocked.pop(ref, None)
+                del self.to_evict[ref]
+                self.gone_by[ref] = self.clock.now() + self.views[ref].grace_period_s
+                self.gone_by[ref] += GRACE_MARGIN_S
                 log.info("drain.pod_evicted", pod=ref.name, namespace=ref.namespace)
-            next_try = clock.now() + retry_s
-        # the evicted pods' going, from a watch of the node's pods, until the next thing due
+
+    def replaced(self, ref: PodRef) -> None:
+        del self.to_evict[ref]
+        self.waiting.discard(ref)
+        self.blocked.pop(ref, None)
+        new = self.successor(ref)
+        log.info(
+            "drain.pod_replaced", pod=ref.name, namespace=ref.namespace, drained=new is not None
+        )
+        if new is None:
+            return
+        self.successors.append(new.ref)
+        self.views[new.ref] = new
+        self.waiting.add(new.ref)
+        if new.terminating:
+            self.gone_by[new.ref] = self.clock.now() + new.grace_period_s + GRACE_MARGIN_S
+        else:
+            self.to_evict[new.ref] = new
+
+    def refused(self, ref: PodRef, exc: EvictionBlocked) -> None:
+        if ref not in self.blocked:
+            log.warning(
+                "drain.blocked",
+                pod=ref.name,
+                namespace=ref.namespace,
+                pdb=exc.context.get("pdb", ""),
+                error=str(exc),
+            )
+            if self.rules.on_blocked is not None:  # tell the operator now, not at the deadline
+                self.rules.on_blocked(ref, exc)
+        self.blocked[ref] = exc
+
+    def watch_until_due(self) -> None:
+        """The evicted pods' going, from a watch of the node's pods, until the next thing due."""
         watch = watch_slices(
-            lambda span: cluster.watch_pods(node, timeout_s=span), clock, due=due, poll_s=poll_s
+            lambda span: self.cluster.watch_pods(self.node, timeout_s=span),
+            self.clock,
+            due=self.due,
+            poll_s=self.rules.poll_s,
         )
         for pods_now in watch:
-            waiting = present(pods_now, waiting - to_evict.keys()) | (waiting & to_evict.keys())
-            if not waiting or clock.now() >= due():
+            evicting = self.waiting & self.to_evict.keys()
+            self.waiting = present(pods_now, self.going()) | evicting
+            if not self.waiting or self.clock.now() >= self.due():
                 break
         watch.close()
-        if not waiting:
-            log.info("drain.finished", pods=len(pods) + len(successors))
-            return [p.ref for p in pods] + successors
-        going = waiting - to_evict.keys()
-        now = clock.now()
-        if not told and on_waiting is not None and going and now - start >= WAIT_NOTICE_S:
-            told = True
-            slowest = max(going, key=lambda r: gone_by.get(r, deadline))
-            on_waiting(views[slowest], len(going), end() - start)
-        if blocked and now >= deadline:
-            refused = next(iter(blocked.values()))
+
+    def tell_or_give_up(self) -> None:
+        """Tell a long wait once; raise at the deadlines."""
+        going, now, on_waiting = self.going(), self.clock.now(), self.rules.on_waiting
+        long = now - self.start >= WAIT_NOTICE_S
+        if not self.told and on_waiting is not None and going and long:
+            self.told = True
+            slowest = max(going, key=lambda r: self.gone_by.get(r, self.deadline))
+            on_waiting(self.views[slowest], len(going), self.end() - self.start)
+        if self.blocked and now >= self.deadline:
+            refused = next(iter(self.blocked.values()))
             refused.context["refs"] = tuple(sorted(going, key=str))  # evicted, still going
             raise refused
-        if now >= end():
-            names = ", ".join(sorted(str(r) for r in waiting))
+        if now >= self.end():
+            names = ", ".join(sorted(str(r) for r in self.waiting))
             raise DrainTimeout(
-                f"GPU pods still terminating {now - start:.0f} s after the drain began (each "
-                f"waited for its grace period and {GRACE_MARGIN_S:.0f} s more): {names}",
-                pods=sorted(str(r) for r in waiting),
-                refs=tuple(sorted(waiting, key=str)),
+                f"GPU pods still terminating {now - self.start:.0f} s after the drain began "
+                f"(each waited for its grace period and {GRACE_MARGIN_S:.0f} s more): {names}",
+                pods=sorted(str(r) for r in self.waiting),
+                refs=tuple(sorted(self.waiting, key=str)),
             )
 
 
