@@ -230,7 +230,10 @@ def test_a_60s_training_pod_a_budget_a_gpu_daemonset_and_a_pending_pod(chart: No
         old = live.get(first_trainer["metadata"]["uid"])
         if old and old["metadata"].get("deletionTimestamp") and not evicted_at:
             evicted_at = time.monotonic()
-        if evicted_at and not old and not gone_at:
+        # gone: the object, or its containers all exited (phase Succeeded/Failed: the agent
+        # then waits no more, it holds no device) while the kubelet finishes the deletion
+        finished = old is not None and old["status"].get("phase") in ("Succeeded", "Failed")
+        if evicted_at and (not old or finished) and not gone_at:
             gone_at = time.monotonic()
             assert state == "pending", (states, "success before the trainer was gone")
         slice_pod = kube(c, "get", "pod", "-n", NS, "new-slice")
