@@ -100,7 +100,13 @@ def gpu_clients_paused(cluster: Cluster, s: Settings, node: NodeView) -> Iterato
         raise
     except Exception as exc:  # a kill (not an exception) leaves the trail for the next agent
         with contextlib.suppress(MigAgentError):  # the pass's own clean-up logs a failure
-            finish(cluster, s, cluster.get_node(s.node_name), terminating=still_terminating(exc))
+            finish(
+                cluster,
+                s,
+                cluster.get_node(s.node_name),
+                terminating=still_terminating(exc),
+                stale=stale_devices(exc),
+            )
         raise
     finish(cluster, s, cluster.get_node(s.node_name))
 
@@ -116,20 +122,44 @@ def still_terminating(exc: BaseException) -> tuple[PodRef, ...]:
     return ()
 
 
+STALE_DEVICES = "stale_devices"  # a failure's context key: why the node's listing is stale
+
+
+def keep_cordon_for(exc: MigAgentError, why: str) -> MigAgentError:
+    """Mark ``exc``: the node advertises devices NVML no longer holds (``why``), so the clean-up
+    after it keeps the agent's cordon."""
+    exc.context[STALE_DEVICES] = why
+    return exc
+
+
+def stale_devices(exc: BaseException) -> str:
+    """Why the node's device listing is stale after ``exc`` ("" when it is not)."""
+    why = exc.context.get(STALE_DEVICES, "") if isinstance(exc, MigAgentError) else ""
+    return why if isinstance(why, str) else ""
+
+
 def finish(
-    cluster: Cluster, s: Settings, node: NodeView, terminating: tuple[PodRef, ...] = ()
+    cluster: Cluster,
+    s: Settings,
+    node: NodeView,
+    terminating: tuple[PodRef, ...] = (),
+    stale: str = "",
 ) -> bool:
     """Resume paused operands and uncordon if this agent cordoned; idempotent. False when the
     cordon stays on purpose, with its mark: pods the drain evicted (``terminating``) still
-    run on devices about to change. A cordon someone else set since the agent's (managedFields
-    name another manager of spec.unschedulable) stays too, without the agent's mark."""
+    run on devices about to change, or the node lists devices that are gone (``stale``: why).
+    A cordon someone else set since the agent's (managedFields name another manager of
+    spec.unschedulable) stays too, without the agent's mark."""
     resume = labels.resume_patch(node.labels, s.operand_labels)
     annotations: dict[str, str | None] = {}
     uncordon = None
     kept = False
     if s.cordon_annotation in node.annotations:
         left = still_present(cluster, s.node_name, terminating) if terminating else set()
-        if left:
+        if stale:
+            kept = True
+            log.warning("node.cordon_kept", reason=stale)
+        elif left:
             kept = True
             log.warning(
                 "node.cordon_kept",
@@ -156,12 +186,14 @@ def finish(
     return not kept
 
 
-def tidy_up(cluster: Cluster, s: Settings, terminating: tuple[PodRef, ...] = ()) -> bool:
+def tidy_up(
+    cluster: Cluster, s: Settings, terminating: tuple[PodRef, ...] = (), stale: str = ""
+) -> bool:
     """Resume operands and uncordon if our marks are on the node (no pass runs now);
-    False when that failed (logged) or the cordon stays for ``terminating`` pods: the node may
-    still be cordoned by us."""
+    False when that failed (logged) or the cordon stays for ``terminating`` pods or a
+    ``stale`` listing: the node may still be cordoned by us."""
     try:
-        return finish(cluster, s, cluster.get_node(s.node_name), terminating)
+        return finish(cluster, s, cluster.get_node(s.node_name), terminating, stale)
     except MigAgentError as exc:
         log.error("node.resume_failed", error=str(exc))
         return False

@@ -105,6 +105,8 @@ class _Change:
     # a DRA node: NVIDIA's DRA kubelet plugin publishes the GPUs, claims hold them
     dra: bool = False
     interrupted: bool = False  # a pass before this one left its marks: it is finished now
+    apply_started: bool = False  # the first GPU step may have run
+    gpus_changed: bool = False  # the GPUs hold the layout: the plugin's listing is stale
 
 
 @dataclass
@@ -343,14 +345,7 @@ class Agent:
         except MigAgentError as exc:
             return self._failed_and_tidied(desired, exc)
         except Exception as exc:  # noqa: BLE001 (a bug must not end the agent: it reports it)
-            log.exception("reconcile.crashed", error_type=type(exc).__name__)
-            return self._failed_and_tidied(
-                desired,
-                InternalError(
-                    f"unexpected {type(exc).__name__}: {exc} (a bug in "
-                    "mig-agent; the pass was undone and is retried)"
-                ),
-            )
+            return self._failed_and_tidied(desired, _crashed(exc))
         self.failures = 0
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
@@ -377,7 +372,12 @@ class Agent:
             log.warning("reason.not_written", error=str(err))
 
     def _failed_and_tidied(self, desired: str, exc: MigAgentError) -> PassResult:
-        tidy = node_guard.tidy_up(self.cluster, self.settings, node_guard.still_terminating(exc))
+        tidy = node_guard.tidy_up(
+            self.cluster,
+            self.settings,
+            node_guard.still_terminating(exc),
+            node_guard.stale_devices(exc),
+        )
         failed = self._failed(desired, exc)
         if not tidy and failed.retry_after_s is None:  # our marks are still on the node
             return replace(failed, retry_after_s=self.settings.backoff_s)
@@ -411,19 +411,107 @@ class Agent:
         self._announce(change, hook_run)
         plugins = (dra if change.dra else device_plugin).plugin_pods(self.cluster, self.settings)
         old_plugins = {p.ref.uid for p in plugins}
-        with node_guard.gpu_clients_paused(self.cluster, self.settings, change.node) as paused:
+        if change.plan.is_empty and not hook_run.hooks.of(hooks.POST_APPLY):
+            advertised = self._advertise_only(change, old_plugins)
+        else:
+            with node_guard.gpu_clients_paused(self.cluster, self.settings, change.node) as paused:
+                advertised = self._change_gpus(change, hook_run, reset_gpus, paused, old_plugins)
+        self._applied(change, advertised)
+        return Outcome.APPLIED
+
+    def _change_gpus(
+        self,
+        change: _Change,
+        hook_run: hooks.HookRunner,
+        reset_gpus: list[int],
+        paused: list[str],
+        old_plugins: set[str],
+    ) -> dict[str, int]:
+        """Drain, apply, verify, post-apply hooks, then the plugin restart: the resources the
+        node then advertises. A failure once the GPUs changed restarts the plugin first
+        (``_readvertise``): the node must not take pods over devices that are gone."""
+        try:
             if not change.plan.is_empty:
                 self._drain_phase(change, paused)
-                self._still_wanted(desired)  # not worth applying a layout no longer asked for
+                self._still_wanted(
+                    change.desired
+                )  # not worth applying a layout no longer asked for
                 with host_clients.stopped(
                     self.cluster, self.settings, self.run_command, reset_gpus, change.node
                 ):
+                    change.apply_started = True
                     self._apply_phase(change, hook_run, reset_gpus)
                     self._verify_phase(change)
+            change.gpus_changed = True  # or a pass before this one changed them
             self._post_apply_phase(change, hook_run)
-            advertised = self._device_plugin_phase(change, paused, old_plugins)
-        self._applied(change, advertised)
-        return Outcome.APPLIED
+        except (LabelsChanged, Stopping, NodeRebooting):
+            raise  # a successor, the next pass or the rebooted node finishes the change
+        except Exception as exc:  # noqa: BLE001 (a bug past the first GPU step too)
+            err = exc if isinstance(exc, MigAgentError) else _crashed(exc)
+            if self._gpus_touched(change):
+                self._readvertise(change, paused, old_plugins, err)
+            if err is exc:
+                raise
+            raise err from exc
+        try:
+            return self._device_plugin_phase(change, paused, old_plugins)
+        except MigAgentError as exc:
+            raise node_guard.keep_cordon_for(exc, self._stays_cordoned(change)) from None
+
+    def _advertise_only(self, change: _Change, old_plugins: set[str]) -> dict[str, int]:
+        """Nothing to change on the GPUs, only the plugin's listing: no cordon and no pause,
+        the plugin restarted and waited for. A cordon that an earlier pass left over GPUs it
+        changed but never saw advertised stays until they are."""
+        s = self.settings
+        log.info("reconcile.advertise_only", reason="the GPUs hold the layout already")
+        try:
+            advertised = self._device_plugin_phase(change, [], old_plugins)
+        except MigAgentError as exc:
+            if s.cordon_annotation in change.node.annotations:
+                raise node_guard.keep_cordon_for(exc, self._stays_cordoned(change)) from None
+            raise
+        node_guard.finish(self.cluster, s, self.cluster.get_node(s.node_name))
+        return advertised
+
+    def _gpus_touched(self, change: _Change) -> bool:
+        """True when the GPUs may no longer hold what the plugin last read: past the apply, or
+        an apply that got some way (NVML says so; unreadable, assume it did), or a pass that
+        finishes an interrupted one."""
+        if change.gpus_changed or change.interrupted:
+            return True
+        if not change.apply_started:
+            return False
+        try:
+            return _mig_layout(self.gpus.observe()) != _mig_layout(change.observed)
+        except MigAgentError:
+            return True
+
+    def _readvertise(
+        self, change: _Change, paused: list[str], old_plugins: set[str], exc: MigAgentError
+    ) -> None:
+        """After ``exc`` the GPUs differ from what the plugin read: restart it and wait for the
+        listing (best effort); if it does not come, the cordon stays. Either way the reason
+        says so."""
+        log.warning("reconcile.readvertising", error=str(exc))
+        plugin = _advertiser(change)
+        try:
+            self._device_plugin_phase(change, paused, old_plugins)
+        except MigAgentError as err:
+            node_guard.keep_cordon_for(exc, self._stays_cordoned(change))
+            exc.context[_NOTE] = (
+                f"the GPUs had changed and {plugin} does not advertise them as they are now "
+                f"({err}): the node stays cordoned until it does"
+            )
+            return
+        exc.context[_NOTE] = (
+            f"the GPUs had changed: {plugin} was restarted and advertises them as they are now"
+        )
+
+    def _stays_cordoned(self, change: _Change) -> str:
+        return (
+            f"the node stays cordoned until {_advertiser(change)} advertises the GPUs as they "
+            "are now"
+        )
 
     def _phase(
         self, change: _Change, name: str, reason: str, message: str
@@ -1001,7 +1089,7 @@ class Agent:
 
     def _failed(self, desired: str, exc: MigAgentError) -> PassResult:
         s = self.settings
-        reason = str(exc)
+        reason = _reason(exc)
         retry = None
         if exc.retryable:
             self.failures += 1
@@ -1013,7 +1101,11 @@ class Agent:
             error_type=type(exc).__name__,
             retryable=exc.retryable,
             retry_in_s=retry,
-            **{k: v for k, v in exc.context.items() if k not in ("node", "layout", "refs")},
+            **{
+                k: v
+                for k, v in exc.context.items()
+                if k not in ("node", "layout", "refs", _NOTE, node_guard.STALE_DEVICES)
+            },
         )
         self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
         self.metrics.set_state(State.FAILED)
@@ -1071,3 +1163,34 @@ def _claimed(
     """On a DRA node, the pods that hold the node's devices by claim: GPU pods, though they
     request no GPU resource."""
     return frozenset(holds or {}) if change.dra else frozenset()
+
+
+def _crashed(exc: Exception) -> InternalError:
+    """A bug, logged with its traceback, as the failure the node reports."""
+    log.exception("reconcile.crashed", error_type=type(exc).__name__)
+    return InternalError(
+        f"unexpected {type(exc).__name__}: {exc} (a bug in "
+        "mig-agent; the pass was undone and is retried)"
+    )
+
+
+_NOTE = "note"  # a failure's context key: what the agent did about it, for the reason
+
+
+def _reason(exc: MigAgentError) -> str:
+    """The failure as the node reports it: the error, what was done about it, and why the node
+    stays cordoned, if it does."""
+    parts = [str(exc), str(exc.context.get(_NOTE, ""))]
+    stale = node_guard.stale_devices(exc)
+    if stale and stale not in parts[1]:
+        parts.append(stale)
+    return "; ".join(p for p in parts if p)
+
+
+def _advertiser(change: _Change) -> str:
+    return "NVIDIA's DRA plugin" if change.dra else "the device plugin"
+
+
+def _mig_layout(state: NodeState) -> tuple[object, ...]:
+    """What of the GPUs a plugin advertises: MIG modes and instances, not processes."""
+    return tuple((g.mig_current, g.mig_pending, g.gpu_instances) for g in state.gpus)

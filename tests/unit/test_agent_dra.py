@@ -145,7 +145,8 @@ def test_a_plugin_that_keeps_the_old_devices_fails_the_pass_naming_them() -> Non
     reason = node.annotations[REASON]
     assert "missing 4 x MIG 1g.10gb, 2 x MIG 2g.20gb, 2 x MIG 3g.40gb" in reason, reason
     assert "extra 2 x whole GPU" in reason, reason
-    assert_clean(cluster)
+    # the GPUs changed under the plugin's listing: no pod is to land on devices that are gone
+    assert node.unschedulable and "the node stays cordoned until NVIDIA's DRA plugin" in reason
 
 
 def test_a_plugin_that_never_comes_back_fails_the_pass_saying_so() -> None:
@@ -154,7 +155,7 @@ def test_a_plugin_that_never_comes_back_fails_the_pass_saying_so() -> None:
     assert agent.reconcile_once().outcome is Outcome.FAILED
     reason = cluster.nodes[NODE].annotations[REASON]
     assert "no new DRA kubelet plugin pod" in reason, reason
-    assert_clean(cluster)
+    assert cluster.nodes[NODE].unschedulable and "the node stays cordoned until" in reason
 
 
 def _claim(namespace: str, pod: str, device: str) -> dict[str, Any]:

@@ -195,7 +195,8 @@ def test_a_failing_post_apply_command_fails_with_its_output_and_the_fix_finishes
     assert node.labels[STATE] == "failed"
     assert node.annotations[REASON] == (
         "post-apply hook `sh -c 'echo generating; echo nvidia-ctk: no such file >&2; exit 3'` "
-        "exited with status 3: generating | nvidia-ctk: no such file"
+        "exited with status 3: generating | nvidia-ctk: no such file; the GPUs had changed: "
+        "the device plugin was restarted and advertises them as they are now"
     )
     assert node.annotations[POST_APPLY_PENDING] == "all-1g.10gb"
     assert_clean(cluster)
