@@ -46,6 +46,7 @@ each MIG device of GPU 0; reset-fails = every GPU reset fails (A100); reboot-han
 cannot be reset (A100, as in a pass-through VM) and the reboot command never returns (time limit
 {harness.REBOOT_TIMEOUT_S:g} s in these trials); plugin-gone = the device
 plugin stopped for good; plugin-wrong = stopped, the node left advertising one device short;
+post-apply-fails = the site's post-apply hook starts failing once the GPUs change;
 config-invalid = the profile config overwritten with broken YAML; config-changed = the target
 layout's H100 entry changed to 2 x 3g.40gb. Failures that are retried count once they outlived
 one retry."""

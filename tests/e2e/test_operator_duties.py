@@ -189,7 +189,8 @@ exit 4
     reason = node.node().metadata.annotations[REASON]
     assert reason == (
         f"post-apply hook `{broken}` exited with status 4: generating the "
-        "management CDI spec | nvidia-ctk: failed to locate libnvidia-ml.so.1"
+        "management CDI spec | nvidia-ctk: failed to locate libnvidia-ml.so.1; the GPUs had "
+        "changed: the device plugin was restarted and advertises them as they are now"
     )
     assert applied(node, "all-balanced")  # the GPUs are done; the hook is what is left
     wait_clean(node)

@@ -40,6 +40,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from migsim.cluster import SIMULATED_IMAGE, Cluster, ViaProxy, agents, dra_plugin
@@ -53,7 +54,7 @@ from migsim.nvml import state as simstate
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.core import dra_devices, planner
-from mig_agent.core.advertised import plugin_devices
+from mig_agent.core.advertised import expected_resources, plugin_devices
 from mig_agent.core.errors import MigAgentError
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -246,6 +247,7 @@ NODE_FAULTS = (
     "reboot-hangs",
     "plugin-gone",
     "plugin-wrong",
+    "post-apply-fails",
     "config-invalid",
     "config-changed",
 )
@@ -298,6 +300,8 @@ NODE_POINTS = {
     # the kubelet's runtime would: stopped before the drain, the GPUs would stay busy)
     "plugin-gone": ("phase.finished(apply)", "phase.started(device_plugin)"),
     "plugin-wrong": ("phase.finished(apply)", "phase.started(device_plugin)"),
+    # the site's post-apply hook (a CDI spec regenerated, say) fails once the GPUs changed
+    "post-apply-fails": ("phase.started(apply)", "gpu.instance_created#1"),
     "config-invalid": (
         "labels.patched(pending)",
         "drain.pod_evicted",
@@ -521,6 +525,20 @@ class FaultNode:
             devices = dra_plugin.devices(self.cluster, self.name).values()
             return sum(d.get("profile") == what for d in devices)
         return int(self.node()["status"].get("allocatable", {}).get(what, "0"))
+
+    def listing_problem(self) -> str:
+        """How what the node advertises differs from what the GPUs hold now ("" if it agrees):
+        its slice on a DRA node, else the capacity NVIDIA's plugin lists (mixed strategy)."""
+        if self.scenario.device_plugin == "dra":
+            return self.dra_problem()
+        backend = open_node(self.procs.sim_state)
+        try:
+            want = expected_resources(backend.observe(), backend.models(), "mixed")
+        finally:
+            backend.close()
+        capacity = self.node()["status"].get("capacity", {})
+        have = {k: int(v) for k, v in capacity.items() if k.startswith(GPU_PREFIXES) and int(v)}
+        return "" if have == want else f"the GPUs hold {want}, the node lists {have}"
 
     def dra_problem(self) -> str:
         """On a DRA node, how its slice differs from what the GPUs hold now ("" if it agrees)."""
@@ -757,6 +775,8 @@ def inject_node_fault(node: FaultNode, fault: str) -> None:
                 {"status": {"capacity": {res: value}, "allocatable": {res: value}}},
                 content_type="application/merge-patch+json",
             )
+    elif fault == "post-apply-fails":
+        post_apply_flag(node.cluster, node.name).touch()
     elif fault == "config-invalid":
         (node.profiles / "all.yaml").write_text("mig-configs: [unclosed\n")
     elif fault == "config-changed":
@@ -777,6 +797,7 @@ def expected_cause(fault: str, scenario: Scenario) -> str:
         "gpu-busy": "in use by",
         "plugin-gone": "node resources do not match",
         "plugin-wrong": "node resources do not match",
+        "post-apply-fails": "post-apply hook",
         "reset-fails": "reset",
         "reboot-hangs": f"reboot command {REBOOT_HANGS!r} did not return within",
     }.get(fault, "")
@@ -803,6 +824,19 @@ def clean_calls(cluster: Cluster, scenario: Scenario) -> dict[str, int]:
     return dict(_clean[scenario.name])
 
 
+def post_apply_flag(cluster: Cluster, node: str) -> Path:
+    """The file whose presence makes the node's post-apply hook fail (post-apply-fails)."""
+    return cluster.dir / f"post-apply-fails-{node}"
+
+
+def fault_settings(cluster: Cluster, fault: str) -> dict[str, str] | None:
+    if fault != "post-apply-fails":
+        return NODE_FAULT_SETTINGS.get(fault)
+    flag = shlex.quote(str(cluster.dir / "post-apply-fails-"))
+    check = f'test ! -e {flag}"$NODE_NAME" || {{ echo CDI spec not written >&2; exit 3; }}'
+    return {"MIG_AGENT_POST_APPLY_COMMAND": shlex.join(["sh", "-c", check])}
+
+
 def run_trial(
     cluster: Cluster,
     point: Point,
@@ -823,7 +857,7 @@ def run_trial(
             cluster,
             sc,
             proxy=fault in API_FAULTS,
-            settings=NODE_FAULT_SETTINGS.get(fault),
+            settings=fault_settings(cluster, fault),
             own_profiles=fault.startswith("config-"),
         )
     except (DevClusterError, ApiError, OSError) as e:  # no node, no agent: no verdict
@@ -1046,13 +1080,19 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
     annotations = dict(n["metadata"].get("annotations") or {})
     layout, state = labels.get(CONFIG), labels.get(STATE)
     problems = []
-    if n.get("spec", {}).get("unschedulable") and state != "rebooting":
+    listing = node.listing_problem()
+    cordoned = bool(n.get("spec", {}).get("unschedulable"))
+    # the one cordon a failure keeps on purpose: the node lists devices the GPUs no longer hold
+    kept = bool(listing) and state == "failed" and STAYS_CORDONED in annotations.get(REASON, "")
+    if cordoned and state != "rebooting" and not kept:
         problems.append("left cordoned")
+    if not cordoned and listing:
+        problems.append(f"schedulable over devices that are gone: {listing}")
     paused = sorted(k for k, v in labels.items() if v == PAUSED)
     if paused and state != "rebooting":
         problems.append(f"operands left paused: {paused}")
     for key in ("mig-agent.dev/cordoned", "mig-agent.dev/paused-operands"):
-        if key in annotations and state != "rebooting":
+        if key in annotations and state != "rebooting" and not (kept and key.endswith("cordoned")):
             problems.append(f"{key} left on the node")
     record = agents.running(node.cluster.dir).get(node.name, {})
     if agents.agent_state(record) != "running":
@@ -1096,6 +1136,8 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
 
 
 REBOOT_GUARD = "mig-agent.dev/reboot-attempted"
+STAYS_CORDONED = "the node stays cordoned until"
+GPU_PREFIXES = ("nvidia.com/gpu", "nvidia.com/mig-")
 
 
 def reboot_problems(node: FaultNode, annotations: Mapping[str, str]) -> list[str]:

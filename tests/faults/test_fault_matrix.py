@@ -36,6 +36,8 @@ EXPECTED: dict[str, set[str]] = {
     "reset-fails": {"failed"},
     "plugin-gone": {"failed"},
     "plugin-wrong": {"failed"},
+    # the GPUs changed, then the hook failed: failed naming it, the plugin re-advertising
+    "post-apply-fails": {"failed"},
     # a reboot command that never returns: killed at its time limit, failed naming it (the
     # harness checks the guard is not armed and nothing of the command is left)
     "reboot-hangs": {"failed"},
@@ -51,6 +53,8 @@ QUICK = {
     "watch-expired": ("drain.pod_evicted",),
     "apiserver-restart": ("gpu.instance_created#1",),
     "nvml-half": ("phase.started(apply)",),
+    "post-apply-fails": ("gpu.instance_created#1",),
+    "plugin-gone": ("phase.started(device_plugin)",),
 }
 
 
