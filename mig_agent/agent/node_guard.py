@@ -12,7 +12,13 @@ import structlog
 
 from mig_agent.config.settings import Settings
 from mig_agent.core import labels
-from mig_agent.core.errors import DrainTimeout, EvictionBlocked, MigAgentError, Stopping
+from mig_agent.core.errors import (
+    DrainGivenUp,
+    DrainTimeout,
+    EvictionBlocked,
+    MigAgentError,
+    Stopping,
+)
 from mig_agent.core.labels import State
 from mig_agent.kube.cluster import Cluster, NodeView, PodRef
 from mig_agent.node.drain import still_present
@@ -105,7 +111,7 @@ def gpu_clients_paused(cluster: Cluster, s: Settings, node: NodeView) -> Iterato
                 s,
                 cluster.get_node(s.node_name),
                 terminating=still_terminating(exc),
-                stale=stale_devices(exc),
+                keep_for=cordon_kept_for(exc),
             )
         raise
     finish(cluster, s, cluster.get_node(s.node_name))
@@ -116,25 +122,25 @@ def still_terminating(exc: BaseException) -> tuple[PodRef, ...]:
     failure)."""
     if isinstance(exc, Stopping):
         return tuple(r for r in exc.refs if isinstance(r, PodRef))
-    if isinstance(exc, DrainTimeout | EvictionBlocked):
+    if isinstance(exc, DrainTimeout | EvictionBlocked | DrainGivenUp):
         refs = exc.context.get("refs", ())
         return tuple(r for r in refs if isinstance(r, PodRef)) if isinstance(refs, tuple) else ()
     return ()
 
 
-STALE_DEVICES = "stale_devices"  # a failure's context key: why the node's listing is stale
+KEEP_CORDON = "keep_cordon"  # a failure's context key: why the clean-up keeps the cordon
 
 
 def keep_cordon_for(exc: MigAgentError, why: str) -> MigAgentError:
-    """Mark ``exc``: the node advertises devices NVML no longer holds (``why``), so the clean-up
-    after it keeps the agent's cordon."""
-    exc.context[STALE_DEVICES] = why
+    """Mark ``exc``: the clean-up after it keeps the agent's cordon, for ``why`` (the node lists
+    devices NVML no longer holds; a drain is retried)."""
+    exc.context[KEEP_CORDON] = why
     return exc
 
 
-def stale_devices(exc: BaseException) -> str:
-    """Why the node's device listing is stale after ``exc`` ("" when it is not)."""
-    why = exc.context.get(STALE_DEVICES, "") if isinstance(exc, MigAgentError) else ""
+def cordon_kept_for(exc: BaseException) -> str:
+    """Why the clean-up after ``exc`` keeps the cordon ("" when it does not)."""
+    why = exc.context.get(KEEP_CORDON, "") if isinstance(exc, MigAgentError) else ""
     return why if isinstance(why, str) else ""
 
 
@@ -143,11 +149,11 @@ def finish(
     s: Settings,
     node: NodeView,
     terminating: tuple[PodRef, ...] = (),
-    stale: str = "",
+    keep_for: str = "",
 ) -> bool:
     """Resume paused operands and uncordon if this agent cordoned; idempotent. False when the
     cordon stays on purpose, with its mark: pods the drain evicted (``terminating``) still
-    run on devices about to change, or the node lists devices that are gone (``stale``: why).
+    run on devices about to change, or the failure asked for it (``keep_for``: why).
     A cordon someone else set since the agent's (managedFields name another manager of
     spec.unschedulable) stays too, without the agent's mark."""
     resume = labels.resume_patch(node.labels, s.operand_labels)
@@ -156,9 +162,9 @@ def finish(
     kept = False
     if s.cordon_annotation in node.annotations:
         left = still_present(cluster, s.node_name, terminating) if terminating else set()
-        if stale:
+        if keep_for:
             kept = True
-            log.warning("node.cordon_kept", reason=stale)
+            log.warning("node.cordon_kept", reason=keep_for)
         elif left:
             kept = True
             log.warning(
@@ -187,13 +193,13 @@ def finish(
 
 
 def tidy_up(
-    cluster: Cluster, s: Settings, terminating: tuple[PodRef, ...] = (), stale: str = ""
+    cluster: Cluster, s: Settings, terminating: tuple[PodRef, ...] = (), keep_for: str = ""
 ) -> bool:
     """Resume operands and uncordon if our marks are on the node (no pass runs now);
-    False when that failed (logged) or the cordon stays for ``terminating`` pods or a
-    ``stale`` listing: the node may still be cordoned by us."""
+    False when that failed (logged) or the cordon stays (``terminating`` pods, ``keep_for``):
+    the node may still be cordoned by us."""
     try:
-        return finish(cluster, s, cluster.get_node(s.node_name), terminating, stale)
+        return finish(cluster, s, cluster.get_node(s.node_name), terminating, keep_for)
     except MigAgentError as exc:
         log.error("node.resume_failed", error=str(exc))
         return False

@@ -48,7 +48,9 @@ from mig_agent.core.advertised import (
 from mig_agent.core.dra_devices import split_problem
 from mig_agent.core.errors import (
     ConfigError,
+    DrainGivenUp,
     DrainRefused,
+    DrainTimeout,
     EvictionBlocked,
     GpuBusy,
     GpuResetRequired,
@@ -134,6 +136,8 @@ class Agent:
     # wait inside a pass (drain, device plugin); /healthz fails only when this stops
     loop_alive_at: float = 0.0  # set from the clock when the agent is made
     failures: int = 0
+    # a drain failing for a layout: (layout, when its first try failed), for drain_give_up_s
+    drain_failing: tuple[str, float] | None = None
     _fingerprint: tuple[tuple[str, float, int], ...] = ()
     seen: tuple[str | None, str | None] = (None, None)
     # the labels that choose how the device plugin advertises, as the last pass read them
@@ -347,6 +351,7 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 (a bug must not end the agent: it reports it)
             return self._failed_and_tidied(desired, _crashed(exc))
         self.failures = 0
+        self.drain_failing = None
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
             log.info(
@@ -376,7 +381,7 @@ class Agent:
             self.cluster,
             self.settings,
             node_guard.still_terminating(exc),
-            node_guard.stale_devices(exc),
+            node_guard.cordon_kept_for(exc),
         )
         failed = self._failed(desired, exc)
         if not tidy and failed.retry_after_s is None:  # our marks are still on the node
@@ -474,17 +479,26 @@ class Agent:
         return advertised
 
     def _gpus_touched(self, change: _Change) -> bool:
-        """True when the GPUs may no longer hold what the plugin last read: past the apply, or
-        an apply that got some way (NVML says so; unreadable, assume it did), or a pass that
-        finishes an interrupted one."""
-        if change.gpus_changed or change.interrupted:
+        """True when the plugin's listing may not be what the GPUs hold: past the apply, or an
+        apply that got some way (NVML says so; unreadable, assume it did), or a pass finishing
+        an interrupted one whose listing is wrong now."""
+        if change.gpus_changed:
             return True
-        if not change.apply_started:
-            return False
         try:
-            return _mig_layout(self.gpus.observe()) != _mig_layout(change.observed)
+            if change.apply_started:
+                return _mig_layout(self.gpus.observe()) != _mig_layout(change.observed)
+            if change.interrupted:
+                return not self._listing_ok(change)
         except MigAgentError:
             return True
+        return False
+
+    def _listing_ok(self, change: _Change) -> bool:
+        s = self.settings
+        if change.dra:
+            return dra.devices_ok(self.cluster, s, self.gpus, change.models)
+        node = self.cluster.get_node(s.node_name)
+        return device_plugin.resources_ok(self.cluster, s, self.gpus, node, change.models)
 
     def _readvertise(
         self, change: _Change, paused: list[str], old_plugins: set[str], exc: MigAgentError
@@ -886,7 +900,7 @@ class Agent:
             raise DrainRefused("; ".join(refusals) + "; nothing was touched")
 
     def _drain(self, paused: list[str], change: _Change) -> None:
-        s, the_plan = self.settings, change.plan
+        s = self.settings
         holds = self._holds(change.dra)
         operand_pods = [
             p.ref
@@ -897,7 +911,31 @@ class Agent:
         validators.delete(self.cluster, s, validators.BEFORE)
         # the paused operands terminate while the GPU pods do: one termination to wait for,
         # not two in a row
-        evicted = drain_gpu_pods(
+        try:
+            evicted = self._drain_gpu_pods(change, operand_pods, holds)
+        except (EvictionBlocked, DrainTimeout) as exc:
+            raise self._drain_retried(exc, change.desired) from None
+        self.metrics.evictions.inc(len(evicted))
+        if operand_pods:
+            log.info("operands.waiting", pods=len(operand_pods))
+            wait_pods_gone(
+                self.cluster,
+                s.node_name,
+                operand_pods,
+                timeout_s=s.operand_timeout_s,
+                poll_s=s.poll_s,
+                what="paused operand pods",
+                clock=self.clock,
+            )
+
+    def _drain_gpu_pods(
+        self,
+        change: _Change,
+        operand_pods: list[PodRef],
+        holds: dict[tuple[str, str], frozenset[str]] | None,
+    ) -> list[PodRef]:
+        s, the_plan = self.settings, change.plan
+        return drain_gpu_pods(
             self.cluster,
             s.node_name,
             timeout_s=s.drain_timeout_s,
@@ -911,18 +949,28 @@ class Agent:
             on_waiting=self._drain_waiting,
             still_wanted=lambda: self._still_wanted(change.desired),
         )
-        self.metrics.evictions.inc(len(evicted))
-        if operand_pods:
-            log.info("operands.waiting", pods=len(operand_pods))
-            wait_pods_gone(
-                self.cluster,
-                s.node_name,
-                operand_pods,
-                timeout_s=s.operand_timeout_s,
-                poll_s=s.poll_s,
-                what="paused operand pods",
-                clock=self.clock,
+
+    def _drain_retried(self, exc: MigAgentError, desired: str) -> MigAgentError:
+        """A failed drain is retried with the node kept cordoned between tries (no pods land
+        on it to be evicted again), until ``drain_give_up_s`` after its first failed try for
+        this layout; then DrainGivenUp: uncordoned, failed until a new label or config."""
+        s, now = self.settings, self.clock.now()
+        if self.drain_failing is None or self.drain_failing[0] != desired:
+            self.drain_failing = (desired, now)
+        elapsed = now - self.drain_failing[1]
+        if elapsed < s.drain_give_up_s:
+            return node_guard.keep_cordon_for(
+                exc,
+                f"the drain is retried for up to {s.drain_give_up_s:g} s "
+                "(drain_give_up_s): the node stays cordoned between tries",
             )
+        self.drain_failing = None
+        return DrainGivenUp(
+            f"{exc}; given up after {elapsed:.0f} s of retries (drain_give_up_s "
+            f"{s.drain_give_up_s:g} s): the node is uncordoned; change the layout label or the "
+            "config to try again",
+            **exc.context,
+        )
 
     def _apply(
         self,
@@ -1104,7 +1152,7 @@ class Agent:
             **{
                 k: v
                 for k, v in exc.context.items()
-                if k not in ("node", "layout", "refs", _NOTE, node_guard.STALE_DEVICES)
+                if k not in ("node", "layout", "refs", _NOTE, node_guard.KEEP_CORDON)
             },
         )
         self.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
@@ -1181,9 +1229,9 @@ def _reason(exc: MigAgentError) -> str:
     """The failure as the node reports it: the error, what was done about it, and why the node
     stays cordoned, if it does."""
     parts = [str(exc), str(exc.context.get(_NOTE, ""))]
-    stale = node_guard.stale_devices(exc)
-    if stale and stale not in parts[1]:
-        parts.append(stale)
+    kept = node_guard.cordon_kept_for(exc)
+    if kept and kept not in parts[1]:
+        parts.append(kept)
     return "; ".join(p for p in parts if p)
 
 

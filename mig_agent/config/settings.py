@@ -87,6 +87,10 @@ class Settings:
     drain_timeout_s: float = 300.0
     """How long PodDisruptionBudgets are retried, and the least the drain waits for evicted GPU
     pods to go (each evicted pod is waited for at least its own grace period and 30 s)."""
+    drain_give_up_s: float = 3600.0
+    """How long a drain that fails (a budget that never allows the eviction, pods that do not
+    go) is retried, counted from its first failed try, with the node kept cordoned between
+    tries; then the agent uncordons and says ``failed`` until the label or config changes."""
     evict_unmanaged_pods: bool = False
     """Let the drain evict GPU pods no controller owns (gone for good once evicted). Off, as
     kubectl drain without --force: the pass is refused before the cordon, naming them."""

@@ -125,6 +125,11 @@ class DrainTimeout(MigAgentError):
     retryable = True
 
 
+class DrainGivenUp(MigAgentError):
+    """A drain retried for ``drain_give_up_s``: the node is uncordoned, and nothing is tried
+    again until the label or the config changes."""
+
+
 class DevicePluginTimeout(MigAgentError):
     retryable = True
 

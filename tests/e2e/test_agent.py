@@ -190,7 +190,9 @@ def test_pdb_blocks_then_agent_succeeds_on_its_own(
     reason = node.node().metadata.annotations[REASON]
     assert f"{namespace}/keep-guarded" in reason
     assert mig_counts(node.sim_state).total == 0
-    wait_clean(node, timeout=10)  # clean-up ran before the failure was reported
+    # cordoned between tries: no pod lands on the node only to be evicted at the next
+    assert node.node().spec.unschedulable and "stays cordoned between tries" in reason, reason
+    assert node.labels()[DP_LABEL] == "true"  # operands resumed
     policy.patch_namespaced_pod_disruption_budget(
         "keep-guarded", namespace, {"spec": {"minAvailable": 0}}
     )

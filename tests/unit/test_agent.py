@@ -40,6 +40,7 @@ PROFILES = str(Path(__file__).resolve().parents[2] / "profiles")
 NODE = "gpu-node-0"
 DP_NS, DP_SEL = "gpu-operator", {"app": "nvidia-device-plugin-daemonset"}
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+REASON = "mig-agent.dev/reason"
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 
 
@@ -237,13 +238,15 @@ def test_pdb_blocks_then_succeeds_after_it_is_relaxed() -> None:
     node = cluster.nodes[NODE]
     assert "PodDisruptionBudget work/keep-one" in node.annotations["mig-agent.dev/reason"]
     assert not gpus.calls
-    assert_clean(cluster)
+    # cordoned between tries (test_drain_retries.py), its operands resumed
+    assert node.unschedulable and "stays cordoned between tries" in node.annotations[REASON]
     assert node.labels[DP_LABEL] == "true"
     assert agent.reconcile_once().retry_after_s == 10.0  # capped exponential backoff
     del cluster.blocked[pod]
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert "mig-agent.dev/reason" not in cluster.nodes[NODE].annotations
+    assert_clean(cluster)
 
 
 def test_a_blocked_drain_says_so_on_the_node_while_it_keeps_trying() -> None:
@@ -269,7 +272,7 @@ def test_a_blocked_drain_says_so_on_the_node_while_it_keeps_trying() -> None:
     (blocked,) = [e for e in cluster.events if e[1] == "MIGDrainBlocked"]
     assert blocked[3] and "PodDisruptionBudget work/keep-one" in blocked[2]
     assert events.count("MIGDrainBlocked") == 1  # once per pod, not at every retry
-    assert_clean(cluster)
+    assert cluster.nodes[NODE].unschedulable  # for the retry
 
 
 def test_a_relabel_while_a_budget_blocks_the_drain_ends_the_pass_at_the_next_try() -> None:
