@@ -86,6 +86,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         config=settings.config,
         backend=settings.backend,
         metrics_port=server.port if server else 0,
+        # DRA nodes handled (claims listed cluster-wide): the chart's dra.enabled decided
+        dra=(
+            f"{settings.dra_plugin_namespace}, {settings.dra_plugin_selector}"
+            if settings.dra
+            else "off"
+        ),
     )
     try:
         agent.run(stop)

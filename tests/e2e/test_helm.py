@@ -288,7 +288,8 @@ def test_policies_are_those_of_deploy_policies(helm: str, settings: Settings) ->
     def by_name(docs: list[Doc]) -> dict[tuple[str, str], Doc]:
         return {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] in POLICY_KINDS}
 
-    chart = by_name(template(helm, *as_values(settings)))
+    # DRA on, as the settings have it (the chart's auto renders it off without a cluster)
+    chart = by_name(template(helm, *as_values(settings), "--set", "dra.enabled=true"))
     ours = by_name([d for d in yaml.safe_load_all(policies.render(settings)) if d])
     assert len(chart) == 6 and chart.keys() == ours.keys()
     for key, doc in chart.items():
@@ -473,3 +474,52 @@ def test_install_upgrade_uninstall(helm: str, own_cluster: Cluster) -> None:
     named = c.kubectl("get", chart_kinds, "-A", "-o", "name")
     assert "mig-agent" not in named.replace("namespace/mig-agent", ""), named
     assert run(helm, *kc, "list", "-A", "-q").stdout.strip() == ""
+
+
+def dra_rights(docs: list[Doc]) -> tuple[set[str], str]:
+    """The resource.k8s.io resources the agent's ClusterRole grants, and its MIG_AGENT_DRA."""
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    granted = {
+        r
+        for rule in role["rules"]
+        if "resource.k8s.io" in rule["apiGroups"]
+        for r in rule["resources"]
+    }
+    return granted, env(docs)["MIG_AGENT_DRA"]
+
+
+DRA_RIGHTS = {"resourceslices", "resourceclaims"}
+NVIDIA_DRIVER = "device.driver == 'gpu.nvidia.com'"
+
+
+def test_dra_is_on_where_nvidias_device_class_is_or_when_asked(
+    helm: str, own_cluster: Cluster, tmp_path: Path
+) -> None:
+    """dra.enabled auto (the default): the cluster-wide claim listing is granted only where
+    NVIDIA's DRA driver is installed (its DeviceClass gpu.nvidia.com), looked up at install;
+    without a cluster (`helm template`, daemonset.yaml) it is off; true and false force it."""
+    assert dra_rights(template(helm)) == (set(), "false")
+    assert dra_rights(template(helm, "--set", "dra.enabled=true")) == (DRA_RIGHTS, "true")
+    assert dra_rights(template(helm, "--set", "dra.enabled=false")) == (set(), "false")
+    server = ["--dry-run=server", "--kubeconfig", str(own_cluster.kubeconfig)]
+    assert dra_rights(template(helm, *server)) == (set(), "false")
+    device_class = tmp_path / "device-class.yaml"
+    device_class.write_text(
+        json.dumps(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": "gpu.nvidia.com"},
+                "spec": {
+                    "selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]
+                },
+            }
+        )
+    )
+    own_cluster.kubectl("apply", "-f", str(device_class))
+    try:
+        assert dra_rights(template(helm, *server)) == (DRA_RIGHTS, "true")
+        off = template(helm, *server, "--set", "dra.enabled=false")
+        assert dra_rights(off) == (set(), "false")
+    finally:
+        own_cluster.kubectl("delete", "-f", str(device_class))

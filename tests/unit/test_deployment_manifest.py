@@ -240,9 +240,8 @@ def test_cluster_role_grants_exactly_what_the_agent_needs(docs: list[Doc]) -> No
         ("pods", "list"),
         ("pods", "watch"),  # the drain's waits watch the node's pods
         ("pods/eviction", "create"),
-        # DRA nodes: who holds which device by claim, what the node's slice lists
-        ("resourceslices", "list"),
-        ("resourceclaims", "list"),
+        # no resource.k8s.io: dra.enabled is auto, and the one-file install saw no cluster
+        # with NVIDIA's DRA driver (tests/e2e/test_helm.py renders it on)
     }
 
 

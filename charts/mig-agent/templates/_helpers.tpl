@@ -62,10 +62,21 @@ false
 {{- join " && " $terms -}}
 {{- end -}}
 
+{{/* "true" when the agent handles DRA nodes: dra.enabled true, or auto and NVIDIA's
+     DeviceClass gpu.nvidia.com exists (a lookup at install or upgrade; `helm template` sees
+     no cluster: off); "" otherwise. */}}
+{{- define "mig-agent.draEnabled" -}}
+{{- $e := toString .Values.dra.enabled -}}
+{{- if eq $e "auto" -}}
+{{- if lookup "resource.k8s.io/v1" "DeviceClass" "" "gpu.nvidia.com" -}}true{{- end -}}
+{{- else if eq $e "true" -}}true
+{{- end -}}
+{{- end -}}
+
 {{/* CEL true for the DRA kubelet plugin's pod the agent deletes (deploy/policies.py
-     dra_match), false with dra.enabled off. */}}
+     dra_match), false with DRA off. */}}
 {{- define "mig-agent.draMatch" -}}
-{{- if .Values.dra.enabled -}}
+{{- if include "mig-agent.draEnabled" . -}}
 (request.namespace == {{ include "mig-agent.cel" .Values.dra.namespace }} && {{ include "mig-agent.pluginMatch" .Values.dra.selector }})
 {{- else -}}
 false
@@ -96,6 +107,6 @@ false
   "plugin_match" (include "mig-agent.pluginMatch" $v.devicePlugin.selector)
   "validator_match" (include "mig-agent.validatorMatch" .)
   "dra_match" (include "mig-agent.draMatch" .)
-  "dra_selector" (ternary (printf "%s, %s" $v.dra.namespace $v.dra.selector) "none: dra is off" $v.dra.enabled)
+  "dra_selector" (ternary (printf "%s, %s" $v.dra.namespace $v.dra.selector) "none: dra is off" (eq (include "mig-agent.draEnabled" .) "true"))
   | toJson -}}
 {{- end -}}
