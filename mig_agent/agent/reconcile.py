@@ -136,6 +136,8 @@ class Agent:
     # wait inside a pass (drain, device plugin); /healthz fails only when this stops
     loop_alive_at: float = 0.0  # set from the clock when the agent is made
     failures: int = 0
+    # the device ids that were no UUIDs when last reported (an Event when they change)
+    odd_device_ids: list[str] = field(default_factory=list)
     # a drain failing for a layout: (layout, when its first try failed), for drain_give_up_s
     drain_failing: tuple[str, float] | None = None
     _fingerprint: tuple[tuple[str, float, int], ...] = ()
@@ -753,14 +755,38 @@ class Agent:
         known = dra_node
         if self.pod_devices is not None:
             try:
-                holds.update(self.pod_devices())
-                known = True
+                listed = self.pod_devices()
             except MigAgentError as exc:
                 log.warning("drain.pod_resources_unavailable", error=str(exc))
+                listed = None
+            if listed is not None and not self._ids_unknown(listed):
+                holds.update(listed)
+                known = True
         if dra_node:
             for key, devices in dra.holders(self.cluster, self.settings).items():
                 holds[key] = holds.get(key, frozenset()) | devices
         return holds if known else None
+
+    def _ids_unknown(self, listed: Mapping[tuple[str, str], frozenset[str]]) -> bool:
+        """True (and said: log, and an Event when they change) when the kubelet names GPU
+        devices by ids that are no UUIDs: who holds which device is then unknown, and every GPU
+        pod is drained. NVIDIA's plugin registers UUIDs whatever its DEVICE_ID_STRATEGY (that
+        changes only what a container is given); another plugin may not."""
+        odd = sorted({i for ids in listed.values() for i in ids if not i.startswith(_UUIDS)})
+        if not odd:
+            return False
+        message = (
+            f"the kubelet names GPU devices by ids that are no UUIDs ({', '.join(odd[:4])}"
+            f"{', ...' if len(odd) > 4 else ''}; not NVIDIA's device plugin?): "
+            "which pod holds which device is unknown, so every GPU pod is drained"
+        )
+        log.warning("drain.device_ids_unknown", ids=odd[:8], reason=message)
+        if odd != self.odd_device_ids:
+            self.odd_device_ids = odd
+            reporting.event_on_node(
+                self.cluster, self.settings, "MIGDeviceOwnershipUnknown", message, warning=True
+            )
+        return True
 
     def _staying_devices(self, the_plan: planner.Plan) -> frozenset[str]:
         """Device ids (GPU and MIG UUIDs) that outlive ``the_plan``: every device of an unchanged
@@ -1222,6 +1248,7 @@ def _crashed(exc: Exception) -> InternalError:
     )
 
 
+_UUIDS = ("GPU-", "MIG-")  # how NVIDIA's plugin names devices by default (uuid strategy)
 _NOTE = "note"  # a failure's context key: what the agent did about it, for the reason
 
 

@@ -1230,3 +1230,29 @@ def test_a_forbidden_request_mid_pass_is_retried_with_back_off() -> None:
     assert_clean(cluster)
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert cluster.evicted == [pod] and cluster.nodes[NODE].labels[STATE] == "success"
+
+
+def test_device_ids_that_are_no_uuids_drain_every_gpu_pod_and_say_so() -> None:
+    """A device plugin that registers devices as "<gpu>:<mig>" (NVIDIA's registers UUIDs with
+    either DEVICE_ID_STRATEGY; the index form is what it gives containers): no holder is found
+    by UUID (before: the pod's processes on changing devices counted as ones no pod holds, and
+    every change was refused as a busy GPU)."""
+    agent, cluster, gpus = make()
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    on_gpu2 = cluster.add_pod("work", "on-gpu2", NODE, gpu={"nvidia.com/mig-1g.10gb": 7})
+    on_gpu0 = cluster.add_pod("work", "on-gpu0", NODE, gpu={"nvidia.com/mig-1g.10gb": 1})
+    # the pod's processes on every device of GPU 2, some of which the change destroys
+    for gi in gpus.observe().gpu(2).gpu_instances:
+        gpus.add_process(2, 4200 + gi.id, gi.id, gi.compute_instances[0].id)
+    end_processes_on_eviction(cluster, gpus, 2)
+    agent.pod_devices = lambda: {
+        ("work", "on-gpu2"): frozenset(f"2:{i}" for i in range(7)),
+        ("work", "on-gpu0"): frozenset({"0:0"}),
+    }
+    _two_changed(agent)
+    label(cluster, "two-changed")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert set(cluster.evicted) == {on_gpu2, on_gpu0}  # ownership unknown: every GPU pod
+    (event,) = [e for e in cluster.events if e[1] == "MIGDeviceOwnershipUnknown"]
+    assert "2:0" in event[2] and "no UUIDs" in event[2] and event[3] is True
