@@ -57,6 +57,7 @@ EVENT_REASONS = (
     "MIGDrainWaiting",
     "MIGUnhealthyDevices",
     "MIGDevicesHealthy",
+    "MIGDeviceOwnershipUnknown",
 )
 """Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
 MESSAGE_CAP = 1024

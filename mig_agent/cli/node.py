@@ -239,37 +239,7 @@ def register(sub: Any) -> None:
     add_backend_args(p)
     p.set_defaults(func=cmd_profiles)
 
-    p = sub.add_parser("plan", help="the steps a layout needs, per GPU; changes nothing")
-    add_config_args(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--gpus", metavar="MODEL[xN]", help="plan for empty GPUs, e.g. 8xH200")
-    src.add_argument(
-        "--from",
-        dest="from_file",
-        metavar="FILE",
-        help="plan from a state snapshot (mig-agent export -o json)",
-    )
-    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
-    p.add_argument("--exit-code", action="store_true", help="exit 3 when changes are needed")
-    add_destroy_in_use(p)
-    add_backend_args(p)
-    p.set_defaults(func=cmd_plan)
-
-    p = sub.add_parser("apply", help="apply a layout to this node's GPUs (no Kubernetes)")
-    add_config_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-    p.add_argument("--skip-reset", action="store_true", help="never reset a GPU")
-    p.add_argument(
-        "-k",
-        "--hooks-file",
-        metavar="FILE",
-        default=os.environ.get("MIG_AGENT_HOOKS_FILE") or None,
-        help="mig-parted's hooks file: apply-start, pre-apply-mode, pre-apply-config, "
-        "apply-exit (and post-apply) run around the apply (env MIG_AGENT_HOOKS_FILE)",
-    )
-    add_destroy_in_use(p)
-    add_backend_args(p)
-    p.set_defaults(func=cmd_apply)
+    _register_plan_and_apply(sub)
 
     p = sub.add_parser("assert", help="exit 0 only if the layout is applied")
     add_config_args(p)
@@ -301,3 +271,38 @@ def register(sub: Any) -> None:
     )
     add_backend_args(p)
     p.set_defaults(func=cmd_generate_config)
+
+
+def _register_plan_and_apply(sub: Any) -> None:
+    """``plan`` and ``apply``."""
+    p = sub.add_parser("plan", help="the steps a layout needs, per GPU; changes nothing")
+    add_config_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--gpus", metavar="MODEL[xN]", help="plan for empty GPUs, e.g. 8xH200")
+    src.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="plan from a state snapshot (mig-agent export -o json)",
+    )
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.add_argument("--exit-code", action="store_true", help="exit 3 when changes are needed")
+    add_destroy_in_use(p)
+    add_backend_args(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("apply", help="apply a layout to this node's GPUs (no Kubernetes)")
+    add_config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--skip-reset", action="store_true", help="never reset a GPU")
+    p.add_argument(
+        "-k",
+        "--hooks-file",
+        metavar="FILE",
+        default=os.environ.get("MIG_AGENT_HOOKS_FILE") or None,
+        help="mig-parted's hooks file: apply-start, pre-apply-mode, pre-apply-config, "
+        "apply-exit (and post-apply) run around the apply (env MIG_AGENT_HOOKS_FILE)",
+    )
+    add_destroy_in_use(p)
+    add_backend_args(p)
+    p.set_defaults(func=cmd_apply)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -14,6 +14,9 @@ from mig_agent.cli.common import (
     open_gpus,
 )
 from mig_agent.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mig_agent.config.settings import Settings
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -42,7 +45,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not settings.node_name:
         raise ConfigError("no node name: pass --node or set NODE_NAME")
     bind_process(node=settings.node_name)  # on every log line, from any thread or library
-    log = structlog.get_logger("mig_agent.run")
     stop = threading.Event()
     metrics = Metrics()
     gpus = InstrumentedGpus(open_gpus(args), metrics)
@@ -80,19 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             healthz=healthz,
             readyz=readyz,
         ).start()
-    log.info(
-        "agent.started",
-        node=settings.node_name,
-        config=settings.config,
-        backend=settings.backend,
-        metrics_port=server.port if server else 0,
-        # DRA nodes handled (claims listed cluster-wide): the chart's dra.enabled decided
-        dra=(
-            f"{settings.dra_plugin_namespace}, {settings.dra_plugin_selector}"
-            if settings.dra
-            else "off"
-        ),
-    )
+    _log_started(settings, server.port if server else 0)
     try:
         agent.run(stop)
     finally:
@@ -122,3 +112,19 @@ def register(sub: Any) -> None:
     add_config_args(p, layout=False)
     add_backend_args(p)
     p.set_defaults(func=cmd_run)
+
+
+def _log_started(settings: Settings, metrics_port: int) -> None:
+    structlog.get_logger("mig_agent.run").info(
+        "agent.started",
+        node=settings.node_name,
+        config=settings.config,
+        backend=settings.backend,
+        metrics_port=metrics_port,
+        # DRA nodes handled (claims listed cluster-wide): the chart's dra.enabled decided
+        dra=(
+            f"{settings.dra_plugin_namespace}, {settings.dra_plugin_selector}"
+            if settings.dra
+            else "off"
+        ),
+    )

@@ -257,15 +257,8 @@ def plan_gpu(
     demands = demands_for(model, desired, where)
     check_fits(model, [d.gi for d in demands], where)
 
-    key = _kept_key(model, present, demands)
-    if memo is not None and key in memo:
-        keep = memo[key]
-    else:
-        keep = _choose_kept(model, present, demands)
-        if memo is not None:
-            memo[key] = keep
-    if keep is None:  # fits from empty (checked above) so only kept instances could block
-        keep = {}
+    # fits from empty (checked above) so only kept instances could block
+    keep = _kept(model, present, demands, memo) or {}
     dropped = [p for i, p in enumerate(present) if i not in keep]
     _refuse_in_use(where, dropped, destroy_in_use)
     if needs_mode:
@@ -290,23 +283,44 @@ def plan_gpu(
             ci_steps.append(CreateComputeInstance(gpu.index, pl, d.gi.ci_name(ci), ci.id, ci_pl))
             devices.append(PlannedDevice(d.gi.ci_name(ci), pl, ci_pl, kept=False))
     for i, j in keep.items():
-        gi, d = present[i], demands[j]
-        assert gi.profile is not None
-        have = [(_ci_by_id(gi.profile, c.profile_id), c.placement) for c in gi.gi.compute_instances]
-        for ci, ci_pl in have:
-            devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, kept=True))
-        new = _missing_cis(gi, d)
-        assert new is not None  # _choose_kept kept only GIs that can serve their demand
-        for ci, ci_pl in new:
-            ci_steps.append(
-                CreateComputeInstance(
-                    gpu.index, gi.gi.placement, gi.profile.ci_name(ci), ci.id, ci_pl
-                )
-            )
-            devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, False))
+        _finish_kept(gpu.index, present[i], demands[j], ci_steps, devices)
     steps.extend(ci_steps)
     devices.sort(key=lambda dv: (dv.gi_placement, dv.ci_placement))
     return GpuPlan(gpu.index, model.key, desired, tuple(steps), tuple(devices))
+
+
+def _kept(
+    model: GpuModel, present: list[_Present], demands: list[_Demand], memo: _KeptMemo | None
+) -> dict[int, int] | None:
+    """The kept set (present index -> demand index), chosen once per kind of GPU via ``memo``."""
+    key = _kept_key(model, present, demands)
+    if memo is not None and key in memo:
+        return memo[key]
+    keep = _choose_kept(model, present, demands)
+    if memo is not None:
+        memo[key] = keep
+    return keep
+
+
+def _finish_kept(
+    gpu: int,
+    gi: _Present,
+    d: _Demand,
+    ci_steps: list[Step],
+    devices: list[PlannedDevice],
+) -> None:
+    """A kept GPU instance's devices, and the compute instances it still lacks for ``d``."""
+    assert gi.profile is not None
+    have = [(_ci_by_id(gi.profile, c.profile_id), c.placement) for c in gi.gi.compute_instances]
+    for ci, ci_pl in have:
+        devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, kept=True))
+    new = _missing_cis(gi, d)
+    assert new is not None  # _choose_kept kept only GIs that can serve their demand
+    for ci, ci_pl in new:
+        ci_steps.append(
+            CreateComputeInstance(gpu, gi.gi.placement, gi.profile.ci_name(ci), ci.id, ci_pl)
+        )
+        devices.append(PlannedDevice(gi.profile.ci_name(ci), gi.gi.placement, ci_pl, False))
 
 
 def demands_for(model: GpuModel, desired: GpuLayout, where: str = "") -> list[_Demand]:
