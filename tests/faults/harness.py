@@ -536,8 +536,14 @@ class FaultNode:
             want = expected_resources(backend.observe(), backend.models(), "mixed")
         finally:
             backend.close()
-        capacity = self.node()["status"].get("capacity", {})
-        have = {k: int(v) for k, v in capacity.items() if k.startswith(GPU_PREFIXES) and int(v)}
+        # a resource whose plugin no longer lists it keeps its capacity with nothing allocatable
+        status = self.node()["status"]
+        capacity, allocatable = status.get("capacity", {}), status.get("allocatable", {})
+        have = {
+            k: int(v)
+            for k, v in capacity.items()
+            if k.startswith(GPU_PREFIXES) and int(v) and int(allocatable.get(k, "0"))
+        }
         return "" if have == want else f"the GPUs hold {want}, the node lists {have}"
 
     def dra_problem(self) -> str:

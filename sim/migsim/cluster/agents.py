@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from mig_agent.config.settings import PROFILES as DEFAULT_PROFILES
 from migsim.nvml import state as simstate
@@ -113,6 +114,52 @@ def install(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", "-", input=json.dumps(NVIDIA_RUNTIME_CLASS))
     cluster.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_PLUGIN))
     cluster.kubectl("apply", "-f", str(DAEMONSET))
+    grant_dra(cluster)
+
+
+# What the chart adds where NVIDIA's DRA driver is installed (dra.enabled auto finds its
+# DeviceClass; daemonset.yaml, rendered without a cluster, leaves DRA off): the agents here run
+# with DRA on (the setting's default), so they may read slices and claims, and the admission
+# policy lets them delete the DRA plugin's pod
+DRA_READS: Final = [
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": "mig-agent-dra-reads"},
+        "rules": [
+            {
+                "apiGroups": ["resource.k8s.io"],
+                "resources": ["resourceslices", "resourceclaims"],
+                "verbs": ["list"],
+            }
+        ],
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "mig-agent-dra-reads"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "mig-agent-dra-reads",
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": AGENT_SA, "namespace": AGENT_NS}],
+    },
+]
+
+
+def grant_dra(cluster: Cluster) -> None:
+    """The agents' DRA rights and the admission policies rendered with DRA on (idempotent)."""
+    for obj in DRA_READS:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    rendered = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "sync-daemonset"), "--policies"],
+        env={**os.environ, "MIG_AGENT_DRA": "true"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cluster.kubectl("apply", "-f", "-", input=rendered)
 
 
 def install_dra(cluster: Cluster) -> None:
