@@ -28,6 +28,8 @@ from mig_agent.core.advise_assign import Want, assign, served_upper_bound
 # exact search up to this many nodes with useful options, and this many bound evaluations
 EXACT_NODES = 16
 EXACT_BUDGET = 20_000
+# proposals each tried at every cheaper option of their node, with the pool's pods placed again
+TRIM_NODES = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +112,12 @@ def _useful_options(wants: Sequence[Want], supplies: Sequence[Supply]) -> dict[s
     no more cost). Nodes without any are left out."""
     kinds: dict[str, set[str]] = defaultdict(set)
     names = {s.node for s in supplies}
+    asked: dict[frozenset[str], set[str]] = defaultdict(set)
     for w in wants:
-        for n in w.nodes & names:
-            kinds[n].add(w.kind)
+        asked[w.nodes].add(w.kind)
+    for nodes, asked_kinds in asked.items():
+        for n in nodes & names:
+            kinds[n] |= asked_kinds
     out: dict[str, list[Option]] = {}
     for s in supplies:
         wanted = sorted(kinds.get(s.node, ()))
@@ -146,22 +151,27 @@ def _better(a: tuple[int, tuple[int, int, int]], b: tuple[int, tuple[int, int, i
 
 
 def _greedy(wants: Sequence[Want], useful: Mapping[str, list[Option]]) -> Choice:
-    """Options taken one node at a time, the one placing the most pods first."""
-    by_node: dict[str, list[Want]] = defaultdict(list)
-    for w in wants:
-        for n in w.nodes:
+    """Options taken one node at a time, the one placing the most pods first. Pods alike
+    (kind, devices, nodes they may use) are counted together."""
+    left: Counter[tuple[str, int, frozenset[str]]] = Counter(
+        (w.kind, w.count, w.nodes) for w in wants
+    )
+    at: dict[str, list[tuple[str, int, frozenset[str]]]] = defaultdict(list)
+    for key in sorted(left, key=lambda k: (len(k[2]), -k[1], k[0], sorted(k[2]))):
+        for n in key[2]:
             if n in useful:
-                by_node[n].append(w)
-    placed: set[str] = set()
+                at[n].append(key)  # the most constrained first
 
-    def rate(node: str, o: Option) -> tuple[int, list[str]]:
+    def rate(node: str, o: Option) -> tuple[int, Counter[tuple[str, int, frozenset[str]]]]:
         free = Counter(o.free)
-        took: list[str] = []
-        for w in sorted(by_node[node], key=lambda w: (len(w.nodes), -w.count, w.pod)):
-            if w.pod not in placed and free[w.kind] >= w.count:
-                free[w.kind] -= w.count
-                took.append(w.pod)
-        return len(took), took
+        took: Counter[tuple[str, int, frozenset[str]]] = Counter()
+        for key in at[node]:
+            kind, count, _ = key
+            n = min(left[key], free[kind] // count)
+            if n > 0:
+                free[kind] -= n * count
+                took[key] = n
+        return took.total(), took
 
     heap = [
         (-rate(n, o)[0], o.cost, n, i, o.layout)
@@ -181,13 +191,17 @@ def _greedy(wants: Sequence[Want], useful: Mapping[str, list[Option]]) -> Choice
             heapq.heappush(heap, (-now, cost, node, i, layout))
             continue
         choice[node] = useful[node][i]
-        placed.update(took)
+        left -= took
     return choice
 
 
 def _trimmed(wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: Choice) -> Choice:
-    """``choice`` without proposals that serve nobody, each proposal at the cheapest option of
-    its node (staying first) that serves no fewer pods."""
+    """``choice`` without proposals that serve nobody, each node at its cheapest option that
+    holds the pods placed on it; on pools of up to TRIM_NODES proposals, each also at the
+    cheapest option of its node (staying first) that serves no fewer pods overall."""
+    choice = _cheapest_holding(wants, useful, choice)
+    if len(choice) > TRIM_NODES:
+        return choice
     best = _value(wants, choice)
     for node in sorted(choice, key=lambda n: (tuple(-c for c in choice[n].cost), n)):
         for o in [None, *useful[node]]:
@@ -202,8 +216,22 @@ def _trimmed(wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: 
             if _better(value, best):
                 choice, best = trial, value
                 break
+    return _cheapest_holding(wants, useful, choice)
+
+
+def _cheapest_holding(
+    wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: Choice
+) -> Choice:
     served = assign(wants, {n: o.free for n, o in choice.items()})
-    return {n: o for n, o in choice.items() if n in set(served.values())}
+    need: dict[str, Counter[str]] = defaultdict(Counter)
+    by_pod = {w.pod: w for w in wants}
+    for pod, node in served.items():
+        need[node][by_pod[pod].kind] += by_pod[pod].count
+    return {
+        n: next(o for o in useful[n] if all(o.free.get(k, 0) >= c for k, c in need[n].items()))
+        for n in choice
+        if n in need
+    }
 
 
 def _exact(

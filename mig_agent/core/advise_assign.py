@@ -11,6 +11,7 @@ Pure module: no I/O.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,13 +40,24 @@ def assign(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
     """pod -> node for the pods served: within ``capacity`` and each pod's ``nodes``."""
     free = {n: Counter(c) for n, c in capacity.items()}
     out: dict[str, str] = {}
-    big = sorted((w for w in wants if w.count > 1), key=lambda w: (-w.count, len(w.nodes), w.pod))
-    for w in big:
-        fits = [n for n in sorted(w.nodes) if free.get(n, Counter())[w.kind] >= w.count]
-        if fits:
-            node = max(fits, key=lambda n: free[n][w.kind])  # the first of the fullest
-            free[node][w.kind] -= w.count
-            out[w.pod] = node
+    big: dict[tuple[str, int, frozenset[str]], list[str]] = defaultdict(list)
+    for w in wants:
+        if w.count > 1:
+            big[(w.kind, w.count, w.nodes)].append(w.pod)
+    for (kind, count, nodes), pods in sorted(
+        big.items(), key=lambda kv: (-kv[0][1], len(kv[0][2]), kv[0][0], sorted(kv[1]))
+    ):
+        # the fullest node first, the first by name among equals
+        heap = [(-free[n][kind], n) for n in nodes if n in free and free[n][kind] >= count]
+        heapq.heapify(heap)
+        for pod in sorted(pods):
+            if not heap:
+                break
+            _, node = heapq.heappop(heap)
+            free[node][kind] -= count
+            out[pod] = node
+            if free[node][kind] >= count:
+                heapq.heappush(heap, (-free[node][kind], node))
     by_kind: dict[str, list[Want]] = defaultdict(list)
     for w in wants:
         if w.count == 1:
