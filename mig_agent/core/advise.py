@@ -67,6 +67,7 @@ class Proposal:
     from_layout: str | None
     option: Option
     serves: tuple[str, ...]  # pods (namespace/name)
+    resources_before: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +281,7 @@ def _advice(
     for pod, node in served.items():
         serves[node].append(pod)
     proposals = tuple(
-        Proposal(s.node, s.layout, choice[s.node], tuple(sorted(serves[s.node])))
+        Proposal(s.node, s.layout, choice[s.node], tuple(sorted(serves[s.node])), s.resources)
         for s in supplies
         if s.node in choice and serves[s.node]
     )
