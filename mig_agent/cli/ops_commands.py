@@ -1,5 +1,4 @@
-"""``mig-agent repartition|status|advise`` (also ``scripts/repartition``, ``scripts/mig-status``).
-"""
+"""``mig-agent repartition|status|advise`` (also scripts/repartition, scripts/mig-status)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, advertised_resources, planned_devices, plugin_devices
@@ -58,10 +58,16 @@ def node_supply(
     *,
     strategy: str,
     holders: Sequence[Holder] = (),
+    memo: Memo | None = None,
 ) -> Supply:
     """The node now and an option per layout that fits it and changes a GPU (``current``
-    aside)."""
-    now = resources(plugin_devices(state, models), strategy)
+    aside). ``memo`` keeps each layout's effect on a GPU state for the next node alike."""
+    model_keys = tuple(sorted((i, m.key) for i, m in models.items()))
+    memo = {} if memo is None else memo
+    key = (state, model_keys, strategy)  # hashed once per node: a state is a deep tuple
+    seen = memo.get(key)
+    if seen is None:
+        seen = memo[key] = _Seen(resources(plugin_devices(state, models), strategy))
     held: Counter[str] = Counter()
     for h in holders:
         held.update(h.kinds)
@@ -69,31 +75,56 @@ def node_supply(
     for layout in sorted(layouts, key=lambda la: la.name):
         if layout.name == current:
             continue
-        try:
-            the_plan = plan(layout, state, models, destroy_in_use=True)
-        except PlanError:
-            continue  # does not fit these GPUs
-        if not the_plan.changed_gpus:
+        if layout.name not in seen.effects:
+            seen.effects[layout.name] = _effect(layout, state, models, strategy)
+        effect = seen.effects[layout.name]
+        if effect is None:
             continue
-        after = resources(planned_devices(the_plan, state, models), strategy)
-        if not after:
-            continue  # the plugin would offer nothing
-        lost = _destroyed_kinds(the_plan, state, models, strategy)
+        changed, after, lost = effect
         evicts = tuple(sorted(h.pod for h in holders if lost & set(h.kinds)))
         staying: Counter[str] = Counter()
         for h in holders:
             if h.pod not in evicts:
                 staying.update(h.kinds)
         options.append(
-            Option(
-                layout.name,
-                the_plan.changed_gpus,
-                _positive(Counter(after) - staying),
-                after,
-                evicts,
-            )
+            Option(layout.name, changed, _positive(Counter(after) - staying), after, evicts)
         )
-    return Supply(node, current, _positive(Counter(now) - held), tuple(options), now)
+    return Supply(node, current, _positive(Counter(seen.now) - held), tuple(options), seen.now)
+
+
+Effect = tuple[tuple[int, ...], dict[str, int], frozenset[str]]
+
+
+@dataclass
+class _Seen:
+    """What a GPU state offers now, and each layout's effect on it."""
+
+    now: dict[str, int]
+    effects: dict[str, Effect | None] = field(default_factory=dict)
+
+
+Memo = dict[tuple[object, ...], _Seen]
+
+
+def _effect(
+    layout: Layout, state: NodeState, models: Mapping[int, GpuModel], strategy: str
+) -> Effect | None:
+    """(GPUs changed, devices offered after, kinds of the devices destroyed), or None where the
+    layout does not fit, changes nothing, or leaves the plugin offering nothing."""
+    try:
+        the_plan = plan(layout, state, models, destroy_in_use=True)
+    except PlanError:
+        return None
+    if not the_plan.changed_gpus:
+        return None
+    after = resources(planned_devices(the_plan, state, models), strategy)
+    if not after:
+        return None
+    return (
+        the_plan.changed_gpus,
+        after,
+        frozenset(_destroyed_kinds(the_plan, state, models, strategy)),
+    )
 
 
 def _positive(counts: Counter[str]) -> dict[str, int]:

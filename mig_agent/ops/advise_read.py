@@ -16,7 +16,7 @@ from mig_agent.core import demand, dra_devices
 from mig_agent.core.advertised import node_mig_strategy
 from mig_agent.core.advise import Supply
 from mig_agent.core.advise_assign import Want
-from mig_agent.core.advise_options import DRA, Holder, node_supply
+from mig_agent.core.advise_options import DRA, Holder, Memo, node_supply
 from mig_agent.core.errors import ConfigError, KubeError
 from mig_agent.core.generated_layouts import with_generated
 from mig_agent.core.gpu_models import GpuModel
@@ -74,6 +74,7 @@ def read_pool(
         or dra_devices.publishes(dra.slices, n.name)
     ]
     pdbs = _tolerant_pdbs(cluster) if allow_evict else []
+    memo: Memo = {}  # nodes alike plan each layout once
     if generated:
         catalog = with_generated(catalog, _models(nodes, s))[0]
     for node in nodes:
@@ -81,7 +82,7 @@ def read_pool(
         if busy:
             pool.left_alone[node.name] = busy
             continue
-        supply = _supply(node, catalog, s, dra, claims, running.get(node.name, []))
+        supply = _supply(node, catalog, s, dra, claims, running.get(node.name, []), memo)
         if isinstance(supply, str):
             pool.left_alone[node.name] = supply
             continue
@@ -130,6 +131,7 @@ def _supply(
     dra: DraView,
     claims: Mapping[tuple[str, str], Mapping[str, Any]],
     running: Sequence[PodView],
+    memo: Memo,
 ) -> Supply | str:
     try:
         state, models = from_json(json.loads(node.annotations[s.gpu_state_annotation]))
@@ -153,6 +155,7 @@ def _supply(
         models,
         strategy=strategy,
         holders=holders,
+        memo=memo,
     )
 
 
