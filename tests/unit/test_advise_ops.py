@@ -406,3 +406,43 @@ def test_apply_goes_through_the_rollout_and_reports_the_pods_scheduled(catalog: 
     assert code == 0
     assert c.nodes["gpu-a"].labels[S.config_label] == "one-3g"
     assert "  team/wants-3g: scheduled on gpu-a" in lines
+
+
+class _Closable(FakeCluster):
+    def close(self) -> None:
+        pass
+
+
+def test_the_commands_parse_their_flags_and_print_json_and_yaml(
+    catalog: Any, tmp_path: Path
+) -> None:
+    from mig_agent import cli
+    from mig_agent.cli import advise_command, kubectl
+
+    c = _pool(catalog, "gpu-a")
+    pool = _Closable(nodes=c.nodes, pods=c.pods)
+    _ask_3g(pool, "wants-3g")
+    (tmp_path / "layouts.yaml").write_text(CONFIG)
+    args = cli.build_parser().parse_args(
+        ["advise", "-l", "x=y", "-f", str(tmp_path / "layouts.yaml"), "-o", "json"]
+    )
+    assert (args.selector, args.allow_evict, args.max_nodes, args.apply) == (
+        "x=y",
+        False,
+        None,
+        False,
+    )
+    args.selector = ""
+    lines: list[str] = []
+    assert advise_command.run(args, lambda _a: pool, lines.append) == 0
+    assert '"to": "one-3g"' in lines[0]
+
+    args = kubectl.build_parser().parse_args(
+        ["advise", "--allow-evict", "--max-nodes", "2", "-o", "yaml", "-f", str(tmp_path)]
+    )
+    assert args.allow_evict and args.max_nodes == 2
+    lines = []
+    assert advise_command.run(args, lambda _a: pool, lines.append, dump=kubectl.dump_yaml) == 0
+    assert "to: one-3g" in lines[0]
+    with pytest.raises(SystemExit):
+        kubectl.build_parser().parse_args(["advise", "--max-nodes", "0"])
