@@ -6,12 +6,14 @@ applied, the GPUs that change, the running pods it would evict). A choice is one
 node. The best choice serves the most pending pods; among those it evicts the fewest pods, then
 changes the fewest GPUs, then the fewest nodes; ties go to the first in node and layout order.
 
-Small pools are solved exactly: branch and bound over the nodes, bounded by a relaxed flow
-(every undecided node at the most it could offer of each kind), seeded with the greedy answer
-(tests/unit/test_advise.py proves it against brute force). Larger pools take the greedy answer:
-nodes in order of the pending pods their option would serve (lazily re-rated as pods get
-places), then every proposal that serves nobody is dropped and every proposal that a cheaper
-option of its node can replace without serving fewer is replaced.
+Pools of up to EXACT_NODES nodes with a useful option are searched exactly: branch and bound
+over the nodes, bounded by a relaxed flow (every undecided node at the most it could offer of
+each kind), seeded with the greedy answer, within a budget of bound evaluations (``optimal``
+says whether it ran to its end; tests/unit/test_advise.py proves it against brute force).
+Larger pools take the greedy answer: nodes in order of the pending pods their option would
+serve (lazily re-rated as pods get places), then every proposal that serves nobody is dropped,
+every node moved to its cheapest option that holds the pods placed on it, and, up to TRIM_NODES
+proposals, each tried at every cheaper option of its node.
 
 Pure module: no I/O.
 """
@@ -23,11 +25,12 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mig_agent.core.advise_assign import Want, assign, served_upper_bound
+from mig_agent.core.advise_assign import Want, assign, relaxed, served_upper_bound
 
-# exact search up to this many nodes with useful options, and this many bound evaluations
-EXACT_NODES = 16
-EXACT_BUDGET = 20_000
+# exact search up to this many nodes with useful options, with this many bound evaluations
+# (the first up to 8 nodes, the second beyond: a few seconds at most)
+EXACT_NODES = 12
+EXACT_BUDGET = (10_000, 2_000)
 # proposals each tried at every cheaper option of their node, with the pool's pods placed again
 TRIM_NODES = 48
 
@@ -244,8 +247,17 @@ def _exact(
         n: {k: max(o.free.get(k, 0) for o in useful[n]) for o in useful[n] for k in o.free}
         for n in nodes
     }
-    best_choice, best = dict(seed), _value(wants, seed)
-    budget = [EXACT_BUDGET]
+    demand = relaxed(wants)
+    unit = all(w.count == 1 for w in wants)
+
+    def value(choice: Choice) -> tuple[int, tuple[int, int, int]]:
+        if not unit:
+            return _value(wants, choice)
+        served = served_upper_bound(demand, {n: o.free for n, o in choice.items()})
+        return served, _total(o.cost for o in choice.values())
+
+    best_choice, best = dict(seed), value(seed)
+    budget = [EXACT_BUDGET[0] if len(nodes) <= 8 else EXACT_BUDGET[1]]
 
     def go(depth: int, choice: Choice, cost: tuple[int, int, int]) -> None:
         nonlocal best_choice, best
@@ -253,13 +265,13 @@ def _exact(
             return
         budget[0] -= 1
         if depth == len(nodes):
-            value = _value(wants, choice)
-            if _better(value, best):
-                best_choice, best = dict(choice), value
+            leaf = value(choice)
+            if _better(leaf, best):
+                best_choice, best = dict(choice), leaf
             return
         cap: dict[str, Mapping[str, int]] = {n: o.free for n, o in choice.items()}
         cap.update({n: most[n] for n in nodes[depth:]})
-        upper = served_upper_bound(wants, cap)
+        upper = served_upper_bound(demand, cap)
         if upper < best[0] or (upper == best[0] and cost >= best[1]):
             return
         node = nodes[depth]

@@ -67,16 +67,29 @@ def assign(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
     return out
 
 
-def served_upper_bound(wants: Sequence[Want], capacity: Capacity) -> int:
-    """At least the pods ``assign`` could serve with ``capacity``: each pod relaxed to one
-    device (whatever serves a pod of several devices serves it with one)."""
-    by_kind: dict[str, list[Want]] = defaultdict(list)
-    for w in wants:
-        by_kind[w.kind].append(w)
+Demand = dict[str, list[tuple[frozenset[str], int]]]  # kind -> (nodes, pods), one device each
+
+
+def relaxed(wants: Sequence[Want]) -> Demand:
+    """The pods by kind and nodes, each as if it asked one device: whatever serves a pod of
+    several devices serves it with one, so this demand serves at least as many."""
+    counts: Counter[tuple[str, frozenset[str]]] = Counter((w.kind, w.nodes) for w in wants)
+    out: Demand = defaultdict(list)
+    for (kind, nodes), n in counts.items():
+        out[kind].append((nodes, n))
+    return out
+
+
+def served_upper_bound(demand: Demand, capacity: Capacity) -> int:
+    """The pods ``demand`` (see ``relaxed``) can have served with ``capacity``: a maximum flow
+    per kind. Exact when every pod asks one device."""
     total = 0
-    for kind, ws in by_kind.items():
-        cap = {n: c.get(kind, 0) for n, c in capacity.items() if c.get(kind, 0)}
-        total += _flow_value(ws, cap)
+    for kind, classes in demand.items():
+        free = {n: c.get(kind, 0) for n, c in capacity.items() if c.get(kind, 0)}
+        keys = [nodes for nodes, _ in classes]
+        groups = _groups(keys, free)
+        sized = [(g, sum(free[n] for n in nodes)) for g, nodes in groups.items()]
+        total += sum(_max_flow([n for _, n in classes], sized).values())
     return total
 
 
@@ -115,6 +128,14 @@ def _max_flow(
     for g, (classes, _) in enumerate(groups):
         for c in classes:
             users[c].append(g)
+    # first the direct pushes, the most constrained classes first; paths then correct them
+    for c in sorted(users, key=lambda c: (len(users[c]), c)):
+        for g in users[c]:
+            push = min(left[c], room[g])
+            if push > 0:
+                flow[(c, g)] += push
+                left[c] -= push
+                room[g] -= push
     while True:
         path = _augmenting_path(left, room, users, flow)
         if path is None:
@@ -170,15 +191,6 @@ def _unwind(
         path.append(at[1])
         at = parent[at]
     return path[::-1]
-
-
-def _flow_value(wants: Sequence[Want], free: Mapping[str, int]) -> int:
-    classes = _classes(wants)
-    keys = list(classes)
-    groups = _groups(keys, free)
-    sized = [(g, sum(free[n] for n in nodes)) for g, nodes in groups.items()]
-    flow = _max_flow([len(classes[k]) for k in keys], sized)
-    return sum(flow.values())
 
 
 def _unit_flow(wants: Sequence[Want], free: Mapping[str, int]) -> dict[str, str]:
