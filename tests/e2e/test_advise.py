@@ -9,8 +9,9 @@ kubeconfig:
 * ``--apply`` relabels through the rollout; the served pod then runs on the proposed node, and
   the running pod was never evicted (same UID, still Running).
 
-DRA demand (a claim for ``profile == '3g.40gb'``) is covered by tests/unit/test_advise_ops.py
-against real-shaped ResourceClaim objects, not on a DRA cluster here.
+* on a DRA node (NVIDIA's DRA kubelet plugin, no device plugin; root only), a pod whose
+  ResourceClaim asks DeviceClass mig.nvidia.com for ``profile == '3g.40gb'`` gets a proposal
+  offering that profile, and ``--apply`` runs it there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kubernetes import client
 from migsim.cluster import Cluster
 
 from .conftest import NodeFactory, wait_running
+from .test_dra import claim, claiming_pod
 from .test_ops import explain, make_pool, mig_agent_cli
 
 MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
@@ -75,3 +77,27 @@ def test_pending_profile_gets_a_proposal_that_applied_runs_it_evicting_nobody(
     still = core.read_namespaced_pod("busy", namespace)
     assert still.metadata.uid == busy.metadata.uid and still.status.phase == "Running"
     assert busy_node.labels().get("nvidia.com/mig.config") == "all-1g.10gb"
+
+
+def test_a_dra_claim_for_a_profile_gets_a_proposal_that_applied_runs_it(
+    agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster, namespace: str
+) -> None:
+    node = agent_node("2xH100-80GB", device_plugin="dra")  # MIG off: two whole GPUs
+    claim(node, namespace, "wants-3g", "device.attributes['gpu.nvidia.com'].profile == '3g.40gb'")
+    claiming_pod(core, namespace, "wants-3g", "wants-3g")
+    selector = f"kubernetes.io/hostname={node.name}"
+
+    res = advise(installed, selector, "-o", "json")
+    assert res.returncode == 0, explain(res, [node])
+    data = json.loads(res.stdout)
+    [proposal] = data["proposals"]
+    assert proposal["node"] == node.name and proposal["serves"] == [f"{namespace}/wants-3g"]
+    assert proposal["resources_before"] == {"dra:gpu": 2}
+    assert proposal["resources_after"].get("dra:3g.40gb", 0) >= 1, data
+    assert proposal["evicts"] == []
+
+    res = advise(installed, selector, "--apply")
+    assert res.returncode == 0, explain(res, [node])
+    assert f"{namespace}/wants-3g: scheduled on {node.name}" in res.stdout, res.stdout
+    assert node.labels().get("nvidia.com/mig.config") == proposal["to"]
+    assert wait_running(core, namespace, "wants-3g", timeout=60).spec.node_name == node.name
