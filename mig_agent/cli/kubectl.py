@@ -8,6 +8,7 @@ agents run in; ``status -o wide`` shows each node's agent pod from it.
     kubectl mig status [-l SELECTOR] [-o wide|json|yaml]
     kubectl mig plan NODE LAYOUT [-o json|yaml]
     kubectl mig repartition LAYOUT [NODE ...] [-l SELECTOR] [-p K] [--dry-run]
+    kubectl mig advise [-l SELECTOR] [--allow-evict] [--max-nodes N] [-o json|yaml] [--apply]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mig_agent.cli import advise_command
 from mig_agent.cli.common import EXIT_OK, EXIT_USAGE, add_config_args, dispatch, load_configs
 from mig_agent.config.settings import Settings
 from mig_agent.config.yaml_files import dump_yaml
@@ -180,6 +182,10 @@ def cmd_repartition(args: argparse.Namespace) -> int:
         cluster.close()
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    return advise_command.run(args, _connect, _print, dump=dump_yaml)
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -234,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="show the plan per node, change nothing")
     add_config_args(p, layout=False)
     p.set_defaults(func=cmd_repartition)
+
+    p = sub.add_parser(
+        "advise",
+        parents=[common],
+        help="propose the relabels that serve the pending GPU pods with the least disruption",
+        description=advise_command.DESCRIPTION,
+    )
+    advise_command.add_args(p, outputs=("table", "json", "yaml"))
+    p.set_defaults(func=cmd_advise)
     return parser
 
 

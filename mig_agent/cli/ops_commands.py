@@ -1,4 +1,4 @@
-"""``mig-agent repartition|status`` (also ``scripts/repartition``, ``scripts/mig-status``)."""
+"""``mig-agent repartition|status|advise`` (also scripts/repartition, scripts/mig-status)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from mig_agent.cli import advise_command
 from mig_agent.cli.common import add_config_args, default_config
 from mig_agent.config.settings import Settings
 from mig_agent.ops import (
@@ -89,8 +90,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    return advise_command.run(args, _connect, _write)
+
+
 def register(sub: Any) -> None:
-    """Add ``repartition`` and ``status`` to the ``mig-agent`` subcommands."""
+    """Add ``repartition``, ``status`` and ``advise`` to the ``mig-agent`` subcommands."""
 
     p = sub.add_parser(
         "repartition",
@@ -152,3 +157,12 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "advise",
+        help="propose the relabels that serve the pending GPU pods with the least disruption",
+        description=advise_command.DESCRIPTION,
+    )
+    advise_command.add_args(p, outputs=("table", "json"))
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.set_defaults(func=cmd_advise)

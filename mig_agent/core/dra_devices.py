@@ -151,6 +151,11 @@ def named(kinds: Mapping[Kind, int]) -> dict[str, int]:
     return {("gpu" if k == GPU else k[1]): n for k, n in sorted(kinds.items())}
 
 
+def node_devices(slices: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str, Any]]:
+    """The devices of ``node``'s pool as its newest slices list them."""
+    return _devices(slices, node)
+
+
 def _devices(slices: Iterable[Mapping[str, Any]], node: str) -> list[Mapping[str, Any]]:
     """The devices the driver's slices list for ``node``'s pool, from its newest generation
     only: a slice of an older one is stale (the plugin that wrote it restarted), as the

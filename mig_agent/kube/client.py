@@ -33,11 +33,13 @@ from mig_agent.core.errors import (
     LabelsChanged,
     PodReplaced,
 )
+from mig_agent.core.scheduling import constraints_of, label_selector_of, taints_of
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     Cluster,
     NodeCondition,
     NodeView,
+    PdbView,
     PodRef,
     PodView,
     is_gpu_resource,
@@ -150,6 +152,7 @@ class KubernetesCluster(Cluster):
         self._api = api
         self._core = client.CoreV1Api(api)
         self._resource = client.ResourceV1Api(api)
+        self._policy = client.PolicyV1Api(api)
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
@@ -498,6 +501,11 @@ class KubernetesCluster(Cluster):
             items = self._call(self._resource.list_resource_claim_for_all_namespaces)["items"]
         return list(items)
 
+    def list_pod_disruption_budgets(self) -> list[PdbView]:
+        with _kube("list poddisruptionbudgets"):
+            items = self._call(self._policy.list_pod_disruption_budget_for_all_namespaces)["items"]
+        return [_pdb(p) for p in items]
+
 
 def _is_budget_refusal(exc: BaseException) -> bool:
     """A 429 that a PodDisruptionBudget caused (its Status names a DisruptionBudget cause),
@@ -592,6 +600,7 @@ def _node(n: Mapping[str, Any]) -> NodeView:
             for m in meta.get("managedFields") or []
             if "f:unschedulable" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
         ),
+        taints=taints_of(spec),
     )
 
 
@@ -633,6 +642,33 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         empty_dirs=tuple(
             str(v.get("name", "")) for v in spec.get("volumes") or [] if "emptyDir" in v
         ),
+        constraints=constraints_of(spec),
+        claims=_claim_names(spec, status),
+    )
+
+
+def _claim_names(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[str, ...]:
+    """The pod's ResourceClaims by name: named ones, and those made from its templates (the
+    pod's status names them once made)."""
+    made = {
+        c.get("name", ""): c.get("resourceClaimName")
+        for c in status.get("resourceClaimStatuses") or []
+    }
+    out = []
+    for c in spec.get("resourceClaims") or []:
+        name = c.get("resourceClaimName") or made.get(c.get("name", ""))
+        if name:
+            out.append(str(name))
+    return tuple(out)
+
+
+def _pdb(p: Mapping[str, Any]) -> PdbView:
+    meta, spec, status = p.get("metadata") or {}, p.get("spec") or {}, p.get("status") or {}
+    return PdbView(
+        meta.get("namespace", ""),
+        meta.get("name", ""),
+        label_selector_of(spec.get("selector")),
+        int(status.get("disruptionsAllowed") or 0),
     )
 
 

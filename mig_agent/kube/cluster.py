@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mig_agent.core.scheduling import NO_CONSTRAINTS, LabelSelector, PodConstraints, Taint
+
 GPU_RESOURCE = "nvidia.com/gpu"
 # the field manager of the agent's node patches: who set spec.unschedulable is told by it
 AGENT_MANAGER = "mig-agent"
@@ -45,6 +47,7 @@ class NodeView:
     conditions: tuple[NodeCondition, ...] = ()
     # the field managers that own spec.unschedulable (managedFields): who cordoned the node
     unschedulable_by: tuple[str, ...] = ()
+    taints: tuple[Taint, ...] = ()
 
     def gpu_resources(self) -> dict[str, int]:
         """The node's allocatable nvidia.com/gpu and nvidia.com/mig-* counts (zeros dropped):
@@ -106,6 +109,10 @@ class PodView:
     feature_gates: tuple[str, ...] = ()
     # names of its emptyDir volumes: data kept on the node, lost when the pod is evicted
     empty_dirs: tuple[str, ...] = ()
+    # what limits the nodes the scheduler may put it on (resources aside)
+    constraints: PodConstraints = NO_CONSTRAINTS
+    # the names of its ResourceClaims (in its namespace; a template's once the claim is made)
+    claims: tuple[str, ...] = ()
 
     @property
     def uses_gpu(self) -> bool:
@@ -122,6 +129,16 @@ class PodView:
     @property
     def controller_kind(self) -> str:
         return self.controller.split("/", 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PdbView:
+    """A PodDisruptionBudget: which pods it covers and how many may go now."""
+
+    namespace: str
+    name: str
+    selector: LabelSelector | None  # None: it covers no pod
+    disruptions_allowed: int
 
 
 class Cluster(Protocol):
@@ -184,4 +201,8 @@ class Cluster(Protocol):
 
     def list_resource_claims(self) -> list[dict[str, Any]]:
         """Every ResourceClaim of the cluster (resource.k8s.io/v1), as the API returns them."""
+        ...
+
+    def list_pod_disruption_budgets(self) -> list[PdbView]:
+        """Every PodDisruptionBudget of the cluster."""
         ...

@@ -19,6 +19,7 @@ from mig_agent.kube.cluster import (
     Cluster,
     NodeCondition,
     NodeView,
+    PdbView,
     PodRef,
     PodView,
 )
@@ -42,6 +43,7 @@ class FakeCluster(Cluster):
     # DRA: the ResourceSlices and ResourceClaims as the API returns them
     slices: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
+    pdbs: list[PdbView] = field(default_factory=list)
 
     def add_node(
         self,
@@ -237,6 +239,10 @@ class FakeCluster(Cluster):
     def list_resource_claims(self) -> list[dict[str, Any]]:
         self._check()
         return list(self.claims)
+
+    def list_pod_disruption_budgets(self) -> list[PdbView]:
+        self._check()
+        return list(self.pdbs)
 
 
 def _merge(old: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

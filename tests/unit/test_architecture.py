@@ -36,6 +36,7 @@ STDLIB_OK_IN_PURE = {
     "math",
     "difflib",
     "json",
+    "heapq",
 }
 
 

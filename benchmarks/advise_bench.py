@@ -1,0 +1,350 @@
+"""advise benchmarks: what layouts from demand buy on a pool under a changing load, and how long
+the search takes on a large pool.
+
+* pool: 20 nodes of 8xH100-80GB, started at mixed layouts (all-1g.10gb, all-2g.20gb,
+  all-3g.40gb, all-7g.80gb in turn), approved layouts the packaged all-* and h100-80gb-* ones;
+  a seeded stream of pods (1g.10gb 45%, 2g.20gb 25%, 3g.40gb 20%, 7g.80gb 10%) arriving and
+  finishing, the load shifting from small to large profiles over the run; one step a minute,
+  each Pending pod placed first-fit, oldest first. Compared: the layouts left as they are;
+  advise (no eviction) applied every few minutes, a relabelled node taking no pod for two
+  minutes; and the best fixed assignment of approved layouts to nodes by exhaustive search over
+  every multiset of layouts (the nodes are alike; with fixed layouts each profile is its own
+  queue, so each multiset is scored exactly; a layout offering no more of any profile asked
+  than another is left out, as it can never do better). Figures: pending pod-minutes,
+  device-minutes idle while some pod waits, pods evicted, relabels (GPUs changed).
+* large pool: 1,000 nodes of 8xH100-80GB at mixed layouts, half their devices held by running
+  pods, 10,000 pending pods (a tenth pinned to one node by nodeSelector): time to build every
+  node's options and to search.
+
+Run: python benchmarks/advise_bench.py [--quick]   (prints tables; no cluster needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import logging
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import structlog
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mig_agent.config.profiles import load_catalog  # noqa: E402
+from mig_agent.core.advertised import plugin_devices  # noqa: E402
+from mig_agent.core.advise import Supply, advise  # noqa: E402
+from mig_agent.core.advise_assign import Want  # noqa: E402
+from mig_agent.core.advise_options import Holder, Memo, node_supply, resources  # noqa: E402
+from mig_agent.core.gpu_models import MODELS  # noqa: E402
+from mig_agent.core.layout import Layout  # noqa: E402
+from mig_agent.core.planner import plan  # noqa: E402
+from mig_agent.node.apply import execute  # noqa: E402
+from tests.unit.fake_gpus import FakeGpus  # noqa: E402
+
+H100 = MODELS["H100-80GB"]
+CATALOG = load_catalog([Path(__file__).resolve().parents[1] / "profiles"])
+PROFILES = {"1g.10gb": 0.45, "2g.20gb": 0.25, "3g.40gb": 0.2, "7g.80gb": 0.1}
+START = ("all-1g.10gb", "all-2g.20gb", "all-3g.40gb", "all-7g.80gb")
+
+
+def approved() -> list[Layout]:
+    """The packaged layouts that partition an H100 (all-* and h100-80gb-*)."""
+    out = []
+    for layout in CATALOG.layouts.values():
+        if layout.name.startswith(("all-", "h100-80gb-")) and layout.name != "all-disabled":
+            gpus = FakeGpus([H100] * 8)
+            try:
+                the_plan = plan(layout, gpus.observe(), gpus.models())
+            except Exception:  # noqa: BLE001 -- not for this model
+                continue
+            if the_plan.gpus and all(g.desired.mig_enabled and g.devices for g in the_plan.gpus):
+                out.append(layout)
+    return sorted(out, key=lambda la: la.name)
+
+
+@dataclass
+class Pod:
+    name: str
+    kind: str
+    arrive: int
+    duration: int
+    node: str = ""
+    start: int = -1
+
+
+def stream(seed: int, minutes: int, per_min: float) -> list[Pod]:
+    """Pods arriving at ``per_min`` a minute; the mix moves towards large profiles."""
+    rng = random.Random(seed)
+    pods: list[Pod] = []
+    names = list(PROFILES)
+    for t in range(minutes):
+        shift = t / minutes  # 0 -> 1: small profiles give way to large ones
+        weights = [
+            PROFILES[n] * (1.6 - 1.2 * shift if i < 2 else 0.4 + 1.2 * shift)
+            for i, n in enumerate(names)
+        ]
+        for _ in range(_poisson(rng, per_min)):
+            kind = "nvidia.com/mig-" + rng.choices(names, weights)[0]
+            pods.append(Pod(f"bench/p{len(pods)}", kind, t, max(1, int(rng.expovariate(1 / 40)))))
+    return pods
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    n, p, limit = 0, 1.0, pow(2.718281828, -mean)
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return n
+        n += 1
+
+
+@dataclass
+class Node:
+    name: str
+    layout: str
+    gpus: FakeGpus
+    capacity: Counter[str] = field(default_factory=Counter)
+    running: Counter[str] = field(default_factory=Counter)
+    holders: dict[str, str] = field(default_factory=dict)  # pod -> kind
+    busy_until: int = 0
+
+    def set_layout(self, layout: Layout) -> int:
+        the_plan = plan(layout, self.gpus.observe(), self.gpus.models(), destroy_in_use=True)
+        execute(the_plan, self.gpus)
+        self.layout = layout.name
+        devices = plugin_devices(self.gpus.observe(), self.gpus.models())
+        self.capacity = Counter(resources(devices, "mixed"))
+        return len(the_plan.changed_gpus)
+
+
+@dataclass
+class Figures:
+    pending_pod_min: int = 0
+    idle_dev_min: int = 0
+    evicted: int = 0
+    relabels: int = 0
+    gpus_changed: int = 0
+    advise_max_s: float = 0.0
+
+
+def simulate(pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None) -> Figures:
+    """Layouts as they are (``every`` None) or advise applied every ``every`` minutes."""
+    layouts = {la.name: la for la in approved()}
+    nodes = [Node(f"gpu-{i:02}", "", FakeGpus([H100] * 8)) for i in range(nodes_n)]
+    for i, n in enumerate(nodes):
+        n.set_layout(layouts[START[i % len(START)]])
+    fig = Figures()
+    todo = sorted((Pod(p.name, p.kind, p.arrive, p.duration) for p in pods), key=lambda p: p.arrive)
+    pending: list[Pod] = []
+    running: list[Pod] = []
+    by_name = {n.name: n for n in nodes}
+    for t in range(minutes):
+        for p in [p for p in running if p.start + p.duration <= t]:
+            running.remove(p)
+            by_name[p.node].running[p.kind] -= 1
+            del by_name[p.node].holders[p.name]
+        while todo and todo[0].arrive <= t:
+            pending.append(todo.pop(0))
+        if every and t % every == 0 and pending:
+            _advise_and_apply(nodes, layouts, pending, t, fig)
+        for p in list(pending):
+            for n in nodes:
+                if n.busy_until <= t and n.capacity[p.kind] > n.running[p.kind]:
+                    p.node, p.start = n.name, t
+                    n.running[p.kind] += 1
+                    n.holders[p.name] = p.kind
+                    pending.remove(p)
+                    running.append(p)
+                    break
+        fig.pending_pod_min += len(pending)
+        if pending:
+            fig.idle_dev_min += sum(
+                (n.capacity - n.running).total() for n in nodes if n.busy_until <= t
+            )
+    return fig
+
+
+def _advise_and_apply(
+    nodes: Sequence[Node], layouts: dict[str, Layout], pending: Sequence[Pod], t: int, fig: Figures
+) -> None:
+    every = frozenset(n.name for n in nodes)
+    wants = [Want(p.name, p.kind, 1, every) for p in pending]
+    t0 = time.perf_counter()
+    supplies = [
+        _no_eviction(
+            node_supply(
+                n.name,
+                n.layout,
+                layouts.values(),
+                n.gpus.observe(),
+                n.gpus.models(),
+                strategy="mixed",
+                holders=[Holder(pod, {kind: 1}) for pod, kind in sorted(n.holders.items())],
+            )
+        )
+        for n in nodes
+        if n.busy_until <= t
+    ]
+    advice = advise(wants, supplies)
+    fig.advise_max_s = max(fig.advise_max_s, time.perf_counter() - t0)
+    by_name = {n.name: n for n in nodes}
+    for p in advice.proposals:
+        assert not p.option.evicts  # advise without --allow-evict evicts nobody
+        node = by_name[p.node]
+        fig.gpus_changed += node.set_layout(layouts[p.option.layout])
+        fig.relabels += 1
+        node.busy_until = t + 2
+
+
+def _no_eviction(supply: Supply) -> Supply:
+    """As advise runs without --allow-evict: only the options that evict nobody."""
+    return dataclasses.replace(supply, options=tuple(o for o in supply.options if not o.evicts))
+
+
+def best_fixed(pods: Sequence[Pod], minutes: int, nodes_n: int) -> tuple[Figures, str]:
+    """The best fixed assignment of approved layouts to the (alike) nodes, by exhaustive search
+    over every multiset of layouts: with fixed layouts each profile queues for its own devices,
+    so a multiset's pending pod-minutes are the sum of one queue per profile."""
+    kinds = sorted({p.kind for p in pods})
+    offers: dict[tuple[int, ...], str] = {}  # what a node offers of the kinds asked -> a layout
+    for la in approved():
+        n = Node("x", "", FakeGpus([H100] * 8))
+        n.set_layout(la)
+        offers.setdefault(tuple(n.capacity[k] for k in kinds), la.name)
+    # pending pod-minutes only fall as devices are added: a layout offering no more of any
+    # kind than another is never the better choice
+    useful = [
+        v
+        for v in offers
+        if not any(w != v and all(a >= b for a, b in zip(w, v, strict=True)) for w in offers)
+    ]
+    by_kind: dict[str, list[Pod]] = {}
+    for p in pods:
+        by_kind.setdefault(p.kind, []).append(p)
+
+    @cache
+    def wait(kind: str, servers: int) -> tuple[int, int]:
+        """(pending pod-minutes, minutes with a pod waiting) of one profile's FIFO queue."""
+        queue = sorted(by_kind.get(kind, []), key=lambda p: p.arrive)
+        ends: list[int] = []
+        waiting_min = pending_min = 0
+        waiting: list[Pod] = []
+        i = 0
+        for t in range(minutes):
+            ends = [e for e in ends if e > t]
+            while i < len(queue) and queue[i].arrive <= t:
+                waiting.append(queue[i])
+                i += 1
+            while waiting and len(ends) < servers:
+                ends.append(t + waiting.pop(0).duration)
+            pending_min += len(waiting)
+            waiting_min += bool(waiting)
+        return pending_min, waiting_min
+
+    best: tuple[int, tuple[tuple[int, ...], ...]] | None = None
+    for combo in itertools.combinations_with_replacement(useful, nodes_n):
+        total = [sum(v[i] for v in combo) for i in range(len(kinds))]
+        score = sum(wait(k, total[i])[0] for i, k in enumerate(kinds))
+        if best is None or score < best[0]:
+            best = (score, combo)
+    assert best is not None
+    names = Counter(offers[v] for v in best[1])
+    mix = ", ".join(f"{c}x{n}" for n, c in sorted(names.items()))
+    return Figures(pending_pod_min=best[0]), f"{len(useful)} layouts, best {mix}"
+
+
+def large_pool(nodes_n: int, pods_n: int, seed: int = 1) -> tuple[float, float, int, int]:
+    """(seconds to build the options, seconds to search, pods served, proposals)."""
+    rng = random.Random(seed)
+    layouts = approved()
+    states = {}
+    for name in START:
+        n = Node("x", "", FakeGpus([H100] * 8))
+        n.set_layout(CATALOG.get(name))
+        states[name] = (n.gpus.observe(), n.gpus.models(), n.capacity)
+    names = [f"gpu-{i:04}" for i in range(nodes_n)]
+    t0 = time.perf_counter()
+    supplies: list[Supply] = []
+    memo: Memo = {}
+    for i, name in enumerate(names):
+        layout = START[i % len(START)]
+        state, models, capacity = states[layout]
+        held = [k for k, c in capacity.items() for _ in range(c // 2)]
+        holders = [Holder(f"run/{name}-{j}", {k: 1}) for j, k in enumerate(held)]
+        supplies.append(
+            node_supply(
+                name, layout, layouts, state, models, strategy="mixed", holders=holders, memo=memo
+            )
+        )
+    t1 = time.perf_counter()
+    every = frozenset(names)
+    kinds = ["nvidia.com/mig-" + k for k in PROFILES]
+    wants = [
+        Want(
+            f"bench/p{i}",
+            rng.choices(kinds, list(PROFILES.values()))[0],
+            1,
+            every if rng.random() >= 0.1 else frozenset({rng.choice(names)}),
+        )
+        for i in range(pods_n)
+    ]
+    t2 = time.perf_counter()
+    advice = advise(wants, supplies)
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2, advice.served, len(advice.proposals)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI: a short run, a smaller large pool")
+    args = p.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    minutes, nodes_n, per_min = (120, 6, 2.0) if args.quick else (480, 20, 8.0)
+    pods = stream(7, minutes, per_min)
+    print(
+        f"\n## advise on a pool: {nodes_n} nodes of 8xH100-80GB, {len(pods)} pods over "
+        f"{minutes} min (seed 7)\n"
+    )
+    print(
+        "| policy | pending pod-min | idle device-min while pods wait | evicted | relabels "
+        "(GPUs changed) |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    static = simulate(pods, minutes, nodes_n, None)
+    print(f"| layouts as they are | {static.pending_pod_min} | {static.idle_dev_min} | 0 | 0 |")
+    longest = 0.0
+    for every in (5, 15):
+        f = simulate(pods, minutes, nodes_n, every)
+        longest = max(longest, f.advise_max_s)
+        print(
+            f"| advise + apply every {every} min | {f.pending_pod_min} | {f.idle_dev_min} | "
+            f"{f.evicted} | {f.relabels} ({f.gpus_changed}) |"
+        )
+    best, layout_mix = best_fixed(pods, minutes, nodes_n)
+    print(
+        f"| best fixed layouts (exhaustive over {layout_mix}) | {best.pending_pod_min} | - | 0 "
+        "| - |"
+    )
+    print(f"\nlongest advise (options + search) in the runs: {longest * 1000:.0f} ms")
+
+    big_nodes, big_pods = (200, 2000) if args.quick else (1000, 10000)
+    build_s, search_s, served, proposals = large_pool(big_nodes, big_pods)
+    print(f"\n## Large pool: {big_nodes} nodes, {big_pods} pending pods\n")
+    print("| options for every node | search | total | pods served | proposals |")
+    print("|---:|---:|---:|---:|---:|")
+    print(
+        f"| {build_s:.2f} s | {search_s:.2f} s | {build_s + search_s:.2f} s | {served} | "
+        f"{proposals} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Which pending pods a pool serves once every node has its devices: the assignment behind
+``advise``. Given the free devices per node, it places pods on nodes they may use.
+
+Exact for pods that need one device (a maximum flow per device kind, over nodes grouped by the
+pods that may use them); pods that need several devices of a kind on one node are packed first,
+largest first, onto the node with the most free devices of that kind (first fit: packing them
+is bin packing, and such pods are rare among MIG workloads).
+
+Pure module: no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """A pending pod: ``count`` devices of ``kind`` on one of ``nodes``.
+
+    ``kind`` is an extended resource (``nvidia.com/mig-3g.40gb``, ``nvidia.com/gpu``) or a DRA
+    device kind (``dra:3g.40gb``, ``dra:gpu``). ``constraint`` says which of the pod's
+    scheduling constraints narrowed ``nodes`` ("" when none did), for the reason it is unserved.
+    """
+
+    pod: str  # namespace/name
+    kind: str
+    count: int
+    nodes: frozenset[str]
+    constraint: str = ""
+
+
+Capacity = Mapping[str, Mapping[str, int]]  # node -> kind -> free devices
+
+
+def assign(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
+    """pod -> node for the pods served: within ``capacity`` and each pod's ``nodes``."""
+    free = {n: Counter(c) for n, c in capacity.items()}
+    out: dict[str, str] = {}
+    big: dict[tuple[str, int, frozenset[str]], list[str]] = defaultdict(list)
+    for w in wants:
+        if w.count > 1:
+            big[(w.kind, w.count, w.nodes)].append(w.pod)
+    for (kind, count, nodes), pods in sorted(
+        big.items(), key=lambda kv: (-kv[0][1], len(kv[0][2]), kv[0][0], sorted(kv[1]))
+    ):
+        # the fullest node first, the first by name among equals
+        heap = [(-free[n][kind], n) for n in nodes if n in free and free[n][kind] >= count]
+        heapq.heapify(heap)
+        for pod in sorted(pods):
+            if not heap:
+                break
+            _, node = heapq.heappop(heap)
+            free[node][kind] -= count
+            out[pod] = node
+            if free[node][kind] >= count:
+                heapq.heappush(heap, (-free[node][kind], node))
+    by_kind: dict[str, list[Want]] = defaultdict(list)
+    for w in wants:
+        if w.count == 1:
+            by_kind[w.kind].append(w)
+    for kind in sorted(by_kind):
+        out.update(_unit_flow(by_kind[kind], {n: c[kind] for n, c in free.items() if c[kind]}))
+    return out
+
+
+Demand = dict[str, list[tuple[frozenset[str], int]]]  # kind -> (nodes, pods), one device each
+
+
+def relaxed(wants: Sequence[Want]) -> Demand:
+    """The pods by kind and nodes, each as if it asked one device: whatever serves a pod of
+    several devices serves it with one, so this demand serves at least as many."""
+    counts: Counter[tuple[str, frozenset[str]]] = Counter((w.kind, w.nodes) for w in wants)
+    out: Demand = defaultdict(list)
+    for (kind, nodes), n in counts.items():
+        out[kind].append((nodes, n))
+    return out
+
+
+def served_upper_bound(demand: Demand, capacity: Capacity) -> int:
+    """The pods ``demand`` (see ``relaxed``) can have served with ``capacity``: a maximum flow
+    per kind. Exact when every pod asks one device."""
+    total = 0
+    for kind, classes in demand.items():
+        free = {n: c.get(kind, 0) for n, c in capacity.items() if c.get(kind, 0)}
+        keys = [nodes for nodes, _ in classes]
+        groups = _groups(keys, free)
+        sized = [(g, sum(free[n] for n in nodes)) for g, nodes in groups.items()]
+        total += sum(_max_flow([n for _, n in classes], sized).values())
+    return total
+
+
+def _classes(wants: Sequence[Want]) -> dict[frozenset[str], list[Want]]:
+    out: dict[frozenset[str], list[Want]] = defaultdict(list)
+    for w in wants:
+        out[w.nodes].append(w)
+    return out
+
+
+def _groups(
+    classes: Sequence[frozenset[str]], free: Mapping[str, int]
+) -> dict[tuple[int, ...], list[str]]:
+    """Nodes with free devices, grouped by which pod classes may use them: interchangeable."""
+    member: dict[str, list[int]] = defaultdict(list)
+    for i, nodes in enumerate(classes):
+        small, large = (nodes, free) if len(nodes) < len(free) else (free, nodes)
+        for n in small:
+            if n in large:
+                member[n].append(i)
+    groups: dict[tuple[int, ...], list[str]] = defaultdict(list)
+    for n in sorted(member):
+        groups[tuple(member[n])].append(n)
+    return groups
+
+
+def _max_flow(
+    demand: Sequence[int], groups: Sequence[tuple[tuple[int, ...], int]]
+) -> dict[tuple[int, int], int]:
+    """Flow (class, group) -> pods: classes with ``demand`` pods, groups with (classes that
+    may use them, free devices). Augmenting paths, each pushing its bottleneck."""
+    flow: dict[tuple[int, int], int] = defaultdict(int)
+    left = list(demand)  # pods of each class not yet placed
+    room = [cap for _, cap in groups]
+    users: dict[int, list[int]] = defaultdict(list)
+    for g, (classes, _) in enumerate(groups):
+        for c in classes:
+            users[c].append(g)
+    # first the direct pushes, the most constrained classes first; paths then correct them
+    for c in sorted(users, key=lambda c: (len(users[c]), c)):
+        for g in users[c]:
+            push = min(left[c], room[g])
+            if push > 0:
+                flow[(c, g)] += push
+                left[c] -= push
+                room[g] -= push
+    while True:
+        path = _augmenting_path(left, room, users, flow)
+        if path is None:
+            return flow
+        # path: c0 g0 c1 g1 ... ck gk; c_i -> g_i gains flow, c_i+1 -> g_i gives it back
+        back = [flow[(path[i + 1], path[i])] for i in range(1, len(path) - 1, 2)]
+        push = min(left[path[0]], room[path[-1]], *back)
+        for i in range(0, len(path), 2):
+            flow[(path[i], path[i + 1])] += push
+            if i + 2 < len(path):
+                flow[(path[i + 2], path[i + 1])] -= push
+        left[path[0]] -= push
+        room[path[-1]] -= push
+
+
+def _augmenting_path(
+    left: Sequence[int],
+    room: Sequence[int],
+    users: Mapping[int, Sequence[int]],
+    flow: Mapping[tuple[int, int], int],
+) -> list[int] | None:
+    """class, group, class, group, ... from a class with pods left to a group with room, by
+    breadth-first search; None when there is none."""
+    starts = [c for c, n in enumerate(left) if n > 0]
+    parent: dict[tuple[str, int], tuple[str, int] | None] = {("c", c): None for c in starts}
+    queue = [("c", c) for c in starts]
+    on_group: dict[int, list[int]] = defaultdict(list)  # group -> classes with flow into it
+    for (c, g), f in flow.items():
+        if f > 0:
+            on_group[g].append(c)
+    for side, i in queue:
+        if side == "c":
+            for g in users.get(i, ()):
+                if ("g", g) not in parent:
+                    parent[("g", g)] = (side, i)
+                    if room[g] > 0:
+                        return _unwind(parent, ("g", g))
+                    queue.append(("g", g))
+        else:
+            for c in on_group[i]:
+                if ("c", c) not in parent:
+                    parent[("c", c)] = (side, i)
+                    queue.append(("c", c))
+    return None
+
+
+def _unwind(
+    parent: Mapping[tuple[str, int], tuple[str, int] | None], end: tuple[str, int]
+) -> list[int]:
+    path: list[int] = []
+    at: tuple[str, int] | None = end
+    while at is not None:
+        path.append(at[1])
+        at = parent[at]
+    return path[::-1]
+
+
+def _unit_flow(wants: Sequence[Want], free: Mapping[str, int]) -> dict[str, str]:
+    """pod -> node for pods of one device each of one kind: a maximum flow."""
+    classes = _classes(wants)
+    keys = list(classes)
+    groups = list(_groups(keys, free).items())
+    flow = _max_flow(
+        [len(classes[k]) for k in keys], [(g, sum(free[n] for n in ns)) for g, ns in groups]
+    )
+    out: dict[str, str] = {}
+    room = {n: free[n] for _, ns in groups for n in ns}
+    for (c, g), pods in sorted(flow.items()):
+        todo = sorted(w.pod for w in classes[keys[c]] if w.pod not in out)[:pods]
+        nodes = iter(groups[g][1])
+        node = next(nodes)
+        for pod in todo:
+            while room[node] == 0:
+                node = next(nodes)
+            room[node] -= 1
+            out[pod] = node
+    return out

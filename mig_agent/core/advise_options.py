@@ -1,0 +1,157 @@
+"""What each approved layout would do on one node, for ``advise``: the devices it would
+offer, the GPUs that change, and the running pods that would lose their device.
+
+Holders are known by device kind only (a pod's requests, a claim's allocated devices): which of
+the node's devices of that kind a pod holds is the kubelet's to know. So a running pod counts as
+evicted when the plan destroys any device of a kind it holds (a GPU instance the planner keeps
+in place is not destroyed): no pod can lose its device to an option that evicts nobody. The
+devices a pod holds that stay are not free for pending pods.
+
+Pure module: no I/O. The device plugin's sharing (time-slicing, MPS) is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mig_agent.core import dra_devices
+from mig_agent.core.advertised import Devices, advertised_resources, planned_devices, plugin_devices
+from mig_agent.core.advise import Option, Supply
+from mig_agent.core.demand import dra_kind
+from mig_agent.core.errors import PlanError
+from mig_agent.core.gpu_models import GpuModel, resource_name
+from mig_agent.core.layout import Layout
+from mig_agent.core.observed import NodeState
+from mig_agent.core.planner import Plan, plan
+
+DRA: str = "dra"  # the "strategy" of a node whose GPUs NVIDIA's DRA driver publishes
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A running pod on the node and the devices it holds, by kind."""
+
+    pod: str
+    kinds: Mapping[str, int]
+
+
+def resources(devices: Devices, strategy: str) -> dict[str, int]:
+    """The devices offered, by kind: the device plugin's resources, or the DRA driver's."""
+    if strategy != DRA:
+        return advertised_resources(devices, strategy)
+    if dra_devices.split_problem(devices):
+        return {}
+    return {
+        dra_kind("" if k == dra_devices.GPU else k[1]): n
+        for k, n in dra_devices.expected_devices(devices).items()
+    }
+
+
+def node_supply(
+    node: str,
+    current: str | None,
+    layouts: Iterable[Layout],
+    state: NodeState,
+    models: Mapping[int, GpuModel],
+    *,
+    strategy: str,
+    holders: Sequence[Holder] = (),
+    memo: Memo | None = None,
+) -> Supply:
+    """The node now and an option per layout that fits it and changes a GPU (``current``
+    aside). ``memo`` keeps each layout's effect on a GPU state for the next node alike."""
+    model_keys = tuple(sorted((i, m.key) for i, m in models.items()))
+    memo = {} if memo is None else memo
+    key = (state, model_keys, strategy)  # hashed once per node: a state is a deep tuple
+    seen = memo.get(key)
+    if seen is None:
+        seen = memo[key] = _Seen(resources(plugin_devices(state, models), strategy))
+    held: Counter[str] = Counter()
+    for h in holders:
+        held.update(h.kinds)
+    options = []
+    for layout in sorted(layouts, key=lambda la: la.name):
+        if layout.name == current:
+            continue
+        if layout.name not in seen.effects:
+            seen.effects[layout.name] = _effect(layout, state, models, strategy)
+        effect = seen.effects[layout.name]
+        if effect is None:
+            continue
+        changed, after, lost = effect
+        evicts = tuple(sorted(h.pod for h in holders if lost & set(h.kinds)))
+        staying: Counter[str] = Counter()
+        for h in holders:
+            if h.pod not in evicts:
+                staying.update(h.kinds)
+        options.append(
+            Option(layout.name, changed, _positive(Counter(after) - staying), after, evicts)
+        )
+    return Supply(node, current, _positive(Counter(seen.now) - held), tuple(options), seen.now)
+
+
+Effect = tuple[tuple[int, ...], dict[str, int], frozenset[str]]
+
+
+@dataclass
+class _Seen:
+    """What a GPU state offers now, and each layout's effect on it."""
+
+    now: dict[str, int]
+    effects: dict[str, Effect | None] = field(default_factory=dict)
+
+
+Memo = dict[tuple[object, ...], _Seen]
+
+
+def _effect(
+    layout: Layout, state: NodeState, models: Mapping[int, GpuModel], strategy: str
+) -> Effect | None:
+    """(GPUs changed, devices offered after, kinds of the devices destroyed), or None where the
+    layout does not fit, changes nothing, or leaves the plugin offering nothing."""
+    try:
+        the_plan = plan(layout, state, models, destroy_in_use=True)
+    except PlanError:
+        return None
+    if not the_plan.changed_gpus:
+        return None
+    after = resources(planned_devices(the_plan, state, models), strategy)
+    if not after:
+        return None
+    return (
+        the_plan.changed_gpus,
+        after,
+        frozenset(_destroyed_kinds(the_plan, state, models, strategy)),
+    )
+
+
+def _positive(counts: Counter[str]) -> dict[str, int]:
+    return {k: n for k, n in sorted(counts.items()) if n > 0}
+
+
+def _destroyed_kinds(
+    the_plan: Plan, state: NodeState, models: Mapping[int, GpuModel], strategy: str
+) -> set[str]:
+    """The kinds of the devices that ``the_plan`` destroys on the GPUs it changes."""
+    before = plugin_devices(state, models)
+    out: set[str] = set()
+    for gp in the_plan.gpus:
+        if gp.is_empty or gp.gpu not in before:
+            continue
+        had = before[gp.gpu]
+        if had is None:  # a whole GPU: any change ends it
+            out.add(_kind(None, strategy))
+            continue
+        kept = Counter(d.profile for d in gp.devices if d.kept)
+        out.update(_kind(name, strategy) for name in had - kept)
+    return out
+
+
+def _kind(device: str | None, strategy: str) -> str:
+    if strategy == DRA:
+        return dra_kind(device or "")
+    if device is None:
+        return "nvidia.com/gpu"
+    return resource_name(device, strategy=strategy) or device

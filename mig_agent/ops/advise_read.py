@@ -1,0 +1,259 @@
+"""What ``advise`` reads of the cluster: the pending pods no node can take today for want of GPU
+devices (demand), and the GPU nodes with what each approved layout would do there (supply).
+One look at nodes, pods, ResourceSlices, ResourceClaims and PodDisruptionBudgets; no patch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mig_agent.config.settings import Settings
+from mig_agent.core import demand, dra_devices
+from mig_agent.core.advertised import node_mig_strategy
+from mig_agent.core.advise import Supply
+from mig_agent.core.advise_assign import Want
+from mig_agent.core.advise_options import DRA, Holder, Memo, node_supply
+from mig_agent.core.errors import ConfigError, KubeError
+from mig_agent.core.generated_layouts import with_generated
+from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.labels import State
+from mig_agent.core.layout import LayoutCatalog
+from mig_agent.core.snapshot import from_json
+from mig_agent.kube.cluster import Cluster, NodeView, PdbView, PodView
+from mig_agent.ops.dra_view import DraView
+from mig_agent.ops.dra_view import read as dra_view_of
+
+
+@dataclass
+class Pool:
+    """Demand and supply, and what advise must say about what it leaves out."""
+
+    wants: list[Want] = field(default_factory=list)
+    supplies: list[Supply] = field(default_factory=list)
+    # pods left out before the search (claim not understood...), with the reason
+    not_understood: dict[str, str] = field(default_factory=dict)
+    left_alone: dict[str, str] = field(default_factory=dict)  # node -> why
+    # per pod, the GPU nodes its constraints allow (left alone or not)
+    allowed: dict[str, list[str]] = field(default_factory=dict)
+    # node -> kinds only options that evict offer (refused without --allow-evict or by PDBs)
+    evicting_only: dict[str, set[str]] = field(default_factory=dict)
+
+
+def read_pool(
+    cluster: Cluster,
+    catalog: LayoutCatalog,
+    settings: Settings,
+    *,
+    selector: str = "",
+    allow_evict: bool = False,
+    generated: bool = False,
+) -> Pool:
+    """Demand and supply of the GPU nodes ``selector`` picks; with ``generated``, the layouts
+    generated for GPU models the catalog does not cover are candidates too."""
+    s = settings
+    pool = Pool()
+    dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
+    claims = {
+        (c.get("metadata", {}).get("namespace", ""), c.get("metadata", {}).get("name", "")): c
+        for c in dra.claims
+    }
+    pods = cluster.list_pods()
+    running: dict[str, list[PodView]] = {}
+    for p in pods:
+        if p.node and not p.finished:
+            running.setdefault(p.node, []).append(p)
+    nodes = [
+        n
+        for n in sorted(cluster.list_nodes(selector), key=lambda n: n.name)
+        if s.gpu_state_annotation in n.annotations
+        or n.gpu_resources()
+        or dra_devices.publishes(dra.slices, n.name)
+    ]
+    pdbs = _tolerant_pdbs(cluster) if allow_evict else []
+    memo: Memo = {}  # nodes alike plan each layout once
+    if generated:
+        catalog = with_generated(catalog, _models(nodes, s))[0]
+    for node in nodes:
+        busy = _left_alone(node, s, dra)
+        if busy:
+            pool.left_alone[node.name] = busy
+            continue
+        supply = _supply(node, catalog, s, dra, claims, running.get(node.name, []), memo)
+        if isinstance(supply, str):
+            pool.left_alone[node.name] = supply
+            continue
+        supply, evicting = _allowed_options(supply, pdbs, running.get(node.name, []), allow_evict)
+        pool.evicting_only[node.name] = evicting
+        pool.supplies.append(supply)
+    free = {sp.node: sp.free for sp in pool.supplies}
+    for p in pods:
+        if p.node or p.phase != "Pending" or p.terminating:
+            continue
+        _add_want(pool, p, nodes, free, claims)
+    return pool
+
+
+def _models(nodes: Sequence[NodeView], s: Settings) -> list[GpuModel]:
+    out: list[GpuModel] = []
+    for node in nodes:
+        try:
+            out += from_json(json.loads(node.annotations.get(s.gpu_state_annotation, "")))[
+                1
+            ].values()
+        except ValueError:
+            continue
+    return out
+
+
+def _left_alone(node: NodeView, s: Settings, dra: DraView) -> str:
+    state = node.labels.get(s.state_label)
+    if state in (State.PENDING, State.REBOOTING):
+        return f"a change is under way (state {state})"
+    if state == State.FAILED:
+        return "its last change failed (state failed)"
+    if node.unschedulable:
+        return "cordoned"
+    if dra_devices.partitionable(dra.slices, node.name):
+        return "its DRA driver runs DynamicMIG and owns its MIG devices"
+    if s.gpu_state_annotation not in node.annotations:
+        return "no GPU state published by its agent"
+    return ""
+
+
+def _supply(
+    node: NodeView,
+    catalog: LayoutCatalog,
+    s: Settings,
+    dra: DraView,
+    claims: Mapping[tuple[str, str], Mapping[str, Any]],
+    running: Sequence[PodView],
+    memo: Memo,
+) -> Supply | str:
+    try:
+        state, models = from_json(json.loads(node.annotations[s.gpu_state_annotation]))
+    except ValueError as exc:
+        return f"unreadable GPU state ({exc})"
+    is_dra = not node.gpu_resources() and dra_devices.publishes(dra.slices, node.name)
+    try:
+        strategy = (
+            DRA
+            if is_dra
+            else node_mig_strategy(node.labels, label=s.mig_strategy_label, fallback=s.mig_strategy)
+        )
+    except ConfigError as exc:
+        return str(exc)
+    holders = _holders(node.name, running, claims, dra, is_dra)
+    return node_supply(
+        node.name,
+        node.labels.get(s.config_label),
+        catalog.layouts.values(),
+        state,
+        models,
+        strategy=strategy,
+        holders=holders,
+        memo=memo,
+    )
+
+
+def _holders(
+    node: str,
+    running: Sequence[PodView],
+    claims: Mapping[tuple[str, str], Mapping[str, Any]],
+    dra: DraView,
+    is_dra: bool,
+) -> list[Holder]:
+    devices = {
+        str(d.get("name", "")): d for d in dra_devices.node_devices(dra.slices, node) if is_dra
+    }
+    out = []
+    for p in sorted(running, key=lambda p: str(p.ref)):
+        kinds: Counter[str] = Counter()
+        if is_dra:
+            for name in p.claims:
+                claim = claims.get((p.ref.namespace, name))
+                if claim is not None:
+                    kinds.update(demand.held_kinds(claim, devices, node))
+        else:
+            kinds.update(p.gpu_requests)
+        if kinds:
+            out.append(Holder(str(p.ref), dict(kinds)))
+    return out
+
+
+def _allowed_options(
+    supply: Supply, pdbs: Sequence[PdbView], running: Sequence[PodView], allow_evict: bool
+) -> tuple[Supply, set[str]]:
+    """The supply without the options it may not take: any eviction without ``allow_evict``,
+    else more evictions of a PDB's pods than it allows now; also the kinds only those offer."""
+    labels = {str(p.ref): (p.ref.namespace, p.labels) for p in running}
+
+    def allowed(evicts: Sequence[str]) -> bool:
+        if not evicts:
+            return True
+        if not allow_evict:
+            return False
+        for pdb in pdbs:
+            covered = sum(
+                1
+                for pod in evicts
+                if pod in labels
+                and labels[pod][0] == pdb.namespace
+                and pdb.selector is not None
+                and pdb.selector.matches(labels[pod][1])
+            )
+            if covered > pdb.disruptions_allowed:
+                return False
+        return True
+
+    kept = tuple(o for o in supply.options if allowed(o.evicts))
+    offered = {k for o in kept for k, n in o.free.items() if n}
+    refused = {k for o in supply.options if o not in kept for k, n in o.free.items() if n}
+    return Supply(supply.node, supply.layout, supply.free, kept, supply.resources), (
+        refused - offered
+    )
+
+
+def _tolerant_pdbs(cluster: Cluster) -> list[PdbView]:
+    """The PDBs; none where the caller may not read them (every eviction still honours them)."""
+    try:
+        return cluster.list_pod_disruption_budgets()
+    except KubeError as exc:
+        if exc.context.get("status") in (403, 404):
+            return []
+        raise
+
+
+def _add_want(
+    pool: Pool,
+    pod: PodView,
+    nodes: Sequence[NodeView],
+    free: Mapping[str, Mapping[str, int]],
+    claims: Mapping[tuple[str, str], Mapping[str, Any]],
+) -> None:
+    name = str(pod.ref)
+    ask: demand.Ask | str | None
+    if pod.gpu_requests:
+        ask = demand.from_requests(pod.gpu_requests)
+    elif pod.claims:
+        found = [claims.get((pod.ref.namespace, c)) for c in pod.claims]
+        if any(c is None for c in found):
+            ask = None  # its claims are not made yet, or not NVIDIA's: nothing to read
+        else:
+            ask = demand.from_claims(c for c in found if c is not None)
+    else:
+        return
+    if ask is None:
+        return
+    if isinstance(ask, str):
+        pool.not_understood[name] = ask
+        return
+    allowed = [n.name for n in nodes if not pod.constraints.refusal(n.name, n.labels, n.taints)]
+    pool.allowed[name] = allowed
+    if any(free.get(n, {}).get(ask.kind, 0) >= ask.count for n in allowed):
+        return  # a node can take it today: the scheduler's to place
+    active = frozenset(n for n in allowed if n in free)
+    pool.wants.append(Want(name, ask.kind, ask.count, active, pod.constraints.describe()))

@@ -1,0 +1,103 @@
+"""We test these aspects of ``mig-agent advise`` end to end, on the local cluster with a real
+agent and simulated device plugin per node, running the command as a subprocess with the admin
+kubeconfig:
+
+* on a pool of two nodes at all-1g.10gb, nothing is proposed while no pod is pending;
+* pods Pending for mig-3g.40gb, which no node offers, get a proposal on the node whose change
+  evicts nobody, and a pod pinned by nodeSelector to the node where a running pod holds a
+  1g.10gb device gets an unserved reason naming the selector (its only layouts would evict);
+* ``--apply`` relabels through the rollout; the served pod then runs on the proposed node, and
+  the running pod was never evicted (same UID, still Running).
+
+* on a DRA node (NVIDIA's DRA kubelet plugin, no device plugin; root only), a pod whose
+  ResourceClaim asks DeviceClass mig.nvidia.com for ``profile == '3g.40gb'`` gets a proposal
+  offering that profile, and ``--apply`` runs it there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes import client
+from migsim.cluster import Cluster
+
+from .conftest import NodeFactory, wait_running
+from .test_dra import claim, claiming_pod
+from .test_ops import explain, make_pool, mig_agent_cli
+
+MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
+
+
+def advise(cluster: Cluster, selector: str, *extra: str) -> Any:
+    return mig_agent_cli(
+        "advise", "-l", selector, "--kubeconfig", str(cluster.kubeconfig), *extra, timeout=240
+    )
+
+
+def test_pending_profile_gets_a_proposal_that_applied_runs_it_evicting_nobody(
+    agent_node: NodeFactory,
+    core: client.CoreV1Api,
+    installed: Cluster,
+    namespace: str,
+    gpu_pod: Any,
+) -> None:
+    selector, nodes = make_pool(agent_node, core, 2)
+    for n in nodes:
+        n.label("all-1g.10gb")
+    for n in nodes:
+        n.wait_state("success", timeout=90)
+    busy_node, free_node = nodes
+    busy = gpu_pod(namespace, "busy", resources={MIG_1G: 1}, node=busy_node.name)
+    wait_running(core, namespace, "busy")
+
+    res = advise(installed, selector, "-o", "json")
+    assert res.returncode == 0, explain(res, nodes)
+    assert json.loads(res.stdout)["proposals"] == []
+
+    gpu_pod(namespace, "wants-3g", resources={MIG_3G: 1})
+    gpu_pod(namespace, "pinned", resources={MIG_3G: 1}, node=busy_node.name)
+    res = advise(installed, selector, "-o", "json")
+    assert res.returncode == 0, explain(res, nodes)
+    data = json.loads(res.stdout)
+    [proposal] = data["proposals"]
+    assert proposal["node"] == free_node.name and proposal["from"] == "all-1g.10gb"
+    assert proposal["serves"] == [f"{namespace}/wants-3g"] and proposal["evicts"] == []
+    reasons = {u["pod"]: u["reason"] for u in data["unserved"]}
+    pinned = reasons[f"{namespace}/pinned"]
+    assert f"nodeSelector kubernetes.io/hostname={busy_node.name}" in pinned, data
+    assert "--allow-evict" in pinned
+
+    res = advise(installed, selector, "--apply", "-p", "1")
+    assert res.returncode == 0, explain(res, nodes)
+    assert f"{free_node.name}  all-1g.10gb -> {proposal['to']}" in res.stdout, res.stdout
+    assert f"{namespace}/wants-3g: scheduled on {free_node.name}" in res.stdout, res.stdout
+    assert free_node.labels().get("nvidia.com/mig.config") == proposal["to"]
+    assert wait_running(core, namespace, "wants-3g").spec.node_name == free_node.name
+    still = core.read_namespaced_pod("busy", namespace)
+    assert still.metadata.uid == busy.metadata.uid and still.status.phase == "Running"
+    assert busy_node.labels().get("nvidia.com/mig.config") == "all-1g.10gb"
+
+
+def test_a_dra_claim_for_a_profile_gets_a_proposal_that_applied_runs_it(
+    agent_node: NodeFactory, core: client.CoreV1Api, installed: Cluster, namespace: str
+) -> None:
+    node = agent_node("2xH100-80GB", device_plugin="dra")  # MIG off: two whole GPUs
+    claim(node, namespace, "wants-3g", "device.attributes['gpu.nvidia.com'].profile == '3g.40gb'")
+    claiming_pod(core, namespace, "wants-3g", "wants-3g")
+    selector = f"kubernetes.io/hostname={node.name}"
+
+    res = advise(installed, selector, "-o", "json")
+    assert res.returncode == 0, explain(res, [node])
+    data = json.loads(res.stdout)
+    [proposal] = data["proposals"]
+    assert proposal["node"] == node.name and proposal["serves"] == [f"{namespace}/wants-3g"]
+    assert proposal["resources_before"] == {"dra:gpu": 2}
+    assert proposal["resources_after"].get("dra:3g.40gb", 0) >= 1, data
+    assert proposal["evicts"] == []
+
+    res = advise(installed, selector, "--apply")
+    assert res.returncode == 0, explain(res, [node])
+    assert f"{namespace}/wants-3g: scheduled on {node.name}" in res.stdout, res.stdout
+    assert node.labels().get("nvidia.com/mig.config") == proposal["to"]
+    assert wait_running(core, namespace, "wants-3g", timeout=60).spec.node_name == node.name
