@@ -20,6 +20,7 @@ from .conftest import (
     REAL_GPUS,
     gpu_resources,
     plugin_pods,
+    wait_phase,
     wait_resources,
 )
 
@@ -67,7 +68,9 @@ def test_nvidias_plugin_registers_with_the_kubelet_and_sets_allocatable(
 ) -> None:
     wait_resources(core, {"nvidia.com/gpu": REAL_GPUS.split("x")[0]})
     [pod] = plugin_pods(core)
-    assert pod.status.phase == "Running", pod.status
+    # the kubelet reports the pod Running on its own schedule, which can trail the plugin's
+    # registration (a CI run saw allocatable set with the pod still Pending in the API)
+    wait_phase(core, pod.metadata.namespace, pod.metadata.name, "Running")
     # the socket the plugin serves is in the real kubelet's own device-plugin folder
     assert (kubelet_node.device_plugin_dir / "nvidia-gpu.sock").is_socket()
 
