@@ -126,8 +126,35 @@ def published(cluster: Cluster, s: Settings) -> Counter[Kind]:
 def devices_ok(
     cluster: Cluster, s: Settings, gpus: GpuBackend, models: Mapping[int, GpuModel]
 ) -> bool:
-    """True when the node's slice lists the devices of the GPUs as they are."""
-    return published(cluster, s) == expected(gpus, models)
+    """True when the node's slice lists the devices of the GPUs as they are, by kind and, where
+    the slice names them, by UUID."""
+    slices = cluster.list_resource_slices(s.node_name)
+    return dra_devices.published_devices(slices, s.node_name) == expected(
+        gpus, models
+    ) and not stale_uuids(slices, s, gpus)
+
+
+def expected_uuids(gpus: GpuBackend) -> frozenset[str]:
+    """The UUIDs of the devices the plugin publishes for the GPUs as they are: the MIG devices
+    of a GPU in MIG mode, else the GPU."""
+    out: set[str] = set()
+    for gpu in gpus.observe().gpus:
+        if gpu.mig_current:
+            out.update(
+                ci.uuid for gi in gpu.gpu_instances for ci in gi.compute_instances if ci.uuid
+            )
+        else:
+            out.add(gpu.info.uuid)
+    return frozenset(out)
+
+
+def stale_uuids(slices: list[dict[str, Any]], s: Settings, gpus: GpuBackend) -> frozenset[str]:
+    """UUIDs the node's slice lists that the GPUs no longer hold, or holds that it lacks (none
+    where the slice names no UUIDs): a slice whose kinds match by chance is no proof."""
+    published_ids = dra_devices.published_uuids(slices, s.node_name)
+    if not published_ids:
+        return frozenset()
+    return published_ids ^ expected_uuids(gpus)
 
 
 def restart(cluster: Cluster, s: Settings) -> set[str]:
@@ -158,8 +185,10 @@ def wait_devices(
         new_pod = any(
             p.phase == "Running" and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s)
         )
-        have = published(cluster, s)
-        if new_pod and have == want:
+        slices = cluster.list_resource_slices(s.node_name)
+        have = dra_devices.published_devices(slices, s.node_name)
+        stale = stale_uuids(slices, s, gpus) if have == want else frozenset()
+        if new_pod and have == want and not stale:
             log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
             return dra_devices.named(want)
         if clock.now() >= deadline:
@@ -168,6 +197,13 @@ def wait_devices(
                     f"no new DRA kubelet plugin pod ({s.dra_plugin_namespace}, "
                     f"{s.dra_plugin_selector}) ran on the node within "
                     f"{s.device_plugin_timeout_s:.0f} s"
+                )
+            elif stale:
+                problem = (
+                    f"the node's ResourceSlice (driver {dra_devices.DRIVER}) lists the layout's "
+                    f"kinds after {s.device_plugin_timeout_s:.0f} s, but not the devices the "
+                    f"GPUs hold: {len(stale)} UUID(s) differ ({', '.join(sorted(stale)[:3])}"
+                    f"{', ...' if len(stale) > 3 else ''}): a stale slice"
                 )
             else:
                 problem = (

@@ -59,6 +59,13 @@ def published_devices(slices: Iterable[Mapping[str, Any]], node: str) -> Counter
     return out
 
 
+def published_uuids(slices: Iterable[Mapping[str, Any]], node: str) -> frozenset[str]:
+    """The UUIDs the newest slices of ``node``'s pool give their devices (static mode gives
+    every GPU and MIG device its ``uuid``; empty where a driver gives none)."""
+    out = (_string((d.get("attributes") or {}).get("uuid")) for d in _devices(slices, node))
+    return frozenset(u for u in out if u)
+
+
 def difference(expected: Counter[Kind], published: Counter[Kind]) -> str:
     """What the published devices lack and hold beyond the expected, or "" when they agree."""
     missing, extra = expected - published, published - expected

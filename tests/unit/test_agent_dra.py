@@ -321,3 +321,32 @@ def test_a_forbidden_slice_list_fails_the_pass_naming_it() -> None:
     assert agent.reconcile_once().outcome is Outcome.FAILED
     assert "list resourceslices: 403" in cluster.nodes[NODE].annotations[REASON]
     assert sum(gpus.calls.values()) == 0
+
+
+def _swapped_layouts(agent: Agent) -> None:
+    """ "x" and "y": the same devices on the node, on the other GPU: the kinds' counts match."""
+    seven = GpuLayout.of(True, {MigProfile.parse("1g.10gb"): 7})
+    two = GpuLayout.of(True, {MigProfile.parse("3g.40gb"): 2})
+    gpu0, gpu1 = DeviceSelector(frozenset({0})), DeviceSelector(frozenset({1}))
+    x = Layout("x", (Rule(gpu0, seven), Rule(gpu1, two)))
+    y = Layout("y", (Rule(gpu0, two), Rule(gpu1, seven)))
+    assert agent.catalog is not None
+    agent.catalog = LayoutCatalog.of([*agent.catalog.layouts.values(), x, y])
+
+
+def test_a_stale_slice_whose_kinds_match_by_chance_is_no_success() -> None:
+    """Between layouts of the same kinds a plugin that never republished leaves a slice that
+    counts right: its UUIDs are the old devices' (before: success over devices that are gone)."""
+    agent, cluster, gpus, dra = make_dra()
+    _swapped_layouts(agent)
+    label(cluster, "x")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    dra.republishes = False  # its new pod keeps the old slice
+    label(cluster, "y")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "lists the layout's kinds" in reason and "a stale slice" in reason, reason
+    assert cluster.nodes[NODE].unschedulable  # it lists devices that are gone
+    dra.republishes = True
+    assert agent.reconcile_once().outcome is Outcome.APPLIED  # the retry: a fresh slice
+    assert_clean(cluster)
