@@ -251,11 +251,22 @@ def _pods(
     """A pod per resource, run at once; each judged once it ended; all deleted in the end."""
     suffix = secrets.token_hex(3)
     made: dict[str, PodRef] = {}
+    refused: dict[str, Check] = {}
     try:
         for resource in sorted(resources):
             body = manifest(pod_name(node, resource, suffix), node, resource, spec)
-            made[resource] = cluster.create_pod(spec.namespace, body)
-        return _judge_pods(cluster, made, gpus, spec, clock)
+            try:
+                made[resource] = cluster.create_pod(spec.namespace, body)
+            except MigAgentError as exc:
+                refused[resource] = Check(
+                    f"pod {resource}",
+                    False,
+                    f"the pod could not be made: {exc}",
+                    "--runtime-class (a RuntimeClass the cluster has), --pod-namespace (one that "
+                    "exists, its quotas and policies), your rights to make pods there",
+                )
+        judged = {**refused, **_judge_pods(cluster, made, gpus, spec, clock)}
+        return [judged[r] for r in sorted(resources)]
     finally:
         for ref in made.values():
             try:
@@ -270,7 +281,7 @@ def _judge_pods(
     gpus: _Gpus,
     spec: PodSpec,
     clock: Clock,
-) -> list[Check]:
+) -> dict[str, Check]:
     published = published_devices(gpus.node, gpus.models) if gpus.has_uuids else {}
     deadline = clock.now() + spec.timeout_s
     checks: dict[str, Check] = {}
@@ -292,7 +303,7 @@ def _judge_pods(
             else:
                 checks[resource] = _listing_check(cluster, ref, resource, gpus, published)
         if len(checks) == len(made):
-            return [checks[r] for r in made]
+            return checks
         clock.sleep(POLL_S)
 
 

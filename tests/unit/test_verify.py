@@ -347,3 +347,17 @@ def test_kubectl_mig_has_verify_and_repartition_verify_with_the_same_options() -
     assert args.func is kubectl.cmd_verify and args.runtime_class == "nvidia"
     args = kubectl.build_parser().parse_args(["repartition", "L", "n1", "--verify"])
     assert args.verify and args.image.startswith("nvcr.io/nvidia/cuda:")
+
+
+def test_a_pod_the_api_server_refuses_fails_its_check_naming_the_options() -> None:
+    from mig_agent.core.errors import KubeError
+
+    c = _cluster()
+
+    def refuse(_namespace: str, _manifest: Mapping[str, Any]) -> PodRef:
+        raise KubeError('create pod: 403 pod rejected: RuntimeClass "nvidia" not found')
+
+    c.create_pod = refuse  # type: ignore[method-assign]
+    failed = _check(c).failed
+    assert failed is not None and failed.name == f"pod {MIG}", failed
+    assert "RuntimeClass" in failed.detail and "--runtime-class" in failed.hint
