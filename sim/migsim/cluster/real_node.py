@@ -723,7 +723,8 @@ def _kill_tree(pid: int) -> None:
 
 def stop_node(node: RealNode) -> None:
     """Stop the kubelet, the node's containers and shims, containerd; unmount what they left
-    under the node's folder (the kubelet's pod volumes, containers' root filesystems)."""
+    under the node's folder (the kubelet's pod volumes, containers' root filesystems, the pods'
+    network namespaces); remove the pod network's traces on the machine."""
     stop([node.kubelet])
     for shim in _shims(node.containerd_socket):
         _kill_tree(shim)
