@@ -198,7 +198,7 @@ def _age(node: NodeView, s: Settings, clock: Clock) -> str:
         at = datetime.fromisoformat(written.replace("Z", "+00:00")).timestamp()
     except ValueError:
         return " (its age unknown)"
-    return f", {age_text(clock.wall() - at)} ago or earlier (its last write to the node)"
+    return f" (its last write to the node {age_text(clock.wall() - at)} ago)"
 
 
 def _allocatable(

@@ -51,6 +51,8 @@ _HINTS: Final = (
         "cdi list; /etc/cdi, /var/run/cdi) and the container runtime's log",
     ),
 )
+# Warnings of every pod on some nodes that say nothing about its devices
+_NOISE: Final = frozenset({"MissingClusterDNS", "DNSConfigForming"})
 _NOT_RUN_HINT: Final = (
     "the pod's events (kubectl describe pod), the kubelet's log, the device plugin's pod"
 )
@@ -157,10 +159,11 @@ def _said(
         if state.get("reason") or state.get("message"):
             parts.append(f"{state.get('reason', '')}: {state.get('message', '')}".rstrip(": "))
     for e in events:
-        if e.get("type") == "Warning":
-            text = f"{e.get('reason', '')}: {e.get('message', '')}".rstrip(": ")
-            if text not in parts:
-                parts.append(f"event {text}")
+        message = str(e.get("message", ""))
+        if e.get("type") != "Warning" or e.get("reason") in _NOISE:
+            continue
+        if not any(message and message in p for p in parts):  # the status said it already
+            parts.append(f"event {e.get('reason', '')}: {message}".rstrip(": "))
     return "".join(f"; {p}" for p in dict.fromkeys(parts))
 
 

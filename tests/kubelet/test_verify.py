@@ -77,6 +77,7 @@ def test_the_seeds_tiny_pod_runs_in_the_pod_network_and_lists_its_mig_device(
 
 def test_verify_passes_on_the_node_after_the_layout(applied: NodeCluster) -> None:
     done = mig_agent(applied, "verify", real_node.NAME, "-o", "json")
+    print(done.stdout)  # shown with -rP: what an operator reads
     assert done.returncode == 0, (done.stdout, done.stderr)
     [verdict] = json.loads(done.stdout)
     assert verdict["ok"], verdict
@@ -100,6 +101,7 @@ def test_repartition_verify_stops_at_a_node_whose_runtime_cannot_give_the_device
     c.kubectl("create", "-f", "-", input=json.dumps(spare))
     done = mig_agent(applied, "repartition", "all-2g.20gb", real_node.NAME, SPARE, "--verify")
     out = done.stdout
+    print(out)
     assert done.returncode == 1, (out, done.stderr)
     assert "success; verifying" in out, out
     assert "FAIL  pod nvidia.com/mig-2g.20gb" in out, out
@@ -124,6 +126,7 @@ def test_verify_fails_naming_the_resource_allocatable_lacks(applied: NodeCluster
         interval=0.5,
     )
     done = mig_agent(applied, "verify", real_node.NAME)
+    print(done.stdout)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "FAIL  allocatable: allocatable lacks nvidia.com/mig-2g.20gb: 0 of 6" in done.stdout
     assert "look at: the device plugin's pod" in done.stdout, done.stdout

@@ -126,7 +126,7 @@ def _cluster(
     c.nodes["n1"] = replace(
         node,
         annotations={S.gpu_state_annotation: compact(state, models)},
-        annotations_written={S.gpu_state_annotation: "1970-01-12T13:40:00Z"},  # 1,000,800 s
+        annotations_written={S.gpu_state_annotation: "1970-01-12T13:40:00Z"},  # 400 s before wall()
     )
     return c
 
@@ -143,7 +143,9 @@ def test_a_node_that_makes_what_it_publishes_passes_and_its_pods_are_deleted() -
     assert verdict.ok, lines
     assert [ch.name for ch in verdict.checks] == ["gpu-state", "allocatable", f"pod {MIG}"]
     assert "1x H100-80GB; MIG on GPU 0: 2x 1g.10gb" in verdict.checks[0].detail
-    assert "published by the agent" in verdict.checks[0].detail
+    assert "published by the agent (its last write to the node 6 min ago)" in (
+        verdict.checks[0].detail
+    )
     [pod] = c.manifests
     spec = pod["spec"]
     assert spec["nodeName"] == "n1" and spec["runtimeClassName"] == "nvidia"
@@ -179,12 +181,16 @@ def test_a_pod_the_runtime_could_not_start_fails_with_its_words_and_where_to_loo
         ],
     }
     event = {"type": "Warning", "reason": "Failed", "message": "Error: failed to create task"}
-    c.play = lambda _pod: ({"status": status}, "", [event])
+    dns = {"type": "Warning", "reason": "MissingClusterDNS", "message": "no ClusterDNS IP"}
+    said = {"type": "Warning", "reason": "Failed", "message": "unresolvable CDI devices"}
+    c.play = lambda _pod: ({"status": status}, "", [event, dns, said])
     verdict = _check(c)
     failed = verdict.failed
     assert failed is not None and failed.name == f"pod {MIG}"
     assert "StartError: unresolvable CDI devices" in failed.detail
     assert "event Failed: Error: failed to create task" in failed.detail
+    # an event that repeats the status, or says nothing of the devices, is left out
+    assert "ClusterDNS" not in failed.detail and failed.detail.count("unresolvable") == 1
     assert "CDI spec" in failed.hint
     assert c.deleted == list(c.made)
 
