@@ -7,7 +7,8 @@ agents run in; ``status -o wide`` shows each node's agent pod from it.
 
     kubectl mig status [-l SELECTOR] [-o wide|json|yaml]
     kubectl mig plan NODE LAYOUT [-o json|yaml]
-    kubectl mig repartition LAYOUT [NODE ...] [-l SELECTOR] [-p K] [--dry-run]
+    kubectl mig repartition LAYOUT [NODE ...] [-l SELECTOR] [-p K] [--dry-run] [--verify]
+    kubectl mig verify [NODE ...] [-l SELECTOR] [-o json] [--image IMAGE] [--runtime-class RC]
     kubectl mig advise [-l SELECTOR] [--allow-evict] [--max-nodes N] [-o json|yaml] [--apply]
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from mig_agent.cli import advise_command
 from mig_agent.cli.common import EXIT_OK, EXIT_USAGE, add_config_args, dispatch, load_configs
+from mig_agent.cli.ops_commands import add_pod_options, add_verify_parser, run_verify, verifier
 from mig_agent.config.settings import Settings
 from mig_agent.config.yaml_files import dump_yaml
 from mig_agent.kube.client import KubernetesCluster
@@ -177,6 +179,7 @@ def cmd_repartition(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             settings=settings,
             out=_print,
+            verify=verifier(cluster, args, settings, _print) if args.verify else None,
         ).exit_code
     finally:
         cluster.close()
@@ -184,6 +187,14 @@ def cmd_repartition(args: argparse.Namespace) -> int:
 
 def cmd_advise(args: argparse.Namespace) -> int:
     return advise_command.run(args, _connect, _print, dump=dump_yaml)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    cluster = _connect(args)
+    try:
+        return run_verify(cluster, args, _print)
+    finally:
+        cluster.close()
 
 
 def _print(line: str) -> None:
@@ -238,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--max-parallel", type=int, default=1, metavar="K")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=1800.0, metavar="SECONDS")
     p.add_argument("--dry-run", action="store_true", help="show the plan per node, change nothing")
+    p.add_argument(
+        "--verify", action="store_true", help="verify each node after its success (see verify)"
+    )
+    add_pod_options(p)
     add_config_args(p, layout=False)
     p.set_defaults(func=cmd_repartition)
 
@@ -249,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     advise_command.add_args(p, outputs=("table", "json", "yaml"))
     p.set_defaults(func=cmd_advise)
+    p = add_verify_parser(sub, parents=[common])
+    p.set_defaults(func=cmd_verify)
     return parser
 
 

@@ -1,19 +1,24 @@
-"""``mig-agent repartition|status|advise`` (also scripts/repartition, scripts/mig-status)."""
+"""``mig-agent repartition|status|verify|advise`` (also ``scripts/repartition``,
+``scripts/mig-status``; ``verify``'s options are shared with ``kubectl mig``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from mig_agent.cli import advise_command
 from mig_agent.cli.common import add_config_args, default_config
 from mig_agent.config.settings import Settings
+from mig_agent.core.errors import ConfigError
 from mig_agent.ops import (
+    EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
     Action,
+    Writer,
     check_layout,
     dry_run,
     repartition,
@@ -21,6 +26,13 @@ from mig_agent.ops import (
     status,
     status_json,
     status_table,
+)
+from mig_agent.ops.verify import NodeVerdict, VerifyCluster, verdicts_json, verify, verify_node
+from mig_agent.ops.verify_pods import DEFAULT_IMAGE, DEFAULT_RUNTIME_CLASS, PodSpec
+
+VERIFY_EXITS = (
+    "Exit 0 when every node passed every check, 1 when a check failed, 2 for a usage error "
+    "(an unknown node, a bad option), 130 on Ctrl-C (the pods made so far are deleted)."
 )
 
 
@@ -69,6 +81,7 @@ def cmd_repartition(args: argparse.Namespace) -> int:
             force=args.force,
             settings=settings,
             out=_write,
+            verify=verifier(cluster, args, settings, _write) if args.verify else None,
         )
         return summary.exit_code
     finally:
@@ -94,9 +107,91 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return advise_command.run(args, _connect, _write)
 
 
-def register(sub: Any) -> None:
-    """Add ``repartition``, ``status`` and ``advise`` to the ``mig-agent`` subcommands."""
+def pod_spec(args: argparse.Namespace) -> PodSpec:
+    if args.pod_timeout_s <= 0:
+        raise ConfigError(f"--pod-timeout must be positive, got {args.pod_timeout_s}")
+    return PodSpec(args.image, args.runtime_class, args.pod_namespace, args.pod_timeout_s)
 
+
+def verifier(
+    cluster: VerifyCluster, args: argparse.Namespace, settings: Settings, out: Writer
+) -> Callable[[str], NodeVerdict]:
+    """``verify``'s checks of one node with the command's options, for ``repartition --verify``."""
+    spec = pod_spec(args)
+    return lambda node: verify_node(cluster, node, pods=spec, settings=settings, out=out)
+
+
+def run_verify(cluster: VerifyCluster, args: argparse.Namespace, out: Writer) -> int:
+    """``verify`` (mig-agent's and kubectl mig's): the checks, as lines or JSON."""
+    spec = pod_spec(args)
+    nodes = select_nodes(cluster, args.nodes, args.selector)
+    as_json = args.output == "json"
+    verdicts = verify(
+        cluster,
+        nodes,
+        pods=spec,
+        settings=Settings.from_env(),
+        out=(lambda _line: None) if as_json else out,
+    )
+    if as_json:
+        out(json.dumps(verdicts_json(verdicts), indent=2))
+    return EXIT_OK if all(v.ok for v in verdicts) else EXIT_FAILED
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    cluster = _connect(args)
+    try:
+        return run_verify(cluster, args, _write)
+    finally:
+        cluster.close()
+
+
+def add_pod_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``verify``'s pods (also ``repartition --verify``'s)."""
+    p.add_argument(
+        "--image",
+        default=DEFAULT_IMAGE,
+        help="the pods' image; NVIDIA's runtime injects nvidia-smi into it (default %(default)s)",
+    )
+    p.add_argument(
+        "--runtime-class",
+        default=DEFAULT_RUNTIME_CLASS,
+        help="the pods' RuntimeClass, '' for the cluster's default runtime (default %(default)s)",
+    )
+    p.add_argument(
+        "--pod-namespace", default="default", help="where the pods run (default %(default)s)"
+    )
+    p.add_argument(
+        "--pod-timeout",
+        dest="pod_timeout_s",
+        type=float,
+        default=180.0,
+        metavar="SECONDS",
+        help="how long a node's pods may take to end (default %(default)s)",
+    )
+
+
+def add_verify_parser(sub: Any, **parents: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "verify",
+        help="check nodes: published GPUs, allocatable, a tiny pod per device kind",
+        description="The operator's checks of GPU nodes: the GPUs as the node's agent publishes "
+        "them (and how old that is), the node's allocatable (or DRA ResourceSlice) against what "
+        "those GPUs make under the node's MIG strategy, and per advertised resource a tiny pod "
+        "pinned to the node under the RuntimeClass, whose nvidia-smi -L must show exactly one "
+        "device of that kind, one the node lists. A failure names the check, what the pod and "
+        "its events said, and what to look at. " + VERIFY_EXITS,
+        **parents,
+    )
+    p.add_argument("nodes", nargs="*", metavar="NODE", help="node names (or use -l)")
+    p.add_argument("-l", "--selector", default="", help="label selector of the nodes")
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    add_pod_options(p)
+    return p
+
+
+def register(sub: Any) -> None:
+    """Add ``repartition``, ``status``, ``verify`` and ``advise`` to ``mig-agent``."""
     p = sub.add_parser(
         "repartition",
         help="set a layout on nodes through the label and follow each to success or failed",
@@ -146,6 +241,13 @@ def register(sub: Any) -> None:
         action="store_true",
         help="go ahead on nodes where the layout does not fit by the published GPU state",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="run verify's checks on each node after its success; a node that fails them "
+        "counts as failed (and so stops the rollout)",
+    )
+    add_pod_options(p)
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
     add_config_args(p, layout=False)
     p.set_defaults(func=cmd_repartition)
@@ -166,3 +268,6 @@ def register(sub: Any) -> None:
     advise_command.add_args(p, outputs=("table", "json"))
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
     p.set_defaults(func=cmd_advise)
+    p = add_verify_parser(sub)
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.set_defaults(func=cmd_verify)

@@ -180,14 +180,16 @@ def empty_node(models: list[GpuModel]) -> tuple[NodeState, dict[int, GpuModel]]:
 
 
 def compact(node: NodeState, models: Mapping[int, GpuModel]) -> str:
-    """A small, stable JSON of the GPUs (model, mode, instances and placements) for a node
-    annotation; ``from_json(json.loads(...))`` reads it back."""
+    """A small, stable JSON of the GPUs (model, UUID, mode, instances, placements and MIG
+    devices' UUIDs: what ``verify`` holds a pod's device to) for a node annotation;
+    ``from_json(json.loads(...))`` reads it back."""
     gpus = []
     for g in to_json(node, models)["gpus"]:
         gpus.append(
             {
                 "index": g["index"],
                 "model": g["model"],
+                "uuid": g["uuid"],
                 "mig_enabled": g["mig_enabled"],
                 "mig_pending": g["mig_pending"],
                 "gpu_instances": [
@@ -200,6 +202,7 @@ def compact(node: NodeState, models: Mapping[int, GpuModel]) -> str:
                                 "id": ci["id"],
                                 "profile_id": ci["profile_id"],
                                 "placement": ci["placement"],
+                                **({"uuid": ci["uuid"]} if ci["uuid"] else {}),
                             }
                             for ci in gi["compute_instances"]
                         ],

@@ -41,6 +41,7 @@ from mig_agent.kube.cluster import (
     NodeView,
     PdbView,
     PodRef,
+    PodRunner,
     PodView,
     is_gpu_resource,
 )
@@ -134,7 +135,7 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-class KubernetesCluster(Cluster):
+class KubernetesCluster(Cluster, PodRunner):
     """The agent's client of the API server (kubeconfig or in-cluster credentials)."""
 
     def __init__(
@@ -488,6 +489,49 @@ class KubernetesCluster(Cluster):
         with _kube("create event", node=node.name):
             self._call(self._core.create_namespaced_event, "default", event)
 
+    # verify's pods --------------------------------------------------------------------------
+
+    def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> PodRef:
+        name = str((manifest.get("metadata") or {}).get("name", ""))
+        with _kube("create pod", pod=f"{namespace}/{name}"):
+            pod = self._call(self._core.create_namespaced_pod, namespace, dict(manifest))
+        meta = pod.get("metadata") or {}
+        return PodRef(namespace, meta.get("name", name), meta.get("uid", ""))
+
+    def read_pod(self, ref: PodRef) -> dict[str, Any] | None:
+        try:
+            with _kube("read pod", pod=str(ref)):
+                pod: dict[str, Any] = self._call(
+                    self._core.read_namespaced_pod, ref.name, ref.namespace
+                )
+        except KubeError as exc:
+            if exc.context.get("status") == 404:
+                return None
+            raise
+        return pod
+
+    def pod_log(self, ref: PodRef) -> str:
+        with _kube("read pod log", pod=str(ref)):
+            resp = self._retrying(
+                self._core.read_namespaced_pod_log,
+                ref.name,
+                ref.namespace,
+                _request_timeout=self._timeout,
+                _preload_content=False,
+            )
+        try:
+            return str(resp.data.decode(errors="replace"))
+        finally:
+            resp.release_conn()
+
+    def pod_events(self, ref: PodRef) -> list[dict[str, Any]]:
+        field = f"involvedObject.name={ref.name}"
+        if ref.uid:
+            field += f",involvedObject.uid={ref.uid}"
+        with _kube("list events", pod=str(ref)):
+            got = self._call(self._core.list_namespaced_event, ref.namespace, field_selector=field)
+        return list(got["items"])
+
     # DRA ----------------------------------------------------------------------------------
 
     def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
@@ -601,6 +645,13 @@ def _node(n: Mapping[str, Any]) -> NodeView:
             if "f:unschedulable" in ((m.get("fieldsV1") or {}).get("f:spec") or {})
         ),
         taints=taints_of(spec),
+        annotations_written={
+            key.removeprefix("f:"): str(m.get("time") or "")
+            for m in meta.get("managedFields") or []
+            for key in (((m.get("fieldsV1") or {}).get("f:metadata") or {}).get("f:annotations"))
+            or {}
+            if key.startswith("f:") and m.get("time")
+        },
     )
 
 

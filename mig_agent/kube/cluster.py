@@ -48,6 +48,9 @@ class NodeView:
     # the field managers that own spec.unschedulable (managedFields): who cordoned the node
     unschedulable_by: tuple[str, ...] = ()
     taints: tuple[Taint, ...] = ()
+    # per annotation, when the field manager that owns it last changed the node (managedFields'
+    # time, RFC 3339): how old the agent's published GPU state is at most
+    annotations_written: Mapping[str, str] = field(default_factory=dict)
 
     def gpu_resources(self) -> dict[str, int]:
         """The node's allocatable nvidia.com/gpu and nvidia.com/mig-* counts (zeros dropped):
@@ -205,4 +208,25 @@ class Cluster(Protocol):
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         """Every PodDisruptionBudget of the cluster."""
+        ...
+
+
+class PodRunner(Protocol):
+    """What ``verify`` needs beyond Cluster: pods of its own, read as the API returns them, with
+    their logs and events. Errors as Cluster's."""
+
+    def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> PodRef:
+        """Create the pod; its reference with the UID the API server gave it."""
+        ...
+
+    def read_pod(self, ref: PodRef) -> dict[str, Any] | None:
+        """The pod as the API returns it, or None when it is gone."""
+        ...
+
+    def pod_log(self, ref: PodRef) -> str:
+        """Its (first) container's log."""
+        ...
+
+    def pod_events(self, ref: PodRef) -> list[dict[str, Any]]:
+        """The Events about the pod (core/v1), as the API returns them."""
         ...

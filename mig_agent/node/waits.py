@@ -22,6 +22,7 @@ class Clock:
     sleep: Callable[[float], None] = time.sleep
     # wait until the event is set or the timeout passes (True if set): the agent loop's wait
     wait: Callable[[threading.Event, float], bool] = threading.Event.wait
+    wall: Callable[[], float] = time.time  # epoch seconds, to age the API server's stamps
 
 
 def poll_delays(poll_s: float, fast_s: float = 0.1, fast_for_s: float = 3.0) -> Iterator[float]:

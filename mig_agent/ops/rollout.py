@@ -6,7 +6,7 @@ injected.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mig_agent.config.settings import Settings
@@ -29,6 +29,7 @@ from mig_agent.ops.values import (
     Writer,
     table,
 )
+from mig_agent.ops.verify import NodeVerdict
 
 
 def repartition(
@@ -46,6 +47,7 @@ def repartition(
     settings: Settings = DEFAULT_SETTINGS,
     clock: Clock = REAL_CLOCK,
     out: Writer = print,
+    verify: Callable[[str], NodeVerdict] | None = None,
 ) -> Summary:
     """Set ``layout`` on ``nodes``, at most ``max_parallel`` at a time, following each to the end.
 
@@ -53,7 +55,9 @@ def repartition(
     those already started are followed to their end. A node not done after ``timeout_s`` counts
     as timed out (its agent carries on). Ctrl-C (KeyboardInterrupt) stops at once and returns a
     summary naming the nodes still in progress; nothing is half-done, as a node's only change is
-    one patch. Progress lines and the summary table go to ``out``.
+    one patch. Progress lines and the summary table go to ``out``. With ``verify`` (the checks of
+    mig_agent.ops.verify, bound to their options), a node counts as a success only once it passed
+    them after its agent's ``success``; one that fails them counts as failed.
 
     Raises, before touching any node: UnknownLayout for a typo, RolloutRefused when the layout
     does not fit a node by its published GPU state or its agent is busy with another layout
@@ -87,6 +91,7 @@ def repartition(
         poll_s=poll_s,
         heartbeat_s=heartbeat_s,
         width=max((len(n) for n in nodes), default=0),
+        verify=verify,
     )
     summary = rollout.run(previews)
     for line in summary_table(summary):
@@ -115,6 +120,7 @@ class _Rollout:
     poll_s: float
     heartbeat_s: float
     width: int
+    verify: Callable[[str], NodeVerdict] | None = None
     t0: float = 0.0
     failures: int = 0
     active: dict[str, _Active] = field(default_factory=dict)
@@ -213,7 +219,8 @@ class _Rollout:
                 if state not in (State.SUCCESS, State.FAILED):
                     self._line(name, state or "(state cleared)")
             if state == State.SUCCESS:
-                self._finish(name, Result.SUCCESS)
+                problem = self._verified(name)
+                self._finish(name, Result.FAILED if problem else Result.SUCCESS, problem)
             elif state == State.FAILED:
                 self._finish(name, Result.FAILED, _reason(node, s))
             elif elapsed >= self.timeout_s:
@@ -223,6 +230,18 @@ class _Rollout:
                     f"no result after {self.timeout_s:.0f} s (state {state or '-'}); "
                     "its agent carries on",
                 )
+
+    def _verified(self, name: str) -> str:
+        """What the node failed of ``verify``'s checks ("" when it passed them, or without)."""
+        if self.verify is None:
+            return ""
+        self._line(name, "success; verifying")
+        verdict = self.verify(name)
+        failed = verdict.failed
+        if failed is None:
+            self._line(name, "verified: " + ", ".join(c.name for c in verdict.checks))
+            return ""
+        return f"verify: {failed.name}: {failed.detail}"
 
     def _finish(self, name: str, result: Result, reason: str = "") -> None:
         a = self.active.pop(name)

@@ -53,15 +53,14 @@ def real_node_running(cluster: Cluster) -> Iterator[real_node.RealNode]:
 def node_pod(
     name: str, container: dict[str, Any], *, grace_s: int = 30, **spec: Any
 ) -> dict[str, Any]:
-    """A pod on the real node, in the node's network, of one container from an image built
-    here (imagePullPolicy Never)."""
+    """A pod on the real node (in its pod network) of one container from an image built here
+    (imagePullPolicy Never)."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name},
         "spec": {
             "nodeName": REAL_NODE,
-            "hostNetwork": True,
             "terminationGracePeriodSeconds": grace_s,
             "restartPolicy": "Never",
             "containers": [{"name": "main", "imagePullPolicy": "Never", **container}],

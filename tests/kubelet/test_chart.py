@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 from migsim.cluster import Cluster, images, real_node
@@ -42,10 +43,12 @@ def chart(node_cluster: NodeCluster) -> Cluster:
     return node_cluster.cluster
 
 
-def agent_metrics() -> str:
-    """The chart's agent's /metrics, on the node's network at the chart's port ("" if none)."""
+def agent_metrics(pod: dict[str, Any]) -> str:
+    """The chart's agent's /metrics, at its pod's address in the pod network and the chart's
+    port ("" if none)."""
+    url = f"http://{pod['status']['podIP']}:{METRICS_PORT}/metrics"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=5) as r:
             return str(r.read().decode())
     except OSError:
         return ""
@@ -77,10 +80,10 @@ def test_the_chart_runs_the_agent_on_the_real_node_and_it_repartitions(chart: Cl
     c.kubectl("delete", "pod", "-n", "mig-agent", pod["metadata"]["name"], "--wait=true")
     new = wait_ready_agent(c)
     assert new["metadata"]["uid"] != pod["metadata"]["uid"]
-    # the new pod's first pass is over once its metrics (the node's network, the chart's port)
+    # the new pod's first pass is over once its metrics (its pod's address, the chart's port)
     # say success: that pass found the layout in place
     metrics = wait_until(
-        lambda: first_pass_done(agent_metrics()),
+        lambda: first_pass_done(agent_metrics(new)),
         timeout=60,
         what="the new agent's first pass to end in success",
     )

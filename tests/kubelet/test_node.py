@@ -1,13 +1,16 @@
 """We test that the real node is one: a kubelet registered with containerd as its runtime, real
 containers whose output the API server reads from the kubelet, and a deletion that waits for the
-container's own SIGTERM handler, where kwok deletes every pod after a fixed delay."""
+container's own SIGTERM handler, where kwok deletes every pod after a fixed delay; a pod network
+(a network namespace and an address of a pod's own), gone with the node."""
 
 from __future__ import annotations
 
+import ipaddress
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -38,6 +41,7 @@ def test_the_node_runs_a_real_kubelet_on_containerd(
 def kubelet_node(cluster: Cluster, core: client.CoreV1Api) -> Iterator[real_node.RealNode]:
     """This module's real node, started where one whose plugin advertised MIG devices ran just
     before: the precondition of test_a_new_real_node_inherits_no_resource_of_an_earlier_one."""
+    forwarding = real_node.IP_FORWARD.read_text()
     with real_node_running(cluster) as earlier:
         done = subprocess.run(
             [sys.executable, "-m", "mig_agent", "apply", "-c", "all-1g.10gb"]
@@ -50,6 +54,13 @@ def kubelet_node(cluster: Cluster, core: client.CoreV1Api) -> Iterator[real_node
         [plugin] = plugin_pods(core)  # its DaemonSet's next pod registers the MIG devices
         core.delete_namespaced_pod(plugin.metadata.name, plugin.metadata.namespace)
         wait_resources(core, {"nvidia.com/mig-1g.10gb": "14"})
+        # the plugin's pod is in the pod network: the bridge is there while the node runs
+        assert Path("/sys/class/net", real_node.BRIDGE).exists()
+    # and gone with the node, as its pods' namespaces and the forwarding the bridge turned on
+    assert not Path("/sys/class/net", real_node.BRIDGE).exists()
+    assert real_node.IP_FORWARD.read_text() == forwarding
+    nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True)
+    assert "CNI-" not in nat.stdout, nat.stdout
     with real_node_running(cluster) as node:
         yield node
 
@@ -76,6 +87,21 @@ def test_a_container_runs_and_its_log_comes_from_the_kubelet(
     )
     wait_phase(core, namespace, "hello", "Succeeded")
     assert pod_log(core, namespace, "hello").strip() == "hello from sh"
+
+
+def test_a_pod_has_a_network_namespace_and_an_address_of_its_own(
+    kubelet_node: real_node.RealNode, core: client.CoreV1Api, namespace: str
+) -> None:
+    # /proc/net/dev lists the interfaces of the container's network namespace
+    core.create_namespaced_pod(namespace, busybox_pod("net", "cat /proc/net/dev"))
+    pod = wait_phase(core, namespace, "net", "Succeeded")
+    assert pod.spec.host_network is not True
+    assert ipaddress.ip_address(pod.status.pod_ip) in ipaddress.ip_network(real_node.POD_SUBNET)
+    assert pod.status.pod_ip != real_node.node_address()
+    interfaces = {
+        line.split(":")[0].strip() for line in pod_log(core, namespace, "net").splitlines()[2:]
+    }
+    assert interfaces == {"lo", "eth0"}, interfaces  # not the machine's (its bridge among them)
 
 
 def test_a_deletion_waits_for_the_containers_sigterm_handler(

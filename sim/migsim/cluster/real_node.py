@@ -3,20 +3,25 @@ with Debian's containerd and runc, running real containers of images built here 
 
 Beside the kwok nodes (which stay for pools of many), a real node is where graceful termination,
 probes, the kubelet's device manager and its PodResources socket are the real ones. Everything it
-keeps is under the node's folder (``nodes/<name>/``): containerd's root and state, pod logs, a
-loopback-only CNI config, NVIDIA's container runtime's config and the node's CDI spec; but for
-the kubelet's root, ``/var/lib/kubelet`` as on a production node (the device manager keeps
-its sockets at that fixed path, and the chart mounts its pod-resources folder), emptied when a
-real node starts and stops, and for its sockets (containerd's, the GPU simulator's), in
-``/run/mig-agent-real-node`` where a path stays short enough for a unix socket.
+keeps is under the node's folder (``nodes/<name>/``): containerd's root and state (the pods'
+network namespaces too), pod logs, its CNI config and address leases, NVIDIA's container
+runtime's config and the node's CDI spec; but for the kubelet's root, ``/var/lib/kubelet`` as on
+a production node (the device manager keeps its sockets at that fixed path, and the chart mounts
+its pod-resources folder), emptied when a real node starts and stops, and for its sockets
+(containerd's, the GPU simulator's), in ``/run/mig-agent-real-node`` where a path stays short
+enough for a unix socket.
 
 What this machine asks of such a node (checked by hand, see docs/real-node.md):
 
 * containerd's CRI must not lower ``oom_score_adj`` (no CAP_SYS_RESOURCE here):
   ``restrict_oom_score_adj``;
 * runc, not crun (crun refuses this hybrid cgroup v1/v2 layout);
-* pods run with ``hostNetwork: true``: the CNI config holds only ``loopback``, which is what the
-  runtime needs to call its network ready; a pod network of its own is not set up;
+* a pod network (without one containerd 1.6 fails every sandbox, "failed to find network
+  info"): Debian's CNI plugins, a bridge (``BRIDGE``) with addresses from ``POD_SUBNET`` (a
+  private range) and portmap, loopback as containerd adds it; no masquerading, so pods reach
+  this machine (the API server's forwarder, below) and each other, and nothing beyond. What it
+  leaves on the machine (the bridge, IP forwarding the bridge plugin turns on, portmap's
+  iptables chains) goes when the node stops;
 * the kubelet refuses a loopback node IP: it reports and serves on the address this machine's
   default route leaves from, and accepts only the API server's client certificate there.
 
@@ -42,6 +47,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -72,6 +78,10 @@ SOCKETS: Final = "/run/mig-agent-real-node"
 KUBELET_DEVICE_PLUGINS: Final = f"{KUBELET_ROOT}/device-plugins"
 TOOLS: Final = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")
 CNI_BIN: Final = "/usr/lib/cni"
+CNI_PLUGINS: Final = ("loopback", "bridge", "host-local", "portmap")
+BRIDGE: Final = "migagent0"
+POD_SUBNET: Final = "10.250.0.0/24"  # private, local to this machine: no route leads out of it
+IP_FORWARD: Final = Path("/proc/sys/net/ipv4/ip_forward")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +140,9 @@ def missing_tools() -> list[str]:
     missing += [t for t in ("umoci", "gcc") if shutil.which(t) is None]
     if not images.BUSYBOX_BINARY.exists():
         missing.append(str(images.BUSYBOX_BINARY))
-    if not Path(CNI_BIN, "loopback").exists():
-        missing.append(f"{CNI_BIN}/loopback")
+    missing += [f"{CNI_BIN}/{p}" for p in CNI_PLUGINS if not Path(CNI_BIN, p).exists()]
+    if shutil.which("iptables") is None:  # portmap's
+        missing.append("iptables")
     return missing
 
 
@@ -200,6 +211,8 @@ state = "{d / "containerd" / "state"}"
   sandbox_image = "{images.PAUSE}"
   # no CAP_SYS_RESOURCE here: the pod sandbox's -998 cannot be set, keep the runtime's own
   restrict_oom_score_adj = true
+  # the pods' network namespaces in the node's folder, unmounted with it when the node stops
+  netns_mounts_under_state_dir = true
   [{cri}.containerd]
     default_runtime_name = "runc"
     [{cri}.containerd.runtimes.runc]
@@ -218,11 +231,30 @@ state = "{d / "containerd" / "state"}"
 """
 
 
-_LOOPBACK_CNI: Final = {
-    "cniVersion": "0.4.0",
-    "name": "loopback-only",
-    "plugins": [{"type": "loopback"}],
-}
+def _pod_network(d: Path) -> dict[str, Any]:
+    """The node's CNI network: a bridge whose address is the pods' gateway (the pods reach this
+    machine's addresses, the `kubernetes` Service's among them), host-local leases kept in the
+    node's folder, portmap for hostPort; no masquerading, nothing routed beyond the machine."""
+    return {
+        "cniVersion": "0.4.0",
+        "name": "mig-agent-real-node",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": BRIDGE,
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": POD_SUBNET}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": str(d / "cni" / "leases"),
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
 
 
 def _kubelet_config(
@@ -303,7 +335,9 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         (Path(SOCKETS) / sub).mkdir(parents=True, exist_ok=True)
     (d / "containerd.toml").write_text(_containerd_config(d))
     _nvidia_runtime(d, nvidia_bin())
-    (d / "cni" / "10-loopback.conflist").write_text(json.dumps(_LOOPBACK_CNI))
+    _drop_pod_network()  # an earlier node's, if one was killed before it could clean up
+    (d / "ip_forward").write_text(IP_FORWARD.read_text())  # the bridge plugin turns it on
+    (d / "cni" / "10-pod-network.conflist").write_text(json.dumps(_pod_network(d)))
     logs = cluster.dir / "logs"
     containerd = spawn(
         f"containerd-{name}",
@@ -519,7 +553,6 @@ def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict
                         REAL_NODE_LABEL: "true",
                     },
                     "tolerations": [{"operator": "Exists"}],
-                    "hostNetwork": True,
                     "terminationGracePeriodSeconds": 5,
                     "containers": [
                         {
@@ -690,7 +723,8 @@ def _kill_tree(pid: int) -> None:
 
 def stop_node(node: RealNode) -> None:
     """Stop the kubelet, the node's containers and shims, containerd; unmount what they left
-    under the node's folder (the kubelet's pod volumes, containers' root filesystems)."""
+    under the node's folder (the kubelet's pod volumes, containers' root filesystems, the pods'
+    network namespaces); remove the pod network's traces on the machine."""
     stop([node.kubelet])
     for shim in _shims(node.containerd_socket):
         _kill_tree(shim)
@@ -707,3 +741,28 @@ def stop_node(node: RealNode) -> None:
             ["ip", "addr", "del", f"{ip}/32", "dev", "lo"], capture_output=True, check=False
         )
     _clear_kubelet_root()
+    _drop_pod_network()
+    saved = Path(node.dir) / "ip_forward"
+    if saved.exists():
+        with contextlib.suppress(OSError):
+            IP_FORWARD.write_text(saved.read_text())
+        saved.unlink()
+
+
+def _drop_pod_network() -> None:
+    """Remove what the node's CNI plugins leave on the machine once its pods are gone: the bridge
+    (the pods' veth ends went with their namespaces) and portmap's iptables chains (``CNI-``,
+    in the nat table; no other CNI user runs here: one real node per machine)."""
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+    rules = subprocess.run(
+        ["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()
+    for rule in rules:  # the jumps into the chains first, then the chains
+        if rule.startswith("-A ") and " -j CNI-" in rule:
+            argv = ["iptables", "-t", "nat", "-D", *shlex.split(rule)[1:]]
+            subprocess.run(argv, capture_output=True, check=False)
+    for rule in rules:
+        if rule.startswith("-N CNI-"):
+            for flag in ("-F", "-X"):
+                argv = ["iptables", "-t", "nat", flag, rule.split()[1]]
+                subprocess.run(argv, capture_output=True, check=False)

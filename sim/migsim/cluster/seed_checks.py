@@ -73,7 +73,6 @@ def gpu_pod(name: str, resource: str, *command: str) -> dict[str, Any]:
         "spec": {
             "runtimeClassName": "nvidia",
             "restartPolicy": "Never",
-            "hostNetwork": True,  # no pod network on the real node
             "nodeSelector": {real_node.REAL_NODE_LABEL: "true"},
             "containers": [
                 {
@@ -123,7 +122,6 @@ def install_chart(cluster: Cluster, helm: str, *values: str) -> None:
         f"image.repository={repository}",
         f"image.tag={tag}",
         "image.pullPolicy=Never",
-        "hostNetwork=true",  # no pod network here: the node's, as the device plugin's pod has
         *values,
     ]
     argv = [helm, "--kubeconfig", str(cluster.kubeconfig), "install", "mig-agent", str(CHART)]
