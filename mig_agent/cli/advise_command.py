@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mig_agent.cli.common import EXIT_OK, add_config_args, load_configs
+from mig_agent.cli.verify_options import add_pod_options, verifier
 from mig_agent.config.settings import Settings
 from mig_agent.ops import advise as ops_advise
 
@@ -53,6 +54,13 @@ def add_args(p: argparse.ArgumentParser, *, outputs: tuple[str, ...]) -> None:
         metavar="K",
         help="with --apply: nodes changing at the same time (default 1)",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="with --apply: run verify's checks on each node after its success; a node that "
+        "fails them stops the rollout",
+    )
+    add_pod_options(p)
     add_config_args(p, layout=False)
 
 
@@ -94,6 +102,7 @@ def run(
             max_parallel=args.max_parallel,
             settings=settings,
             out=out,
+            verify=verifier(cluster, args, settings, out) if args.verify else None,
         )
     finally:
         cluster.close()

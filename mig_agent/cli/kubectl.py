@@ -9,7 +9,7 @@ agents run in; ``status -o wide`` shows each node's agent pod from it.
     kubectl mig plan NODE LAYOUT [-o json|yaml]
     kubectl mig repartition LAYOUT [NODE ...] [-l SELECTOR] [-p K] [--dry-run] [--verify]
     kubectl mig verify [NODE ...] [-l SELECTOR] [-o json] [--image IMAGE] [--runtime-class RC]
-    kubectl mig advise [-l SELECTOR] [--allow-evict] [--max-nodes N] [-o json|yaml] [--apply]
+    kubectl mig advise [-l SELECTOR] [--allow-evict] [--max-nodes N] [-o json|yaml] [--apply [--verify]]
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 
 from mig_agent.cli import advise_command
 from mig_agent.cli.common import EXIT_OK, EXIT_USAGE, add_config_args, dispatch, load_configs
-from mig_agent.cli.ops_commands import add_pod_options, add_verify_parser, run_verify, verifier
+from mig_agent.cli.ops_commands import add_verify_parser, run_verify
+from mig_agent.cli.verify_options import add_pod_options, verifier
 from mig_agent.config.settings import Settings
 from mig_agent.config.yaml_files import dump_yaml
 from mig_agent.kube.client import KubernetesCluster

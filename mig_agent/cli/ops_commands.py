@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from mig_agent.cli import advise_command
 from mig_agent.cli.common import add_config_args, default_config
+from mig_agent.cli.verify_options import add_pod_options, pod_spec, verifier
 from mig_agent.config.settings import Settings
-from mig_agent.core.errors import ConfigError
 from mig_agent.ops import (
     EXIT_FAILED,
     EXIT_OK,
@@ -27,8 +26,7 @@ from mig_agent.ops import (
     status_json,
     status_table,
 )
-from mig_agent.ops.verify import NodeVerdict, VerifyCluster, verdicts_json, verify, verify_node
-from mig_agent.ops.verify_pods import DEFAULT_IMAGE, DEFAULT_RUNTIME_CLASS, PodSpec
+from mig_agent.ops.verify import VerifyCluster, verdicts_json, verify
 
 VERIFY_EXITS = (
     "Exit 0 when every node passed every check, 1 when a check failed, 2 for a usage error "
@@ -107,20 +105,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return advise_command.run(args, _connect, _write)
 
 
-def pod_spec(args: argparse.Namespace) -> PodSpec:
-    if args.pod_timeout_s <= 0:
-        raise ConfigError(f"--pod-timeout must be positive, got {args.pod_timeout_s}")
-    return PodSpec(args.image, args.runtime_class, args.pod_namespace, args.pod_timeout_s)
-
-
-def verifier(
-    cluster: VerifyCluster, args: argparse.Namespace, settings: Settings, out: Writer
-) -> Callable[[str], NodeVerdict]:
-    """``verify``'s checks of one node with the command's options, for ``repartition --verify``."""
-    spec = pod_spec(args)
-    return lambda node: verify_node(cluster, node, pods=spec, settings=settings, out=out)
-
-
 def run_verify(cluster: VerifyCluster, args: argparse.Namespace, out: Writer) -> int:
     """``verify`` (mig-agent's and kubectl mig's): the checks, as lines or JSON."""
     spec = pod_spec(args)
@@ -144,31 +128,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return run_verify(cluster, args, _write)
     finally:
         cluster.close()
-
-
-def add_pod_options(p: argparse.ArgumentParser) -> None:
-    """The options of ``verify``'s pods (also ``repartition --verify``'s)."""
-    p.add_argument(
-        "--image",
-        default=DEFAULT_IMAGE,
-        help="the pods' image; NVIDIA's runtime injects nvidia-smi into it (default %(default)s)",
-    )
-    p.add_argument(
-        "--runtime-class",
-        default=DEFAULT_RUNTIME_CLASS,
-        help="the pods' RuntimeClass, '' for the cluster's default runtime (default %(default)s)",
-    )
-    p.add_argument(
-        "--pod-namespace", default="default", help="where the pods run (default %(default)s)"
-    )
-    p.add_argument(
-        "--pod-timeout",
-        dest="pod_timeout_s",
-        type=float,
-        default=180.0,
-        metavar="SECONDS",
-        help="how long a node's pods may take to end (default %(default)s)",
-    )
 
 
 def add_verify_parser(sub: Any, **parents: Any) -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ least disruption (the search is mig_agent.core.advise), as a table or JSON, and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from mig_agent.node.waits import Clock
 from mig_agent.ops.advise_read import Pool, read_pool
 from mig_agent.ops.rollout import repartition
 from mig_agent.ops.values import DEFAULT_SETTINGS, EXIT_FAILED, EXIT_OK, REAL_CLOCK, Writer, table
+from mig_agent.ops.verify import NodeVerdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +173,11 @@ def apply(
     poll_s: float = 1.0,
     clock: Clock = REAL_CLOCK,
     out: Writer = print,
+    verify: Callable[[str], NodeVerdict] | None = None,
 ) -> int:
     """Relabel the proposed nodes through the rollout (one rollout per layout, K nodes at a
-    time), then follow the served pods until each is scheduled or ``schedule_timeout_s``
+    time; with ``verify``, each node checked after its success as ``repartition --verify``
+    does), then follow the served pods until each is scheduled or ``schedule_timeout_s``
     passes. EXIT_OK when every node succeeded and every served pod got a node."""
     by_layout: dict[str, list[str]] = {}
     for p in report.proposals:
@@ -189,6 +192,7 @@ def apply(
             settings=settings,
             clock=clock,
             out=out,
+            verify=verify,
         )
         if not summary.ok:
             out(f"rollout of {layout} did not succeed everywhere; stopping")

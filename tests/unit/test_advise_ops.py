@@ -408,6 +408,44 @@ def test_apply_goes_through_the_rollout_and_reports_the_pods_scheduled(catalog: 
     assert "  team/wants-3g: scheduled on gpu-a" in lines
 
 
+def test_apply_with_verify_fails_a_node_that_fails_it_and_follows_no_pods(catalog: Any) -> None:
+    from mig_agent.ops.verify import Check, NodeVerdict
+
+    c = _pool(catalog, "gpu-a")
+    _ask_3g(c, "wants-3g")
+
+    def agent(cluster: FakeCluster) -> None:
+        node = cluster.nodes["gpu-a"]
+        if node.labels.get(S.config_label) == "one-3g" and S.state_label not in node.labels:
+            cluster.nodes["gpu-a"] = dataclasses.replace(
+                node, labels={**node.labels, S.state_label: "success"}
+            )
+
+    c.on_change = agent
+    report = ops_advise.run(c, catalog)
+    checked: list[str] = []
+
+    def verify(node: str) -> NodeVerdict:
+        checked.append(node)
+        return NodeVerdict(node, (Check("pod nvidia.com/mig-3g.40gb", False, "no device"),))
+
+    lines: list[str] = []
+    t = _Now()
+    code = ops_advise.apply(
+        c,
+        catalog,
+        report,
+        clock=Clock(now=t.now, sleep=t.sleep),
+        out=lines.append,
+        poll_s=0.1,
+        verify=verify,
+    )
+    assert checked == ["gpu-a"]
+    assert code == 1
+    assert any("did not succeed everywhere" in line for line in lines), lines
+    assert not any("team/wants-3g:" in line for line in lines), lines
+
+
 class _Closable(FakeCluster):
     def close(self) -> None:
         pass
