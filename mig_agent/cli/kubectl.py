@@ -9,7 +9,8 @@ agents run in; ``status -o wide`` shows each node's agent pod from it.
     kubectl mig plan NODE LAYOUT [-o json|yaml]
     kubectl mig repartition LAYOUT [NODE ...] [-l SELECTOR] [-p K] [--dry-run] [--verify]
     kubectl mig verify [NODE ...] [-l SELECTOR] [-o json] [--image IMAGE] [--runtime-class RC]
-    kubectl mig advise [-l SELECTOR] [--allow-evict] [--max-nodes N] [-o json|yaml] [--apply [--verify]]
+    kubectl mig advise [-l SELECTOR] [--allow-evict] [--max-nodes N] [-o json|yaml]
+                       [--apply [--verify]]
 """
 
 from __future__ import annotations
