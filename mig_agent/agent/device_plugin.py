@@ -5,7 +5,7 @@ layout, under the node's MIG strategy and the plugin's sharing config."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -15,14 +15,14 @@ from mig_agent.core import labels
 from mig_agent.core.advertised import (
     Listing,
     Sharing,
+    device_uuids,
     expected_resources,
     format_resources,
     node_mig_strategy,
     plugin_listing,
+    stale_devices,
 )
-from mig_agent.core.errors import (
-    DevicePluginTimeout,
-)
+from mig_agent.core.errors import DevicePluginTimeout, MigAgentError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeView, PodView
@@ -133,10 +133,13 @@ def wait_resources(
     clock: Clock,
     models: Mapping[int, GpuModel],
     old_plugins: set[str],
+    allocatable: AllocatableDevices | None = None,
 ) -> dict[str, int]:
     """Resume operands first if the device plugin is one of them; wait for a new, Ready
     device plugin pod (one not there before the pass: the old one's numbers are stale), then
-    for the node to advertise the layout's resources. Returns those resources."""
+    for the node to advertise the layout's resources and, with ``allocatable`` (the kubelet's
+    device ids per resource), for the kubelet to offer the GPUs' own devices: a registration
+    made before the GPUs changed is no proof. Returns those resources."""
     node = cluster.get_node(s.node_name)
     resume = labels.resume_patch(node.labels, s.operand_labels)
     if any(k.endswith(".device-plugin") for k in resume):
@@ -166,42 +169,92 @@ def wait_resources(
         # capacity counts a stopped plugin's devices for the kubelet's grace period: the
         # layout is listed once some expected device is allocatable too (a node whose every
         # device is unhealthy cannot be told from one whose plugin has gone, and fails)
-        if new_pod and have == want and listed.fresh:
+        stale = _stale(allocatable, want, gpus) if new_pod and have == want and listed.fresh else {}
+        if new_pod and have == want and listed.fresh and not stale:
             log.info(
                 "device_plugin.resources_match",
                 resources=want,
                 **({"unhealthy": listed.unhealthy} if listed.unhealthy else {}),
             )
             return want
-        if clock.now() >= deadline and not new_pod:
-            raise DevicePluginTimeout(
-                f"no new device plugin pod ({s.device_plugin_namespace}, "
-                f"{s.device_plugin_selector}) became Ready on the node within "
-                f"{s.device_plugin_timeout_s:.0f} s",
-                expected=want,
-                advertised=have,
-            )
-        if clock.now() >= deadline and have == want:
-            raise DevicePluginTimeout(
-                f"node resources do not match the layout after "
-                f"{s.device_plugin_timeout_s:.0f} s: the node lists {format_resources(have)} "
-                "as expected, but none of them is allocatable: the device plugin has stopped, "
-                "or every device is unhealthy",
-                expected=want,
-                advertised=have,
-            )
         if clock.now() >= deadline:
-            raise DevicePluginTimeout(
-                f"node resources do not match the layout after "
-                f"{s.device_plugin_timeout_s:.0f} s: expected {format_resources(want)}, node "
-                f"advertises {format_resources(have)}",
-                expected=want,
-                advertised=have,
-            )
-        if not new_pod:
-            # listed, but the new plugin pod not Ready yet: its readiness is no change of the
-            # node, so it is looked at again soon rather than at the next node event
+            raise _timeout(s, want, have, new_pod=new_pod, stale=stale)
+        if not new_pod or stale:
+            # listed, but the new plugin pod not Ready yet, or its registration not the GPUs'
+            # devices yet: neither is a change of the node, so it is looked at again soon
+            # rather than at the next node event
             clock.sleep(next(delays))
+
+
+def _timeout(
+    s: Settings,
+    want: dict[str, int],
+    have: dict[str, int],
+    *,
+    new_pod: bool,
+    stale: Mapping[str, frozenset[str]],
+) -> DevicePluginTimeout:
+    """Why the wait for the layout's resources ran out."""
+    if not new_pod:
+        return DevicePluginTimeout(
+            f"no new device plugin pod ({s.device_plugin_namespace}, "
+            f"{s.device_plugin_selector}) became Ready on the node within "
+            f"{s.device_plugin_timeout_s:.0f} s",
+            expected=want,
+            advertised=have,
+        )
+    if stale:
+        return DevicePluginTimeout(
+            f"node resources match the layout's counts after "
+            f"{s.device_plugin_timeout_s:.0f} s, but the kubelet offers devices the GPUs no "
+            f"longer hold ({_named(stale)}): the device plugin's registration is stale",
+            expected=want,
+            advertised=have,
+        )
+    if have == want:
+        return DevicePluginTimeout(
+            f"node resources do not match the layout after "
+            f"{s.device_plugin_timeout_s:.0f} s: the node lists {format_resources(have)} "
+            "as expected, but none of them is allocatable: the device plugin has stopped, "
+            "or every device is unhealthy",
+            expected=want,
+            advertised=have,
+        )
+    return DevicePluginTimeout(
+        f"node resources do not match the layout after "
+        f"{s.device_plugin_timeout_s:.0f} s: expected {format_resources(want)}, node "
+        f"advertises {format_resources(have)}",
+        expected=want,
+        advertised=have,
+    )
+
+
+AllocatableDevices = Callable[[], Mapping[str, frozenset[str]]]
+
+
+def _stale(
+    allocatable: AllocatableDevices | None, want: Mapping[str, int], gpus: GpuBackend
+) -> dict[str, frozenset[str]]:
+    """The layout's device ids the kubelet offers that the GPUs no longer hold (none where
+    the kubelet cannot be asked: the counts are then all there is)."""
+    if allocatable is None:
+        return {}
+    try:
+        offered = allocatable()
+    except MigAgentError as exc:
+        log.warning("device_plugin.allocatable_unknown", error=str(exc))
+        return {}
+    stale = stale_devices(offered, want, device_uuids(gpus.observe()))
+    if stale:
+        log.info("device_plugin.stale_registration", stale=_named(stale))
+    return stale
+
+
+def _named(stale: Mapping[str, frozenset[str]]) -> str:
+    return "; ".join(
+        f"{resource}: {', '.join(sorted(ids)[:3])}{', ...' if len(ids) > 3 else ''}"
+        for resource, ids in sorted(stale.items())
+    )
 
 
 def _listing_when(

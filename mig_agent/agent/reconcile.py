@@ -125,6 +125,8 @@ class Agent:
     run_command: commands.Runner = commands.run_command
     # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
     pod_devices: Callable[[], Mapping[tuple[str, str], frozenset[str]]] | None = None
+    # resource -> device ids the kubelet offers (PodResources); None: not known
+    allocatable_devices: Callable[[], Mapping[str, frozenset[str]]] | None = None
 
     catalog: LayoutCatalog | None = None
     catalog_error: str = ""
@@ -709,7 +711,13 @@ class Agent:
         ):
             device_plugin.restart(self.cluster, self.settings, paused)
             return device_plugin.wait_resources(
-                self.cluster, self.settings, self.gpus, self.clock, change.models, old_plugins
+                self.cluster,
+                self.settings,
+                self.gpus,
+                self.clock,
+                change.models,
+                old_plugins,
+                self.allocatable_devices,
             )
 
     def _dra_phase(self, change: _Change, old_plugins: set[str]) -> dict[str, int]:

@@ -28,7 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mig_agent.config.profiles import load_catalog
     from mig_agent.config.settings import Settings
     from mig_agent.kube.client import KubernetesCluster
-    from mig_agent.kube.podresources import list_pod_devices
+    from mig_agent.kube.podresources import list_allocatable_devices, list_pod_devices
     from mig_agent.observability.health import HealthServer
     from mig_agent.observability.logs import bind_process
     from mig_agent.observability.metrics import InstrumentedGpus, Metrics
@@ -58,6 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         lambda path: load_catalog([path]),
         metrics=metrics,
         pod_devices=lambda: list_pod_devices(settings.pod_resources_socket),
+        allocatable_devices=lambda: list_allocatable_devices(settings.pod_resources_socket),
     )
 
     def on_signal(*_: object) -> None:  # finish the current pass, then stop at once

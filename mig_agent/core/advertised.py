@@ -238,6 +238,43 @@ def plugin_listing(
     return Listing(listed, unhealthy, fresh)
 
 
+def device_uuids(state: NodeState) -> frozenset[str]:
+    """Every device the GPUs hold now, by UUID: the GPUs' and their MIG devices'."""
+    out = {gpu.info.uuid for gpu in state.gpus}
+    out.update(
+        ci.uuid
+        for gpu in state.gpus
+        for gi in gpu.gpu_instances
+        for ci in gi.compute_instances
+        if ci.uuid
+    )
+    return frozenset(u for u in out if u)
+
+
+UUID_PREFIXES: Final = ("GPU-", "MIG-")
+
+
+def stale_devices(
+    allocatable: Mapping[str, frozenset[str]], want: Mapping[str, int], present: frozenset[str]
+) -> dict[str, frozenset[str]]:
+    """Per resource the layout lists, the device ids the kubelet offers (PodResources
+    GetAllocatableResources) that name no device the GPUs hold: the registration of a plugin
+    that read the GPUs before they changed. A resource's ids are replaced as a whole when a
+    plugin registers it anew, so only the layout's resources are judged (a dropped resource's
+    ids linger for the kubelet's grace period), and only ids in UUID form (GPU-..., MIG-...):
+    other id strategies are not judged."""
+    out: dict[str, frozenset[str]] = {}
+    for resource, count in want.items():
+        gone = frozenset(
+            i
+            for i in allocatable.get(resource, frozenset())
+            if i.startswith(UUID_PREFIXES) and i not in present
+        )
+        if count and gone:
+            out[resource] = gone
+    return out
+
+
 def format_resources(resources: Mapping[str, int]) -> str:
     if not resources:
         return "nothing"

@@ -120,8 +120,11 @@ def list_pod_devices(socket_path: str, *, timeout_s: float = 5.0) -> dict[PodKey
     return out
 
 
-def list_allocatable_devices(socket_path: str, *, timeout_s: float = 5.0) -> frozenset[str]:
-    """Every GPU device id the kubelet knows from its device plugins, allocated or not.
+def list_allocatable_devices(
+    socket_path: str, *, timeout_s: float = 5.0
+) -> dict[str, frozenset[str]]:
+    """Per GPU resource, every device id the kubelet knows from its device plugins, allocated
+    or not (a time-slicing replica suffix cut off, as list_pod_devices does).
 
     Raises KubeUnavailable as list_pod_devices does.
     """
@@ -132,7 +135,12 @@ def list_allocatable_devices(socket_path: str, *, timeout_s: float = 5.0) -> fro
         _AllocatableResponse,
         timeout_s,
     )
-    return _gpu_device_ids(response.devices)
+    out: dict[str, frozenset[str]] = {}
+    for d in response.devices:
+        name = str(d.resource_name)
+        if is_gpu_resource(name):
+            out[name] = out.get(name, frozenset()) | _gpu_device_ids([d])
+    return out
 
 
 def _gpu_device_ids(devices: Iterable[Any]) -> frozenset[str]:

@@ -150,9 +150,12 @@ def test_allocatable_round_trip_returns_only_gpu_devices(sock: str) -> None:
         "example.com/nic": ["nic0"],
     }
     with podresources_server.serve(sock, dict, allocatable=lambda: allocatable):
-        assert podresources.list_allocatable_devices(sock) == {"MIG-1", "MIG-2", "GPU-3"}
+        assert podresources.list_allocatable_devices(sock) == {
+            "nvidia.com/mig-1g.10gb": {"MIG-1", "MIG-2"},
+            "nvidia.com/gpu": {"GPU-3"},
+        }
     with podresources_server.serve(sock, dict):
-        assert podresources.list_allocatable_devices(sock) == frozenset()
+        assert podresources.list_allocatable_devices(sock) == {}
 
 
 # -- wire format ------------------------------------------------------------------------------

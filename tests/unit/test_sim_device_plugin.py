@@ -308,7 +308,7 @@ def test_run_serves_the_allocations_on_pod_resources(
         assert got is not None and list(got) == [("ml", "train")] and len(got[("ml", "train")]) == 1
         (mig_uuid,) = got[("ml", "train")]
         assert mig_uuid.startswith("MIG-")
-        assert mig_uuid in podresources.list_allocatable_devices(sock)
+        assert mig_uuid in podresources.list_allocatable_devices(sock)[G4]
         assert cluster.nodes[NODE].gpu_resources() == {G1: 6, G4: 2, GPU: 1}
         assert (web.namespace, web.name) not in got
         cluster.delete_pod(train)
