@@ -34,6 +34,14 @@ BUSYBOX: Final = f"localhost/busybox:{TAG}"
 BUSYBOX_BINARY: Final = Path("/bin/busybox")  # Debian's busybox-static
 BUSYBOX_APPLETS: Final = ("sh", "sleep", "cat", "echo", "ls", "date", "env", "true", "kill")
 GLIBC_OF: Final = Path("/bin/true")  # a program that loads the C library and nothing else
+# what a real driver's libraries load beside the C library (libnvidia-ml, nvidia-smi), which a
+# CUDA image carries and a program of this machine's would not bring
+DRIVER_NEEDS: Final = tuple(
+    Path("/lib/x86_64-linux-gnu") / n
+    for n in ("libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1")
+)
+# a folder of image tars built elsewhere (``<name>.tar``), used instead of building them here
+PREBUILT_ENV: Final = "MIG_AGENT_IMAGE_TARS"
 
 PAUSE_C: Final = """\
 #include <signal.h>
@@ -104,7 +112,17 @@ def _oci_tar(ref: str, key: str, fill: Callable[[Path], None], entrypoint: Seque
     return Image(ref, target)
 
 
+def prebuilt(ref: str) -> Image | None:
+    """``<name>.tar`` of the folder PREBUILT_ENV names, if there: on a machine that cannot
+    build the images (the real GPU's, scripts/real-gpu-node), those built elsewhere."""
+    folder = os.environ.get(PREBUILT_ENV)
+    tar = Path(folder or ".") / f"{ref.rsplit('/', 1)[1].split(':')[0]}.tar"
+    return Image(ref, tar) if folder and tar.is_file() else None
+
+
 def pause() -> Image:
+    if found := prebuilt(PAUSE):
+        return found
     key = hashlib.sha256(PAUSE_C.encode()).hexdigest()
 
     def fill(rootfs: Path) -> None:
@@ -116,7 +134,8 @@ def pause() -> Image:
     return _oci_tar(PAUSE, key, fill, ["/pause"])
 
 
-def busybox() -> Image:
+def _busybox_parts() -> tuple[list[Path], hashlib._Hash]:
+    """The glibc the busybox image carries, and the digest of what goes into it."""
     if not BUSYBOX_BINARY.exists():
         raise DevClusterError(
             f"no {BUSYBOX_BINARY}: the workload image needs it (apt-get install busybox-static)"
@@ -126,20 +145,51 @@ def busybox() -> Image:
     digest.update(" ".join(BUSYBOX_APPLETS).encode())
     for lib in glibc:
         digest.update(str(lib).encode() + lib.read_bytes())
+    return glibc, digest
 
-    def fill(rootfs: Path) -> None:
-        (rootfs / "bin").mkdir(exist_ok=True)
-        (rootfs / "tmp").mkdir(exist_ok=True)
-        shutil.copy2(BUSYBOX_BINARY, rootfs / "bin" / "busybox")
-        for applet in BUSYBOX_APPLETS:
-            (rootfs / "bin" / applet).symlink_to("busybox")
-        _copy_libraries(rootfs, glibc)
 
-    return _oci_tar(BUSYBOX, digest.hexdigest(), fill, ["/bin/sh"])
+def _fill_busybox(rootfs: Path, glibc: list[Path]) -> None:
+    (rootfs / "bin").mkdir(exist_ok=True)
+    (rootfs / "tmp").mkdir(exist_ok=True)
+    shutil.copy2(BUSYBOX_BINARY, rootfs / "bin" / "busybox")
+    for applet in BUSYBOX_APPLETS:
+        (rootfs / "bin" / applet).symlink_to("busybox")
+    _copy_libraries(rootfs, glibc)
+
+
+def busybox() -> Image:
+    if found := prebuilt(BUSYBOX):
+        return found
+    glibc, digest = _busybox_parts()
+    return _oci_tar(BUSYBOX, digest.hexdigest(), lambda r: _fill_busybox(r, glibc), ["/bin/sh"])
 
 
 def all_images() -> list[Image]:
     return [pause(), busybox()]
+
+
+GPU_WORKLOAD: Final = f"localhost/gpu-workload:{TAG}"
+LDCONFIG: Final = Path("/sbin/ldconfig")  # Debian's: statically linked
+
+
+def gpu_workload() -> Image:
+    """The busybox image with what a CUDA base image carries for a real driver's CDI hooks: an
+    ``/etc/ld.so.conf`` and ``ldconfig`` (the ``update-ldcache`` hook writes the driver's
+    library folders into the container's loader cache; without them it fails the container)."""
+    if found := prebuilt(GPU_WORKLOAD):
+        return found
+    glibc, digest = _busybox_parts()
+    glibc = [*glibc, *DRIVER_NEEDS]
+    digest.update(LDCONFIG.read_bytes() + " ".join(map(str, DRIVER_NEEDS)).encode())
+
+    def fill(rootfs: Path) -> None:
+        _fill_busybox(rootfs, glibc)
+        (rootfs / "etc" / "ld.so.conf.d").mkdir(parents=True, exist_ok=True)
+        (rootfs / "etc" / "ld.so.conf").write_text("include /etc/ld.so.conf.d/*.conf\n")
+        (rootfs / "sbin").mkdir(exist_ok=True)
+        shutil.copy2(LDCONFIG, rootfs / "sbin" / "ldconfig")
+
+    return _oci_tar(GPU_WORKLOAD, digest.hexdigest(), fill, ["/bin/sh"])
 
 
 NVIDIA_PLUGIN: Final = f"localhost/nvidia-device-plugin:{TAG}"
@@ -167,18 +217,25 @@ def _copy_libraries(rootfs: Path, libs: Sequence[Path]) -> None:
         shutil.copy2(lib.resolve(), target)
 
 
-def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
+def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path | None) -> Image:
     """NVIDIA's device plugin and GFD (built from ../shared/upstream into `nvidia_bin`) with the
     glibc they link, the simulated ``libnvidia-ml.so.1`` from `sim_nvml` where a driver's would
-    be, busybox, and ``enter-host-view`` (the node's /proc and /sys as the driver shows them)."""
-    binaries = [nvidia_bin / "nvidia-device-plugin", nvidia_bin / "gpu-feature-discovery"]
-    library = sim_nvml / "libnvidia-ml.so.1"
-    for needed in (*binaries, library, BUSYBOX_BINARY):
+    be (None: a real driver's, mounted from the host), busybox, and ``enter-host-view`` (the
+    node's /proc and /sys as the driver shows them)."""
+    if sim_nvml is None and (found := prebuilt(NVIDIA_PLUGIN)):
+        return found
+    binaries = [nvidia_bin / "nvidia-device-plugin"]
+    if sim_nvml is not None:  # the simulated nodes run GFD too; a real driver's, the plugin only
+        binaries.append(nvidia_bin / "gpu-feature-discovery")
+    library = [sim_nvml / "libnvidia-ml.so.1"] if sim_nvml is not None else []
+    for needed in (*binaries, *library, BUSYBOX_BINARY):
         if not needed.exists():
             raise DevClusterError(f"the device plugin's image needs {needed}")
-    libs = sorted({lib for b in (*binaries, library) for lib in _libraries(b)})
+    libs = sorted({lib for b in (*binaries, *library) for lib in _libraries(b)})
+    if sim_nvml is None:  # a real driver's libnvidia-ml, mounted, loads these
+        libs = sorted({*libs, *DRIVER_NEEDS})
     digest = hashlib.sha256()
-    for path in (*binaries, library, BUSYBOX_BINARY, ENTER_HOST_VIEW, *libs):
+    for path in (*binaries, *library, BUSYBOX_BINARY, ENTER_HOST_VIEW, *libs):
         digest.update(str(path).encode() + path.read_bytes())
     digest.update(" ".join(PLUGIN_APPLETS).encode())
 
@@ -191,7 +248,8 @@ def nvidia_plugin(nvidia_bin: Path, sim_nvml: Path) -> Image:
         for b in binaries:
             shutil.copy2(b, rootfs / "usr" / "bin" / b.name)
         # where the dynamic loader looks without an ld.so.cache, as a driver's library is found
-        shutil.copy2(library, rootfs / "usr" / "lib" / library.name)
+        for lib in library:
+            shutil.copy2(lib, rootfs / "usr" / "lib" / lib.name)
         shutil.copy2(ENTER_HOST_VIEW, rootfs / "usr" / "local" / "bin" / "enter-host-view")
         _copy_libraries(rootfs, libs)
 

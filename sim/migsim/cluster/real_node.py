@@ -82,6 +82,7 @@ CNI_PLUGINS: Final = ("loopback", "bridge", "host-local", "portmap")
 BRIDGE: Final = "migagent0"
 POD_SUBNET: Final = "10.250.0.0/24"  # private, local to this machine: no route leads out of it
 IP_FORWARD: Final = Path("/proc/sys/net/ipv4/ip_forward")
+NO_PORTMAP_ENV: Final = "MIG_AGENT_REAL_NODE_NO_PORTMAP"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,8 @@ class RealNode:
     simulator: Proc | None = None  # the GPU simulator serving the node's state file
     service_proxy: Proc | None = None  # the `kubernetes` Service for in-cluster clients
     cdi_writer: Proc | None = None  # keeps the CDI spec current with the GPUs (cdi.py)
+    # a real GPU driver's root (its bin/ and lib64/): the node's GPUs are the machine's own
+    driver_root: str = ""
 
     @property
     def sim_state(self) -> Path:
@@ -137,13 +140,21 @@ def missing_tools() -> list[str]:
     """What the real node needs and this machine lacks (Debian: containerd runc umoci
     busybox-static), besides the kubelet."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
-    missing += [t for t in ("umoci", "gcc") if shutil.which(t) is None]
-    if not images.BUSYBOX_BINARY.exists():
-        missing.append(str(images.BUSYBOX_BINARY))
-    missing += [f"{CNI_BIN}/{p}" for p in CNI_PLUGINS if not Path(CNI_BIN, p).exists()]
-    if shutil.which("iptables") is None:  # portmap's
+    if not os.environ.get(images.PREBUILT_ENV):  # else its images were built elsewhere
+        missing += [t for t in ("umoci", "gcc") if shutil.which(t) is None]
+        if not images.BUSYBOX_BINARY.exists():
+            missing.append(str(images.BUSYBOX_BINARY))
+    plugins = [p for p in CNI_PLUGINS if p != "portmap" or _portmap()]
+    missing += [f"{CNI_BIN}/{p}" for p in plugins if not Path(CNI_BIN, p).exists()]
+    if shutil.which("iptables") is None and not os.environ.get(NO_PORTMAP_ENV):  # portmap's
         missing.append("iptables")
     return missing
+
+
+def _portmap() -> bool:
+    """Whether the pod network has portmap (hostPort): not on a machine without iptables that
+    says so (NO_PORTMAP_ENV; the real GPU's machine has none)."""
+    return not os.environ.get(NO_PORTMAP_ENV)
 
 
 def node_address() -> str:
@@ -252,7 +263,7 @@ def _pod_network(d: Path) -> dict[str, Any]:
                     "dataDir": str(d / "cni" / "leases"),
                 },
             },
-            {"type": "portmap", "capabilities": {"portMappings": True}},
+            *([{"type": "portmap", "capabilities": {"portMappings": True}}] if _portmap() else []),
         ],
     }
 
@@ -308,11 +319,17 @@ def _ctr(node: RealNode, *args: str) -> str:
     return done.stdout
 
 
-def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0) -> RealNode:
+def start(
+    cluster: Cluster, name: str, *, gpus: str = "", driver_root: str = "", timeout: float = 120.0
+) -> RealNode:
     """Start containerd and a kubelet for node `name`, import the images, and return once the
     Node is Ready; with `gpus` (`2xH100-80GB`), also the node's GPU simulator, the device plugin's
-    image and the node labels its DaemonSet selects. Raises DevClusterError naming what is
-    missing or what failed."""
+    image and the node labels its DaemonSet selects; with `driver_root` instead, the machine's
+    real GPUs and driver (scripts/real-gpu-node): a CDI spec NVIDIA's `nvidia-ctk` generates
+    from it, and the device plugin's image without a library of its own. Raises
+    DevClusterError naming what is missing or what failed."""
+    if gpus and driver_root:
+        raise DevClusterError("a real node has simulated GPUs or a real driver, not both")
     missing = missing_tools()
     kubelet_bin = find_binaries() / "kubelet"
     if not kubelet_bin.exists():
@@ -346,7 +363,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
     )
     port, healthz = free_ports(2)
     address = node_address()
-    node = RealNode(name, str(d), containerd, containerd, port, gpus)
+    node = RealNode(name, str(d), containerd, containerd, port, gpus, driver_root=driver_root)
     try:
         proxy = _start_service_proxy(cluster, name, logs)
         node = dataclasses.replace(node, service_proxy=proxy)
@@ -354,14 +371,18 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
         if library is not None:
             node = _start_gpus(node, logs)
             node = _start_cdi_writer(node, library, logs)
+        if driver_root:
+            _real_cdi_spec(node, Path(driver_root))
         wait_until(
             lambda: _alive_or_raise(containerd, logs) and node.containerd_socket.is_socket(),
             timeout=30,
             what=f"containerd of {name} to listen",
         )
         wanted = images.all_images()
-        if library is not None:
+        if library is not None or driver_root:
             wanted.append(images.nvidia_plugin(nvidia_bin(), library))
+        if driver_root:
+            wanted.append(images.gpu_workload())
         for image in wanted:
             import_image(node, image)
         (d / "kubelet.yaml").write_text(
@@ -379,7 +400,7 @@ def start(cluster: Cluster, name: str, *, gpus: str = "", timeout: float = 120.0
             what=f"real node {name} to be Ready",
         )
         labels: dict[str, str] = {REAL_NODE_LABEL: "true"}
-        if gpus:
+        if gpus or driver_root:
             labels["nvidia.com/gpu.deploy.device-plugin"] = "true"
         cluster.api.request(
             "PATCH",
@@ -514,6 +535,30 @@ def _start_cdi_writer(node: RealNode, library: Path, logs: Path) -> RealNode:
     return dataclasses.replace(node, cdi_writer=writer)
 
 
+def _real_cdi_spec(node: RealNode, driver_root: Path) -> None:
+    """The node's CDI spec for the machine's real GPUs, as the GPU Operator's toolkit writes it:
+    `nvidia-ctk cdi generate` over the driver root (its NVML lists the GPUs and MIG devices)."""
+    tools = nvidia_bin()
+    done = subprocess.run(
+        [
+            str(tools / "nvidia-ctk"),
+            "cdi",
+            "generate",
+            f"--driver-root={driver_root}",
+            "--dev-root=/",
+            f"--nvidia-cdi-hook-path={tools / 'nvidia-cdi-hook'}",
+            f"--output={node.cdi_spec}",
+            "--format=json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LD_LIBRARY_PATH": str(driver_root / "lib64")},
+    )
+    if done.returncode != 0 or not node.cdi_spec.exists():
+        raise DevClusterError(f"nvidia-ctk cdi generate failed: {done.stderr.strip()[-2000:]}")
+
+
 def _spawn_ready(
     name: str, argv: list[str], logs: Path, ready: Callable[[], bool], *, what: str, timeout: float
 ) -> Proc:
@@ -539,6 +584,8 @@ def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict
     def host_path(name: str, path: Path) -> dict[str, Any]:
         return {"name": name, "hostPath": {"path": str(path), "type": "DirectoryOrCreate"}}
 
+    pod = _real_driver_pod(node, mig_strategy) if node.driver_root else None
+
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -547,7 +594,8 @@ def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {
+                "spec": pod
+                or {
                     "nodeSelector": {
                         "nvidia.com/gpu.deploy.device-plugin": "true",
                         REAL_NODE_LABEL: "true",
@@ -594,6 +642,35 @@ def device_plugin_daemonset(node: RealNode, mig_strategy: str = "mixed") -> dict
                 },
             },
         },
+    }
+
+
+def _real_driver_pod(node: RealNode, mig_strategy: str) -> dict[str, Any]:
+    """The device plugin's pod over a real driver: its NVML is the driver's library (the root's
+    lib64, mounted), its devices the machine's (privileged); no host view, no simulator."""
+    lib64 = str(Path(node.driver_root) / "lib64")
+    return {
+        "nodeSelector": {"nvidia.com/gpu.deploy.device-plugin": "true", REAL_NODE_LABEL: "true"},
+        "tolerations": [{"operator": "Exists"}],
+        "terminationGracePeriodSeconds": 5,
+        "containers": [
+            {
+                "name": "nvidia-device-plugin",
+                "image": images.NVIDIA_PLUGIN,
+                "imagePullPolicy": "Never",
+                "command": ["/usr/bin/nvidia-device-plugin", f"--mig-strategy={mig_strategy}"],
+                "env": [{"name": "LD_LIBRARY_PATH", "value": lib64}],
+                "securityContext": {"privileged": True},
+                "volumeMounts": [
+                    {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"},
+                    {"name": "driver", "mountPath": lib64, "readOnly": True},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "device-plugins", "hostPath": {"path": str(node.device_plugin_dir)}},
+            {"name": "driver", "hostPath": {"path": lib64, "type": "Directory"}},
+        ],
     }
 
 
@@ -698,6 +775,7 @@ def load(cluster: Cluster, name: str) -> RealNode | None:
         raw["kubelet_port"],
         raw.get("gpus", ""),
         **procs,
+        driver_root=raw.get("driver_root", ""),
     )
 
 
@@ -754,6 +832,8 @@ def _drop_pod_network() -> None:
     (the pods' veth ends went with their namespaces) and portmap's iptables chains (``CNI-``,
     in the nat table; no other CNI user runs here: one real node per machine)."""
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+    if shutil.which("iptables") is None:
+        return
     rules = subprocess.run(
         ["iptables", "-t", "nat", "-S"], capture_output=True, text=True, check=False
     ).stdout.splitlines()

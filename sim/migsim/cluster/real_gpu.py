@@ -1,0 +1,228 @@
+"""The operator's checks on a machine's real GPU (scripts/real-gpu-node): the local cluster with a
+real node whose kubelet runs on containerd and runc over the machine's own NVIDIA driver, NVIDIA's
+device plugin over the real NVML, a CDI spec from `nvidia-ctk cdi generate`, the RuntimeClass
+`nvidia`; then mig-agent on the host against that kubelet with the layout the GPUs already hold
+(its plan must be empty: nothing is changed), `mig-agent verify` of the node, and optionally the
+agent in observe mode with a layout that would change the GPUs. MIG mode and instances must read
+the same before and after, else it fails. Prints a transcript: each command, then its output.
+
+``python -m migsim.cluster.real_gpu [--driver-root DIR] [--held LAYOUT] [--other LAYOUT]``
+
+Never changes a GPU: no apply runs unless its plan is empty, and the agent is started only after
+that check. Needs root, the Kubernetes and NVIDIA binaries and the real node's tools
+(real_node.missing_tools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from . import images, real_node, seed_checks
+from .agents import PLUGIN_NS
+from .cluster import Cluster
+from .errors import DevClusterError
+from .processes import Proc, spawn, stop
+
+CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def mig_agent(
+    *args: str, backend: Sequence[str] = (), kubeconfig: Path | None = None, check: bool = True
+) -> str:
+    """`mig-agent ARGS` (with `backend`'s options: the GPUs it reads), its command line and
+    output in the transcript."""
+    say(f"$ mig-agent {' '.join(args)}")
+    env = {**os.environ, **({"KUBECONFIG": str(kubeconfig)} if kubeconfig else {})}
+    done = subprocess.run(
+        [sys.executable, "-m", "mig_agent", *args, *backend],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
+    say((done.stdout + done.stderr).rstrip() + "\n")
+    if check and done.returncode != 0:
+        raise DevClusterError(f"mig-agent {args[0]} exited {done.returncode}")
+    return done.stdout
+
+
+def backend_of(node: real_node.RealNode) -> list[str]:
+    """mig-agent's options for the node's GPUs: the real NVML, or the simulated GPUs' state."""
+    if node.driver_root:
+        return ["--backend", "nvml"]
+    return ["--backend", "simulated", "--sim-state", str(node.sim_state)]
+
+
+def gpu_state(node: real_node.RealNode) -> str:
+    """The GPUs as NVML reports them (MIG mode, instances), to compare before and after."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mig_agent", "export", "-o", "json", *backend_of(node)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+def wait_for(what: str, probe: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise DevClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def node_object(cluster: Cluster) -> dict[str, object]:
+    node = cluster.api.get(f"/api/v1/nodes/{real_node.NAME}")
+    assert isinstance(node, dict)
+    return node
+
+
+def allocatable(cluster: Cluster) -> dict[str, str]:
+    status = node_object(cluster).get("status") or {}
+    assert isinstance(status, dict)
+    return {k: v for k, v in (status.get("allocatable") or {}).items() if k.startswith("nvidia")}
+
+
+def node_label(cluster: Cluster, key: str) -> str:
+    meta = node_object(cluster).get("metadata") or {}
+    assert isinstance(meta, dict)
+    return str((meta.get("labels") or {}).get(key, ""))
+
+
+def set_label(cluster: Cluster, key: str, value: str) -> None:
+    say(f"$ kubectl label node {real_node.NAME} {key}={value} --overwrite")
+    cluster.api.request(
+        "PATCH",
+        f"/api/v1/nodes/{real_node.NAME}",
+        {"metadata": {"labels": {key: value}}},
+        content_type="application/merge-patch+json",
+    )
+
+
+@contextlib.contextmanager
+def host_agent(
+    cluster: Cluster, node: real_node.RealNode, logs: Path, *extra: str
+) -> Iterator[Proc]:
+    """`mig-agent run` on the host for the real node, over its GPUs; stopped on leaving."""
+    argv = [sys.executable, "-m", "mig_agent", "run", "--node", real_node.NAME]
+    argv += [*backend_of(node), "--kubeconfig", str(cluster.kubeconfig), *extra]
+    agent = spawn(f"mig-agent{'-'.join(extra)}", argv, logs / f"mig-agent{'-'.join(extra)}.log")
+    try:
+        yield agent
+    finally:
+        stop([agent])
+
+
+def held_layout_applies(cluster: Cluster, node: real_node.RealNode, logs: Path, held: str) -> None:
+    """The agent, with the layout the GPUs hold: `success` without a change."""
+    # exits non-zero unless nothing would change: no agent is started then
+    mig_agent("plan", "-c", held, "--exit-code", backend=backend_of(node))
+    with host_agent(cluster, node, logs):
+        set_label(cluster, CONFIG, held)
+        wait_for("state success", lambda: node_label(cluster, STATE) == "success", 180)
+    say(f"state: {node_label(cluster, STATE)}\n")
+
+
+def observe_reports(cluster: Cluster, node: real_node.RealNode, logs: Path, other: str) -> None:
+    """The agent in observe mode with a layout that would change the GPUs: what it would do,
+    published, and nothing done."""
+    with host_agent(cluster, node, logs, "--observe"):
+        set_label(cluster, CONFIG, other)
+        key = "mig-agent.dev/observed"
+
+        def reported() -> bool:
+            meta = node_object(cluster).get("metadata") or {}
+            assert isinstance(meta, dict)
+            return other in str((meta.get("annotations") or {}).get(key, ""))
+
+        wait_for(f"the annotation {key}", reported, 120)
+    meta = node_object(cluster).get("metadata") or {}
+    assert isinstance(meta, dict)
+    say(f"{key}: {(meta.get('annotations') or {}).get(key)}")
+    say(f"state label: {node_label(cluster, STATE)!r} (the agent wrote none)\n")
+
+
+def host_smi(node: real_node.RealNode) -> None:
+    """nvidia-smi on the host: the driver's (MIG mode by query), or the simulated one's list."""
+    if not node.driver_root:
+        say(f"$ nvidia-smi -L\n{seed_checks.host_nvidia_smi(node, '-L').rstrip()}\n")
+        return
+    query = ["--query-gpu=name,uuid,mig.mode.current,mig.mode.pending", "--format=csv"]
+    say(f"$ nvidia-smi {' '.join(query)}")
+    smi = Path(node.driver_root) / "bin" / "nvidia-smi"
+    done = subprocess.run([str(smi), *query], capture_output=True, text=True, check=False)
+    say((done.stdout + done.stderr).rstrip() + "\n")
+
+
+def checks(cluster: Cluster, logs: Path, args: argparse.Namespace) -> bool:
+    """The checks on a real node over the GPUs; whether the GPUs read the same after."""
+    node = real_node.start(
+        cluster, real_node.NAME, gpus=args.gpus, driver_root="" if args.gpus else args.driver_root
+    )
+    try:
+        before = gpu_state(node)
+        host_smi(node)
+        real_node.install_device_plugin(cluster, node)
+        wait_for("nvidia.com/gpu in allocatable", lambda: bool(allocatable(cluster)), 180)
+        say(f"allocatable of {real_node.NAME}: {json.dumps(allocatable(cluster))}\n")
+        held_layout_applies(cluster, node, logs, args.held)
+        mig_agent(
+            "verify",
+            real_node.NAME,
+            "--image",
+            images.GPU_WORKLOAD if node.driver_root else images.BUSYBOX,
+            "--runtime-class",
+            "nvidia",
+            kubeconfig=cluster.kubeconfig,
+        )
+        if args.observe:
+            observe_reports(cluster, node, logs, args.other)
+        return gpu_state(node) == before
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.kubectl("delete", "daemonset", "-n", PLUGIN_NS, "--all")
+        real_node.stop_node(node)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m migsim.cluster.real_gpu", description=__doc__)
+    p.add_argument("--driver-root", default="/usr/local/nvidia", help="the real driver's root")
+    p.add_argument(
+        "--gpus", default="", help="simulated GPUs instead (`1xH200`): the script's CI run"
+    )
+    p.add_argument("--held", default="all-disabled", help="the layout the GPUs hold")
+    p.add_argument("--other", default="all-1g.18gb", help="observe mode's layout (a change)")
+    p.add_argument("--observe", action="store_true", help="also run the agent in observe mode")
+    p.add_argument(
+        "--dir", type=Path, default=None, help="the cluster's folder (default: a new one)"
+    )
+    args = p.parse_args(argv)
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="real-gpu-"))
+    cluster = Cluster.up(directory, gpu_nodes=0, log=say)
+    try:
+        unchanged = checks(cluster, directory / "logs", args)
+    finally:
+        cluster.down()
+    if not unchanged:
+        say("CHANGED: the GPUs read differently after")
+        return 1
+    say("unchanged: MIG mode and instances read the same before and after")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""scripts/real-gpu-node, the operator's checks that ran on the lent H200 (docs/real-gpu.md), run
+here over simulated GPUs so that it cannot rot: its own local cluster and real node, NVIDIA's
+device plugin, mig-agent with the layout the GPUs hold, `mig-agent verify`; and its guard, which
+refuses to start the agent when the layout asked for would change the GPUs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "real-gpu-node"
+
+
+def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    if os.geteuid() != 0:
+        pytest.skip("the real node runs containerd and a kubelet: run as root")
+    return subprocess.run(
+        [str(SCRIPT), "--gpus", "1xH200", "--dir", str(tmp_path / "cluster"), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
+def test_the_script_passes_over_a_simulated_h200_and_changes_nothing(tmp_path: Path) -> None:
+    done = run_script(tmp_path)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "NVIDIA H200" in out, out
+    assert 'allocatable of kubelet-node-0: {"nvidia.com/gpu": "1"}' in out, out
+    assert "GPU 0 (H200): already MIG disabled, nothing to do" in out, out
+    assert "state: success" in out, out
+    assert "  ok    pod nvidia.com/gpu: " in out and "ok: kubelet-node-0" in out, out
+    assert out.rstrip().endswith(
+        "unchanged: MIG mode and instances read the same before and after"
+    ), out
+
+
+def test_the_script_starts_no_agent_when_the_layout_would_change_the_gpus(tmp_path: Path) -> None:
+    done = run_script(tmp_path, "--held", "all-1g.18gb")
+    assert done.returncode != 0, done.stdout
+    assert "layout all-1g.18gb: 1 of 1 GPU(s) change" in done.stdout, done.stdout
+    assert "mig-agent plan exited" in done.stderr, done.stderr
+    assert "kubectl label node" not in done.stdout, done.stdout  # no layout asked of an agent
+    assert not (tmp_path / "cluster" / "logs" / "mig-agent.log").exists()
