@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 from kubernetes import client
-from migsim.cluster import Cluster, wait_until
+from migsim.cluster import Cluster, agents, wait_until
 from migsim.cluster.api import Api, ApiError
 
 if TYPE_CHECKING:
@@ -122,6 +122,9 @@ def test_dry_run_then_apply_runs_an_agent_on_every_gpu_node_only(
         assert cpu not in {p.spec.node_name for p in pods}
     finally:
         cluster.delete_node(cpu)
+        # daemonset.yaml's admission policies leave DRA off; the session's agents run with it
+        # on (their DRA plugin's pod deleted on a DRA node): what agents.install left, again
+        agents.grant_dra(cluster)
 
 
 # ---- 2. RBAC of the ServiceAccount ---------------------------------------------------------------
