@@ -643,6 +643,7 @@ class Agent:
         if (
             node.labels.get(s.state_label) != State.SUCCESS
             or s.reason_annotation in node.annotations
+            or s.observe_annotation in node.annotations  # observe mode's, before a hand-over
         ):
             self._succeed(node, desired, message)
         elif changed_health:

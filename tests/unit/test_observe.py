@@ -286,11 +286,18 @@ def test_no_nvml_at_start_writes_no_condition() -> None:
 
 
 def test_a_normal_success_takes_a_stale_report_away() -> None:
-    agent, cluster, _ = make()
+    """Handed over, the agent's first pass removes observe mode's report: after a change, and
+    where the layout is in place already (MIG Manager's ``success`` on the node)."""
+    agent, cluster, gpus = make()
     cluster.patch_node(NODE, annotations={PLAN: '{"layout":"all-1g.10gb","changes":true}'})
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert PLAN not in cluster.nodes[NODE].annotations
+    cluster.patch_node(NODE, annotations={PLAN: '{"layout":"all-1g.10gb","changes":false}'})
+    calls = sum(gpus.calls.values())
+    assert agent.reconcile_once().outcome is Outcome.NOOP
+    assert PLAN not in cluster.nodes[NODE].annotations and sum(gpus.calls.values()) == calls
+    assert cluster.nodes[NODE].labels[STATE] == "success"
 
 
 def test_the_report_is_ours_for_the_watch_and_garbage_is_not() -> None:
