@@ -9,22 +9,37 @@ policies, simulated GPUs under the real NVML bindings, the node's device plugin)
   is written, no pod is evicted or restarted (the device plugin's neither);
 * with a state label written as MIG Manager writes it, a relabel is said again and the state
   label stays MIG Manager's;
+* beside NVIDIA's MIG Manager (root: it runs in a private mount namespace), which applies the
+  label: the agent ends up saying the layout is in place, and of the node it owns (managedFields)
+  its annotation alone, no label, no spec; its Events are MIGObserved only;
 * its log says it started with observe on.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
+import pytest
 from kubernetes import client
+from migsim.cluster import Cluster, agents, mig_manager
+from migsim.cluster.processes import stop
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
 from mig_agent.core.observed import NodeState
 
-from .conftest import STATE, AgentNode, NodeFactory, mig_counts, wait_running
+from .conftest import (
+    REPO,
+    RESTART_BACKOFF,
+    STATE,
+    AgentNode,
+    NodeFactory,
+    mig_counts,
+    wait_running,
+)
 
 PLAN = "mig-agent.dev/observed-plan"
 
@@ -133,3 +148,78 @@ def test_mig_managers_state_label_stays_its_own(agent_node: NodeFactory) -> None
     assert data["changes"] is True and data["evict"] == []
     assert node_and_pods(node) == before and node.labels()[STATE] == "pending"
     assert nvml_reads(node) == gpus_before and mig_counts(node.sim_state).total == 0
+
+
+def _owned_by_the_agent(node: Any) -> list[dict[str, Any]]:
+    """The managedFields entries of the agent's field manager on ``node``."""
+    return [
+        m.to_dict()["fields_v1"]
+        for m in node.metadata.managed_fields or ()
+        if m.manager == "mig-agent"
+    ]
+
+
+def _wait(what: str, ready: Any, log: Any, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:g} s\n{log()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.native
+def test_beside_mig_manager_it_says_and_owns_nothing_but_its_annotation(
+    installed: Cluster, core: client.CoreV1Api
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("nvidia-mig-manager runs in a private mount namespace (unshare -m): root")
+    layouts = REPO / "profiles" / "all.yaml"  # one file: what MIG Manager reads
+    name = f"observe-{int(time.time() * 1000) % 100000}"
+    installed.add_gpu_node(name, "2xH100-80GB")
+    procs = []
+    log = installed.dir / "logs" / f"agent-{name}.log"
+
+    def agent_log() -> str:
+        return log.read_text()[-3000:] if log.exists() else ""
+
+    try:
+        mig_manager.start_node(installed, name, layouts)
+        procs = list(
+            agents.start_agent_only(
+                installed,
+                name,
+                settings={"MIG_AGENT_OBSERVE": "true"},
+                profiles=layouts,
+                restart_backoff=RESTART_BACKOFF,
+            )
+        )
+        _wait("the agent started", lambda: '"agent.started"' in agent_log(), agent_log)
+        core.patch_node(name, {"metadata": {"labels": {"nvidia.com/mig.config": "all-balanced"}}})
+
+        def labels() -> dict[str, str]:
+            return dict(core.read_node(name).metadata.labels or {})
+
+        _wait("MIG Manager's success", lambda: labels().get(STATE) == "success", agent_log)
+
+        def in_place() -> bool:
+            text = (core.read_node(name).metadata.annotations or {}).get(PLAN) or "{}"
+            data = json.loads(text)
+            return data.get("layout") == "all-balanced" and data.get("changes") is False
+
+        _wait("the agent saying the layout is in place", in_place, agent_log)
+        n = core.read_node(name)
+        owned = _owned_by_the_agent(n)
+        assert owned, "the agent wrote its annotation"
+        for fields in owned:
+            assert set(fields) == {"f:metadata"}, fields
+            assert set(fields["f:metadata"]) == {"f:annotations"}, fields
+            assert set(fields["f:metadata"]["f:annotations"]) == {f"f:{PLAN}"}, fields
+        events = core.list_namespaced_event(
+            "default", field_selector=f"involvedObject.kind=Node,involvedObject.name={name}"
+        ).items
+        ours = {e.reason for e in events if (e.source and e.source.component) == "mig-agent"}
+        assert ours == {"MIGObserved"}, ours
+        assert "reconcile.started" not in log.read_text()
+    finally:
+        stop(list(reversed(procs)))
+        mig_manager.stop_node(installed.dir, name)
+        installed.delete_node(name)
