@@ -8,7 +8,7 @@ What the policies allow is exactly what the agent writes:
 
 * labels: the state label with the values of mig_agent.core.labels.State, the operand labels of the
   settings between ``true`` and mig_agent.core.labels.PAUSED;
-* annotations: the seven keys the settings derive from ``annotation_prefix``, size-capped (the
+* annotations: the eight keys the settings derive from ``annotation_prefix``, size-capped (the
   agent cuts its reason at REASON_CAP characters; the GPU state of 16 GPUs of 7 instances each
   is about 17,000);
 * the node condition ``condition_type`` with the reasons of CONDITION_REASONS plus the name of
@@ -58,8 +58,10 @@ EVENT_REASONS = (
     "MIGUnhealthyDevices",
     "MIGDevicesHealthy",
     "MIGDeviceOwnershipUnknown",
+    "MIGObserved",
 )
-"""Reasons of the agent's Events (mig_agent/agent/reconcile.py)."""
+"""Reasons of the agent's Events (mig_agent/agent/reconcile.py; MIGObserved: observe mode,
+mig_agent/agent/observe.py)."""
 MESSAGE_CAP = 1024
 """Event and condition messages: the client cuts them at this length."""
 REASON_CAP = 4096
@@ -112,6 +114,7 @@ def our_annotations(s: Settings) -> list[str]:
         s.reboot_annotation,
         s.post_apply_annotation,
         s.host_services_annotation,
+        s.observe_annotation,
     ]
 
 

@@ -53,6 +53,8 @@ def foreign_marks(s: Settings, node: NodeView) -> dict[str, str]:
             ok = bool(_LAYOUT.match(value))
         elif key == s.host_services_annotation:
             ok = bool(_SERVICES.match(value))
+        elif key == s.observe_annotation:
+            ok = _is_observe_report(value)
         else:
             ok = False
         if not ok:
@@ -66,6 +68,14 @@ def _is_gpu_state(text: str) -> bool:
     except ValueError:
         return False
     return isinstance(data, dict) and isinstance(data.get("gpus"), list)
+
+
+def _is_observe_report(text: str) -> bool:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("layout"), str)
 
 
 def interrupted(s: Settings, node: NodeView) -> bool:

@@ -14,6 +14,7 @@ class Outcome(enum.StrEnum):
     REBOOTING = "rebooting"
     SUPERSEDED = "superseded"  # the layout label changed during the pass: start over
     STOPPED = "stopped"  # the agent was told to stop inside the pass: undone, the loop ends
+    OBSERVED = "observed"  # observe mode: what a pass would do was said, nothing done
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from mig_agent.agent import (
     host_clients,
     loop,
     node_guard,
+    observe,
     reporting,
     validators,
 )
@@ -66,13 +67,20 @@ from mig_agent.core.generated_layouts import with_generated
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.core.labels import State, paused_during_change
 from mig_agent.core.layout import Layout, LayoutCatalog
+from mig_agent.core.observe_report import ObserveReport
 from mig_agent.core.observed import NodeState
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.host import commands
 from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
 from mig_agent.node import hooks
 from mig_agent.node.apply import apply_plan, verify
-from mig_agent.node.drain import drain_gpu_pods, drain_refusals, to_drain, wait_pods_gone
+from mig_agent.node.drain import (
+    drain_gpu_pods,
+    drain_refusals,
+    is_paused_operand,
+    to_drain,
+    wait_pods_gone,
+)
 from mig_agent.node.waits import Clock, poll_delays
 from mig_agent.observability.metrics import Metrics
 
@@ -169,6 +177,8 @@ class Agent:
                 raise Stopping()
 
         self.clock = replace(self.clock, sleep=sleep_alive)
+        if self.settings.observe:  # every write but its Event and annotation refused there
+            self.cluster = observe.ObserveOnlyCluster(self.cluster, self.settings)
 
     def readiness_problem(self) -> str:
         """Why the agent is not ready, or "": from what the loop last saw, without a call."""
@@ -249,6 +259,8 @@ class Agent:
         problem = self.gpu_problem()
         if problem:
             log.error("gpu.unavailable", error=problem)
+            if self.settings.observe:  # the condition is MIG Manager's node's, not ours
+                return
             reporting.condition(
                 self.cluster,
                 self.settings,
@@ -311,6 +323,8 @@ class Agent:
         desired = node.labels.get(s.config_label)
         self.seen = (desired, node.labels.get(s.state_label))
         self.seen_plugin_labels = device_plugin.plugin_labels(self.settings, node)
+        if s.observe:
+            return self._observe(node, desired)
         if not desired:
             node_guard.finish(self.cluster, self.settings, node)
             try:
@@ -321,12 +335,17 @@ class Agent:
                 s.state_label in node.labels
                 or s.reason_annotation in node.annotations
                 or s.post_apply_annotation in node.annotations
+                or s.observe_annotation in node.annotations
             ):
                 # no layout asked for: no state to report (an old "failed" would mislead)
                 node = self.cluster.patch_node(
                     s.node_name,
                     labels={s.state_label: None},
-                    annotations={s.reason_annotation: None, s.post_apply_annotation: None},
+                    annotations={
+                        s.reason_annotation: None,
+                        s.post_apply_annotation: None,
+                        s.observe_annotation: None,
+                    },
                 )
                 self.seen = (None, None)
             self.metrics.set_state("")
@@ -364,6 +383,27 @@ class Agent:
                 duration_s=round(self.clock.now() - start, 3),
             )
         return PassResult(result)
+
+    def _observe(self, node: NodeView, desired: str | None) -> PassResult:
+        """Observe mode: the plan and the pods its drain would evict, said on the node
+        (mig_agent.agent.observe); no other write, no hook, no GPU change."""
+        if not desired:
+            observe.clear(self.cluster, self.settings, node)
+            return PassResult(Outcome.IDLE)
+        structlog.contextvars.bind_contextvars(layout=desired)
+        retry = None
+        try:
+            change = self._planned(node, desired)
+            pods, refusals = self._drain_plan(change)
+            paused = paused_during_change(node.labels, self.settings.operand_labels)
+            evict = tuple(str(p.ref) for p in pods if not is_paused_operand(p, paused))
+            report = ObserveReport(desired, change.plan, evict, tuple(refusals))
+        except MigAgentError as exc:
+            report = ObserveReport(desired, error=str(exc))
+            retry = self.settings.backoff_s if exc.retryable else None
+        if not observe.publish(self.cluster, self.settings, node, report):
+            retry = self.settings.backoff_s
+        return PassResult(Outcome.OBSERVED, retry, report.error)
 
     def _stopped_mid_drain(self, going: tuple[PodRef, ...]) -> None:
         """Say on the node why it stays cordoned in `pending` (best effort: the agent is
@@ -543,9 +583,16 @@ class Agent:
         refuse to advertise, before anything changes."""
         if self.catalog is None:
             raise ConfigError(f"profile configs not loaded: {self.catalog_error}")
-        layout = self.catalog.get(desired)
+        self.catalog.get(desired)  # an unknown layout starts nothing
         # services an earlier pass stopped for a reset run again before anything else
         host_clients.start_leftover(self.cluster, self.settings, self.run_command, node.annotations)
+        return self._planned(node, desired)
+
+    def _planned(self, node: NodeView, desired: str) -> _Change:
+        """``_plan_phase`` but the leftover host services: the plan, reading only (observe)."""
+        if self.catalog is None:
+            raise ConfigError(f"profile configs not loaded: {self.catalog_error}")
+        layout = self.catalog.get(desired)
         with self.metrics.phase("plan"):
             models = self.gpus.models()
             # destroy_in_use: GPU pods still run now; what they hold is checked after the drain
@@ -598,6 +645,7 @@ class Agent:
         if (
             node.labels.get(s.state_label) != State.SUCCESS
             or s.reason_annotation in node.annotations
+            or s.observe_annotation in node.annotations  # observe mode's, before a hand-over
         ):
             self._succeed(node, desired, message)
         elif changed_health:
@@ -912,11 +960,20 @@ class Agent:
         DaemonSet's that no paused operand label stops (it would come back at once and take
         its device again: GpuBusy at every retry), a static pod, or one no controller owns
         (gone for good: kubectl drain's default), naming each."""
+        if change.plan.is_empty:
+            return
+        # the drain asks the kubelet again after the cordon: a pod placed meanwhile is then known
+        _, refusals = self._drain_plan(change)
+        if refusals:
+            raise DrainRefused("; ".join(refusals) + "; nothing was touched")
+
+    def _drain_plan(self, change: _Change) -> tuple[list[PodView], list[str]]:
+        """The GPU pods the drain would evict for ``change`` (the paused operands' among them)
+        and why it must not start (drain_refusals; empty: it may); none for an empty plan."""
         s, the_plan = self.settings, change.plan
         if the_plan.is_empty:
-            return
+            return [], []
         paused = paused_during_change(change.node.labels, s.operand_labels)
-        # the drain asks the kubelet again after the cordon: a pod placed meanwhile is then known
         holds = self._holds(change.dra)
         pods = to_drain(
             self.cluster.list_pods(node=s.node_name),
@@ -930,16 +987,13 @@ class Agent:
             delete_emptydir_data=s.delete_emptydir_data,
             advise=s.operand_labels,
         )
-        if refusals:
-            raise DrainRefused("; ".join(refusals) + "; nothing was touched")
+        return pods, refusals
 
     def _drain(self, paused: list[str], change: _Change) -> None:
         s = self.settings
         holds = self._holds(change.dra)
         operand_pods = [
-            p.ref
-            for p in self.cluster.list_pods(node=s.node_name)
-            if "DaemonSet" in p.owner_kinds and set(p.node_selector) & set(paused)
+            p.ref for p in self.cluster.list_pods(node=s.node_name) if is_paused_operand(p, paused)
         ]
         # their results are of devices about to go; the operator reruns them after the change
         validators.delete(self.cluster, s, validators.BEFORE)
@@ -1158,6 +1212,7 @@ class Agent:
                 s.reason_annotation: None,
                 s.reboot_annotation: None,
                 s.post_apply_annotation: None,
+                s.observe_annotation: None,  # an observe mode's report, stale now
             },
             expect_labels={s.config_label: desired},
         )

@@ -99,13 +99,16 @@ def select_layout(catalog: LayoutCatalog, name: str | None) -> Layout:
     return catalog.get(name)
 
 
-def open_gpus(args: argparse.Namespace) -> Any:
+def open_gpus(args: argparse.Namespace, *, read_only: bool = False) -> Any:
+    """The GPUs of ``--backend``; ``read_only``: every change refused (observe mode)."""
     from mig_agent.gpu.nvml import open_backend
 
     if args.backend == "simulated":
         state = args.sim_state or str(Path.home() / ".cache" / "mig-agent" / "sim-node.json")
-        return simulated_backend()(state, create_gpus=args.sim_gpus or "8xH100-80GB")
-    return open_backend()
+        return simulated_backend()(
+            state, create_gpus=args.sim_gpus or "8xH100-80GB", read_only=read_only
+        )
+    return open_backend(read_only=read_only)
 
 
 def simulated_backend() -> Callable[..., Any]:

@@ -9,6 +9,7 @@ from mig_agent.cli.common import (
     out,
 )
 from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.plan_text import plan_lines
 from mig_agent.core.planner import (
     CreateComputeInstance,
     CreateGpuInstance,
@@ -18,21 +19,6 @@ from mig_agent.core.planner import (
     SetMigMode,
     Step,
 )
-
-
-def step_text(step: Step) -> str:
-    match step:
-        case SetMigMode(enabled=on):
-            return f"set MIG mode {'enabled' if on else 'disabled'}"
-        case DestroyComputeInstance(gi_id=gi, ci_id=ci, profile=p):
-            return f"destroy compute instance {ci} ({p}) in GPU instance {gi}"
-        case DestroyGpuInstance(gi_id=gi, profile=p, placement=pl):
-            return f"destroy GPU instance {gi} ({p}) at {pl}"
-        case CreateGpuInstance(profile=p, placement=pl):
-            return f"create GPU instance {p} at {pl}"
-        case CreateComputeInstance(profile=p, gi_placement=gpl, placement=pl):
-            return f"create compute instance {p} at {pl} in the GPU instance at {gpl}"
-    raise AssertionError(step)
 
 
 def step_json(step: Step) -> dict[str, Any]:
@@ -96,28 +82,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 
 def print_plan(plan: Plan) -> None:
-    changed = len(plan.changed_gpus)
-    out(f"layout {plan.layout}: {changed} of {len(plan.gpus)} GPU(s) change")
-    for g in plan.gpus:
-        if g.is_empty:
-            out(f"GPU {g.gpu} ({g.model}): already {g.desired}, nothing to do")
-            continue
-        out(
-            f"GPU {g.gpu} ({g.model}): {g.desired} -- {len(g.steps)} step(s), "
-            f"{g.destroyed_gpu_instances} GPU instance(s) destroyed, "
-            f"{g.created_gpu_instances} created"
-        )
-        for s in g.steps:
-            out(f"  {step_text(s)}")
-        if g.devices:
-            out(
-                "  result: "
-                + ", ".join(
-                    f"{d.profile}@{d.gi_placement}{' (kept)' if d.kept else ''}" for d in g.devices
-                )
-            )
-    for i in plan.untouched:
-        out(f"GPU {i}: not selected by the layout, left as it is")
+    for line in plan_lines(plan):
+        out(line)
 
 
 def print_profiles(models: dict[int, GpuModel] | dict[str, GpuModel], *, as_json: bool) -> None:

@@ -41,13 +41,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         sim_state=args.sim_state,
         metrics_port=args.metrics_port,
         mig_strategy=args.mig_strategy,
+        observe=args.observe or None,  # the flag turns it on; MIG_AGENT_OBSERVE otherwise
     )
     if not settings.node_name:
         raise ConfigError("no node name: pass --node or set NODE_NAME")
     bind_process(node=settings.node_name)  # on every log line, from any thread or library
     stop = threading.Event()
     metrics = Metrics()
-    gpus = InstrumentedGpus(open_gpus(args), metrics)
+    # observe mode: the NVML adapter itself refuses every change (mig_agent.gpu.nvml._mutate)
+    gpus = InstrumentedGpus(open_gpus(args, read_only=settings.observe), metrics)
     cluster = KubernetesCluster.connect(
         settings.kubeconfig, on_request=lambda call: metrics.api_requests.labels(call=call).inc()
     )
@@ -110,6 +112,13 @@ def register(sub: Any) -> None:
         help="port of /metrics, /healthz, /readyz (env MIG_AGENT_METRICS_PORT; 0: off)",
     )
     p.add_argument("--mig-strategy", choices=["mixed", "single"], default=None)
+    p.add_argument(
+        "--observe",
+        action="store_true",
+        help="observe only: plan, and say what a change would do (an Event and the annotation "
+        "mig-agent.dev/observed-plan), changing nothing: no cordon, eviction, pause, plugin "
+        "restart or state label, GPUs opened read-only (env MIG_AGENT_OBSERVE)",
+    )
     add_config_args(p, layout=False)
     add_backend_args(p)
     p.set_defaults(func=cmd_run)
@@ -122,6 +131,8 @@ def _log_started(settings: Settings, metrics_port: int) -> None:
         config=settings.config,
         backend=settings.backend,
         metrics_port=metrics_port,
+        # observe only: an Event and its annotation, nothing else written, GPUs read-only
+        observe=settings.observe,
         # DRA nodes handled (claims listed cluster-wide): the chart's dra.enabled decided
         dra=(
             f"{settings.dra_plugin_namespace}, {settings.dra_plugin_selector}"

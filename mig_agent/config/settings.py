@@ -157,6 +157,11 @@ class Settings:
     host_service_command: str = "chroot /host systemctl"
     """systemctl, or a command that takes its arguments: ``is-active SERVICE``,
     ``stop SERVICE``, ``start SERVICE`` (the host's root mounted at /host)."""
+    observe: bool = False
+    """Observe only (``mig-agent run --observe``): watch the layout label, plan, and say what a
+    change would do (an Event and the ``observe_annotation``), changing nothing: no cordon,
+    eviction, pause, plugin restart, state label, condition or hook, and the GPUs open
+    read-only. Beside NVIDIA's MIG Manager, before it hands a pool over."""
     backend: str = "nvml"
     """GPU library: nvml or simulated."""
     sim_state: str = ""
@@ -196,6 +201,11 @@ class Settings:
     def host_services_annotation(self) -> str:
         """The host services the agent stopped and has yet to start again."""
         return f"{self.annotation_prefix}/stopped-host-services"
+
+    @property
+    def observe_annotation(self) -> str:
+        """What the agent in observe mode would do for the layout label (JSON)."""
+        return f"{self.annotation_prefix}/observed-plan"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -32,6 +32,9 @@
                            refused before the cordon, naming the pods                 (retryable)
   + InternalError          an exception that is none of these (a bug): the pass undoes its
                            marks, reports it and backs off rather than the agent dying (retryable)
+  + ObserveOnlyRefused     a change asked of a GPU backend opened read-only, or of the cluster
+                           in observe mode: refused before anything is called (a bug: the
+                           observe pass asks for none)
 
 * Stopping (not a MigAgentError): raised out of a wait inside a pass when the agent is told to
   stop (SIGTERM); the pass undoes its marks and the agent exits.
@@ -160,6 +163,12 @@ class DrainRefused(MigAgentError):
 
 class InternalError(MigAgentError):
     retryable = True
+
+
+class ObserveOnlyRefused(MigAgentError):
+    """A mutating call refused because the agent only observes (``mig-agent run --observe``):
+    the NVML adapter opened read-only refuses every call that changes a GPU, and the observe
+    pass's cluster every write but its Event and its own annotation."""
 
 
 class Stopping(Exception):  # noqa: N818 (a signal to stop, not an error)

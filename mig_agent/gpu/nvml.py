@@ -10,6 +10,10 @@ It must not decide anything (that is the planner's and executor's job): it repor
 One exception to "reports": NVML lists compute-instance profiles only inside a GPU instance, so on
 a model the catalog does not know, reading its profiles may create a GPU instance without compute
 instances and destroy it again (``_ci_profiles_of``).
+
+Every call that changes a GPU (MUTATING_NVML, a GPU reset) goes through one door,
+``NvmlGpuBackend._mutate``; a backend opened ``read_only`` (``mig-agent run --observe``) refuses
+there with ObserveOnlyRefused before anything is called, whatever code asked for it.
 """
 
 from __future__ import annotations
@@ -22,11 +26,17 @@ from contextlib import contextmanager
 from ctypes import byref, c_uint
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
-from mig_agent.core.errors import GpuBusy, GpuError, GpuResetRequired, GpuUnavailable
+from mig_agent.core.errors import (
+    GpuBusy,
+    GpuError,
+    GpuResetRequired,
+    GpuUnavailable,
+    ObserveOnlyRefused,
+)
 from mig_agent.core.gpu_models import (
     CI_INDEX_BY_SLICES,
     GI_INDEX_SHAPE,
@@ -66,6 +76,19 @@ _ARCHITECTURE = {
     pynvml.NVML_DEVICE_ARCH_TURING: Architecture.TURING,
 }
 
+# The NVML calls that change a GPU: made through NvmlGpuBackend._mutate only (tests/gpu/
+# test_read_only.py reads this module to hold it to that), where a read-only backend refuses them.
+MUTATING_NVML = frozenset(
+    {
+        "nvmlDeviceSetMigMode",
+        "nvmlDeviceCreateGpuInstanceWithPlacement",
+        "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+        "nvmlComputeInstanceDestroy",
+        "nvmlGpuInstanceDestroy",
+    }
+)
+_T = TypeVar("_T")
+
 # pynvml keeps its library in a module global; backends over different libraries (two simulated
 # nodes in one process, say) take turns installing theirs under this lock.
 _LIB_LOCK = threading.RLock()
@@ -98,12 +121,19 @@ class MigDevice(NamedTuple):
 
 class NvmlGpuBackend(GpuBackend):
     """GpuBackend over pynvml and the library beneath it; ``reset`` resets a GPU where that is
-    not ``nvidia-smi -r`` (a library that is no driver)."""
+    not ``nvidia-smi -r`` (a library that is no driver). ``read_only``: every change refused
+    (observe mode)."""
 
     def __init__(
-        self, lib: Any, previous_lib: Any, reset: Callable[[int], None] | None = None
+        self,
+        lib: Any,
+        previous_lib: Any,
+        reset: Callable[[int], None] | None = None,
+        *,
+        read_only: bool = False,
     ) -> None:
         self._lib, self._previous_lib, self._reset = lib, previous_lib, reset
+        self._read_only = read_only
         self._closed = False
         self._handles: dict[int, Any] = {}
         # Each GPU's model with the MIG mode (current; None without MIG) it was read under: read
@@ -179,6 +209,19 @@ class NvmlGpuBackend(GpuBackend):
 
     def _gi_profile(self, gpu: int, profile_id: int) -> GiProfile | None:
         return self._model(gpu).gi_profile_by_id(profile_id)
+
+    @property
+    def read_only(self) -> bool:
+        return self._read_only
+
+    def _mutate(self, op: str, call: Callable[..., _T], *args: Any) -> _T:
+        """The one door to a change of a GPU (a call of MUTATING_NVML, a reset): a read-only
+        backend refuses here, before anything is called, so that no bug elsewhere gets past."""
+        if self._read_only:
+            raise ObserveOnlyRefused(
+                f"{op}: refused, the GPUs are open read-only (observe mode)", op=op
+            )
+        return call(*args)
 
     # -- GpuBackend: reading -----------------------------------------------------------------------
 
@@ -415,17 +458,24 @@ class NvmlGpuBackend(GpuBackend):
             return self._ci_profiles_in(p.id, arr[0], gpu)
         if not pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity(h, p.id):
             return None
+        op = f"create a {p.name} GPU instance on GPU {gpu} to read its profiles"
         for pl in p.placements:
             try:
-                gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
-                    h, p.id, byref(pynvml.c_nvmlGpuInstancePlacement_t(pl.start, pl.size))
+                gi = self._mutate(
+                    op,
+                    pynvml.nvmlDeviceCreateGpuInstanceWithPlacement,
+                    h,
+                    p.id,
+                    byref(pynvml.c_nvmlGpuInstancePlacement_t(pl.start, pl.size)),
                 )
             except pynvml.NVMLError_InsufficientResources:
                 continue  # taken: the next placement
+            except ObserveOnlyRefused:
+                return None  # read-only: unknown, as with MIG off
             try:
                 return self._ci_profiles_in(p.id, gi, gpu)
             finally:
-                pynvml.nvmlGpuInstanceDestroy(gi)
+                self._mutate(op, pynvml.nvmlGpuInstanceDestroy, gi)
         return None
 
     @staticmethod
@@ -512,7 +562,7 @@ class NvmlGpuBackend(GpuBackend):
             mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
             with _nvml(op, gpu=gpu):
                 # pynvml returns the activation status as a plain int instead of raising it.
-                status = int(pynvml.nvmlDeviceSetMigMode(h, mode))
+                status = int(self._mutate(op, pynvml.nvmlDeviceSetMigMode, h, mode))
             if status == pynvml.NVML_SUCCESS:
                 return
             if status == pynvml.NVML_ERROR_IN_USE:
@@ -536,12 +586,10 @@ class NvmlGpuBackend(GpuBackend):
     def reset_gpu(self, gpu: int) -> None:
         op = f"reset GPU {gpu}"
         with self._active():
-            if self._reset is not None:
-                self._reset(gpu)
-                return
-            self._reset_hardware(gpu, op)
+            self._mutate(op, self._reset or self._reset_hardware, gpu)
 
-    def _reset_hardware(self, gpu: int, op: str) -> None:
+    def _reset_hardware(self, gpu: int) -> None:
+        op = f"reset GPU {gpu}"
         h = self._handle(gpu)
         with _nvml(op, gpu=gpu):
             pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
@@ -579,7 +627,9 @@ class NvmlGpuBackend(GpuBackend):
             op = f"create GPU instance {name} at {placement} on GPU {gpu}"
             h = self._handle(gpu)
             with _nvml(op, gpu=gpu, profile_id=profile_id, placement=str(placement)):
-                gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                gi = self._mutate(
+                    op,
+                    pynvml.nvmlDeviceCreateGpuInstanceWithPlacement,
                     h,
                     profile_id,
                     byref(pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)),
@@ -602,7 +652,9 @@ class NvmlGpuBackend(GpuBackend):
                 f"on GPU {gpu}"
             )
             with _nvml(op, gpu=gpu, gi=gi_id, profile_id=profile_id, placement=str(placement)):
-                ci = pynvml.nvmlGpuInstanceCreateComputeInstanceWithPlacement(
+                ci = self._mutate(
+                    op,
+                    pynvml.nvmlGpuInstanceCreateComputeInstanceWithPlacement,
                     gi,
                     profile_id,
                     byref(pynvml.c_nvmlComputeInstancePlacement_t(placement.start, placement.size)),
@@ -615,14 +667,14 @@ class NvmlGpuBackend(GpuBackend):
             gi = self._gi_handle(gpu, gi_id)
             with _nvml(op, gpu=gpu, gi=gi_id, ci=ci_id):
                 ci = pynvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
-                pynvml.nvmlComputeInstanceDestroy(ci)
+                self._mutate(op, pynvml.nvmlComputeInstanceDestroy, ci)
 
     def destroy_gpu_instance(self, gpu: int, gi_id: int) -> None:
         op = f"destroy GPU instance {gi_id} on GPU {gpu}"
         with self._active():
             gi = self._gi_handle(gpu, gi_id)
             with _nvml(op, gpu=gpu, gi=gi_id):
-                pynvml.nvmlGpuInstanceDestroy(gi)
+                self._mutate(op, pynvml.nvmlGpuInstanceDestroy, gi)
 
 
 def _whole_gi_ci(p: GiProfile) -> CiProfile:
@@ -633,10 +685,14 @@ def _whole_gi_ci(p: GiProfile) -> CiProfile:
 
 
 def open_backend(
-    library: Any | None = None, *, reset: Callable[[int], None] | None = None
+    library: Any | None = None,
+    *,
+    reset: Callable[[int], None] | None = None,
+    read_only: bool = False,
 ) -> NvmlGpuBackend:
     """Initialise NVML: over ``library`` when given (any object pynvml can call as its
-    ``nvmlLib``, with ``reset`` for GPU resets), else over libnvidia-ml.so.1 as pynvml loads it."""
+    ``nvmlLib``, with ``reset`` for GPU resets), else over libnvidia-ml.so.1 as pynvml loads it.
+    ``read_only``: a backend that refuses every change (observe mode)."""
     with _LIB_LOCK:
         previous = pynvml.nvmlLib
         if library is not None:
@@ -660,4 +716,4 @@ def open_backend(
             raise _ERROR_BY_CODE.get(code, GpuError)(
                 f"initialise NVML ({lib!r}): {exc}", op="initialise NVML", nvml_code=code
             ) from exc
-        return NvmlGpuBackend(pynvml.nvmlLib, previous, reset)
+        return NvmlGpuBackend(pynvml.nvmlLib, previous, reset, read_only=read_only)

@@ -123,6 +123,12 @@ def to_drain(
     return [p for p in gpu if may_stay is None or not may_stay(p)]
 
 
+def is_paused_operand(pod: PodView, paused: Iterable[str]) -> bool:
+    """A GPU Operator operand's pod that pausing its ``paused`` labels stops (the drain waits
+    for it rather than evicting it): a DaemonSet's whose nodeSelector names one of them."""
+    return "DaemonSet" in pod.owner_kinds and bool(set(pod.node_selector) & set(paused))
+
+
 def drain_refusals(
     pods: Iterable[PodView],
     *,

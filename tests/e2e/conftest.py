@@ -252,6 +252,14 @@ def wait_dra_slice(node: AgentNode, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def _agent_up(node: AgentNode, *, observe: bool) -> bool:
+    """The agent has published the GPUs' state, as it does once it is up; one that only
+    observes publishes nothing (no label yet), so its log line of start is looked for."""
+    if observe:
+        return '"agent.started"' in node.log_tail(200)
+    return "mig-agent.dev/gpu-state" in (node.node().metadata.annotations or {})
+
+
 @pytest.fixture
 def agent_node(
     installed: Cluster, core: client.CoreV1Api, request: pytest.FixtureRequest
@@ -293,9 +301,9 @@ def agent_node(
         )
         node = AgentNode(name, installed, core, procs)
         made.append(node)
-        # the agent has published the GPUs' state once it is up
+        observe = (settings or {}).get("MIG_AGENT_OBSERVE", "").lower() == "true"
         deadline = time.monotonic() + 30
-        while "mig-agent.dev/gpu-state" not in (node.node().metadata.annotations or {}):
+        while not _agent_up(node, observe=observe):
             assert time.monotonic() < deadline, node.log_tail()
             time.sleep(0.1)
         if kind == "nvidia":

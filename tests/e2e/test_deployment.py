@@ -417,7 +417,7 @@ ANNOTATIONS = (
     "may change only its own annotations (mig-agent.dev/cordoned, "
     "mig-agent.dev/paused-operands, mig-agent.dev/reason, mig-agent.dev/gpu-state, "
     "mig-agent.dev/reboot-attempted, mig-agent.dev/post-apply-pending, "
-    "mig-agent.dev/stopped-host-services), not: "
+    "mig-agent.dev/stopped-host-services, mig-agent.dev/observed-plan), not: "
 )
 STATE_VALUE = f"may set {STATE} only to pending, rebooting, success, failed, not "
 OPERANDS = "may move an operand label only to true or paused-for-mig-change, "
@@ -476,6 +476,7 @@ CHANGES = {
                     "mig-agent.dev/reason": "r" * 4096,
                     "mig-agent.dev/gpu-state": "{" * 30000,
                     "mig-agent.dev/reboot-attempted": "all-balanced",
+                    "mig-agent.dev/observed-plan": "{" * 4096,
                 }
             }
         },
@@ -605,6 +606,12 @@ CHANGES = {
         "own_agent",
         "own",
         {"metadata": {"annotations": {"mig-agent.dev/reason": "r" * 4097}}},
+        denied=SIZE,
+    ),
+    "own-observed-plan-too-long": Change(
+        "own_agent",
+        "own",
+        {"metadata": {"annotations": {"mig-agent.dev/observed-plan": "{" * 4097}}},
         denied=SIZE,
     ),
     "own-gpu-state-too-long": Change(

@@ -3,7 +3,8 @@
 * `helm lint` passes (strict);
 * `helm template`: the objects of the install, runtimeClassName nvidia by default and omitted
   with `runtimeClassName=""`, the values reaching the agent's environment, the profile ConfigMap
-  or an existing ConfigMap by name, a ServiceMonitor only where monitoring.coreos.com/v1 exists;
+  or an existing ConfigMap by name, a ServiceMonitor only where monitoring.coreos.com/v1 exists,
+  observe mode's setting and its narrower RBAC;
 * the admission policies the chart renders are those deploy/policies.py renders for the same
   settings (defaults and changed label keys, annotation prefix, condition type, device plugin
   namespace and selector), and a value the policy cannot express fails the render;
@@ -250,6 +251,37 @@ def test_service_monitor_only_with_the_prometheus_operators_api(helm: str) -> No
         "metrics.serviceMonitor.enabled=false",
     )
     assert "ServiceMonitor" not in {k for k, _ in kinds(off)}
+
+
+def _rules(docs: list[Doc]) -> set[tuple[str, str]]:
+    """(resource, verb) of every rule the ClusterRole and the Roles grant."""
+    return {
+        (r, v)
+        for d in docs
+        if d["kind"] in ("ClusterRole", "Role")
+        for rule in d["rules"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def test_observe_value_reaches_the_agent_and_drops_the_rights_it_does_not_use(
+    helm: str,
+) -> None:
+    """observe=true: MIG_AGENT_OBSERVE for the agent, and RBAC without evictions, node status
+    or pod deletion (its reads, Events and the node patch of its annotation stay)."""
+    assert env(template(helm))["MIG_AGENT_OBSERVE"] == "false"
+    full = _rules(template(helm, "--set", "dra.enabled=true", "--set", "dra.namespace=dra"))
+    docs = template(helm, "--set", "observe=true", "--set", "dra.enabled=true")
+    assert env(docs)["MIG_AGENT_OBSERVE"] == "true"
+    dropped = {("pods/eviction", "create"), ("nodes/status", "patch"), ("pods", "delete")}
+    assert dropped <= full
+    assert _rules(docs) == full - dropped
+    kept = {("nodes", "patch"), ("events", "create"), ("pods", "watch"), ("resourceclaims", "list")}
+    assert kept <= _rules(docs)
+    assert not {n for k, n in kinds(docs) if k == "Role" and n.endswith("-plugin")}
+    dra_elsewhere = ("--set", "dra.enabled=true", "--set", "dra.namespace=dra")
+    assert _rules(template(helm, "--set", "observe=true", *dra_elsewhere)) == full - dropped
 
 
 OTHER = Settings(

@@ -315,6 +315,24 @@ def start_node(
     return started
 
 
+def start_agent_only(
+    cluster: Cluster,
+    node: str,
+    *,
+    settings: Mapping[str, str] | None = None,
+    profiles: Path = PROFILES,
+    timeout: float = 60.0,
+    restart_backoff: tuple[float, float] = KUBELET_BACKOFF,
+) -> tuple[Proc, Proc]:
+    """Start the agent of `node` alone, supervised, beside what runs there already (MIG
+    Manager and its device plugin, for an agent in observe mode); not recorded: stop it with
+    processes.stop([supervisor, agent]). (supervisor, agent)."""
+    supervisor, agent, _, _, _ = _start_agent(
+        cluster, node, settings, profiles, timeout, restart_backoff
+    )
+    return supervisor, agent
+
+
 def start_device_plugin(
     cluster: Cluster,
     node: str,

@@ -20,10 +20,14 @@ __all__ = ["open_node", "state"]
 
 
 def open_node(
-    path: str | os.PathLike[str] | None = None, *, create_gpus: str | None = None
+    path: str | os.PathLike[str] | None = None,
+    *,
+    create_gpus: str | None = None,
+    read_only: bool = False,
 ) -> NvmlGpuBackend:
     """The NVML backend over the simulated node in ``path`` (default $MIG_AGENT_SIM_STATE);
-    with ``create_gpus`` (e.g. "8xH100-80GB") a missing node is created first."""
+    with ``create_gpus`` (e.g. "8xH100-80GB") a missing node is created first; ``read_only``
+    as open_backend's (observe mode)."""
     where = str(path or os.environ.get(state.ENV_STATE, ""))
     if not where:
         raise GpuUnavailable(
@@ -52,4 +56,4 @@ def open_node(
             op = f"reset GPU {gpu}"
             raise cls(f"{op}: {exc}", op=op, gpu=gpu, nvml_code=exc.code) from exc
 
-    return open_backend(library, reset=reset)
+    return open_backend(library, reset=reset, read_only=read_only)
