@@ -1,6 +1,7 @@
 """scripts/real-gpu-node, the operator's checks that ran on the lent H200 (docs/real-gpu.md), run
 here over simulated GPUs so that it cannot rot: its own local cluster and real node, NVIDIA's
-device plugin, mig-agent with the layout the GPUs hold, `mig-agent verify`; and its guard, which
+device plugin, mig-agent with the layout the GPUs hold, `mig-agent verify`, the agent in observe
+mode asked for a change (said, not made); and its guard, which
 refuses to start the agent when the layout asked for would change the GPUs."""
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def test_the_script_passes_over_a_simulated_h200_and_changes_nothing(tmp_path: P
     assert "GPU 0 (H200): already MIG disabled, nothing to do" in out, out
     assert "state: success" in out, out
     assert "  ok    pod nvidia.com/gpu: " in out and "ok: kubelet-node-0" in out, out
+    # observe mode, asked for all-1g.18gb: the 7 instances it would make, said; none made
+    [report] = [line for line in out.splitlines() if line.startswith("mig-agent.dev/observed-plan")]
+    assert '"layout": "all-1g.18gb"' in report and report.count("1g.18gb@") == 7, report
+    assert "state label: 'success' (before: 'success')" in out, out
     assert out.rstrip().endswith(
         "unchanged: MIG mode and instances read the same before and after"
     ), out

@@ -2,11 +2,12 @@
 real node whose kubelet runs on containerd and runc over the machine's own NVIDIA driver, NVIDIA's
 device plugin over the real NVML, a CDI spec from `nvidia-ctk cdi generate`, the RuntimeClass
 `nvidia`; then mig-agent on the host against that kubelet with the layout the GPUs already hold
-(its plan must be empty: nothing is changed), `mig-agent verify` of the node, and optionally the
+(its plan must be empty: nothing is changed), `mig-agent verify` of the node, and the
 agent in observe mode with a layout that would change the GPUs. MIG mode and instances must read
 the same before and after, else it fails. Prints a transcript: each command, then its output.
 
-``python -m migsim.cluster.real_gpu [--driver-root DIR] [--held LAYOUT] [--other LAYOUT]``
+``python -m migsim.cluster.real_gpu [--driver-root DIR | --gpus SPEC] [--held LAYOUT]
+[--other LAYOUT] [--no-observe]``
 
 Never changes a GPU: no apply runs unless its plan is empty, and the agent is started only after
 that check. Needs root, the Kubernetes and NVIDIA binaries and the real node's tools
@@ -137,23 +138,30 @@ def held_layout_applies(cluster: Cluster, node: real_node.RealNode, logs: Path, 
     say(f"state: {node_label(cluster, STATE)}\n")
 
 
+OBSERVED = "mig-agent.dev/observed-plan"
+
+
 def observe_reports(cluster: Cluster, node: real_node.RealNode, logs: Path, other: str) -> None:
     """The agent in observe mode with a layout that would change the GPUs: what it would do,
-    published, and nothing done."""
+    published, and nothing done (the state label stays the last agent's)."""
+    state = node_label(cluster, STATE)
+
+    def report() -> dict[str, object]:
+        meta = node_object(cluster).get("metadata") or {}
+        assert isinstance(meta, dict)
+        text = str((meta.get("annotations") or {}).get(OBSERVED) or "{}")
+        found = json.loads(text)
+        assert isinstance(found, dict)
+        return found
+
     with host_agent(cluster, node, logs, "--observe"):
         set_label(cluster, CONFIG, other)
-        key = "mig-agent.dev/observed"
-
-        def reported() -> bool:
-            meta = node_object(cluster).get("metadata") or {}
-            assert isinstance(meta, dict)
-            return other in str((meta.get("annotations") or {}).get(key, ""))
-
-        wait_for(f"the annotation {key}", reported, 120)
-    meta = node_object(cluster).get("metadata") or {}
-    assert isinstance(meta, dict)
-    say(f"{key}: {(meta.get('annotations') or {}).get(key)}")
-    say(f"state label: {node_label(cluster, STATE)!r} (the agent wrote none)\n")
+        wait_for(f"the annotation {OBSERVED}", lambda: report().get("layout") == other, 120)
+    say(f"{OBSERVED}: {json.dumps(report())}")
+    after = node_label(cluster, STATE)
+    say(f"state label: {after!r} (before: {state!r})\n")
+    if after != state:
+        raise DevClusterError("the observing agent changed the state label")
 
 
 def host_smi(node: real_node.RealNode) -> None:
@@ -189,7 +197,7 @@ def checks(cluster: Cluster, logs: Path, args: argparse.Namespace) -> bool:
             "nvidia",
             kubeconfig=cluster.kubeconfig,
         )
-        if args.observe:
+        if not args.no_observe:
             observe_reports(cluster, node, logs, args.other)
         return gpu_state(node) == before
     finally:
@@ -206,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--held", default="all-disabled", help="the layout the GPUs hold")
     p.add_argument("--other", default="all-1g.18gb", help="observe mode's layout (a change)")
-    p.add_argument("--observe", action="store_true", help="also run the agent in observe mode")
+    p.add_argument("--no-observe", action="store_true", help="leave out the agent's observe mode")
     p.add_argument(
         "--dir", type=Path, default=None, help="the cluster's folder (default: a new one)"
     )
