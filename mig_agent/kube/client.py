@@ -540,10 +540,13 @@ class KubernetesCluster(Cluster, PodRunner):
             items = self._call(self._resource.list_resource_slice, field_selector=selector)["items"]
         return list(items)
 
-    def list_resource_claims(self) -> list[dict[str, Any]]:
-        with _kube("list resourceclaims"):
-            items = self._call(self._resource.list_resource_claim_for_all_namespaces)["items"]
-        return list(items)
+    def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
+        with _kube("list resourceclaims", namespace=namespace):
+            if namespace:
+                got = self._call(self._resource.list_namespaced_resource_claim, namespace)
+            else:
+                got = self._call(self._resource.list_resource_claim_for_all_namespaces)
+        return list(got["items"])
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         with _kube("list poddisruptionbudgets"):

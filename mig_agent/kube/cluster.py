@@ -202,8 +202,9 @@ class Cluster(Protocol):
         returns them."""
         ...
 
-    def list_resource_claims(self) -> list[dict[str, Any]]:
-        """Every ResourceClaim of the cluster (resource.k8s.io/v1), as the API returns them."""
+    def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
+        """The ResourceClaims of ``namespace`` ("": of every namespace; resource.k8s.io/v1), as
+        the API returns them."""
         ...
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:

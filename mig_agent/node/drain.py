@@ -97,12 +97,14 @@ def gpu_pods(
     *,
     exclude: Iterable[PodRef] = (),
     claimed: Collection[tuple[str, str]] = (),
+    pods: Iterable[PodView] | None = None,
 ) -> list[PodView]:
-    """Pods on ``node`` that request GPU resources (or are ``claimed``) and have not finished."""
+    """Pods on ``node`` that request GPU resources (or are ``claimed``) and have not finished,
+    out of ``pods`` (the node's, as just listed) where given."""
     skip = {(r.namespace, r.name) for r in exclude}
+    listed = cluster.list_pods(node=node) if pods is None else pods
     return to_drain(
-        (p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip),
-        claimed=claimed,
+        (p for p in listed if (p.ref.namespace, p.ref.name) not in skip), claimed=claimed
     )
 
 
@@ -213,6 +215,7 @@ def drain_gpu_pods(
     on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None,
     on_waiting: Callable[[PodView, int, float], None] | None = None,
     still_wanted: Callable[[], None] | None = None,
+    pods: Iterable[PodView] | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
     gone; returns the evicted pods (and those that took a replaced pod's name).
@@ -222,6 +225,8 @@ def drain_gpu_pods(
     told once to ``on_waiting`` (the slowest pod, how many are left, the wait's deadline in
     seconds from the drain's start).
 
+    ``pods`` are the node's pods as the caller just listed them (default: listed here).
+
     ``still_wanted`` is asked at most every ``retry_s`` while the drain lasts and raises when
     the change is no longer wanted (a relabel): a budget that blocks for minutes must not keep
     a cancelled change's cordon.
@@ -230,7 +235,7 @@ def drain_gpu_pods(
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
     KubeError for a static (mirror) pod, which cannot be evicted.
     """
-    candidates = gpu_pods(cluster, node, exclude=exclude, claimed=claimed)
+    candidates = gpu_pods(cluster, node, exclude=exclude, claimed=claimed, pods=pods)
     pods = to_drain(candidates, may_stay, claimed=claimed)
     if len(pods) < len(candidates):
         log.info("drain.pods_kept", pods=len(candidates) - len(pods))
