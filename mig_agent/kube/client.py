@@ -42,6 +42,7 @@ from mig_agent.kube.cluster import (
     PdbView,
     PodRef,
     PodRunner,
+    PodsSeen,
     PodView,
     is_gpu_resource,
 )
@@ -362,20 +363,26 @@ class KubernetesCluster(Cluster, PodRunner):
                 )["items"]
         return [_pod(p) for p in items]
 
-    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+    def watch_pods(
+        self, node: str, *, timeout_s: float, seen: PodsSeen | None = None
+    ) -> Iterator[list[PodView]]:
         field = f"spec.nodeName={node}"
-        with _kube("list pods", node=node):
-            listed = self._call(self._core.list_pod_for_all_namespaces, field_selector=field)
-        pods = {(p.ref.namespace, p.ref.name): p for p in map(_pod, listed["items"])}
+        seen = seen if seen is not None else PodsSeen()
+        if not seen.resource_version:
+            with _kube("list pods", node=node):
+                listed = self._call(self._core.list_pod_for_all_namespaces, field_selector=field)
+            seen.pods = {(p.ref.namespace, p.ref.name): p for p in map(_pod, listed["items"])}
+            seen.resource_version = (listed.get("metadata") or {}).get("resourceVersion") or ""
+        pods = seen.pods
         yield list(pods.values())
         seconds = max(1, math.ceil(timeout_s))
         self._on_request("watch_pods")
-        since = (listed.get("metadata") or {}).get("resourceVersion") or ""
-        events = pod_events(self._core, field, since, seconds)
+        events = pod_events(self._core, field, seen.resource_version, seconds)
         try:
             for event in events:
                 if event["type"] == "ERROR":  # 410 Gone, "too old resource version": list again
                     log.debug("watch_pods.expired", node=node, status=event["object"])
+                    seen.resource_version = ""
                     return
                 if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
                     continue  # a BOOKMARK, never asked for
@@ -385,11 +392,15 @@ class KubernetesCluster(Cluster, PodRunner):
                     pods.pop(key, None)
                 else:
                     pods[key] = pod
+                version = (event["object"].get("metadata") or {}).get("resourceVersion")
+                seen.resource_version = version or seen.resource_version
                 yield list(pods.values())
         except (ApiException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
-            # the list above reached the server: a watch cut short only ends this slice, and
-            # the caller looks again after a poll delay. A refused one (RBAC without "watch"
-            # on pods: an older chart) is said once, as each refusal costs a look and a watch
+            # the server was reached: a watch cut short only ends this slice, and the caller
+            # looks again after a poll delay, with a list (what a watch that did not run missed
+            # is not known). A refused one (RBAC without "watch" on pods: an older chart) is
+            # said once, as each refusal costs a look and a watch
+            seen.resource_version = ""
             if isinstance(exc, ApiException) and exc.status in (401, 403):
                 if not self._watch_refused:
                     self._watch_refused = True

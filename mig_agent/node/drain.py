@@ -21,7 +21,7 @@ from mig_agent.core.errors import (
     PodReplaced,
     Stopping,
 )
-from mig_agent.kube.cluster import Cluster, PodRef, PodView
+from mig_agent.kube.cluster import Cluster, PodRef, PodsSeen, PodView
 from mig_agent.node.waits import Clock, watch_slices
 
 log = structlog.get_logger(__name__)
@@ -288,6 +288,9 @@ class _Drain:
         self.successors: list[PodRef] = []  # pods of a replaced one's name, drained instead
         self.next_try = self.asked_at = self.start  # the pass has just looked
         self.told = False
+        # where the last watch ended: the next goes on from there, without a list (an
+        # eviction retry costs the eviction and a watch, not a list more)
+        self.seen = PodsSeen()
         self.clock = _naming_on_stop(clock, lambda: tuple(sorted(self.going(), key=str)))
 
     def going(self) -> set[PodRef]:
@@ -340,6 +343,9 @@ class _Drain:
         self.waiting.discard(ref)
         self.blocked.pop(ref, None)
         new = self.successor(ref)
+        # the pod now of its name was listed after the watch's look: the next watch lists
+        # again, or a pod it never saw would pass for one gone
+        self.seen = PodsSeen()
         log.info(
             "drain.pod_replaced", pod=ref.name, namespace=ref.namespace, drained=new is not None
         )
@@ -369,7 +375,7 @@ class _Drain:
     def watch_until_due(self) -> None:
         """The evicted pods' going, from a watch of the node's pods, until the next thing due."""
         watch = watch_slices(
-            lambda span: self.cluster.watch_pods(self.node, timeout_s=span),
+            lambda span: self.cluster.watch_pods(self.node, timeout_s=span, seen=self.seen),
             self.clock,
             due=self.due,
             poll_s=self.rules.poll_s,
@@ -433,8 +439,9 @@ def wait_pods_gone(
     if not waiting:
         return
     deadline = clock.now() + timeout_s
+    seen = PodsSeen()  # one list for the whole wait; each slice's watch goes on from the last
     watch = watch_slices(
-        lambda span: cluster.watch_pods(node, timeout_s=span),
+        lambda span: cluster.watch_pods(node, timeout_s=span, seen=seen),
         clock,
         due=lambda: deadline,
         poll_s=poll_s,

@@ -23,6 +23,7 @@ from mig_agent.kube.cluster import (
     NodeView,
     PdbView,
     PodRef,
+    PodsSeen,
     PodView,
 )
 
@@ -197,7 +198,9 @@ class FakeCluster(Cluster):
     def _pods_of(self, node: str | None) -> list[PodView]:
         return [p for p in self.pods.values() if node is None or p.node == node]
 
-    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+    def watch_pods(
+        self, node: str, *, timeout_s: float, seen: PodsSeen | None = None
+    ) -> Iterator[list[PodView]]:
         # no watch: one look (a list), then the caller looks again after a poll delay
         yield self.list_pods(node=node)
 
