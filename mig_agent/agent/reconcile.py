@@ -409,7 +409,9 @@ class Agent:
     def _still_wanted(self, desired: str) -> None:
         """LabelsChanged if the layout label no longer names ``desired``."""
         s = self.settings
-        now = self.cluster.get_node(s.node_name).labels.get(s.config_label)
+        # the open watch delivers every change of the node: asked only while it is closed
+        node = self.watched_node or self.cluster.get_node(s.node_name)
+        now = node.labels.get(s.config_label)
         if now != desired:
             raise LabelsChanged(
                 f"layout label changed from {desired} to {now} during the pass",
@@ -721,7 +723,7 @@ class Agent:
         with self._phase(
             change, "verify", "MIGVerifying", "re-reading the GPUs to check the layout is in place"
         ):
-            self._verify(change.desired, change.models)
+            self._verify(change.desired, change.models, change.node)
 
     def _post_apply_phase(self, change: _Change, hook_run: hooks.HookRunner) -> None:
         if not hook_run.hooks.of(hooks.POST_APPLY):
@@ -1115,10 +1117,11 @@ class Agent:
                 log.info("gpu.waiting_for_processes", error=str(exc))
                 self.clock.sleep(next(delays))
 
-    def _verify(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+    def _verify(self, desired: str, models: Mapping[int, GpuModel], node: NodeView) -> None:
         assert self.catalog is not None
         verify(self.catalog.get(desired), self.gpus.observe(), models)
-        reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics)
+        # the GPU state published as the pass last had the node: new devices, a new text
+        reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
 
     def _reboot_or_fail(self, desired: str, exc: GpuResetRequired) -> None:
         s = self.settings
@@ -1170,7 +1173,10 @@ class Agent:
         # before the patch: the watch must not take our own label for someone else's change
         self.seen = (desired, str(state))
         return self.cluster.patch_node(
-            s.node_name, labels={s.state_label: str(state)}, expect_labels={s.config_label: desired}
+            s.node_name,
+            labels={s.state_label: str(state)},
+            expect_labels={s.config_label: desired},
+            known=node,
         )
 
     def _note_unhealthy(self, node: NodeView, want: Mapping[str, int]) -> bool:
@@ -1219,6 +1225,7 @@ class Agent:
                 s.post_apply_annotation: None,
             },
             expect_labels={s.config_label: desired},
+            known=node,
         )
         self.metrics.set_state(State.SUCCESS)
         self.metrics.last_success.set(time.time())

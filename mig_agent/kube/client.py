@@ -158,6 +158,9 @@ class KubernetesCluster(Cluster, PodRunner):
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
+        # per (node, condition type), the condition this client last wrote: the next write of
+        # that type needs no read first (only the agent writes its own condition type)
+        self._written: dict[tuple[str, str], NodeCondition] = {}
         self._on_request = on_request or (lambda _op: None)
         self._timeout = (min(10.0, request_timeout_s), request_timeout_s)
         self._retrying = tenacity.Retrying(
@@ -226,6 +229,7 @@ class KubernetesCluster(Cluster, PodRunner):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
         meta: dict[str, Any] = {}
         if labels:
@@ -236,7 +240,7 @@ class KubernetesCluster(Cluster, PodRunner):
         if unschedulable is not None:
             body["spec"] = {"unschedulable": unschedulable or None}
         if expect_labels:
-            return self._patch_node_if(name, body, expect_labels)
+            return self._patch_node_if(name, body, expect_labels, known)
         return _node(
             self._unconditional(
                 "patch node",
@@ -264,12 +268,20 @@ class KubernetesCluster(Cluster, PodRunner):
         raise AssertionError("unreachable")
 
     def _patch_node_if(
-        self, name: str, body: dict[str, Any], expect: Mapping[str, str | None]
+        self,
+        name: str,
+        body: dict[str, Any],
+        expect: Mapping[str, str | None],
+        known: NodeView | None = None,
     ) -> NodeView:
         """The patch carries the resourceVersion of the read its labels were checked against,
-        so the server refuses it (409) if anything changed in between; then check again."""
+        so the server refuses it (409) if anything changed in between; then check again. The
+        first try goes by ``known`` (the node as the caller last had it) where its labels
+        agree: no read when nothing changed since."""
         for _ in range(self._conflict_attempts):
-            node = self.get_node(name)
+            agrees = known is not None and all(known.labels.get(k) == v for k, v in expect.items())
+            node = known if known is not None and agrees else self.get_node(name)
+            known = None
             differ = {k: node.labels.get(k) for k, v in expect.items() if node.labels.get(k) != v}
             if differ:
                 now = ", ".join(f"{k}={v}" for k, v in differ.items())
@@ -301,10 +313,14 @@ class KubernetesCluster(Cluster, PodRunner):
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        node = self.get_node(name)
-        previous = next((c for c in node.conditions if c.type == condition.type), None)
-        if previous == condition:
-            return
+        previous = self._written.get((name, condition.type))
+        if previous is None or previous == condition:
+            # not written by this client yet, or the same again: whether it is there is read
+            node = self.get_node(name)
+            previous = next((c for c in node.conditions if c.type == condition.type), None)
+            if previous == condition:
+                self._written[(name, condition.type)] = condition
+                return
         entry = {
             "type": condition.type,
             "status": condition.status,
@@ -321,6 +337,7 @@ class KubernetesCluster(Cluster, PodRunner):
             self._core.patch_node_status,
             {"status": {"conditions": [entry]}},
         )
+        self._written[(name, condition.type)] = condition
 
     def patch_node_resources(self, name: str, resources: Mapping[str, int]) -> None:
         values = {k: str(v) for k, v in resources.items()}

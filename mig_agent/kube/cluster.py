@@ -170,9 +170,12 @@ class Cluster(Protocol):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
         """Merge-patch the node. With ``expect_labels``, only while those labels have those
-        values (None: absent), checked and written atomically; LabelsChanged otherwise."""
+        values (None: absent), checked and written atomically; LabelsChanged otherwise.
+        ``known``: the node as the caller last had it, tried first (no read of the node when
+        it is still current; it only saves a request)."""
         ...
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None: ...

@@ -134,6 +134,7 @@ class FakeCluster(Cluster):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
         self._check("patch_node")
         differ = {
