@@ -7,7 +7,7 @@ it starts)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +21,8 @@ from mig_agent.core.dra_devices import Kind
 from mig_agent.core.errors import DevicePluginTimeout, DraPluginMissing, KubeError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, PodView
-from mig_agent.node.waits import Clock, poll_delays
+from mig_agent.kube.cluster import Cluster, PodsSeen, PodView
+from mig_agent.node.waits import Clock, watch_slices
 
 log = structlog.get_logger(__name__)
 
@@ -196,41 +196,97 @@ def wait_devices(
 ) -> dict[str, int]:
     """Wait for a new DRA plugin pod (one not there before: the slice it left is stale) to run
     and for the node's slice to list the devices of the GPUs as they are; DevicePluginTimeout
-    naming what is missing or extra. Returns the devices, named by kind."""
+    naming what is missing or extra. Returns the devices, named by kind. Both from watches
+    (the node's pods, then its slices): the plugin's start costs a list and a watch of each,
+    not two lists every poll."""
     want = expected(gpus, models)
     deadline = clock.now() + s.device_plugin_timeout_s
-    delays = poll_delays(s.poll_s)
-    while True:
-        new_pod = any(
-            p.phase == "Running" and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s)
-        )
-        slices = cluster.list_resource_slices(s.node_name)
+    new_pod = _new_plugin_runs(cluster, s, clock, deadline, old_plugins)
+
+    def done(slices: list[dict[str, Any]]) -> bool:
         have = dra_devices.published_devices(slices, s.node_name)
-        stale = stale_uuids(slices, s, gpus) if have == want else frozenset()
-        if new_pod and have == want and not stale:
-            log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
-            return dra_devices.named(want)
-        if clock.now() >= deadline:
-            if not new_pod:
-                problem = (
-                    f"no new DRA kubelet plugin pod ({s.dra_plugin_namespace}, "
-                    f"{s.dra_plugin_selector}) ran on the node within "
-                    f"{s.device_plugin_timeout_s:.0f} s"
-                )
-            elif stale:
-                problem = (
-                    f"the node's ResourceSlice (driver {dra_devices.DRIVER}) lists the layout's "
-                    f"kinds after {s.device_plugin_timeout_s:.0f} s, but not the devices the "
-                    f"GPUs hold: {len(stale)} UUID(s) differ ({', '.join(sorted(stale)[:3])}"
-                    f"{', ...' if len(stale) > 3 else ''}): a stale slice"
-                )
-            else:
-                problem = (
-                    f"the node's ResourceSlice (driver {dra_devices.DRIVER}) does not list the "
-                    f"layout's devices after {s.device_plugin_timeout_s:.0f} s: "
-                    f"{dra_devices.difference(want, have)}"
-                )
-            raise DevicePluginTimeout(
-                problem, expected=dra_devices.named(want), advertised=dra_devices.named(have)
-            )
-        clock.sleep(next(delays))
+        return new_pod and have == want and not stale_uuids(slices, s, gpus)
+
+    slices = _slices_when(cluster, s, clock, deadline, done)
+    have = dra_devices.published_devices(slices, s.node_name)
+    stale = stale_uuids(slices, s, gpus) if have == want else frozenset()
+    if done(slices):
+        log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
+        return dra_devices.named(want)
+    raise DevicePluginTimeout(
+        _timeout_problem(s, new_pod=new_pod, stale=stale, want=want, have=have),
+        expected=dra_devices.named(want),
+        advertised=dra_devices.named(have),
+    )
+
+
+def _timeout_problem(
+    s: Settings, *, new_pod: bool, stale: frozenset[str], want: Counter[Kind], have: Counter[Kind]
+) -> str:
+    if not new_pod:
+        return (
+            f"no new DRA kubelet plugin pod ({s.dra_plugin_namespace}, "
+            f"{s.dra_plugin_selector}) ran on the node within "
+            f"{s.device_plugin_timeout_s:.0f} s"
+        )
+    if stale:
+        return (
+            f"the node's ResourceSlice (driver {dra_devices.DRIVER}) lists the layout's "
+            f"kinds after {s.device_plugin_timeout_s:.0f} s, but not the devices the "
+            f"GPUs hold: {len(stale)} UUID(s) differ ({', '.join(sorted(stale)[:3])}"
+            f"{', ...' if len(stale) > 3 else ''}): a stale slice"
+        )
+    return (
+        f"the node's ResourceSlice (driver {dra_devices.DRIVER}) does not list the "
+        f"layout's devices after {s.device_plugin_timeout_s:.0f} s: "
+        f"{dra_devices.difference(want, have)}"
+    )
+
+
+def _new_plugin_runs(
+    cluster: Cluster, s: Settings, clock: Clock, deadline: float, old_plugins: set[str]
+) -> bool:
+    """Whether a plugin pod not among ``old_plugins`` runs on the node by ``deadline``, from a
+    watch of the node's pods."""
+    seen = PodsSeen()
+    looks = watch_slices(
+        lambda span: cluster.watch_pods(s.node_name, timeout_s=span, seen=seen),
+        clock,
+        due=lambda: deadline,
+        poll_s=s.poll_s,
+    )
+    try:
+        for pods in looks:
+            if any(
+                p.phase == "Running" and p.ref.uid not in old_plugins
+                for p in plugin_pods(cluster, s, pods)
+            ):
+                return True
+            if clock.now() >= deadline:
+                return False
+    finally:
+        looks.close()
+    raise AssertionError("watch_slices never ends")  # pragma: no cover
+
+
+def _slices_when(
+    cluster: Cluster,
+    s: Settings,
+    clock: Clock,
+    deadline: float,
+    done: Callable[[list[dict[str, Any]]], bool],
+) -> list[dict[str, Any]]:
+    """The node's slices once ``done`` says so, or at ``deadline``, from a watch of them."""
+    looks = watch_slices(
+        lambda span: cluster.watch_resource_slices(s.node_name, timeout_s=span),
+        clock,
+        due=lambda: deadline,
+        poll_s=s.poll_s,
+    )
+    try:
+        for slices in looks:
+            if done(slices) or clock.now() >= deadline:
+                return slices
+    finally:
+        looks.close()
+    raise AssertionError("watch_slices never ends")  # pragma: no cover

@@ -568,6 +568,38 @@ class KubernetesCluster(Cluster, PodRunner):
             items = self._call(self._resource.list_resource_slice, field_selector=selector)["items"]
         return list(items)
 
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        field = f"spec.nodeName={node}"
+        with _kube("list resourceslices", node=node):
+            listed = self._call(self._resource.list_resource_slice, field_selector=field)
+        slices = {(s.get("metadata") or {}).get("name", ""): s for s in listed["items"]}
+        yield list(slices.values())
+        self._on_request("watch_resource_slices")
+        since = (listed.get("metadata") or {}).get("resourceVersion") or ""
+        events = watch_events(
+            self._resource.list_resource_slice, field, since, max(1, math.ceil(timeout_s))
+        )
+        try:
+            for event in events:
+                if event["type"] == "ERROR":  # 410 Gone: the caller's next watch lists again
+                    return
+                if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
+                    continue
+                name = (event["object"].get("metadata") or {}).get("name", "")
+                if event["type"] == "DELETED":
+                    slices.pop(name, None)
+                else:
+                    slices[name] = event["object"]
+                yield list(slices.values())
+        except (ApiException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
+            # the list reached the server: a watch refused (a chart without "watch" on
+            # resourceslices) or cut short ends this slice; the caller looks again
+            log.debug("watch_resource_slices.ended", node=node, error=_short(exc))
+        finally:
+            events.close()
+
     def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
         with _kube("list resourceclaims", namespace=namespace):
             if namespace:
@@ -632,7 +664,14 @@ def pod_events(core: Any, field: str, since: str, seconds: int) -> Generator[dic
     server's Status). Read here, not through the client's Watch.stream: unparsed, that one
     reads a key plain JSON events lack and fails on the ``ERROR`` event an expired resource
     version brings."""
-    resp = core.list_pod_for_all_namespaces(
+    return watch_events(core.list_pod_for_all_namespaces, field, since, seconds)
+
+
+def watch_events(
+    list_fn: Callable[..., Any], field: str, since: str, seconds: int
+) -> Generator[dict[str, Any]]:
+    """The events of a watch through ``list_fn`` (a list call of the client), as pod_events."""
+    resp = list_fn(
         field_selector=field,
         resource_version=since,
         watch=True,

@@ -219,6 +219,13 @@ class Cluster(Protocol):
         returns them."""
         ...
 
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The ResourceSlices of ``node`` now, then again after every change, until
+        ``timeout_s`` has passed or the server ends the watch (the caller looks again)."""
+        ...
+
     def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
         """The ResourceClaims of ``namespace`` ("": of every namespace; resource.k8s.io/v1), as
         the API returns them."""

@@ -250,6 +250,12 @@ class FakeCluster(Cluster):
         self._check("list_resource_slices")
         return [s for s in self.slices if node in ("", s.get("spec", {}).get("nodeName"))]
 
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        # no watch: one look (a list), then the caller looks again after a poll delay
+        yield self.list_resource_slices(node)
+
     def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
         self._check("list_resource_claims")
         return [
