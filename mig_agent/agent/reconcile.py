@@ -70,10 +70,10 @@ from mig_agent.core.layout import Layout, LayoutCatalog
 from mig_agent.core.observed import NodeState
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.host import commands
-from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodsSeen, PodView
 from mig_agent.node import hooks
 from mig_agent.node.apply import apply_plan, verify
-from mig_agent.node.drain import drain_gpu_pods, drain_refusals, to_drain, wait_pods_gone
+from mig_agent.node.drain import drain_gpu_pods, drain_refusals, look, to_drain, wait_pods_gone
 from mig_agent.node.waits import Clock, poll_delays
 from mig_agent.observability.metrics import Metrics
 
@@ -992,8 +992,10 @@ class Agent:
 
     def _drain(self, paused: list[str], change: _Change) -> None:
         s = self.settings
-        # the node's pods now, after the cordon: a pod placed since the pass looked is known
-        pods = self._fresh_pods(change)
+        # the node's pods now, after the cordon: a pod placed since the pass looked is known;
+        # the drain's and the operands' waits watch on from this look
+        seen = PodsSeen()
+        pods = change.pods = look(self.cluster, s.node_name, seen)
         holds = self._holds(change, pods)
         operand_pods = [
             p.ref
@@ -1005,7 +1007,7 @@ class Agent:
         # the paused operands terminate while the GPU pods do: one termination to wait for,
         # not two in a row
         try:
-            evicted = self._drain_gpu_pods(change, operand_pods, holds, pods)
+            evicted = self._drain_gpu_pods(change, operand_pods, holds, pods, seen)
         except (EvictionBlocked, DrainTimeout) as exc:
             raise self._drain_retried(exc, change.desired) from None
         self.metrics.evictions.inc(len(evicted))
@@ -1019,6 +1021,7 @@ class Agent:
                 poll_s=s.poll_s,
                 what="paused operand pods",
                 clock=self.clock,
+                seen=seen,
             )
 
     def _drain_gpu_pods(
@@ -1027,6 +1030,7 @@ class Agent:
         operand_pods: list[PodRef],
         holds: dict[tuple[str, str], frozenset[str]] | None,
         pods: list[PodView],
+        seen: PodsSeen,
     ) -> list[PodRef]:
         s, the_plan = self.settings, change.plan
         return drain_gpu_pods(
@@ -1043,6 +1047,7 @@ class Agent:
             on_waiting=self._drain_waiting,
             still_wanted=lambda: self._still_wanted(change.desired),
             pods=pods,
+            seen=seen,
         )
 
     def _drain_retried(self, exc: MigAgentError, desired: str) -> MigAgentError:

@@ -8,7 +8,7 @@ does not count as the old one still running. Knows no GPUs; time is injected.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -48,6 +48,17 @@ def present(pods: Iterable[PodView], refs: Iterable[PodRef]) -> set[PodRef]:
         if uid is not None and (not ref.uid or not uid or uid == ref.uid):
             out.add(ref)
     return out
+
+
+def look(cluster: Cluster, node: str, seen: PodsSeen) -> list[PodView]:
+    """The node's pods now (one list, no watch), with ``seen`` (a fresh one) set for the waits
+    that follow to watch on from there without a list of their own."""
+    watch = cluster.watch_pods(node, timeout_s=1, seen=seen)
+    try:
+        return next(iter(watch))
+    finally:
+        if isinstance(watch, Generator):
+            watch.close()
 
 
 def still_present(cluster: Cluster, node: str, refs: Iterable[PodRef]) -> set[PodRef]:
@@ -216,6 +227,7 @@ def drain_gpu_pods(
     on_waiting: Callable[[PodView, int, float], None] | None = None,
     still_wanted: Callable[[], None] | None = None,
     pods: Iterable[PodView] | None = None,
+    seen: PodsSeen | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
     gone; returns the evicted pods (and those that took a replaced pod's name).
@@ -225,7 +237,8 @@ def drain_gpu_pods(
     told once to ``on_waiting`` (the slowest pod, how many are left, the wait's deadline in
     seconds from the drain's start).
 
-    ``pods`` are the node's pods as the caller just listed them (default: listed here).
+    ``pods`` are the node's pods as the caller just listed them (default: listed here); the
+    wait's watches go on from ``seen`` (``look``) where given.
 
     ``still_wanted`` is asked at most every ``retry_s`` while the drain lasts and raises when
     the change is no longer wanted (a relabel): a budget that blocks for minutes must not keep
@@ -256,7 +269,7 @@ def drain_gpu_pods(
         named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
         return next((p for p in named if p.ref.uid != ref.uid), None)
 
-    return _Drain(cluster, node, clock, rules, pods, successor).run()
+    return _Drain(cluster, node, clock, rules, pods, successor, seen or PodsSeen()).run()
 
 
 class _Drain:
@@ -271,6 +284,7 @@ class _Drain:
         rules: DrainRules,
         pods: list[PodView],
         successor: Callable[[PodRef], PodView | None],
+        seen: PodsSeen,
     ) -> None:
         self.cluster, self.node, self.rules, self.successor = cluster, node, rules, successor
         self.pods = pods
@@ -290,7 +304,7 @@ class _Drain:
         self.told = False
         # where the last watch ended: the next goes on from there, without a list (an
         # eviction retry costs the eviction and a watch, not a list more)
-        self.seen = PodsSeen()
+        self.seen = seen
         self.clock = _naming_on_stop(clock, lambda: tuple(sorted(self.going(), key=str)))
 
     def going(self) -> set[PodRef]:
@@ -345,7 +359,7 @@ class _Drain:
         new = self.successor(ref)
         # the pod now of its name was listed after the watch's look: the next watch lists
         # again, or a pod it never saw would pass for one gone
-        self.seen = PodsSeen()
+        self.seen.resource_version = ""
         log.info(
             "drain.pod_replaced", pod=ref.name, namespace=ref.namespace, drained=new is not None
         )
@@ -432,14 +446,17 @@ def wait_pods_gone(
     poll_s: float,
     what: str,
     clock: Clock = Clock(),
+    seen: PodsSeen | None = None,
 ) -> None:
     """Wait until none of ``refs`` (pods on ``node``) exists any more (by UID); DrainTimeout
-    naming the rest."""
+    naming the rest. ``seen``: where an earlier watch of the same wait ended (``refs`` known
+    from before it), else one list first."""
     waiting = set(refs)
     if not waiting:
         return
     deadline = clock.now() + timeout_s
-    seen = PodsSeen()  # one list for the whole wait; each slice's watch goes on from the last
+    # one list for the whole wait at most; each slice's watch goes on from the last
+    seen = seen if seen is not None else PodsSeen()
     watch = watch_slices(
         lambda span: cluster.watch_pods(node, timeout_s=span, seen=seen),
         clock,
