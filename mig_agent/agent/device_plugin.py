@@ -22,8 +22,9 @@ from mig_agent.core.advertised import (
     plugin_listing,
     stale_devices,
 )
-from mig_agent.core.errors import DevicePluginTimeout, MigAgentError
+from mig_agent.core.errors import ConfigError, DevicePluginTimeout, MigAgentError
 from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.scheduling import parse_selector
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeView, PodView
 from mig_agent.node.waits import Clock, poll_delays, watch_slices
@@ -31,18 +32,34 @@ from mig_agent.node.waits import Clock, poll_delays, watch_slices
 log = structlog.get_logger(__name__)
 
 
-def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
+def plugin_pods(cluster: Cluster, s: Settings, pods: list[PodView] | None = None) -> list[PodView]:
     """The node's device plugin pods, but those already on their way out: a terminating pod is
-    no plugin to restart or to wait for (its DaemonSet may no longer want this node)."""
-    return [
-        p
-        for p in cluster.list_pods(
+    no plugin to restart or to wait for (its DaemonSet may no longer want this node). Picked
+    out of ``pods`` (every pod of the node, as the pass listed them) where given."""
+    if pods is None:
+        pods = cluster.list_pods(
             node=s.node_name,
             namespace=s.device_plugin_namespace,
             label_selector=s.device_plugin_selector,
         )
-        if not p.terminating
-    ]
+        return [p for p in pods if not p.terminating]
+    return plugins_among(s, pods)
+
+
+def plugins_among(s: Settings, pods: list[PodView]) -> list[PodView]:
+    """The device plugin pods of ``pods`` (every pod of the node), but those on their way out."""
+    mine = select(pods, s.device_plugin_namespace, s.device_plugin_selector)
+    return [p for p in mine if not p.terminating]
+
+
+def select(pods: list[PodView], namespace: str, selector: str) -> list[PodView]:
+    """Those of ``pods`` in ``namespace`` that ``selector`` matches, as a list request with them
+    would return: one list of the node's pods serves every lookup of a pass."""
+    try:
+        wanted = parse_selector(selector)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return [p for p in pods if p.ref.namespace == namespace and wanted.matches(p.labels)]
 
 
 def restart(cluster: Cluster, s: Settings, paused: list[str]) -> None:
@@ -116,11 +133,16 @@ def expected(
 
 
 def resources_ok(
-    cluster: Cluster, s: Settings, gpus: GpuBackend, node: NodeView, models: Mapping[int, GpuModel]
+    cluster: Cluster,
+    s: Settings,
+    gpus: GpuBackend,
+    node: NodeView,
+    models: Mapping[int, GpuModel],
+    pods: list[PodView] | None = None,
 ) -> bool:
     """True unless a device plugin runs here and lists other devices than the GPUs' (an
     unhealthy device is still listed: no reason to repeat a change)."""
-    if not plugin_pods(cluster, s):
+    if not plugin_pods(cluster, s, pods):
         return True
     want = expected(s, gpus, node, models)
     return listing(node, want).listed == want

@@ -7,7 +7,7 @@ it starts)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +21,21 @@ from mig_agent.core.dra_devices import Kind
 from mig_agent.core.errors import DevicePluginTimeout, DraPluginMissing, KubeError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, PodView
-from mig_agent.node.waits import Clock, poll_delays
+from mig_agent.kube.cluster import Cluster, PodsSeen, PodView
+from mig_agent.node.waits import Clock, watch_slices
 
 log = structlog.get_logger(__name__)
 
 
-def plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
-    """The node's DRA kubelet plugin pods, but those on their way out ([] with ``dra`` off)."""
-    return [p for p in _all_plugin_pods(cluster, s) if not p.terminating] if s.dra else []
+def plugin_pods(cluster: Cluster, s: Settings, pods: list[PodView] | None = None) -> list[PodView]:
+    """The node's DRA kubelet plugin pods, but those on their way out ([] with ``dra`` off);
+    picked out of ``pods`` (every pod of the node) where given."""
+    return [p for p in _all_plugin_pods(cluster, s, pods) if not p.terminating] if s.dra else []
 
 
-def _all_plugin_pods(cluster: Cluster, s: Settings) -> list[PodView]:
+def _all_plugin_pods(cluster: Cluster, s: Settings, pods: list[PodView] | None) -> list[PodView]:
+    if pods is not None:
+        return device_plugin.select(pods, s.dra_plugin_namespace, s.dra_plugin_selector)
     return cluster.list_pods(
         node=s.node_name, namespace=s.dra_plugin_namespace, label_selector=s.dra_plugin_selector
     )
@@ -44,14 +47,15 @@ class DraNode:
     slices: list[dict[str, Any]]  # the node's ResourceSlices
 
 
-def find(cluster: Cluster, s: Settings) -> DraNode | None:
-    """The node's DRA plugin pods and slices; None when it is no DRA node: no pod of the DRA
-    plugin there (in any phase: one going, one coming), and no slice of the driver for it. A
-    running pod alone would not do: between a plugin pod's deletion and its replacement a DRA
-    node would pass for a node of no plugin, its slice stale, its claims not drained."""
+def find(cluster: Cluster, s: Settings, node_pods: list[PodView]) -> DraNode | None:
+    """The node's DRA plugin pods (out of ``node_pods``, every pod of the node) and slices;
+    None when it is no DRA node: no pod of the DRA plugin there (in any phase: one going, one
+    coming), and no slice of the driver for it. A running pod alone would not do: between a
+    plugin pod's deletion and its replacement a DRA node would pass for a node of no plugin,
+    its slice stale, its claims not drained."""
     if not s.dra:
         return None
-    pods = _all_plugin_pods(cluster, s)
+    pods = _all_plugin_pods(cluster, s, node_pods)
     try:
         slices = cluster.list_resource_slices(s.node_name)
     except KubeError as exc:
@@ -63,7 +67,7 @@ def find(cluster: Cluster, s: Settings) -> DraNode | None:
     return DraNode([p for p in pods if not p.terminating], slices)
 
 
-def refusal(cluster: Cluster, s: Settings, found: DraNode) -> str:
+def refusal(s: Settings, found: DraNode, node_pods: list[PodView]) -> str:
     """Why the agent must not change this DRA node's GPUs, or "": a driver running DynamicMIG
     (it makes and destroys the MIG devices itself: said by its pod's feature gates, or by the
     shared counters of its slices), or NVIDIA's device plugin beside it (two owners of the same
@@ -78,7 +82,7 @@ def refusal(cluster: Cluster, s: Settings, found: DraNode) -> str:
             "create, so a static layout would not survive it; nothing was touched (remove the "
             "mig.config label, or turn DynamicMIG off)"
         )
-    both = device_plugin.plugin_pods(cluster, s)
+    both = device_plugin.plugins_among(s, node_pods)
     if both:
         return (
             f"both NVIDIA's device plugin ({', '.join(str(p.ref) for p in both)}) and its DRA "
@@ -106,11 +110,21 @@ def plugin_missing(s: Settings, found: DraNode, layout: str) -> DraPluginMissing
     )
 
 
-def holders(cluster: Cluster, s: Settings) -> dict[tuple[str, str], frozenset[str]]:
-    """(namespace, pod) -> the UUIDs of this node's devices its ResourceClaims were allocated."""
-    return dra_devices.claim_holders(
-        cluster.list_resource_claims(), cluster.list_resource_slices(s.node_name), s.node_name
-    )
+def holders(
+    cluster: Cluster, s: Settings, node_pods: list[PodView], slices: list[dict[str, Any]]
+) -> dict[tuple[str, str], frozenset[str]]:
+    """(namespace, pod) -> the UUIDs of this node's devices its ResourceClaims were allocated.
+    Only the claims the node's pods name (their spec and ``status.resourceClaimStatuses``) are
+    read, one list per namespace of theirs: none for a node whose pods hold no claim, never
+    every claim of the cluster."""
+    named = {(p.ref.namespace, c) for p in node_pods for c in p.claims}
+    claims = [
+        c
+        for namespace in sorted({ns for ns, _ in named})
+        for c in cluster.list_resource_claims(namespace)
+        if (namespace, (c.get("metadata") or {}).get("name", "")) in named
+    ]
+    return dra_devices.claim_holders(claims, slices, s.node_name)
 
 
 def expected(gpus: GpuBackend, models: Mapping[int, GpuModel]) -> Counter[Kind]:
@@ -124,11 +138,16 @@ def published(cluster: Cluster, s: Settings) -> Counter[Kind]:
 
 
 def devices_ok(
-    cluster: Cluster, s: Settings, gpus: GpuBackend, models: Mapping[int, GpuModel]
+    cluster: Cluster,
+    s: Settings,
+    gpus: GpuBackend,
+    models: Mapping[int, GpuModel],
+    slices: list[dict[str, Any]] | None = None,
 ) -> bool:
     """True when the node's slice lists the devices of the GPUs as they are, by kind and, where
-    the slice names them, by UUID."""
-    slices = cluster.list_resource_slices(s.node_name)
+    the slice names them, by UUID (``slices``: the node's, as the pass read them)."""
+    if slices is None:
+        slices = cluster.list_resource_slices(s.node_name)
     return dra_devices.published_devices(slices, s.node_name) == expected(
         gpus, models
     ) and not stale_uuids(slices, s, gpus)
@@ -177,41 +196,97 @@ def wait_devices(
 ) -> dict[str, int]:
     """Wait for a new DRA plugin pod (one not there before: the slice it left is stale) to run
     and for the node's slice to list the devices of the GPUs as they are; DevicePluginTimeout
-    naming what is missing or extra. Returns the devices, named by kind."""
+    naming what is missing or extra. Returns the devices, named by kind. Both from watches
+    (the node's pods, then its slices): the plugin's start costs a list and a watch of each,
+    not two lists every poll."""
     want = expected(gpus, models)
     deadline = clock.now() + s.device_plugin_timeout_s
-    delays = poll_delays(s.poll_s)
-    while True:
-        new_pod = any(
-            p.phase == "Running" and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s)
-        )
-        slices = cluster.list_resource_slices(s.node_name)
+    new_pod = _new_plugin_runs(cluster, s, clock, deadline, old_plugins)
+
+    def done(slices: list[dict[str, Any]]) -> bool:
         have = dra_devices.published_devices(slices, s.node_name)
-        stale = stale_uuids(slices, s, gpus) if have == want else frozenset()
-        if new_pod and have == want and not stale:
-            log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
-            return dra_devices.named(want)
-        if clock.now() >= deadline:
-            if not new_pod:
-                problem = (
-                    f"no new DRA kubelet plugin pod ({s.dra_plugin_namespace}, "
-                    f"{s.dra_plugin_selector}) ran on the node within "
-                    f"{s.device_plugin_timeout_s:.0f} s"
-                )
-            elif stale:
-                problem = (
-                    f"the node's ResourceSlice (driver {dra_devices.DRIVER}) lists the layout's "
-                    f"kinds after {s.device_plugin_timeout_s:.0f} s, but not the devices the "
-                    f"GPUs hold: {len(stale)} UUID(s) differ ({', '.join(sorted(stale)[:3])}"
-                    f"{', ...' if len(stale) > 3 else ''}): a stale slice"
-                )
-            else:
-                problem = (
-                    f"the node's ResourceSlice (driver {dra_devices.DRIVER}) does not list the "
-                    f"layout's devices after {s.device_plugin_timeout_s:.0f} s: "
-                    f"{dra_devices.difference(want, have)}"
-                )
-            raise DevicePluginTimeout(
-                problem, expected=dra_devices.named(want), advertised=dra_devices.named(have)
-            )
-        clock.sleep(next(delays))
+        return new_pod and have == want and not stale_uuids(slices, s, gpus)
+
+    slices = _slices_when(cluster, s, clock, deadline, done)
+    have = dra_devices.published_devices(slices, s.node_name)
+    stale = stale_uuids(slices, s, gpus) if have == want else frozenset()
+    if done(slices):
+        log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
+        return dra_devices.named(want)
+    raise DevicePluginTimeout(
+        _timeout_problem(s, new_pod=new_pod, stale=stale, want=want, have=have),
+        expected=dra_devices.named(want),
+        advertised=dra_devices.named(have),
+    )
+
+
+def _timeout_problem(
+    s: Settings, *, new_pod: bool, stale: frozenset[str], want: Counter[Kind], have: Counter[Kind]
+) -> str:
+    if not new_pod:
+        return (
+            f"no new DRA kubelet plugin pod ({s.dra_plugin_namespace}, "
+            f"{s.dra_plugin_selector}) ran on the node within "
+            f"{s.device_plugin_timeout_s:.0f} s"
+        )
+    if stale:
+        return (
+            f"the node's ResourceSlice (driver {dra_devices.DRIVER}) lists the layout's "
+            f"kinds after {s.device_plugin_timeout_s:.0f} s, but not the devices the "
+            f"GPUs hold: {len(stale)} UUID(s) differ ({', '.join(sorted(stale)[:3])}"
+            f"{', ...' if len(stale) > 3 else ''}): a stale slice"
+        )
+    return (
+        f"the node's ResourceSlice (driver {dra_devices.DRIVER}) does not list the "
+        f"layout's devices after {s.device_plugin_timeout_s:.0f} s: "
+        f"{dra_devices.difference(want, have)}"
+    )
+
+
+def _new_plugin_runs(
+    cluster: Cluster, s: Settings, clock: Clock, deadline: float, old_plugins: set[str]
+) -> bool:
+    """Whether a plugin pod not among ``old_plugins`` runs on the node by ``deadline``, from a
+    watch of the node's pods."""
+    seen = PodsSeen()
+    looks = watch_slices(
+        lambda span: cluster.watch_pods(s.node_name, timeout_s=span, seen=seen),
+        clock,
+        due=lambda: deadline,
+        poll_s=s.poll_s,
+    )
+    try:
+        for pods in looks:
+            if any(
+                p.phase == "Running" and p.ref.uid not in old_plugins
+                for p in plugin_pods(cluster, s, pods)
+            ):
+                return True
+            if clock.now() >= deadline:
+                return False
+    finally:
+        looks.close()
+    raise AssertionError("watch_slices never ends")  # pragma: no cover
+
+
+def _slices_when(
+    cluster: Cluster,
+    s: Settings,
+    clock: Clock,
+    deadline: float,
+    done: Callable[[list[dict[str, Any]]], bool],
+) -> list[dict[str, Any]]:
+    """The node's slices once ``done`` says so, or at ``deadline``, from a watch of them."""
+    looks = watch_slices(
+        lambda span: cluster.watch_resource_slices(s.node_name, timeout_s=span),
+        clock,
+        due=lambda: deadline,
+        poll_s=s.poll_s,
+    )
+    try:
+        for slices in looks:
+            if done(slices) or clock.now() >= deadline:
+                return slices
+    finally:
+        looks.close()
+    raise AssertionError("watch_slices never ends")  # pragma: no cover

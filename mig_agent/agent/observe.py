@@ -24,6 +24,7 @@ from mig_agent.kube.cluster import (
     NodeView,
     PdbView,
     PodRef,
+    PodsSeen,
     PodView,
 )
 
@@ -54,13 +55,16 @@ class ObserveOnlyCluster(Cluster):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
         s = self._settings
         other = set(annotations or {}) - {s.observe_annotation}
         if labels or other or unschedulable is not None or name != s.node_name:
             what = ", ".join([*(labels or {}), *sorted(other)]) or "spec.unschedulable"
             raise self._refuse(f"patch node {name} ({what})")
-        return self._inner.patch_node(name, annotations=annotations, expect_labels=expect_labels)
+        return self._inner.patch_node(
+            name, annotations=annotations, expect_labels=expect_labels, known=known
+        )
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
         raise self._refuse(f"set node condition {condition.type} on {name}")
@@ -76,8 +80,10 @@ class ObserveOnlyCluster(Cluster):
     ) -> list[PodView]:
         return self._inner.list_pods(node=node, namespace=namespace, label_selector=label_selector)
 
-    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
-        return self._inner.watch_pods(node, timeout_s=timeout_s)
+    def watch_pods(
+        self, node: str, *, timeout_s: float, seen: PodsSeen | None = None
+    ) -> Iterator[list[PodView]]:
+        return self._inner.watch_pods(node, timeout_s=timeout_s, seen=seen)
 
     def get_pod(self, ref: PodRef) -> PodView | None:
         return self._inner.get_pod(ref)
@@ -96,8 +102,13 @@ class ObserveOnlyCluster(Cluster):
     def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
         return self._inner.list_resource_slices(node)
 
-    def list_resource_claims(self) -> list[dict[str, Any]]:
-        return self._inner.list_resource_claims()
+    def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
+        return self._inner.list_resource_claims(namespace)
+
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        return self._inner.watch_resource_slices(node, timeout_s=timeout_s)
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         return self._inner.list_pod_disruption_budgets()

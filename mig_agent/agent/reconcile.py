@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -71,13 +72,14 @@ from mig_agent.core.observe_report import ObserveReport
 from mig_agent.core.observed import NodeState
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.host import commands
-from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodView
+from mig_agent.kube.cluster import Cluster, NodeCondition, NodeView, PodRef, PodsSeen, PodView
 from mig_agent.node import hooks
 from mig_agent.node.apply import apply_plan, verify
 from mig_agent.node.drain import (
     drain_gpu_pods,
     drain_refusals,
     is_paused_operand,
+    look,
     to_drain,
     wait_pods_gone,
 )
@@ -114,6 +116,10 @@ class _Change:
     sharing: Sharing
     # a DRA node: NVIDIA's DRA kubelet plugin publishes the GPUs, claims hold them
     dra: bool = False
+    # every pod of the node and its ResourceSlices, read once when the pass plans a change (or
+    # has a state to write): None when the GPUs hold the layout and the node says so
+    pods: list[PodView] | None = None
+    slices: list[dict[str, Any]] | None = None
     interrupted: bool = False  # a pass before this one left its marks: it is finished now
     apply_started: bool = False  # the first GPU step may have run
     gpus_changed: bool = False  # the GPUs hold the layout: the plugin's listing is stale
@@ -154,6 +160,9 @@ class Agent:
     seen: tuple[str | None, str | None] = (None, None)
     # the labels that choose how the device plugin advertises, as the last pass read them
     seen_plugin_labels: tuple[str | None, ...] = ()
+    # whether the last pass that looked found a DRA node (None: none looked): a pass with
+    # nothing to do or to write goes by it, asking the API server nothing
+    dra_seen: bool | None = None
     wake_event: threading.Event = field(default_factory=threading.Event)
     # set when the agent is told to stop (SIGTERM): every wait inside a pass ends at once
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -443,7 +452,9 @@ class Agent:
     def _still_wanted(self, desired: str) -> None:
         """LabelsChanged if the layout label no longer names ``desired``."""
         s = self.settings
-        now = self.cluster.get_node(s.node_name).labels.get(s.config_label)
+        # the open watch delivers every change of the node: asked only while it is closed
+        node = self.watched_node or self.cluster.get_node(s.node_name)
+        now = node.labels.get(s.config_label)
         if now != desired:
             raise LabelsChanged(
                 f"layout label changed from {desired} to {now} during the pass",
@@ -458,7 +469,9 @@ class Agent:
             return Outcome.NOOP
         hook_run, reset_gpus = self._refuse_before_touching(change)
         self._announce(change, hook_run)
-        plugins = (dra if change.dra else device_plugin).plugin_pods(self.cluster, self.settings)
+        plugins = (dra if change.dra else device_plugin).plugin_pods(
+            self.cluster, self.settings, change.pods
+        )
         old_plugins = {p.ref.uid for p in plugins}
         if change.plan.is_empty and not hook_run.hooks.of(hooks.POST_APPLY):
             advertised = self._advertise_only(change, old_plugins)
@@ -600,20 +613,53 @@ class Agent:
             self.gpu_status = ""
             the_plan = planner.plan(layout, observed, models, destroy_in_use=True)
             strategy, sharing = device_plugin.plugin_rules(self.settings, node)
-            dra_node = dra.find(self.cluster, self.settings)
-            if dra_node and (refused := dra.refusal(self.cluster, self.settings, dra_node)):
+            pods, dra_node = self._dra_lookup(node, the_plan)
+            if dra_node and (refused := dra.refusal(self.settings, dra_node, pods or [])):
                 raise PlanError(f"layout {desired}: {refused}", layout=desired)
             if dra_node and not dra_node.pods and not the_plan.is_empty:
                 raise dra.plugin_missing(self.settings, dra_node, desired)
             planned: Devices = planned_devices(the_plan, observed, models)
             problem = (
-                split_problem(planned) if dra_node else strategy_problem(planned, strategy, sharing)
+                split_problem(planned)
+                if self.dra_seen
+                else strategy_problem(planned, strategy, sharing)
             )
             if problem:
                 raise PlanError(f"layout {desired}: {problem}", layout=desired)
         return _Change(
-            node, desired, layout, models, observed, the_plan, strategy, sharing, bool(dra_node)
+            node,
+            desired,
+            layout,
+            models,
+            observed,
+            the_plan,
+            strategy,
+            sharing,
+            bool(self.dra_seen),
+            pods,
+            dra_node.slices if dra_node else None,
         )
+
+    def _dra_lookup(
+        self, node: NodeView, the_plan: planner.Plan
+    ) -> tuple[list[PodView] | None, dra.DraNode | None]:
+        """Every pod of the node (one list serves the device plugin's, the DRA plugin's and
+        the drain's lookups) and, on a DRA node, its plugin pods and slices. Not asked when the
+        GPUs hold the layout and the node says so with nothing left to finish: a resync with
+        nothing to do asks the API server nothing, and goes by what the last look found."""
+        s = self.settings
+        settled = (
+            the_plan.is_empty
+            and node.labels.get(s.state_label) == State.SUCCESS
+            and s.reason_annotation not in node.annotations
+            and not node_guard.interrupted(s, node)
+        )
+        if settled and self.dra_seen is not None:
+            return None, None
+        pods = self.cluster.list_pods(node=s.node_name)
+        found = dra.find(self.cluster, s, pods)
+        self.dra_seen = found is not None
+        return pods, found
 
     def _in_place(self, change: _Change) -> bool:
         """True when the layout and its devices are in place and no interrupted pass is left
@@ -622,9 +668,11 @@ class Agent:
         # a pod list and an NVML read: asked once, by whichever check needs it first
         advertised = functools.cache(
             lambda: (
-                dra.devices_ok(self.cluster, s, self.gpus, change.models)
+                dra.devices_ok(self.cluster, s, self.gpus, change.models, change.slices)
                 if change.dra
-                else device_plugin.resources_ok(self.cluster, s, self.gpus, node, change.models)
+                else device_plugin.resources_ok(
+                    self.cluster, s, self.gpus, node, change.models, change.pods
+                )
             )
         )
         empty = change.plan.is_empty
@@ -670,9 +718,7 @@ class Agent:
         reset_gpus = host_clients.reset_gpus(change.plan, change.models)
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
-        self._refuse_what_no_drain_ends(
-            change.plan, change.observed, reset_gpus, hook_run, dra_node=change.dra
-        )
+        self._refuse_what_no_drain_ends(change, reset_gpus, hook_run)
         self._refuse_what_the_drain_must_not_evict(change)
         return hook_run, reset_gpus
 
@@ -728,7 +774,7 @@ class Agent:
         with self._phase(
             change, "verify", "MIGVerifying", "re-reading the GPUs to check the layout is in place"
         ):
-            self._verify(change.desired, change.models)
+            self._verify(change.desired, change.models, change.node)
 
     def _post_apply_phase(self, change: _Change, hook_run: hooks.HookRunner) -> None:
         if not hook_run.hooks.of(hooks.POST_APPLY):
@@ -803,12 +849,15 @@ class Agent:
             ),
         )
 
-    def _holds(self, dra_node: bool) -> dict[tuple[str, str], frozenset[str]] | None:
+    def _holds(
+        self, change: _Change, pods: list[PodView] | None = None
+    ) -> dict[tuple[str, str], frozenset[str]] | None:
         """(namespace, pod) -> the device ids (GPU and MIG UUIDs) it holds: from the kubelet's
-        PodResources and, on a DRA node, from the ResourceClaims allocated from the node's
-        pool. None when neither can tell."""
+        PodResources and, on a DRA node, from the ResourceClaims of the node's ``pods``
+        (default: as the pass listed them) allocated from the node's pool. None when neither
+        can tell."""
         holds: dict[tuple[str, str], frozenset[str]] = {}
-        known = dra_node
+        dra_node = known = change.dra
         if self.pod_devices is not None:
             try:
                 listed = self.pod_devices()
@@ -819,9 +868,23 @@ class Agent:
                 holds.update(listed)
                 known = True
         if dra_node:
-            for key, devices in dra.holders(self.cluster, self.settings).items():
+            s = self.settings
+            pods = pods if pods is not None else self._node_pods(change)
+            if change.slices is None:
+                change.slices = self.cluster.list_resource_slices(s.node_name)
+            for key, devices in dra.holders(self.cluster, s, pods, change.slices).items():
                 holds[key] = holds.get(key, frozenset()) | devices
         return holds if known else None
+
+    def _fresh_pods(self, change: _Change) -> list[PodView]:
+        change.pods = self.cluster.list_pods(node=self.settings.node_name)
+        return change.pods
+
+    def _node_pods(self, change: _Change) -> list[PodView]:
+        """Every pod of the node, as the pass listed them (listed now if it did not)."""
+        if change.pods is None:
+            change.pods = self.cluster.list_pods(node=self.settings.node_name)
+        return change.pods
 
     def _ids_unknown(self, listed: Mapping[tuple[str, str], frozenset[str]]) -> bool:
         """True (and said: log, and an Event when they change) when the kubelet names GPU
@@ -873,13 +936,7 @@ class Agent:
         return may_stay
 
     def _refuse_what_no_drain_ends(
-        self,
-        the_plan: planner.Plan,
-        observed: NodeState,
-        reset_gpus: list[int],
-        hook_run: hooks.HookRunner,
-        *,
-        dra_node: bool = False,
+        self, change: _Change, reset_gpus: list[int], hook_run: hooks.HookRunner
     ) -> None:
         """GpuBusy, before anything is touched, when the plan would end processes on devices no
         pod holds (a host process, a container outside Kubernetes): the drain cannot end them,
@@ -888,8 +945,8 @@ class Agent:
         ``gpu_release_timeout_s``. Left to the re-plan after the drain when the kubelet cannot
         tell who holds what, or when something the agent runs may end them (the host GPU
         clients it stops for a reset, the site's hooks before the apply)."""
-        s = self.settings
-        if (self.pod_devices is None and not dra_node) or any(
+        s, the_plan, observed = self.settings, change.plan, change.observed
+        if (self.pod_devices is None and not change.dra) or any(
             hook_run.hooks.of(h)
             for h in (hooks.APPLY_START, hooks.PRE_APPLY_MODE, hooks.PRE_APPLY_CONFIG)
         ):
@@ -897,6 +954,8 @@ class Agent:
         stopped = set(reset_gpus) if s.stop_host_gpu_clients else set()
         deadline = self.clock.now() + s.gpu_release_timeout_s
         delays = poll_delays(s.poll_s)
+        holds: dict[tuple[str, str], frozenset[str]] | None = None
+        asked_for: frozenset[int] | None = None  # the pids when who holds what was asked
         while True:
             ended = [
                 p
@@ -905,10 +964,17 @@ class Agent:
             ]
             if not ended:
                 return
-            try:
-                holds = self._holds(dra_node)
-            except MigAgentError:
-                holds = None
+            pids_now = frozenset(p.pid for p in ended)
+            if asked_for is None or not pids_now <= asked_for:
+                # asked again only for processes not there before (a pod that started since):
+                # the processes of pods just deleted linger on devices their pods no longer hold
+                try:
+                    holds = self._holds(
+                        change, None if asked_for is None else self._fresh_pods(change)
+                    )
+                except MigAgentError:
+                    holds = None
+                asked_for = pids_now
             if holds is None:
                 return  # cannot tell: the drain and the re-plan after it decide
             held = frozenset().union(*holds.values())
@@ -974,9 +1040,10 @@ class Agent:
         if the_plan.is_empty:
             return [], []
         paused = paused_during_change(change.node.labels, s.operand_labels)
-        holds = self._holds(change.dra)
+        # the drain asks the kubelet again after the cordon: a pod placed meanwhile is then known
+        holds = self._holds(change)
         pods = to_drain(
-            self.cluster.list_pods(node=s.node_name),
+            self._node_pods(change),
             self._pods_that_may_stay(the_plan, holds),
             claimed=_claimed(change, holds),
         )
@@ -991,16 +1058,18 @@ class Agent:
 
     def _drain(self, paused: list[str], change: _Change) -> None:
         s = self.settings
-        holds = self._holds(change.dra)
-        operand_pods = [
-            p.ref for p in self.cluster.list_pods(node=s.node_name) if is_paused_operand(p, paused)
-        ]
+        # the node's pods now, after the cordon: a pod placed since the pass looked is known;
+        # the drain's and the operands' waits watch on from this look
+        seen = PodsSeen()
+        pods = change.pods = look(self.cluster, s.node_name, seen)
+        holds = self._holds(change, pods)
+        operand_pods = [p.ref for p in pods if is_paused_operand(p, paused)]
         # their results are of devices about to go; the operator reruns them after the change
-        validators.delete(self.cluster, s, validators.BEFORE)
+        validators.delete(self.cluster, s, validators.BEFORE, pods)
         # the paused operands terminate while the GPU pods do: one termination to wait for,
         # not two in a row
         try:
-            evicted = self._drain_gpu_pods(change, operand_pods, holds)
+            evicted = self._drain_gpu_pods(change, operand_pods, holds, pods, seen)
         except (EvictionBlocked, DrainTimeout) as exc:
             raise self._drain_retried(exc, change.desired) from None
         self.metrics.evictions.inc(len(evicted))
@@ -1014,6 +1083,7 @@ class Agent:
                 poll_s=s.poll_s,
                 what="paused operand pods",
                 clock=self.clock,
+                seen=seen,
             )
 
     def _drain_gpu_pods(
@@ -1021,6 +1091,8 @@ class Agent:
         change: _Change,
         operand_pods: list[PodRef],
         holds: dict[tuple[str, str], frozenset[str]] | None,
+        pods: list[PodView],
+        seen: PodsSeen,
     ) -> list[PodRef]:
         s, the_plan = self.settings, change.plan
         return drain_gpu_pods(
@@ -1036,6 +1108,8 @@ class Agent:
             on_blocked=self._drain_blocked,
             on_waiting=self._drain_waiting,
             still_wanted=lambda: self._still_wanted(change.desired),
+            pods=pods,
+            seen=seen,
         )
 
     def _drain_retried(self, exc: MigAgentError, desired: str) -> MigAgentError:
@@ -1110,10 +1184,11 @@ class Agent:
                 log.info("gpu.waiting_for_processes", error=str(exc))
                 self.clock.sleep(next(delays))
 
-    def _verify(self, desired: str, models: Mapping[int, GpuModel]) -> None:
+    def _verify(self, desired: str, models: Mapping[int, GpuModel], node: NodeView) -> None:
         assert self.catalog is not None
         verify(self.catalog.get(desired), self.gpus.observe(), models)
-        reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics)
+        # the GPU state published as the pass last had the node: new devices, a new text
+        reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
 
     def _reboot_or_fail(self, desired: str, exc: GpuResetRequired) -> None:
         s = self.settings
@@ -1165,7 +1240,10 @@ class Agent:
         # before the patch: the watch must not take our own label for someone else's change
         self.seen = (desired, str(state))
         return self.cluster.patch_node(
-            s.node_name, labels={s.state_label: str(state)}, expect_labels={s.config_label: desired}
+            s.node_name,
+            labels={s.state_label: str(state)},
+            expect_labels={s.config_label: desired},
+            known=node,
         )
 
     def _note_unhealthy(self, node: NodeView, want: Mapping[str, int]) -> bool:
@@ -1215,6 +1293,7 @@ class Agent:
                 s.observe_annotation: None,  # an observe mode's report, stale now
             },
             expect_labels={s.config_label: desired},
+            known=node,
         )
         self.metrics.set_state(State.SUCCESS)
         self.metrics.last_success.set(time.time())

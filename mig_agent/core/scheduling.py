@@ -189,3 +189,47 @@ def label_selector_of(raw: Mapping[str, Any] | None) -> LabelSelector | None:
     return LabelSelector(
         dict(raw.get("matchLabels") or {}), _requirements(raw.get("matchExpressions"))
     )
+
+
+_SET_OPS: Final = {"in": "In", "notin": "NotIn"}
+
+
+def parse_selector(text: str) -> LabelSelector:
+    """A label selector as a list request takes it (``a=b,c!=d,e in (f,g),h,!i``), to pick pods
+    out of a list already read: one list of the node's pods serves every selector. ValueError
+    for text the API server would refuse too."""
+    out: list[Requirement] = []
+    for part in _split_top(text):
+        words = part.split(None, 1)
+        if len(words) == 2 and words[1].split(None, 1)[0].lower() in _SET_OPS:
+            op, _, values = words[1].partition(" ")
+            values = values.strip()
+            if not (values.startswith("(") and values.endswith(")")):
+                raise ValueError(f"selector {text!r}: {part!r} needs (values)")
+            vals = tuple(v.strip() for v in values[1:-1].split(",") if v.strip())
+            out.append(Requirement(words[0], _SET_OPS[op.lower()], vals))
+        elif "!=" in part:
+            key, value = (s.strip() for s in part.split("!=", 1))
+            out.append(Requirement(key, "NotIn", (value,)))
+        elif "=" in part:
+            key, value = (s.strip() for s in part.replace("==", "=", 1).split("=", 1))
+            out.append(Requirement(key, "In", (value,)))
+        elif part.startswith("!"):
+            out.append(Requirement(part[1:].strip(), "DoesNotExist"))
+        else:
+            out.append(Requirement(part, "Exists"))
+        if not out[-1].key or " " in out[-1].key:
+            raise ValueError(f"selector {text!r}: no key in {part!r}")
+    return LabelSelector(expressions=tuple(out))
+
+
+def _split_top(text: str) -> list[str]:
+    """``text``'s comma-separated parts, but commas inside parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]

@@ -42,6 +42,7 @@ from mig_agent.kube.cluster import (
     PdbView,
     PodRef,
     PodRunner,
+    PodsSeen,
     PodView,
     is_gpu_resource,
 )
@@ -157,6 +158,9 @@ class KubernetesCluster(Cluster, PodRunner):
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
+        # per (node, condition type), the condition this client last wrote: the next write of
+        # that type needs no read first (only the agent writes its own condition type)
+        self._written: dict[tuple[str, str], NodeCondition] = {}
         self._on_request = on_request or (lambda _op: None)
         self._timeout = (min(10.0, request_timeout_s), request_timeout_s)
         self._retrying = tenacity.Retrying(
@@ -225,6 +229,7 @@ class KubernetesCluster(Cluster, PodRunner):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
         meta: dict[str, Any] = {}
         if labels:
@@ -235,7 +240,7 @@ class KubernetesCluster(Cluster, PodRunner):
         if unschedulable is not None:
             body["spec"] = {"unschedulable": unschedulable or None}
         if expect_labels:
-            return self._patch_node_if(name, body, expect_labels)
+            return self._patch_node_if(name, body, expect_labels, known)
         return _node(
             self._unconditional(
                 "patch node",
@@ -263,12 +268,20 @@ class KubernetesCluster(Cluster, PodRunner):
         raise AssertionError("unreachable")
 
     def _patch_node_if(
-        self, name: str, body: dict[str, Any], expect: Mapping[str, str | None]
+        self,
+        name: str,
+        body: dict[str, Any],
+        expect: Mapping[str, str | None],
+        known: NodeView | None = None,
     ) -> NodeView:
         """The patch carries the resourceVersion of the read its labels were checked against,
-        so the server refuses it (409) if anything changed in between; then check again."""
+        so the server refuses it (409) if anything changed in between; then check again. The
+        first try goes by ``known`` (the node as the caller last had it) where its labels
+        agree: no read when nothing changed since."""
         for _ in range(self._conflict_attempts):
-            node = self.get_node(name)
+            agrees = known is not None and all(known.labels.get(k) == v for k, v in expect.items())
+            node = known if known is not None and agrees else self.get_node(name)
+            known = None
             differ = {k: node.labels.get(k) for k, v in expect.items() if node.labels.get(k) != v}
             if differ:
                 now = ", ".join(f"{k}={v}" for k, v in differ.items())
@@ -300,10 +313,14 @@ class KubernetesCluster(Cluster, PodRunner):
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        node = self.get_node(name)
-        previous = next((c for c in node.conditions if c.type == condition.type), None)
-        if previous == condition:
-            return
+        previous = self._written.get((name, condition.type))
+        if previous is None or previous == condition:
+            # not written by this client yet, or the same again: whether it is there is read
+            node = self.get_node(name)
+            previous = next((c for c in node.conditions if c.type == condition.type), None)
+            if previous == condition:
+                self._written[(name, condition.type)] = condition
+                return
         entry = {
             "type": condition.type,
             "status": condition.status,
@@ -320,6 +337,7 @@ class KubernetesCluster(Cluster, PodRunner):
             self._core.patch_node_status,
             {"status": {"conditions": [entry]}},
         )
+        self._written[(name, condition.type)] = condition
 
     def patch_node_resources(self, name: str, resources: Mapping[str, int]) -> None:
         values = {k: str(v) for k, v in resources.items()}
@@ -362,20 +380,26 @@ class KubernetesCluster(Cluster, PodRunner):
                 )["items"]
         return [_pod(p) for p in items]
 
-    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+    def watch_pods(
+        self, node: str, *, timeout_s: float, seen: PodsSeen | None = None
+    ) -> Iterator[list[PodView]]:
         field = f"spec.nodeName={node}"
-        with _kube("list pods", node=node):
-            listed = self._call(self._core.list_pod_for_all_namespaces, field_selector=field)
-        pods = {(p.ref.namespace, p.ref.name): p for p in map(_pod, listed["items"])}
+        seen = seen if seen is not None else PodsSeen()
+        if not seen.resource_version:
+            with _kube("list pods", node=node):
+                listed = self._call(self._core.list_pod_for_all_namespaces, field_selector=field)
+            seen.pods = {(p.ref.namespace, p.ref.name): p for p in map(_pod, listed["items"])}
+            seen.resource_version = (listed.get("metadata") or {}).get("resourceVersion") or ""
+        pods = seen.pods
         yield list(pods.values())
         seconds = max(1, math.ceil(timeout_s))
         self._on_request("watch_pods")
-        since = (listed.get("metadata") or {}).get("resourceVersion") or ""
-        events = pod_events(self._core, field, since, seconds)
+        events = pod_events(self._core, field, seen.resource_version, seconds)
         try:
             for event in events:
                 if event["type"] == "ERROR":  # 410 Gone, "too old resource version": list again
                     log.debug("watch_pods.expired", node=node, status=event["object"])
+                    seen.resource_version = ""
                     return
                 if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
                     continue  # a BOOKMARK, never asked for
@@ -385,11 +409,15 @@ class KubernetesCluster(Cluster, PodRunner):
                     pods.pop(key, None)
                 else:
                     pods[key] = pod
+                version = (event["object"].get("metadata") or {}).get("resourceVersion")
+                seen.resource_version = version or seen.resource_version
                 yield list(pods.values())
         except (ApiException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
-            # the list above reached the server: a watch cut short only ends this slice, and
-            # the caller looks again after a poll delay. A refused one (RBAC without "watch"
-            # on pods: an older chart) is said once, as each refusal costs a look and a watch
+            # the server was reached: a watch cut short only ends this slice, and the caller
+            # looks again after a poll delay, with a list (what a watch that did not run missed
+            # is not known). A refused one (RBAC without "watch" on pods: an older chart) is
+            # said once, as each refusal costs a look and a watch
+            seen.resource_version = ""
             if isinstance(exc, ApiException) and exc.status in (401, 403):
                 if not self._watch_refused:
                     self._watch_refused = True
@@ -540,10 +568,45 @@ class KubernetesCluster(Cluster, PodRunner):
             items = self._call(self._resource.list_resource_slice, field_selector=selector)["items"]
         return list(items)
 
-    def list_resource_claims(self) -> list[dict[str, Any]]:
-        with _kube("list resourceclaims"):
-            items = self._call(self._resource.list_resource_claim_for_all_namespaces)["items"]
-        return list(items)
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        field = f"spec.nodeName={node}"
+        with _kube("list resourceslices", node=node):
+            listed = self._call(self._resource.list_resource_slice, field_selector=field)
+        slices = {(s.get("metadata") or {}).get("name", ""): s for s in listed["items"]}
+        yield list(slices.values())
+        self._on_request("watch_resource_slices")
+        since = (listed.get("metadata") or {}).get("resourceVersion") or ""
+        events = watch_events(
+            self._resource.list_resource_slice, field, since, max(1, math.ceil(timeout_s))
+        )
+        try:
+            for event in events:
+                if event["type"] == "ERROR":  # 410 Gone: the caller's next watch lists again
+                    return
+                if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
+                    continue
+                name = (event["object"].get("metadata") or {}).get("name", "")
+                if event["type"] == "DELETED":
+                    slices.pop(name, None)
+                else:
+                    slices[name] = event["object"]
+                yield list(slices.values())
+        except (ApiException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
+            # the list reached the server: a watch refused (a chart without "watch" on
+            # resourceslices) or cut short ends this slice; the caller looks again
+            log.debug("watch_resource_slices.ended", node=node, error=_short(exc))
+        finally:
+            events.close()
+
+    def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
+        with _kube("list resourceclaims", namespace=namespace):
+            if namespace:
+                got = self._call(self._resource.list_namespaced_resource_claim, namespace)
+            else:
+                got = self._call(self._resource.list_resource_claim_for_all_namespaces)
+        return list(got["items"])
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         with _kube("list poddisruptionbudgets"):
@@ -601,7 +664,14 @@ def pod_events(core: Any, field: str, since: str, seconds: int) -> Generator[dic
     server's Status). Read here, not through the client's Watch.stream: unparsed, that one
     reads a key plain JSON events lack and fails on the ``ERROR`` event an expired resource
     version brings."""
-    resp = core.list_pod_for_all_namespaces(
+    return watch_events(core.list_pod_for_all_namespaces, field, since, seconds)
+
+
+def watch_events(
+    list_fn: Callable[..., Any], field: str, since: str, seconds: int
+) -> Generator[dict[str, Any]]:
+    """The events of a watch through ``list_fn`` (a list call of the client), as pod_events."""
+    resp = list_fn(
         field_selector=field,
         resource_version=since,
         watch=True,

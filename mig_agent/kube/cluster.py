@@ -134,6 +134,17 @@ class PodView:
         return self.controller.split("/", 1)[0]
 
 
+@dataclass(slots=True)
+class PodsSeen:
+    """Where a watch of the node's pods ended, for the next watch of the same wait to go on
+    from without a list: the pods as of ``resource_version`` ("": list first). The watch keeps
+    it; an expired version (the server's ERROR event, 410) empties it, so the next one lists.
+    Only for one wait: the pods it waits for must be known from before the watch began."""
+
+    resource_version: str = ""
+    pods: dict[tuple[str, str], PodView] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class PdbView:
     """A PodDisruptionBudget: which pods it covers and how many may go now."""
@@ -159,9 +170,12 @@ class Cluster(Protocol):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
         """Merge-patch the node. With ``expect_labels``, only while those labels have those
-        values (None: absent), checked and written atomically; LabelsChanged otherwise."""
+        values (None: absent), checked and written atomically; LabelsChanged otherwise.
+        ``known``: the node as the caller last had it, tried first (no read of the node when
+        it is still current; it only saves a request)."""
         ...
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None: ...
@@ -178,9 +192,12 @@ class Cluster(Protocol):
         self, *, node: str | None = None, namespace: str | None = None, label_selector: str = ""
     ) -> list[PodView]: ...
 
-    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
+    def watch_pods(
+        self, node: str, *, timeout_s: float, seen: PodsSeen | None = None
+    ) -> Iterator[list[PodView]]:
         """The node's pods now, then again after every change, until ``timeout_s`` has passed
-        or the server ends the watch (the caller looks again)."""
+        or the server ends the watch (the caller looks again). With ``seen`` from an earlier
+        watch of the same wait, "now" is where that one ended and no list is asked."""
         ...
 
     def get_pod(self, ref: PodRef) -> PodView | None:
@@ -202,8 +219,16 @@ class Cluster(Protocol):
         returns them."""
         ...
 
-    def list_resource_claims(self) -> list[dict[str, Any]]:
-        """Every ResourceClaim of the cluster (resource.k8s.io/v1), as the API returns them."""
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        """The ResourceSlices of ``node`` now, then again after every change, until
+        ``timeout_s`` has passed or the server ends the watch (the caller looks again)."""
+        ...
+
+    def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
+        """The ResourceClaims of ``namespace`` ("": of every namespace; resource.k8s.io/v1), as
+        the API returns them."""
         ...
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:

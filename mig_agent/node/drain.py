@@ -8,7 +8,7 @@ does not count as the old one still running. Knows no GPUs; time is injected.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -21,7 +21,7 @@ from mig_agent.core.errors import (
     PodReplaced,
     Stopping,
 )
-from mig_agent.kube.cluster import Cluster, PodRef, PodView
+from mig_agent.kube.cluster import Cluster, PodRef, PodsSeen, PodView
 from mig_agent.node.waits import Clock, watch_slices
 
 log = structlog.get_logger(__name__)
@@ -48,6 +48,17 @@ def present(pods: Iterable[PodView], refs: Iterable[PodRef]) -> set[PodRef]:
         if uid is not None and (not ref.uid or not uid or uid == ref.uid):
             out.add(ref)
     return out
+
+
+def look(cluster: Cluster, node: str, seen: PodsSeen) -> list[PodView]:
+    """The node's pods now (one list, no watch), with ``seen`` (a fresh one) set for the waits
+    that follow to watch on from there without a list of their own."""
+    watch = cluster.watch_pods(node, timeout_s=1, seen=seen)
+    try:
+        return next(iter(watch))
+    finally:
+        if isinstance(watch, Generator):
+            watch.close()
 
 
 def still_present(cluster: Cluster, node: str, refs: Iterable[PodRef]) -> set[PodRef]:
@@ -97,12 +108,14 @@ def gpu_pods(
     *,
     exclude: Iterable[PodRef] = (),
     claimed: Collection[tuple[str, str]] = (),
+    pods: Iterable[PodView] | None = None,
 ) -> list[PodView]:
-    """Pods on ``node`` that request GPU resources (or are ``claimed``) and have not finished."""
+    """Pods on ``node`` that request GPU resources (or are ``claimed``) and have not finished,
+    out of ``pods`` (the node's, as just listed) where given."""
     skip = {(r.namespace, r.name) for r in exclude}
+    listed = cluster.list_pods(node=node) if pods is None else pods
     return to_drain(
-        (p for p in cluster.list_pods(node=node) if (p.ref.namespace, p.ref.name) not in skip),
-        claimed=claimed,
+        (p for p in listed if (p.ref.namespace, p.ref.name) not in skip), claimed=claimed
     )
 
 
@@ -219,6 +232,8 @@ def drain_gpu_pods(
     on_blocked: Callable[[PodRef, EvictionBlocked], None] | None = None,
     on_waiting: Callable[[PodView, int, float], None] | None = None,
     still_wanted: Callable[[], None] | None = None,
+    pods: Iterable[PodView] | None = None,
+    seen: PodsSeen | None = None,
 ) -> list[PodRef]:
     """Evict every GPU pod on ``node`` (but those ``may_stay`` spares) and wait until all are
     gone; returns the evicted pods (and those that took a replaced pod's name).
@@ -228,6 +243,9 @@ def drain_gpu_pods(
     told once to ``on_waiting`` (the slowest pod, how many are left, the wait's deadline in
     seconds from the drain's start).
 
+    ``pods`` are the node's pods as the caller just listed them (default: listed here); the
+    wait's watches go on from ``seen`` (``look``) where given.
+
     ``still_wanted`` is asked at most every ``retry_s`` while the drain lasts and raises when
     the change is no longer wanted (a relabel): a budget that blocks for minutes must not keep
     a cancelled change's cordon.
@@ -236,7 +254,7 @@ def drain_gpu_pods(
     refuses at the deadline, DrainTimeout when evicted pods are still terminating then, and
     KubeError for a static (mirror) pod, which cannot be evicted.
     """
-    candidates = gpu_pods(cluster, node, exclude=exclude, claimed=claimed)
+    candidates = gpu_pods(cluster, node, exclude=exclude, claimed=claimed, pods=pods)
     pods = to_drain(candidates, may_stay, claimed=claimed)
     if len(pods) < len(candidates):
         log.info("drain.pods_kept", pods=len(candidates) - len(pods))
@@ -257,7 +275,7 @@ def drain_gpu_pods(
         named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
         return next((p for p in named if p.ref.uid != ref.uid), None)
 
-    return _Drain(cluster, node, clock, rules, pods, successor).run()
+    return _Drain(cluster, node, clock, rules, pods, successor, seen or PodsSeen()).run()
 
 
 class _Drain:
@@ -272,6 +290,7 @@ class _Drain:
         rules: DrainRules,
         pods: list[PodView],
         successor: Callable[[PodRef], PodView | None],
+        seen: PodsSeen,
     ) -> None:
         self.cluster, self.node, self.rules, self.successor = cluster, node, rules, successor
         self.pods = pods
@@ -289,6 +308,9 @@ class _Drain:
         self.successors: list[PodRef] = []  # pods of a replaced one's name, drained instead
         self.next_try = self.asked_at = self.start  # the pass has just looked
         self.told = False
+        # where the last watch ended: the next goes on from there, without a list (an
+        # eviction retry costs the eviction and a watch, not a list more)
+        self.seen = seen
         self.clock = _naming_on_stop(clock, lambda: tuple(sorted(self.going(), key=str)))
 
     def going(self) -> set[PodRef]:
@@ -341,6 +363,9 @@ class _Drain:
         self.waiting.discard(ref)
         self.blocked.pop(ref, None)
         new = self.successor(ref)
+        # the pod now of its name was listed after the watch's look: the next watch lists
+        # again, or a pod it never saw would pass for one gone
+        self.seen.resource_version = ""
         log.info(
             "drain.pod_replaced", pod=ref.name, namespace=ref.namespace, drained=new is not None
         )
@@ -370,7 +395,7 @@ class _Drain:
     def watch_until_due(self) -> None:
         """The evicted pods' going, from a watch of the node's pods, until the next thing due."""
         watch = watch_slices(
-            lambda span: self.cluster.watch_pods(self.node, timeout_s=span),
+            lambda span: self.cluster.watch_pods(self.node, timeout_s=span, seen=self.seen),
             self.clock,
             due=self.due,
             poll_s=self.rules.poll_s,
@@ -427,15 +452,19 @@ def wait_pods_gone(
     poll_s: float,
     what: str,
     clock: Clock = Clock(),
+    seen: PodsSeen | None = None,
 ) -> None:
     """Wait until none of ``refs`` (pods on ``node``) exists any more (by UID); DrainTimeout
-    naming the rest."""
+    naming the rest. ``seen``: where an earlier watch of the same wait ended (``refs`` known
+    from before it), else one list first."""
     waiting = set(refs)
     if not waiting:
         return
     deadline = clock.now() + timeout_s
+    # one list for the whole wait at most; each slice's watch goes on from the last
+    seen = seen if seen is not None else PodsSeen()
     watch = watch_slices(
-        lambda span: cluster.watch_pods(node, timeout_s=span),
+        lambda span: cluster.watch_pods(node, timeout_s=span, seen=seen),
         clock,
         due=lambda: deadline,
         poll_s=poll_s,

@@ -46,11 +46,11 @@ def watch_slices(
     poll_s: float,
 ) -> Generator[T, None, None]:
     """What ``open_watch(seconds)`` yields (the state now, then after every change), watch
-    after watch, for as long as the caller reads: a wait costs a look and a watch per slice
-    rather than a look every ``poll_s``. Each watch ends by ``due()`` (clock time: when the
-    caller must look whatever happens, e.g. its deadline) and within WATCH_SLICE_S. A watch
-    that ends early (closed by the server, or a cluster without watches) is opened again
-    after a poll delay."""
+    after watch, for as long as the caller reads: a wait costs a watch per slice (and a look
+    where the watch cannot go on from the last one's end) rather than a look every
+    ``poll_s``. Each watch ends by ``due()`` (clock time: when the caller must look whatever
+    happens, e.g. its deadline) and within WATCH_SLICE_S. A watch that ends early (closed by
+    the server, or a cluster without watches) is opened again after a poll delay."""
     delays = poll_delays(poll_s)
     while True:
         opened = clock.now()

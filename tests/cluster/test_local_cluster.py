@@ -476,6 +476,7 @@ def test_a_pod_watch_the_api_server_ends_with_an_error_event_ends_quietly(
     events lack, and the drain died of a KeyError ("internal error") while the pods it had
     evicted still terminated. Now the watch ends, and the drain's next look lists again."""
     from mig_agent.kube.client import KubernetesCluster
+    from mig_agent.kube.cluster import PodsSeen
 
     node = gpu_node_factory()
     proxy = ApiFaultProxy(
@@ -487,14 +488,100 @@ def test_a_pod_watch_the_api_server_ends_with_an_error_event_ends_quietly(
     proxy.add(Fault("watch-expired", watch=True))
     via = tmp_path / "via-proxy.kubeconfig"  # the list passes through, the watch expires
     via.write_text(cluster.kubeconfig.read_text().replace(cluster.server, proxy.url))
-    k = KubernetesCluster.connect(str(via))
+    requests: list[str] = []
+    k = KubernetesCluster.connect(str(via), on_request=requests.append)
+    seen = PodsSeen()
     try:
         start = time.monotonic()
-        looks = list(k.watch_pods(node, timeout_s=20))
+        looks = list(k.watch_pods(node, timeout_s=20, seen=seen))
         took = time.monotonic() - start
+        assert seen.resource_version == ""  # expired: the next watch of the wait lists again
+        next(k.watch_pods(node, timeout_s=20, seen=seen))
     finally:
         k.close()
         proxy.stop()
     assert proxy.hits["watch-expired"] == 1
     assert len(looks) == 1  # the list; the watch ended at its error event
     assert took < 10, took  # at the event, not at the watch's 20 s end
+    assert requests == ["list_pod_for_all_namespaces", "watch_pods", "list_pod_for_all_namespaces"]
+
+
+def test_a_pod_watch_goes_on_where_the_last_ended_without_a_list(
+    cluster: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    gpu_pod: GpuPodFactory,
+    gpu_node_factory: GpuNodeFactory,
+) -> None:
+    """A wait's watches, slice after slice: the first lists, the next go on from where the last
+    ended (what changed in between arrives as events), so a long drain or an eviction retry
+    costs a watch, not a list more."""
+    from mig_agent.kube.client import KubernetesCluster
+    from mig_agent.kube.cluster import PodsSeen
+
+    node = gpu_node_factory()
+    for name in ("stays", "goes"):
+        gpu_pod(namespace, name, node=node)
+        wait_until(lambda n=name: _running_on(core, namespace, n), timeout=60, what=f"{name} runs")
+    requests: list[str] = []
+    k = KubernetesCluster.connect(str(cluster.kubeconfig), on_request=requests.append)
+    mine = lambda pods: {p.ref.name for p in pods if p.ref.namespace == namespace}  # noqa: E731
+    seen = PodsSeen()
+    try:
+        assert [mine(p) for p in k.watch_pods(node, timeout_s=1, seen=seen)] == [
+            {"stays", "goes"}
+        ]  # the list, then a watch that saw nothing in its second
+        core.delete_namespaced_pod("goes", namespace, grace_period_seconds=0)
+        looks = []
+        for pods in k.watch_pods(node, timeout_s=20, seen=seen):
+            looks.append(mine(pods))
+            if "goes" not in looks[-1]:
+                break
+    finally:
+        k.close()
+    assert looks[0] == {"stays", "goes"}  # where the last watch ended
+    assert looks[-1] == {"stays"}  # the deletion, as an event of the watch from there
+    assert requests == ["list_pod_for_all_namespaces", "watch_pods", "watch_pods"]
+
+
+def test_conditions_and_conditional_patches_read_the_node_only_when_they_must(
+    cluster: Cluster, gpu_node_factory: GpuNodeFactory
+) -> None:
+    """A condition this client wrote is known without a read; a label patch that may be
+    written only while the layout label holds goes by the node the caller has, and reads the
+    node only when that one is no longer current (the server's 409), to find what changed."""
+    from mig_agent.core.errors import LabelsChanged
+    from mig_agent.kube.client import KubernetesCluster
+    from mig_agent.kube.cluster import NodeCondition
+
+    node = gpu_node_factory()
+    requests: list[str] = []
+    k = KubernetesCluster.connect(str(cluster.kubeconfig), on_request=requests.append)
+    try:
+        for status, reason in (("False", "Reconfiguring"), ("True", "Applied")):
+            k.set_node_condition(node, NodeCondition("MIGTestApplied", status, reason, "m"))
+        assert requests == ["read_node", "patch_node_status", "patch_node_status"]
+        got = k.get_node(node)
+        assert [c.reason for c in got.conditions if c.type == "MIGTestApplied"] == ["Applied"]
+        requests.clear()
+        known = k.patch_node(node, labels={"example.com/layout": "a"})
+        k.patch_node(
+            node,
+            labels={"example.com/state": "x"},
+            expect_labels={"example.com/layout": "a"},
+            known=known,
+        )
+        assert requests == ["patch_node", "patch_node"]  # no read: the node as it was known
+        k.patch_node(node, labels={"example.com/layout": "b"})  # someone relabels
+        requests.clear()
+        with pytest.raises(LabelsChanged):
+            k.patch_node(
+                node,
+                labels={"example.com/state": "y"},
+                expect_labels={"example.com/layout": "a"},
+                known=known,
+            )
+        assert requests == ["patch_node", "read_node"]  # refused (409), then read: changed
+        assert k.get_node(node).labels.get("example.com/state") == "x"
+    finally:
+        k.close()

@@ -51,7 +51,8 @@ def test_vs_mig_manager_quick_runs() -> None:
 
 
 def test_pool_rollout_quick_runs() -> None:
-    out = bench("benchmarks/pool_rollout.py", "--quick", timeout=600)
+    # a resync every second: the idle window holds resync passes, which must ask nothing
+    out = bench("benchmarks/pool_rollout.py", "--quick", "--resync", "1", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for measure in (
         "rollout wall time",
@@ -61,6 +62,12 @@ def test_pool_rollout_quick_runs() -> None:
         "API server CPU during the rollout",
     ):
         assert measure in out.stdout, out.stdout
+    (beyond,) = [
+        line.split("|")[2].strip()
+        for line in out.stdout.splitlines()
+        if line.startswith("|   beyond the watches")
+    ]
+    assert beyond == "0.00", out.stdout  # the DRA-enabled agents' resyncs asked nothing
 
 
 def test_agent_overhead_quick_runs() -> None:

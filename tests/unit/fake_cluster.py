@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mig_agent.core.errors import EvictionBlocked, KubeUnavailable, LabelsChanged, PodReplaced
+from mig_agent.core.scheduling import parse_selector
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     Cluster,
@@ -21,6 +23,7 @@ from mig_agent.kube.cluster import (
     NodeView,
     PdbView,
     PodRef,
+    PodsSeen,
     PodView,
 )
 
@@ -44,6 +47,8 @@ class FakeCluster(Cluster):
     slices: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
     pdbs: list[PdbView] = field(default_factory=list)
+    # the requests the agent would make of the API server, by method (a watch: one request)
+    requests: Counter[str] = field(default_factory=Counter)
 
     def add_node(
         self,
@@ -76,9 +81,10 @@ class FakeCluster(Cluster):
         node_selector: Mapping[str, str] | None = None,
         ready: bool = True,
         grace_period_s: float = 30.0,
+        claims: tuple[str, ...] = (),
     ) -> PodRef:
         """A running pod; ``owner`` is its controller's kind ("" for a bare pod; the default
-        stands for a Deployment's pods)."""
+        stands for a Deployment's pods); ``claims``, the names of its ResourceClaims."""
         ref = PodRef(namespace, name, f"pod-{next(_uids)}")
         self.pods[ref] = PodView(
             ref,
@@ -93,24 +99,28 @@ class FakeCluster(Cluster):
             dict(gpu or {}),
             controller=f"{owner}/{name}-owner" if owner else "",
             grace_period_s=grace_period_s,
+            claims=claims,
         )
         return ref
 
-    def _check(self) -> None:
+    def _check(self, call: str) -> None:
+        self.requests[call] += 1
         if self.down:
             raise KubeUnavailable("API server unreachable (fake)")
 
     def _changed(self) -> None:
         if self.on_change is not None:
+            counted = Counter(self.requests)
             self.on_change(self)
+            self.requests = counted  # what the test's hook asks is no request of the agent
 
     # Cluster
     def get_node(self, name: str) -> NodeView:
-        self._check()
+        self._check("get_node")
         return self.nodes[name]
 
     def list_nodes(self, label_selector: str = "") -> list[NodeView]:
-        self._check()
+        self._check("list_nodes")
         want = dict(kv.split("=", 1) for kv in label_selector.split(",") if "=" in kv)
         return [
             n for n in self.nodes.values() if all(n.labels.get(k) == v for k, v in want.items())
@@ -124,8 +134,9 @@ class FakeCluster(Cluster):
         annotations: Mapping[str, str | None] | None = None,
         unschedulable: bool | None = None,
         expect_labels: Mapping[str, str | None] | None = None,
+        known: NodeView | None = None,
     ) -> NodeView:
-        self._check()
+        self._check("patch_node")
         differ = {
             k: self.nodes[name].labels.get(k)
             for k, v in (expect_labels or {}).items()
@@ -158,41 +169,44 @@ class FakeCluster(Cluster):
         return self.nodes[name]
 
     def set_node_condition(self, name: str, condition: NodeCondition) -> None:
-        self._check()
+        self._check("set_node_condition")
         node = self.nodes[name]
         conds = tuple(c for c in node.conditions if c.type != condition.type) + (condition,)
         self.nodes[name] = dataclasses.replace(node, conditions=conds)
 
     def patch_node_resources(self, name: str, resources: Mapping[str, int]) -> None:
-        self._check()
+        self._check("patch_node_resources")
         node = self.nodes[name]
         alloc = dict(node.allocatable)
         alloc.update({k: str(v) for k, v in resources.items()})
         self.nodes[name] = dataclasses.replace(node, allocatable=alloc, capacity=dict(alloc))
 
     def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
-        self._check()
+        self._check("watch_node")
         yield self.nodes[name]
 
     def list_pods(
         self, *, node: str | None = None, namespace: str | None = None, label_selector: str = ""
     ) -> list[PodView]:
-        self._check()
-        want = dict(kv.split("=", 1) for kv in label_selector.split(",") if "=" in kv)
+        self._check("list_pods")
+        want = parse_selector(label_selector)
         return [
             p
-            for p in self.pods.values()
-            if (node is None or p.node == node)
-            and (namespace is None or p.ref.namespace == namespace)
-            and all(p.labels.get(k) == v for k, v in want.items())
+            for p in self._pods_of(node)
+            if (namespace is None or p.ref.namespace == namespace) and want.matches(p.labels)
         ]
 
-    def watch_pods(self, node: str, *, timeout_s: float) -> Iterator[list[PodView]]:
-        # no watch: one look, then the caller looks again after a poll delay
+    def _pods_of(self, node: str | None) -> list[PodView]:
+        return [p for p in self.pods.values() if node is None or p.node == node]
+
+    def watch_pods(
+        self, node: str, *, timeout_s: float, seen: PodsSeen | None = None
+    ) -> Iterator[list[PodView]]:
+        # no watch: one look (a list), then the caller looks again after a poll delay
         yield self.list_pods(node=node)
 
     def get_pod(self, ref: PodRef) -> PodView | None:
-        self._check()
+        self._check("get_pod")
         for p in self.pods.values():
             if (
                 p.ref.namespace == ref.namespace
@@ -203,7 +217,7 @@ class FakeCluster(Cluster):
         return None
 
     def evict(self, ref: PodRef) -> None:
-        self._check()
+        self._check("evict")
         if ref.uid and ref not in self.pods and self.get_pod(PodRef(ref.namespace, ref.name)):
             # the API server's 409: the eviction's UID precondition names a pod gone since
             raise PodReplaced(f"pod {ref} was replaced (fake)", pod=str(ref))
@@ -222,26 +236,36 @@ class FakeCluster(Cluster):
         self._changed()
 
     def delete_pod(self, ref: PodRef) -> None:
-        self._check()
+        self._check("delete_pod")
         self.pods.pop(ref, None)
         self._changed()
 
     def emit_event(
         self, node: NodeView, *, reason: str, message: str, warning: bool = False
     ) -> None:
-        self._check()
+        self._check("emit_event")
         self.events.append((node.name, reason, message, warning))
 
     def list_resource_slices(self, node: str = "") -> list[dict[str, Any]]:
-        self._check()
+        self._check("list_resource_slices")
         return [s for s in self.slices if node in ("", s.get("spec", {}).get("nodeName"))]
 
-    def list_resource_claims(self) -> list[dict[str, Any]]:
-        self._check()
-        return list(self.claims)
+    def watch_resource_slices(
+        self, node: str, *, timeout_s: float
+    ) -> Iterator[list[dict[str, Any]]]:
+        # no watch: one look (a list), then the caller looks again after a poll delay
+        yield self.list_resource_slices(node)
+
+    def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
+        self._check("list_resource_claims")
+        return [
+            c
+            for c in self.claims
+            if namespace in ("", (c.get("metadata") or {}).get("namespace", ""))
+        ]
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:
-        self._check()
+        self._check("list_pod_disruption_budgets")
         return list(self.pdbs)
 
 

@@ -93,10 +93,10 @@ class FakeDraPlugin:
 
 
 def make_dra(
-    *, device_plugin: bool = False, **plugin: Any
+    *, device_plugin: bool = False, cluster: FakeCluster | None = None, **plugin: Any
 ) -> tuple[Agent, FakeCluster, FakeGpus, FakeDraPlugin]:
     gpus = FakeGpus([MODELS["H100-80GB"]] * 2)
-    cluster = FakeCluster()
+    cluster = cluster or FakeCluster()
     cluster.add_node(NODE, {})
     if device_plugin:
         cluster.add_pod(DP_NS, "dp", NODE, labels=DP_SEL, owner="DaemonSet")
@@ -181,8 +181,9 @@ def test_only_pods_whose_claimed_devices_go_are_evicted() -> None:
     agent, cluster, gpus, dra = make_dra()
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
-    kept = cluster.add_pod("work", "on-gpu0", NODE)  # no GPU resource: a claim holds it
-    goes = cluster.add_pod("work", "on-gpu1", NODE)
+    # no GPU resource: a claim holds it
+    kept = cluster.add_pod("work", "on-gpu0", NODE, claims=("on-gpu0",))
+    goes = cluster.add_pod("work", "on-gpu1", NODE, claims=("on-gpu1",))
     cpu = cluster.add_pod("work", "web", NODE)
     cluster.claims = [
         _claim("work", "on-gpu0", _device_on(cluster, 0)),
@@ -268,7 +269,7 @@ def test_a_dra_node_whose_plugin_pod_is_away_is_still_a_dra_node() -> None:
     cluster.pods.pop(next(r for r in cluster.pods if r.namespace == DRA_NS))
     _with_layout(agent, "gpu1-changes", {0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
     label(cluster, "gpu1-changes")
-    holder = cluster.add_pod("work", "on-gpu1", NODE)
+    holder = cluster.add_pod("work", "on-gpu1", NODE, claims=("on-gpu1",))
     cluster.claims = [_claim("work", "on-gpu1", _device_on(cluster, 1))]
     calls = sum(gpus.calls.values())
     result = agent.reconcile_once()

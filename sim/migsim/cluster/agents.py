@@ -129,9 +129,14 @@ DRA_READS: Final = [
         "rules": [
             {
                 "apiGroups": ["resource.k8s.io"],
-                "resources": ["resourceslices", "resourceclaims"],
+                "resources": ["resourceslices"],
+                "verbs": ["list", "watch"],
+            },
+            {
+                "apiGroups": ["resource.k8s.io"],
+                "resources": ["resourceclaims"],
                 "verbs": ["list"],
-            }
+            },
         ],
     },
     {
