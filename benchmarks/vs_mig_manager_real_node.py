@@ -82,6 +82,7 @@ from benchmarks.vs_mig_manager import (  # noqa: E402
     set_layout,
     wait,
 )
+from mig_agent.observability.metrics import PHASES  # noqa: E402
 
 NODE = real_node.NAME
 FOUR_THREE = "bench-4g-3g"
@@ -549,8 +550,12 @@ def print_rows(rows: Sequence[Row]) -> None:
 
 
 def print_ratios(rows: Sequence[Row]) -> None:
-    print("\n| case | to success s MM / agent | ratio | Pending pod Running s MM / agent | ratio |")
-    print("|---|---|---|---|---|")
+    """Medians over the rounds, MIG Manager / mig-agent."""
+    print(
+        "\n| case | to success s MM / agent | ratio | Pending pod Running s MM / agent | ratio "
+        "| GIs destroyed MM / agent | pods that lost a device MM / agent |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for case in CASES:
         mm = [r for r in rows if r.case == case.key and r.system == MM]
         ma = [r for r in rows if r.case == case.key and r.system == MA]
@@ -561,6 +566,8 @@ def print_ratios(rows: Sequence[Row]) -> None:
             a, b = median(mm, what), median(ma, what)
             cells.append(f"{fmt(a)} / {fmt(b)}")
             cells.append(f"{a / b:.2f}" if a is not None and b else "-")
+        for what in ("destroyed", "lost"):
+            cells.append(f"{median(mm, what):g} / {median(ma, what):g}")
         print("| " + " | ".join(cells) + " |")
 
 
@@ -574,10 +581,11 @@ def print_details(rows: Sequence[Row]) -> None:
         if r.system != MA or r.to_success is None:
             continue
         total = sum(r.phases.values())
-        parts = ", ".join(f"{p} {s:.2f}" for p, s in r.phases.items())
+        parts = ", ".join(f"{p} {r.phases[p]:.2f}" for p in PHASES if p in r.phases)
         print(
             f"- {r.case}: {parts}; phases {total:.2f} s of {r.to_success:.2f} s to success "
-            f"(the rest: the label's watch, the checks and marks between phases, success)"
+            "(the rest: the label's watch, then the uncordon and success after the layout is "
+            "advertised)"
         )
     ma_rows = [r for r in rows if r.system == MA]
     print(
