@@ -406,6 +406,13 @@ class Row:
     api: Counter[str] = field(default_factory=Counter)
     phases: dict[str, float] = field(default_factory=dict)  # mig-agent's, from its /metrics
 
+    @property
+    def after_pods(self) -> float | None:
+        """Label -> Running less the wait for the GPU pods to go (the trainer's handler, both
+        tools): MIG Manager's deletion by hand, mig-agent's drain phase."""
+        going = self.by_hand if self.system == MM else self.phases.get("drain")
+        return None if self.to_running is None or going is None else self.to_running - going
+
 
 def admission_errors(bench: Bench, since: float) -> int:
     """Pods refused with UnexpectedAdmissionError, by their status and by Events since `since`
@@ -553,16 +560,17 @@ def print_ratios(rows: Sequence[Row]) -> None:
     """Medians over the rounds, MIG Manager / mig-agent."""
     print(
         "\n| case | to success s MM / agent | ratio | Pending pod Running s MM / agent | ratio "
-        "| GIs destroyed MM / agent | pods that lost a device MM / agent |"
+        "| after the pods went s MM / agent | ratio | GIs destroyed MM / agent "
+        "| pods that lost a device MM / agent |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         mm = [r for r in rows if r.case == case.key and r.system == MM]
         ma = [r for r in rows if r.case == case.key and r.system == MA]
         if not mm or not ma:
             continue
         cells = [f"{case.key} {case.title}"]
-        for what in ("to_success", "to_running"):
+        for what in ("to_success", "to_running", "after_pods"):
             a, b = median(mm, what), median(ma, what)
             cells.append(f"{fmt(a)} / {fmt(b)}")
             cells.append(f"{a / b:.2f}" if a is not None and b else "-")
@@ -588,6 +596,11 @@ def print_details(rows: Sequence[Row]) -> None:
             "advertised)"
         )
     ma_rows = [r for r in rows if r.system == MA]
+    print(
+        "\nAfter the pods went: label -> the Pending pod Running less the wait for the GPU pods "
+        "to go, which both tools wait alike (the trainer's handler): MIG Manager's deletion "
+        "by hand, mig-agent's drain phase."
+    )
     print(
         f"\n{ADMISSION}: {sum(r.admission for r in rows) or 'none'} "
         f"({sum(r.admission for r in ma_rows)} with mig-agent)"
