@@ -30,8 +30,8 @@ is gone); GPU instances destroyed and created (the simulator's call counters); t
 requests by verb and resource; any UnexpectedAdmissionError (a pod's status or Event); and
 mig-agent's own breakdown from its /metrics (mig_agent_reconfiguration_phase_seconds).
 
-Needs root, the Kubernetes binaries and NVIDIA's binaries, and the machine's one kubelet: run it
-under `flock /work/kubelet.lock` where other work shares the machine. Wall-clock on a shared
+Needs root, the Kubernetes binaries and NVIDIA's binaries, and the machine's one kubelet: where
+other work starts real nodes too, run it under the lock they take. Wall-clock on a shared
 machine: compare the two tools of one run, and ratios.
 """
 
