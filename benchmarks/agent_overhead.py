@@ -49,9 +49,10 @@ from benchmarks.vs_mig_manager import (  # noqa: E402
     set_layout,
     wait,
 )
+from mig_agent.observability import metrics  # noqa: E402
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
-PHASES = ("plan", "drain", "apply", "verify", "device_plugin")
+PHASES = tuple(p for p in metrics.PHASES if p != "post_apply")  # no hooks here
 WITH_PODS = ("a", "d1", "d2")  # the side-by-side benchmark's transitions on whole 8-GPU nodes
 
 

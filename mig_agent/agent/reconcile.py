@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -123,6 +123,15 @@ class _Change:
     interrupted: bool = False  # a pass before this one left its marks: it is finished now
     apply_started: bool = False  # the first GPU step may have run
     gpus_changed: bool = False  # the GPUs hold the layout: the plugin's listing is stale
+
+
+class _Prepared(NamedTuple):
+    """What the pass takes from ``prepare`` on to the drain and the apply."""
+
+    hook_run: hooks.HookRunner
+    reset_gpus: list[int]
+    old_plugins: set[str]  # the plugin pods before the change (a new one must come)
+    paused: list[str] | None  # the operands paused; None: the GPUs stay, only the listing
 
 
 @dataclass
@@ -467,19 +476,34 @@ class Agent:
         change = self._plan_phase(node, desired)
         if self._in_place(change):
             return Outcome.NOOP
-        hook_run, reset_gpus = self._refuse_before_touching(change)
-        self._announce(change, hook_run)
-        plugins = (dra if change.dra else device_plugin).plugin_pods(
-            self.cluster, self.settings, change.pods
-        )
-        old_plugins = {p.ref.uid for p in plugins}
-        if change.plan.is_empty and not hook_run.hooks.of(hooks.POST_APPLY):
-            advertised = self._advertise_only(change, old_plugins)
-        else:
-            with node_guard.gpu_clients_paused(self.cluster, self.settings, change.node) as paused:
-                advertised = self._change_gpus(change, hook_run, reset_gpus, paused, old_plugins)
+        with contextlib.ExitStack() as marks:  # the cordon and the paused operands, undone
+            ready = self._prepare_phase(change, marks)
+            if ready.paused is None:
+                advertised = self._advertise_only(change, ready.old_plugins)
+            else:
+                advertised = self._change_gpus(
+                    change, ready.hook_run, ready.reset_gpus, ready.paused, ready.old_plugins
+                )
         self._applied(change, advertised)
         return Outcome.APPLIED
+
+    def _prepare_phase(self, change: _Change, marks: contextlib.ExitStack) -> _Prepared:
+        """What comes between the plan and the drain, timed as the phase ``prepare``: the
+        refusals before anything changes, ``pending`` announced, the plugin's pods noted and,
+        unless only its listing is wrong (``paused`` None), the node cordoned and its operands
+        paused, undone when ``marks`` closes."""
+        with self.metrics.phase("prepare"):
+            hook_run, reset_gpus = self._refuse_before_touching(change)
+            self._announce(change, hook_run)
+            advertiser = dra if change.dra else device_plugin
+            plugins = advertiser.plugin_pods(self.cluster, self.settings, change.pods)
+            old_plugins = {p.ref.uid for p in plugins}
+            paused = None
+            if not change.plan.is_empty or hook_run.hooks.of(hooks.POST_APPLY):
+                paused = marks.enter_context(
+                    node_guard.gpu_clients_paused(self.cluster, self.settings, change.node)
+                )
+            return _Prepared(hook_run, reset_gpus, old_plugins, paused)
 
     def _change_gpus(
         self,
@@ -495,9 +519,6 @@ class Agent:
         try:
             if not change.plan.is_empty:
                 self._drain_phase(change, paused)
-                self._still_wanted(
-                    change.desired
-                )  # not worth applying a layout no longer asked for
                 with host_clients.stopped(
                     self.cluster, self.settings, self.run_command, reset_gpus, change.node
                 ):
@@ -757,6 +778,7 @@ class Agent:
             change, "drain", "MIGDraining", "evicting the pods that use the GPUs that change"
         ):
             self._drain(paused, change)
+            self._still_wanted(change.desired)  # not worth applying a layout no longer asked for
 
     def _apply_phase(
         self, change: _Change, hook_run: hooks.HookRunner, reset_gpus: list[int]

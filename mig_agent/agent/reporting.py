@@ -94,11 +94,12 @@ def phase(
     reason: str,
     message: str,
 ) -> Iterator[None]:
-    """One phase of a reconfiguration: a log line, a Node event, a duration metric."""
+    """One phase of a reconfiguration: a log line, a Node event, a duration metric (the Event's
+    request counted in it)."""
     log.info("phase.started", phase=phase)
-    event(cluster, node, reason, message)
     start = clock.now()
     with metrics.phase(phase):
+        event(cluster, node, reason, message)
         yield
     log.info("phase.finished", phase=phase, duration_s=round(clock.now() - start, 3))
 

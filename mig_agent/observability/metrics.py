@@ -33,7 +33,13 @@ from mig_agent.gpu.backend import GpuBackend
 
 T = TypeVar("T")
 STATES = ("pending", "rebooting", "success", "failed")
-PHASES = ("plan", "drain", "apply", "verify", "device_plugin")
+# A reconfiguration's phases in their order, up to the node advertising the layout (each API
+# request and NVML call of a pass until then falls in one): the plan against the GPUs as they
+# are; the checks before anything changes, `pending`, the cordon and the operands paused; the
+# drain, until the pods and paused operands are gone; the GPU steps; the re-read of the GPUs; the
+# post-apply hooks (only where some are set); the device plugin's restart until the node (or the
+# DRA plugin's ResourceSlice) lists the layout.
+PHASES = ("plan", "prepare", "drain", "apply", "verify", "post_apply", "device_plugin")
 RESULTS = ("success", "failed")
 MAX_LAYOUTS = 32
 OTHER_LAYOUT = "other"

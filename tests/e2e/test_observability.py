@@ -200,6 +200,8 @@ def test_metrics_health_logs_and_events_of_a_reconfiguration(
     assert apply_s >= 120 * LATENCY_S * 0.9, apply_s  # the slowed NVML calls are in there
     assert after("mig_agent_reconfiguration_phase_seconds_sum", phase="drain") > 0
     assert after("mig_agent_reconfiguration_phase_seconds_count", phase="plan") >= 1
+    # the checks, pending and the cordon before the drain (no log lines of their own)
+    assert after("mig_agent_reconfiguration_phase_seconds_count", phase="prepare") == 1
     assert after("mig_agent_evictions_total") == 1
     calls = after.by_label("mig_agent_nvml_calls_total", "call")
     assert calls["create_gpu_instance"] == 56 and calls["create_compute_instance"] == 56

@@ -12,7 +12,8 @@ Per node, `start_node` starts three processes (each in its own process group, se
   `python -m migsim device-plugin`) or `nvidia` (NVIDIA's plugin and GFD under the node runtime,
   migsim.node_runtime), each as the kubelet's side too (PodResources socket), so GPU pods get
   devices and hold simulated processes on them. A side-by-side comparison gives both pools the
-  same kind;
+  same kind. `none` on a real node (real_node.py), whose kubelet runs NVIDIA's plugin as its
+  DaemonSet's pod;
 * `nvidia-mig-manager` under `scripts/with-sim-gpus --host-view <state>` (simulated
   libnvidia-ml.so.1, /proc/modules and /sys/bus/pci/devices of the simulated GPUs, simulated
   `nvidia-smi -r`), with `nvidia-mig-parted` on PATH, the cluster's admin kubeconfig (a test tool:
@@ -77,7 +78,7 @@ class NodeMigManager:
     node: str
     mig_manager: Proc
     dbus: Proc
-    device_plugin: Proc
+    device_plugin: Proc | None  # None: the node's own (a real node's DaemonSet)
     sim_state: str
     config_file: str
     log: str
@@ -106,11 +107,14 @@ def start_node(
     `config_file`: the mig-parted config (one file); `sim`: options of the node's simulated GPUs
     when they are first created (as agents.start_node); `bin_dir`: NVIDIA's binaries (default:
     build or find them); `env`: more environment for nvidia-mig-manager (e.g. WITH_REBOOT);
-    `device_plugin`: `simulated` or `nvidia` (as agents.start_node's); `kubeconfig`: MIG
-    Manager's (default the cluster's admin kubeconfig).
+    `device_plugin`: `simulated` or `nvidia` (as agents.start_node's), or `none` where the node
+    runs its own (a real node); `kubeconfig`: MIG Manager's (default the cluster's admin
+    kubeconfig).
     """
-    if device_plugin not in ("simulated", "nvidia"):
-        raise DevClusterError(f"device plugin {device_plugin!r}: expected simulated or nvidia")
+    if device_plugin not in ("simulated", "nvidia", "none"):
+        raise DevClusterError(
+            f"device plugin {device_plugin!r}: expected simulated, nvidia or none"
+        )
     if os.geteuid() != 0:
         raise DevClusterError(
             "MIG Manager runs in a private mount namespace (with-sim-gpus --host-view): run as root"
@@ -144,8 +148,12 @@ def start_node(
             logs / f"dbus-{node}.log",
         )
         base_env = _base_env()
-        plugin = start_device_plugin(cluster, node, device_plugin, state, base_env, bin_dir=bin_dir)
-        started.append(plugin)
+        plugin = None
+        if device_plugin != "none":
+            plugin = start_device_plugin(
+                cluster, node, device_plugin, state, base_env, bin_dir=bin_dir
+            )
+            started.append(plugin)
         log = logs / f"mig-manager-{node}.log"
         own_env = {
             "PATH": f"{bin_dir}:{base_env.get('PATH', '/usr/bin:/bin')}",
@@ -214,7 +222,7 @@ def restart_manager(cluster: Cluster, node: str) -> NodeMigManager:
             **record,
             "mig_manager": manager,
             "dbus": Proc(**record["dbus"]),
-            "device_plugin": Proc(**record["device_plugin"]),
+            "device_plugin": Proc(**record["device_plugin"]) if record["device_plugin"] else None,
         }
     )
 
