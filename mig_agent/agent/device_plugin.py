@@ -176,6 +176,8 @@ def wait_resources(
     if not has_plugin:
         log.warning("device_plugin.skipped_wait", expected=want)
         return want
+    # the GPUs do not change while it waits: what they hold is read once
+    present = device_uuids(gpus.observe()) if allocatable is not None else frozenset()
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = False
     delays = poll_delays(s.poll_s)
@@ -191,8 +193,9 @@ def wait_resources(
         # capacity counts a stopped plugin's devices for the kubelet's grace period: the
         # layout is listed once some expected device is allocatable too (a node whose every
         # device is unhealthy cannot be told from one whose plugin has gone, and fails)
-        stale = _stale(allocatable, want, gpus) if new_pod and have == want and listed.fresh else {}
-        if new_pod and have == want and listed.fresh and not stale:
+        matched = new_pod and have == want and listed.fresh
+        stale = _stale(allocatable, want, present) if matched else {}
+        if matched and not stale:
             log.info(
                 "device_plugin.resources_match",
                 resources=want,
@@ -255,10 +258,10 @@ AllocatableDevices = Callable[[], Mapping[str, frozenset[str]]]
 
 
 def _stale(
-    allocatable: AllocatableDevices | None, want: Mapping[str, int], gpus: GpuBackend
+    allocatable: AllocatableDevices | None, want: Mapping[str, int], present: frozenset[str]
 ) -> dict[str, frozenset[str]]:
-    """The layout's device ids the kubelet offers that the GPUs no longer hold (none where
-    the kubelet cannot be asked: the counts are then all there is)."""
+    """The layout's device ids the kubelet offers that name none of the ``present`` devices
+    (none where the kubelet cannot be asked: the counts are then all there is)."""
     if allocatable is None:
         return {}
     try:
@@ -266,7 +269,7 @@ def _stale(
     except MigAgentError as exc:
         log.warning("device_plugin.allocatable_unknown", error=str(exc))
         return {}
-    stale = stale_devices(offered, want, device_uuids(gpus.observe()))
+    stale = stale_devices(offered, want, present)
     if stale:
         log.info("device_plugin.stale_registration", stale=_named(stale))
     return stale

@@ -148,32 +148,11 @@ def devices_ok(
     the slice names them, by UUID (``slices``: the node's, as the pass read them)."""
     if slices is None:
         slices = cluster.list_resource_slices(s.node_name)
-    return dra_devices.published_devices(slices, s.node_name) == expected(
-        gpus, models
-    ) and not stale_uuids(slices, s, gpus)
-
-
-def expected_uuids(gpus: GpuBackend) -> frozenset[str]:
-    """The UUIDs of the devices the plugin publishes for the GPUs as they are: the MIG devices
-    of a GPU in MIG mode, else the GPU."""
-    out: set[str] = set()
-    for gpu in gpus.observe().gpus:
-        if gpu.mig_current:
-            out.update(
-                ci.uuid for gi in gpu.gpu_instances for ci in gi.compute_instances if ci.uuid
-            )
-        else:
-            out.add(gpu.info.uuid)
-    return frozenset(out)
-
-
-def stale_uuids(slices: list[dict[str, Any]], s: Settings, gpus: GpuBackend) -> frozenset[str]:
-    """UUIDs the node's slice lists that the GPUs no longer hold, or holds that it lacks (none
-    where the slice names no UUIDs): a slice whose kinds match by chance is no proof."""
-    published_ids = dra_devices.published_uuids(slices, s.node_name)
-    if not published_ids:
-        return frozenset()
-    return published_ids ^ expected_uuids(gpus)
+    state = gpus.observe()
+    want = dra_devices.expected_devices(plugin_devices(state, models))
+    return dra_devices.published_devices(slices, s.node_name) == want and not (
+        dra_devices.stale_uuids(slices, s.node_name, dra_devices.held_uuids(state))
+    )
 
 
 def restart(cluster: Cluster, s: Settings) -> set[str]:
@@ -200,21 +179,25 @@ def wait_devices(
     (the node's pods, then its slices): the plugin's start costs a list and a watch of each,
     not two lists every poll."""
     want = expected(gpus, models)
+    held = dra_devices.held_uuids(gpus.observe())  # the GPUs do not change while it waits
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = _new_plugin_runs(cluster, s, clock, deadline, old_plugins)
 
+    def stale(slices: list[dict[str, Any]]) -> frozenset[str]:
+        return dra_devices.stale_uuids(slices, s.node_name, held)
+
     def done(slices: list[dict[str, Any]]) -> bool:
         have = dra_devices.published_devices(slices, s.node_name)
-        return new_pod and have == want and not stale_uuids(slices, s, gpus)
+        return new_pod and have == want and not stale(slices)
 
     slices = _slices_when(cluster, s, clock, deadline, done)
     have = dra_devices.published_devices(slices, s.node_name)
-    stale = stale_uuids(slices, s, gpus) if have == want else frozenset()
     if done(slices):
         log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
         return dra_devices.named(want)
+    differ = stale(slices) if have == want else frozenset()
     raise DevicePluginTimeout(
-        _timeout_problem(s, new_pod=new_pod, stale=stale, want=want, have=have),
+        _timeout_problem(s, new_pod=new_pod, stale=differ, want=want, have=have),
         expected=dra_devices.named(want),
         advertised=dra_devices.named(have),
     )

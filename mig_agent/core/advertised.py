@@ -241,13 +241,7 @@ def plugin_listing(
 def device_uuids(state: NodeState) -> frozenset[str]:
     """Every device the GPUs hold now, by UUID: the GPUs' and their MIG devices'."""
     out = {gpu.info.uuid for gpu in state.gpus}
-    out.update(
-        ci.uuid
-        for gpu in state.gpus
-        for gi in gpu.gpu_instances
-        for ci in gi.compute_instances
-        if ci.uuid
-    )
+    out.update(u for gpu in state.gpus for u in gpu.mig_device_uuids)
     return frozenset(u for u in out if u)
 
 

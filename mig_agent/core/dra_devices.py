@@ -20,6 +20,7 @@ from typing import Any, Final
 
 from mig_agent.core.advertised import Devices
 from mig_agent.core.gpu_models import resource_name
+from mig_agent.core.observed import NodeState
 
 DRIVER: Final = "gpu.nvidia.com"
 GPU: Final = ("gpu", "")  # a whole GPU: (type, profile)
@@ -64,6 +65,24 @@ def published_uuids(slices: Iterable[Mapping[str, Any]], node: str) -> frozenset
     every GPU and MIG device its ``uuid``; empty where a driver gives none)."""
     out = (_string((d.get("attributes") or {}).get("uuid")) for d in _devices(slices, node))
     return frozenset(u for u in out if u)
+
+
+def held_uuids(state: NodeState) -> frozenset[str]:
+    """The UUIDs of the devices the plugin publishes for the GPUs as they are: the MIG devices
+    of a GPU in MIG mode, else the GPU."""
+    out: set[str] = set()
+    for gpu in state.gpus:
+        out.update(gpu.mig_device_uuids if gpu.mig_current else {gpu.info.uuid})
+    return frozenset(out)
+
+
+def stale_uuids(
+    slices: Iterable[Mapping[str, Any]], node: str, held: frozenset[str]
+) -> frozenset[str]:
+    """UUIDs ``node``'s slice lists that the GPUs no longer hold, or ``held`` ones it lacks
+    (none where the slice names no UUIDs): a slice whose kinds match by chance is no proof."""
+    published_ids = published_uuids(slices, node)
+    return published_ids ^ held if published_ids else frozenset()
 
 
 def difference(expected: Counter[Kind], published: Counter[Kind]) -> str:

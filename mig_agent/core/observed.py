@@ -68,6 +68,13 @@ class GpuState:
         """MIG mode was set but takes effect only after a reset (Ampere) or a reboot."""
         return self.mig_current != self.mig_pending
 
+    @property
+    def mig_device_uuids(self) -> frozenset[str]:
+        """The UUIDs of its MIG devices (compute instances) NVML names."""
+        return frozenset(
+            ci.uuid for gi in self.gpu_instances for ci in gi.compute_instances if ci.uuid
+        )
+
     def processes_on(self, gi_id: int) -> tuple[GpuProcess, ...]:
         return tuple(p for p in self.processes if p.gi_id == gi_id)
 
