@@ -38,7 +38,7 @@ COMPONENT = "mig-agent"
 """The Event source component of the agent (mig_agent.kube.client.KubernetesCluster)."""
 
 CONDITION_REASONS = ("Applied", "Reconfiguring", "GpuUnavailable", "DrainBlocked", "DrainWaiting")
-"""Reasons of the node condition the agent sets by name (mig_agent/agent/reconcile.py), besides
+"""Reasons of the node condition the agent sets by name (mig_agent/agent/), besides
 the error class names of failed passes (GpuUnavailable is both: no NVML on start)."""
 EVENT_REASONS = (
     "MIGReconfiguring",
@@ -46,6 +46,7 @@ EVENT_REASONS = (
     "MIGApplying",
     "MIGVerifying",
     "MIGDevicePluginRestart",
+    "MIGDraPluginRestart",
     "MIGConfigApplied",
     "MIGConfigFailed",
     "MIGRebooting",
@@ -60,7 +61,7 @@ EVENT_REASONS = (
     "MIGDeviceOwnershipUnknown",
     "MIGObserved",
 )
-"""Reasons of the agent's Events (mig_agent/agent/reconcile.py; MIGObserved: observe mode,
+"""Reasons of the agent's Events (mig_agent/agent/ and its phases; MIGObserved: observe mode,
 mig_agent/agent/observe.py)."""
 MESSAGE_CAP = 1024
 """Event and condition messages: the client cuts them at this length."""

@@ -24,6 +24,7 @@ from mig_agent.core.advertised import (
 )
 from mig_agent.core.errors import ConfigError, DevicePluginTimeout, MigAgentError
 from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.plan_text import first_few
 from mig_agent.core.scheduling import parse_selector
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, NodeView, PodView
@@ -62,9 +63,11 @@ def select(pods: list[PodView], namespace: str, selector: str) -> list[PodView]:
     return [p for p in pods if p.ref.namespace == namespace and wanted.matches(p.labels)]
 
 
-def restart(cluster: Cluster, s: Settings, paused: list[str]) -> None:
+def restart(cluster: Cluster, s: Settings, paused: list[str]) -> set[str]:
+    """Delete the device plugin pods (their DaemonSet brings new ones, which read the GPUs
+    again), unless resuming the paused operands brings a new one; the UIDs of those deleted."""
     if any(k.endswith(".device-plugin") for k in paused):
-        return  # resuming the operands brings a new device plugin pod
+        return set()  # resuming the operands brings a new device plugin pod
     pods = plugin_pods(cluster, s)
     if not pods:
         log.warning(
@@ -72,10 +75,11 @@ def restart(cluster: Cluster, s: Settings, paused: list[str]) -> None:
             namespace=s.device_plugin_namespace,
             selector=s.device_plugin_selector,
         )
-        return
+        return set()
     for p in pods:
         cluster.delete_pod(p.ref)
     log.info("device_plugin.restarted", pods=[p.ref.name for p in pods])
+    return {p.ref.uid for p in pods}
 
 
 def restart_survivors(cluster: Cluster, s: Settings, old_plugins: set[str]) -> None:
@@ -276,10 +280,7 @@ def _stale(
 
 
 def _named(stale: Mapping[str, frozenset[str]]) -> str:
-    return "; ".join(
-        f"{resource}: {', '.join(sorted(ids)[:3])}{', ...' if len(ids) > 3 else ''}"
-        for resource, ids in sorted(stale.items())
-    )
+    return "; ".join(f"{resource}: {first_few(ids)}" for resource, ids in sorted(stale.items()))
 
 
 def _listing_when(

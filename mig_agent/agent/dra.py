@@ -18,8 +18,9 @@ from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, plugin_devices
 from mig_agent.core.dra_devices import Kind
-from mig_agent.core.errors import DevicePluginTimeout, DraPluginMissing, KubeError
+from mig_agent.core.errors import DraPluginMissing, DraPluginTimeout, KubeError
 from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.plan_text import first_few
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, PodsSeen, PodView
 from mig_agent.node.waits import Clock, watch_slices
@@ -174,7 +175,7 @@ def wait_devices(
     old_plugins: set[str],
 ) -> dict[str, int]:
     """Wait for a new DRA plugin pod (one not there before: the slice it left is stale) to run
-    and for the node's slice to list the devices of the GPUs as they are; DevicePluginTimeout
+    and for the node's slice to list the devices of the GPUs as they are; DraPluginTimeout
     naming what is missing or extra. Returns the devices, named by kind. Both from watches
     (the node's pods, then its slices): the plugin's start costs a list and a watch of each,
     not two lists every poll."""
@@ -196,7 +197,7 @@ def wait_devices(
         log.info("dra_plugin.devices_match", devices=dra_devices.named(want))
         return dra_devices.named(want)
     differ = stale(slices) if have == want else frozenset()
-    raise DevicePluginTimeout(
+    raise DraPluginTimeout(
         _timeout_problem(s, new_pod=new_pod, stale=differ, want=want, have=have),
         expected=dra_devices.named(want),
         advertised=dra_devices.named(have),
@@ -216,8 +217,7 @@ def _timeout_problem(
         return (
             f"the node's ResourceSlice (driver {dra_devices.DRIVER}) lists the layout's "
             f"kinds after {s.device_plugin_timeout_s:.0f} s, but not the devices the "
-            f"GPUs hold: {len(stale)} UUID(s) differ ({', '.join(sorted(stale)[:3])}"
-            f"{', ...' if len(stale) > 3 else ''}): a stale slice"
+            f"GPUs hold: {len(stale)} UUID(s) differ ({first_few(stale)}): a stale slice"
         )
     return (
         f"the node's ResourceSlice (driver {dra_devices.DRIVER}) does not list the "

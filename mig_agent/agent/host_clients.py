@@ -18,7 +18,7 @@ import structlog
 from mig_agent.agent import reporting
 from mig_agent.config.settings import Settings
 from mig_agent.core import planner
-from mig_agent.core.errors import HostServiceFailed, MigAgentError
+from mig_agent.core.errors import GpuBusy, HostServiceFailed, MigAgentError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.host.commands import Runner, load_gpu_clients, service_command
 from mig_agent.kube.cluster import Cluster, NodeView
@@ -200,3 +200,10 @@ def blocking(s: Settings, run: Runner, gpus: list[int]) -> str:
         f"{where}; host GPU client service(s) running: {', '.join(running)} (stopping them "
         "is off: set MIG_AGENT_STOP_HOST_GPU_CLIENTS=true, or stop them by hand)"
     )
+
+
+def name_blockers(s: Settings, run: Runner, exc: GpuBusy, reset_gpus: list[int]) -> None:
+    """A busy GPU that a reset needs: raise it with what of the host may hold it added to the
+    reason; any other busy GPU is left to raise as it is."""
+    if reset_gpus:
+        raise GpuBusy(f"{exc}; {blocking(s, run, reset_gpus)}", **exc.context) from exc

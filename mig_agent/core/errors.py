@@ -19,6 +19,8 @@
                            server restart; until an admin fixes a broken install)  (retryable)
   + DrainTimeout           GPU clients still present at the deadline                  (retryable)
   + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
+    - DraPluginTimeout     on a DRA node: the node's ResourceSlice does not list the
+                           layout's devices in time                                   (retryable)
   + DraPluginMissing       NVIDIA's DRA driver publishes the node's GPUs but no pod of its
                            kubelet plugin is where the settings look: refused before anything
                            is touched, as it could not be restarted after a change   (retryable)
@@ -135,6 +137,11 @@ class DrainGivenUp(MigAgentError):
 
 class DevicePluginTimeout(MigAgentError):
     retryable = True
+
+
+class DraPluginTimeout(DevicePluginTimeout):
+    """NVIDIA's DRA kubelet plugin did not publish the layout's devices in time: a new plugin
+    pod did not run, or the node's ResourceSlice lists other devices."""
 
 
 class DraPluginMissing(MigAgentError):

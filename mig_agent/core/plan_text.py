@@ -1,5 +1,6 @@
 """A plan in words: what ``mig-agent plan`` prints and what the observe-only agent reports
-(mig_agent.core.observe_report), so that both say a change the same way. Pure."""
+(mig_agent.core.observe_report), so that both say a change the same way; and device ids named
+in a reason. Pure."""
 
 from __future__ import annotations
 
@@ -62,3 +63,10 @@ def plan_lines(plan: Plan) -> list[str]:
             )
     lines.extend(f"GPU {i}: not selected by the layout, left as it is" for i in plan.untouched)
     return lines
+
+
+def first_few(ids: frozenset[str] | list[str], shown: int = 3) -> str:
+    """``ids`` sorted, the first ``shown`` of them named and the rest as "...": a reason stays
+    short whatever the number of devices."""
+    listed = sorted(ids)
+    return ", ".join(listed[:shown]) + (", ..." if len(listed) > shown else "")

@@ -37,9 +37,18 @@ STATES = ("pending", "rebooting", "success", "failed")
 # request and NVML call of a pass until then falls in one): the plan against the GPUs as they
 # are; the checks before anything changes, `pending`, the cordon and the operands paused; the
 # drain, until the pods and paused operands are gone; the GPU steps; the re-read of the GPUs; the
-# post-apply hooks (only where some are set); the device plugin's restart until the node (or the
-# DRA plugin's ResourceSlice) lists the layout.
-PHASES = ("plan", "prepare", "drain", "apply", "verify", "post_apply", "device_plugin")
+# post-apply hooks (only where some are set); the device plugin's restart until the node lists
+# the layout, or on a DRA node the DRA plugin's until its ResourceSlice does.
+PHASES = (
+    "plan",
+    "prepare",
+    "drain",
+    "apply",
+    "verify",
+    "post_apply",
+    "device_plugin",
+    "dra_plugin",
+)
 RESULTS = ("success", "failed")
 MAX_LAYOUTS = 32
 OTHER_LAYOUT = "other"
