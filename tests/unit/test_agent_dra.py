@@ -351,3 +351,26 @@ def test_a_stale_slice_whose_kinds_match_by_chance_is_no_success() -> None:
     dra.republishes = True
     assert agent.reconcile_once().outcome is Outcome.APPLIED  # the retry: a fresh slice
     assert_clean(cluster)
+
+
+def _phases_observed(agent: Agent) -> set[str]:
+    return {
+        s.labels["phase"]
+        for metric in agent.metrics.phase_seconds.collect()
+        for s in metric.samples
+        if s.name.endswith("_count") and s.value
+    }
+
+
+def test_dra_work_is_named_for_the_dra_plugin() -> None:
+    """A DRA node's restart is the Event MIGDraPluginRestart and the phase dra_plugin, and its
+    wait running out is DraPluginTimeout (before: the device plugin's names for all three)."""
+    agent, cluster, gpus, dra = make_dra(comes_back=False)
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    reasons = [reason for _, reason, _, _ in cluster.events]
+    assert "MIGDraPluginRestart" in reasons and "MIGDevicePluginRestart" not in reasons, reasons
+    (condition,) = (c for c in cluster.nodes[NODE].conditions if c.type == "MIGConfigApplied")
+    assert condition.reason == "DraPluginTimeout", condition
+    phases = _phases_observed(agent)
+    assert "dra_plugin" in phases and "device_plugin" not in phases, phases
