@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from mig_agent.agent import device_plugin, dra, reporting
+from mig_agent.agent import device_plugin, dra
 from mig_agent.agent.change import Change, Tools
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.kube.cluster import NodeView, PodView
@@ -78,10 +78,7 @@ class DevicePlugin:
         self, node: NodeView, models: Mapping[int, GpuModel], paused: list[str], old: set[str]
     ) -> dict[str, int]:
         t = self.tools
-        with reporting.phase(
-            t.cluster,
-            t.metrics,
-            t.clock,
+        with t.phase(
             node,
             "device_plugin",
             "MIGDevicePluginRestart",
@@ -119,10 +116,7 @@ class DraPlugin:
         self, node: NodeView, models: Mapping[int, GpuModel], paused: list[str], old: set[str]
     ) -> dict[str, int]:
         t = self.tools
-        with reporting.phase(
-            t.cluster,
-            t.metrics,
-            t.clock,
+        with t.phase(
             node,
             "dra_plugin",
             "MIGDraPluginRestart",

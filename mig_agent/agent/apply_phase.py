@@ -33,10 +33,7 @@ class ApplyPhase:
         """Re-plan now that the pods are gone, and apply (mig_agent.node.apply.apply_plan: the
         hooks around the steps); a mode change left pending needs a reboot."""
         t = self.tools
-        with reporting.phase(
-            t.cluster,
-            t.metrics,
-            t.clock,
+        with t.phase(
             change.node,
             "apply",
             "MIGApplying",
@@ -54,10 +51,7 @@ class ApplyPhase:
     def verify(self, change: Change) -> None:
         """Re-read the GPUs: the layout must be in place; the GPU state published."""
         t = self.tools
-        with reporting.phase(
-            t.cluster,
-            t.metrics,
-            t.clock,
+        with t.phase(
             change.node,
             "verify",
             "MIGVerifying",
@@ -73,10 +67,7 @@ class ApplyPhase:
             return
         t = self.tools
         s = t.settings
-        with reporting.phase(
-            t.cluster,
-            t.metrics,
-            t.clock,
+        with t.phase(
             change.node,
             "post_apply",
             "MIGPostApply",

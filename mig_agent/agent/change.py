@@ -5,10 +5,12 @@ finish) take them as arguments, none reaches back into the agent."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from mig_agent.agent import reporting
 from mig_agent.config.settings import Settings
 from mig_agent.core import planner
 from mig_agent.core.advertised import Sharing
@@ -42,6 +44,13 @@ class Tools:
     allocatable_devices: Callable[[], Mapping[str, frozenset[str]]] | None = None
     # runs the reboot command; None: run_reboot with the reboot_timeout_s setting
     reboot: Callable[[str], None] | None = None
+
+    def phase(
+        self, node: NodeView, name: str, reason: str, message: str
+    ) -> contextlib.AbstractContextManager[None]:
+        """One phase of a change, timed and told (reporting.phase): a log line, an Event of
+        ``reason`` on ``node``, a duration metric."""
+        return reporting.phase(self.cluster, self.metrics, self.clock, node, name, reason, message)
 
 
 @dataclass(slots=True)

@@ -31,10 +31,7 @@ class DrainPhase:
     def run(self, change: Change, paused: list[str]) -> None:
         """Evict the GPU pods whose devices go and wait for them and the paused operands'."""
         t = self.tools
-        with reporting.phase(
-            t.cluster,
-            t.metrics,
-            t.clock,
+        with t.phase(
             change.node,
             "drain",
             "MIGDraining",

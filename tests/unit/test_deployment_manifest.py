@@ -481,11 +481,11 @@ def test_condition_reasons_are_those_the_agent_sets() -> None:
 
 def test_event_reasons_are_those_the_agent_emits() -> None:
     emitted: set[str] = set()
-    # reporting's own, and the pass's phases (cluster, metrics, clock, node, name, reason, ...)
+    # reporting's own, and the pass's phases through Tools.phase (node, name, reason, ...)
     for name, module, position in (
         ("event", "reporting", 2),
         ("event_on_node", "reporting", 2),
-        ("phase", "reporting", 5),
+        ("phase", "t", 2),
     ):
         calls = list(_calls(name, module))
         assert calls, name
