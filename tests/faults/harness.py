@@ -188,7 +188,7 @@ DRA_POINTS: tuple[Point, ...] = (
     Point("gpu.instance_destroyed#3", "gpu.instance_destroyed", nth=3),
     Point("gpu.instance_created#1", "gpu.instance_created"),
     _phase("apply", "finished"),
-    _phase("device_plugin", "started"),
+    _phase("dra_plugin", "started"),
     Point("dra_plugin.restarted", "dra_plugin.restarted"),
     Point("dra_plugin.devices_match", "dra_plugin.devices_match"),
     Point("node.resumed", "node.resumed"),
@@ -331,11 +331,11 @@ FAULTS = LABEL_FAULTS + tuple(API_FAULTS) + CONTROL_PLANE_FAULTS + NODE_FAULTS
 # plugin stopped once the GPUs are done (nothing republishes: the slice lists START's devices)
 DRA_FAULT_POINTS: dict[str, tuple[str, ...]] = {
     **{
-        f: ("drain.pod_evicted", "phase.started(device_plugin)", "dra_plugin.restarted")
+        f: ("drain.pod_evicted", "phase.started(dra_plugin)", "dra_plugin.restarted")
         for f in (*API_FAULTS, *CONTROL_PLANE_FAULTS)
         if f != "watch-silent"
     },
-    "plugin-gone": ("phase.finished(apply)", "phase.started(device_plugin)"),
+    "plugin-gone": ("phase.finished(apply)", "phase.started(dra_plugin)"),
 }
 # API faults land at one point of each phase (the H100 scenario).
 API_POINTS = (

@@ -66,7 +66,7 @@ QUICK_DRA = {
     "kill": ("gpu.instance_created#1", "dra_plugin.restarted"),
     "api-500x3": ("dra_plugin.restarted",),
     "apiserver-restart": ("dra_plugin.restarted",),
-    "plugin-gone": ("phase.started(device_plugin)",),
+    "plugin-gone": ("phase.started(dra_plugin)",),
 }
 
 
