@@ -151,6 +151,29 @@ def add_verify_parser(sub: Any, **parents: Any) -> argparse.ArgumentParser:
 
 def register(sub: Any) -> None:
     """Add ``repartition``, ``status``, ``verify`` and ``advise`` to ``mig-agent``."""
+    _register_repartition(sub)
+    p = sub.add_parser(
+        "status", help="GPU nodes: layout, state, reason, GPUs and advertised MIG resources"
+    )
+    p.add_argument("-l", "--selector", default="", help="label selector of the nodes")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "advise",
+        help="propose the relabels that serve the pending GPU pods with the least disruption",
+        description=advise_command.DESCRIPTION,
+    )
+    advise_command.add_args(p, outputs=("table", "json"))
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.set_defaults(func=cmd_advise)
+    p = add_verify_parser(sub)
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
+    p.set_defaults(func=cmd_verify)
+
+
+def _register_repartition(sub: Any) -> None:
     p = sub.add_parser(
         "repartition",
         help="set a layout on nodes through the label and follow each to success or failed",
@@ -210,23 +233,3 @@ def register(sub: Any) -> None:
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
     add_config_args(p, layout=False)
     p.set_defaults(func=cmd_repartition)
-
-    p = sub.add_parser(
-        "status", help="GPU nodes: layout, state, reason, GPUs and advertised MIG resources"
-    )
-    p.add_argument("-l", "--selector", default="", help="label selector of the nodes")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
-    p.set_defaults(func=cmd_status)
-
-    p = sub.add_parser(
-        "advise",
-        help="propose the relabels that serve the pending GPU pods with the least disruption",
-        description=advise_command.DESCRIPTION,
-    )
-    advise_command.add_args(p, outputs=("table", "json"))
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
-    p.set_defaults(func=cmd_advise)
-    p = add_verify_parser(sub)
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
-    p.set_defaults(func=cmd_verify)

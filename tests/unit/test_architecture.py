@@ -2,7 +2,8 @@
 imported by one boundary module only; everything in ``core/`` is pure (no import that does I/O);
 a module imports only its own layer or lower (core < config, gpu, kube, host, observability <
 node < agent, ops < cli); no import circles, in ``mig_agent/`` or in the simulated world
-(``sim/migsim``); and importing the package loads neither pynvml nor kubernetes."""
+(``sim/migsim``); importing the package loads neither pynvml nor kubernetes; and no function or
+method of ``mig_agent/`` runs over 80 lines."""
 
 from __future__ import annotations
 
@@ -218,3 +219,17 @@ def test_the_simulator_has_its_own_gpu_tables(path: Path) -> None:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         taken = [n for n in names if n.startswith(AGENT_GPU_TABLES)]
         assert not taken, f"migsim/{path.relative_to(SIM)} imports {taken}; use migsim.gpus"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_runs_over_80_lines() -> None:
+    long = sorted(
+        f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({length} lines)"
+        for path in PKG.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (length := (node.end_lineno or node.lineno) - node.lineno + 1) > MAX_FUNCTION_LINES
+    )
+    assert not long, long
