@@ -2,9 +2,10 @@
 to change on the GPUs but the device plugin's listing, with the in-memory fakes of
 tests/unit/test_agent.py:
 
-* a failure past the first GPU step (a failing post-apply hook, an NVML step failing mid-way)
-  restarts the device plugin and uncordons only once the node advertises what NVML holds; the
-  reason says both;
+* a failure past the first GPU step (a failing post-apply hook, an NVML step failing mid-way,
+  a MIG mode change left pending with no reboot command after other GPUs changed, a verify
+  that reads the GPUs back other than the layout) restarts the device plugin and uncordons
+  only once the node advertises what NVML holds; the reason says both;
 * a plugin that cannot advertise the GPUs as they now are keeps the node cordoned (its reason
   says so) and the pass is retried until it does, even for a failure that is not retryable;
 * nothing to change on the GPUs: no cordon and no operand pause, only the plugin restarted and
@@ -13,11 +14,16 @@ tests/unit/test_agent.py:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mig_agent.agent import Agent, Outcome
+from mig_agent.core import planner
 from mig_agent.core.advertised import expected_resources
+from mig_agent.core.errors import GpuResetRequired
+from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.labels import PAUSED
+from mig_agent.core.observed import NodeState
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
@@ -176,5 +182,63 @@ def test_a_bug_mid_apply_restarts_the_plugin_too() -> None:
     reason = cluster.nodes[NODE].annotations[REASON]
     assert "unexpected KeyError" in reason and "the device plugin was restarted" in reason
     assert "nvidia.com/mig-1g.10gb" in cluster.nodes[NODE].allocatable
+    assert advertises_what_nvml_holds(cluster, gpus), cluster.nodes[NODE].allocatable
+    assert_clean(cluster)
+
+
+def test_a_mode_change_left_pending_without_a_reboot_command_readvertises_the_changed_gpus() -> (
+    None
+):
+    """GPU 1's MIG mode change stays pending and no reboot command is set: the pass fails, but
+    GPU 0 was changed first, so the plugin is restarted before the node is schedulable (before:
+    uncordoned with allocatable still naming GPU 0 whole)."""
+    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), operands=False)
+    set_mode = gpus.set_mig_mode
+
+    def stuck_on_gpu_1(gpu: int, *, enabled: bool) -> None:
+        if gpu == 1:
+            raise GpuResetRequired("GPU 1: MIG mode change pending", gpu=1)
+        set_mode(gpu, enabled=enabled)
+
+    gpus.set_mig_mode = stuck_on_gpu_1  # type: ignore[method-assign]
+    before = plugin_uids(cluster)
+    label(cluster, "all-1g.5gb")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "no reboot command is configured" in reason, reason
+    assert "the GPUs had changed: the device plugin was restarted" in reason, reason
+    assert gpus.observe().gpus[0].gpu_instances  # GPU 0 holds the layout
+    assert plugin_uids(cluster) and not plugin_uids(cluster) & before
+    assert advertises_what_nvml_holds(cluster, gpus), cluster.nodes[NODE].allocatable
+    assert_clean(cluster)
+
+
+def test_a_verify_mismatch_after_the_apply_readvertises_what_nvml_holds() -> None:
+    """The GPUs read back other than the layout once every step ran (an instance lost): the
+    pass fails at verify, and the plugin is restarted over what NVML holds first (before: the
+    node was uncordoned over 8 whole GPUs that were gone)."""
+    agent, cluster, gpus = make(operands=False)
+    assert agent.catalog is not None
+    layout = agent.catalog.get("all-1g.10gb")
+    steps = len(planner.plan(layout, gpus.observe(), gpus.models()).steps)
+    observe = gpus.observe
+
+    def one_instance_lost_after_the_apply() -> NodeState:
+        state = observe()
+        if sum(gpus.calls.values()) < steps:
+            return state
+        last = state.gpus[-1]
+        lost = dataclasses.replace(last, gpu_instances=last.gpu_instances[:-1])
+        return dataclasses.replace(state, gpus=(*state.gpus[:-1], lost))
+
+    gpus.observe = one_instance_lost_after_the_apply  # type: ignore[method-assign]
+    before = plugin_uids(cluster)
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    reason = cluster.nodes[NODE].annotations[REASON]
+    assert "not reached after apply" in reason, reason
+    assert "the GPUs had changed: the device plugin was restarted" in reason, reason
+    assert plugin_uids(cluster) and not plugin_uids(cluster) & before
     assert advertises_what_nvml_holds(cluster, gpus), cluster.nodes[NODE].allocatable
     assert_clean(cluster)
