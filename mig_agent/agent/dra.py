@@ -62,7 +62,16 @@ def find(cluster: Cluster, s: Settings, node_pods: list[PodView]) -> DraNode | N
     except KubeError as exc:
         if exc.context.get("status") != 404:
             raise
-        slices = []  # an API server before Kubernetes 1.34 serves no resource.k8s.io/v1
+        # an API server before Kubernetes 1.34 serves no resource.k8s.io/v1: said plainly, and
+        # the node is known by its plugin pods alone
+        log.info(
+            "dra.api_missing",
+            reason="the API server serves no resource.k8s.io/v1 (Kubernetes before 1.34): "
+            "no ResourceSlices to read; the node counts as a DRA node only where a pod of "
+            f"NVIDIA's DRA kubelet plugin runs ({s.dra_plugin_namespace}, "
+            f"{s.dra_plugin_selector})",
+        )
+        slices = []
     if not pods and not dra_devices.publishes(slices, s.node_name):
         return None
     return DraNode([p for p in pods if not p.terminating], slices)

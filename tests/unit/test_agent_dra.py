@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mig_agent.agent import Agent, Outcome
+import pytest
+
+from mig_agent.agent import Agent, Outcome, dra
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
@@ -304,12 +306,24 @@ class NoDraApi(FakeCluster):
         raise KubeError(f"list resourceslices: {self.status} nope", status=self.status)
 
 
-def test_without_the_dra_api_a_node_is_a_device_plugin_node() -> None:
+def test_without_the_dra_api_a_node_is_a_device_plugin_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from .test_agent import make
 
+    logs: list[dict[str, Any]] = []
+
+    class Log:  # the module's logger (cached by structlog once used: capture_logs misses it)
+        def info(self, event: str, **kw: Any) -> None:
+            logs.append({"event": event, **kw})
+
+    monkeypatch.setattr(dra, "log", Log())
     agent, cluster, gpus = make(cluster=NoDraApi())
     label(cluster, "all-1g.10gb")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
+    # said plainly, not as an API error (before: nothing said)
+    [said] = [e for e in logs if e["event"] == "dra.api_missing"]
+    assert "no resource.k8s.io/v1" in said["reason"], said
 
 
 def test_a_forbidden_slice_list_fails_the_pass_naming_it() -> None:
