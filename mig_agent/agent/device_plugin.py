@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
+from mig_agent.agent import plugin_start
 from mig_agent.config.device_plugin import device_plugin_sharing
 from mig_agent.config.settings import Settings
 from mig_agent.core import labels
@@ -190,10 +191,14 @@ def wait_resources(
         # device is allocatable): the plugin's start costs a watch, not a look every poll
         listed = _listing_when(cluster, s, clock, deadline, want, need_fresh=new_pod)
         have = listed.listed
-        # the plugin pods are listed only once the numbers match (or at the deadline, to say
-        # which is missing)
-        if not new_pod and (have == want or clock.now() >= deadline):
-            new_pod = any(p.ready and p.ref.uid not in old_plugins for p in plugin_pods(cluster, s))
+        # the plugin pods are looked at only once the numbers match (then watched until a new
+        # one is Ready), or at the deadline, to say which is missing
+        if not new_pod and have == want:
+            new_pod = plugin_start.new_pod_started(
+                cluster, s, clock, deadline, lambda pods: _new_ready(s, pods, old_plugins)
+            )
+        elif not new_pod and clock.now() >= deadline:
+            new_pod = _new_ready(s, plugin_pods(cluster, s), old_plugins)
         # capacity counts a stopped plugin's devices for the kubelet's grace period: the
         # layout is listed once some expected device is allocatable too (a node whose every
         # device is unhealthy cannot be told from one whose plugin has gone, and fails)
@@ -208,11 +213,16 @@ def wait_resources(
             return want
         if clock.now() >= deadline:
             raise _timeout(s, want, have, new_pod=new_pod, stale=stale)
-        if not new_pod or stale:
-            # listed, but the new plugin pod not Ready yet, or its registration not the GPUs'
-            # devices yet: neither is a change of the node, so it is looked at again soon
-            # rather than at the next node event
+        if stale:
+            # listed, but the kubelet's registration not the GPUs' devices yet: no change of
+            # the node, and the kubelet's PodResources has no watch, so it is looked at again
+            # soon rather than at the next node event
             clock.sleep(next(delays))
+
+
+def _new_ready(s: Settings, pods: list[PodView], old_plugins: set[str]) -> bool:
+    """A device plugin pod among the node's ``pods`` that is Ready and was not there before."""
+    return any(p.ready and p.ref.uid not in old_plugins for p in plugins_among(s, pods))
 
 
 def _timeout(

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from mig_agent.agent import device_plugin
+from mig_agent.agent import device_plugin, plugin_start
 from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, plugin_devices
@@ -22,7 +22,7 @@ from mig_agent.core.errors import DraPluginMissing, DraPluginTimeout, KubeError
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.core.plan_text import first_few
 from mig_agent.gpu.backend import GpuBackend
-from mig_agent.kube.cluster import Cluster, PodsSeen, PodView
+from mig_agent.kube.cluster import Cluster, PodView
 from mig_agent.node.waits import Clock, watch_slices
 
 log = structlog.get_logger(__name__)
@@ -238,27 +238,15 @@ def _timeout_problem(
 def _new_plugin_runs(
     cluster: Cluster, s: Settings, clock: Clock, deadline: float, old_plugins: set[str]
 ) -> bool:
-    """Whether a plugin pod not among ``old_plugins`` runs on the node by ``deadline``, from a
-    watch of the node's pods."""
-    seen = PodsSeen()
-    looks = watch_slices(
-        lambda span: cluster.watch_pods(s.node_name, timeout_s=span, seen=seen),
-        clock,
-        due=lambda: deadline,
-        poll_s=s.poll_s,
-    )
-    try:
-        for pods in looks:
-            if any(
-                p.phase == "Running" and p.ref.uid not in old_plugins
-                for p in plugin_pods(cluster, s, pods)
-            ):
-                return True
-            if clock.now() >= deadline:
-                return False
-    finally:
-        looks.close()
-    raise AssertionError("watch_slices never ends")  # pragma: no cover
+    """Whether a plugin pod not among ``old_plugins`` runs on the node by ``deadline``."""
+
+    def runs(pods: list[PodView]) -> bool:
+        return any(
+            p.phase == "Running" and p.ref.uid not in old_plugins
+            for p in plugin_pods(cluster, s, pods)
+        )
+
+    return plugin_start.new_pod_started(cluster, s, clock, deadline, runs)
 
 
 def _slices_when(
