@@ -1,7 +1,8 @@
 """scripts/real-gpu-node, the operator's checks that ran on the lent H200 (docs/real-gpu.md), run
 here over simulated GPUs so that it cannot rot: its own local cluster and real node, NVIDIA's
-device plugin, mig-agent with the layout the GPUs hold, `mig-agent verify`, the agent in observe
-mode asked for a change (said, not made); and its guard, which
+device plugin, mig-agent with the layout the GPUs hold, `mig-agent verify`, the chart's agent in
+a pod observing that layout, the agent in observe mode asked for a change (said, not made); and
+its guard, which
 refuses to start the agent when the layout asked for would change the GPUs."""
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def helm() -> str:
+    return subprocess.run(
+        [str(SCRIPT.parent / "helm-binary"), "build"], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout.strip()
+
+
 def test_the_script_passes_over_a_simulated_h200_and_changes_nothing(tmp_path: Path) -> None:
-    done = run_script(tmp_path)
+    done = run_script(tmp_path, "--chart-helm", helm())
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "NVIDIA H200" in out, out
@@ -36,8 +43,14 @@ def test_the_script_passes_over_a_simulated_h200_and_changes_nothing(tmp_path: P
     assert "GPU 0 (H200): already MIG disabled, nothing to do" in out, out
     assert "state: success" in out, out
     assert "  ok    pod nvidia.com/gpu: " in out and "ok: kubelet-node-0" in out, out
-    # observe mode, asked for all-1g.18gb: the 7 instances it would make, said; none made
-    [report] = [line for line in out.splitlines() if line.startswith("mig-agent.dev/observed-plan")]
+    # the chart's agent in a pod under the RuntimeClass nvidia, observing the layout held: Ready
+    # (its NVML answered) and no change found; then the host's, asked for all-1g.18gb: the 7
+    # instances it would make, said; none made
+    assert "Ready on kubelet-node-0, runtimeClassName nvidia, image" in out, out
+    [in_pod, report] = [
+        line for line in out.splitlines() if line.startswith("mig-agent.dev/observed-plan")
+    ]
+    assert '"layout": "all-disabled", "changes": false' in in_pod, in_pod
     assert '"layout": "all-1g.18gb"' in report and report.count("1g.18gb@") == 7, report
     assert "state label: 'success' (before: 'success')" in out, out
     assert out.rstrip().endswith(

@@ -262,4 +262,6 @@ AGENT: Final = "localhost/mig-agent:dev"
 def agent() -> Image:
     """mig-agent's image, built from the project's Containerfile by scripts/agent-image (a base
     made from Debian's packages, buildah; cached per source version)."""
+    if found := prebuilt(AGENT):
+        return found
     return Image(AGENT, scripts.built("agent-image"))

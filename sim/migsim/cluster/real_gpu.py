@@ -2,12 +2,13 @@
 real node whose kubelet runs on containerd and runc over the machine's own NVIDIA driver, NVIDIA's
 device plugin over the real NVML, a CDI spec from `nvidia-ctk cdi generate`, the RuntimeClass
 `nvidia`; then mig-agent on the host against that kubelet with the layout the GPUs already hold
-(its plan must be empty: nothing is changed), `mig-agent verify` of the node, and the
+(its plan must be empty: nothing is changed), `mig-agent verify` of the node, with
+``--chart-helm`` the chart's agent in a pod (observe mode) over the layout they hold, and the
 agent in observe mode with a layout that would change the GPUs. MIG mode and instances must read
 the same before and after, else it fails. Prints a transcript: each command, then its output.
 
 ``python -m migsim.cluster.real_gpu [--driver-root DIR | --gpus SPEC] [--held LAYOUT]
-[--other LAYOUT] [--no-observe]``
+[--other LAYOUT] [--no-observe] [--chart-helm HELM]``
 
 Never changes a GPU: no apply runs unless its plan is empty, and the agent is started only after
 that check. Needs root, the Kubernetes and NVIDIA binaries and the real node's tools
@@ -141,23 +142,65 @@ def held_layout_applies(cluster: Cluster, node: real_node.RealNode, logs: Path, 
 OBSERVED = "mig-agent.dev/observed-plan"
 
 
+def observed_report(cluster: Cluster) -> dict[str, object]:
+    """The observe-mode agent's report on the node ({} when there is none)."""
+    meta = node_object(cluster).get("metadata") or {}
+    assert isinstance(meta, dict)
+    text = str((meta.get("annotations") or {}).get(OBSERVED) or "{}")
+    found = json.loads(text)
+    assert isinstance(found, dict)
+    return found
+
+
+def chart_observes(cluster: Cluster, held: str, helm: str) -> None:
+    """The chart's agent in a pod of its DaemonSet, under the RuntimeClass `nvidia` (the NVIDIA
+    runtime brings the driver's NVML into the image built here): Ready once its NVML answered
+    (the kubelet's readiness probe), then its observe pass over the GPUs for the layout they
+    hold: no change found. Observe mode: the pod can change neither the GPUs nor the node."""
+    say(f"$ helm install mig-agent charts/mig-agent --set observe=true (image {images.AGENT})")
+    seed_checks.install_chart(cluster, helm, "observe=true")
+    try:
+        pod = seed_checks.wait_agent_ready(cluster, 180)
+        (status,) = pod["status"]["containerStatuses"]
+        say(
+            f"pod {pod['metadata']['name']}: Ready on {pod['spec']['nodeName']}, "
+            f"runtimeClassName {pod['spec'].get('runtimeClassName')}, image {status['image']}"
+        )
+        wait_for(
+            f"the pod's {OBSERVED} for {held}",
+            lambda: observed_report(cluster).get("layout") == held,
+            120,
+        )
+        report = observed_report(cluster)
+        say(f"{OBSERVED}: {json.dumps(report)}")
+        name = str(pod["metadata"]["name"])
+        log = cluster.kubectl("logs", "-n", "mig-agent", name, "--tail=200", check=False)
+        said = [line for line in log.splitlines() if "agent.started" in line or "observe" in line]
+        say("\n".join(said[:6]) + "\n")
+        if report.get("changes") is not False or report.get("error"):
+            raise DevClusterError(f"the chart's agent did not find {held} in place: {report}")
+    finally:
+        subprocess.run(
+            [helm, "--kubeconfig", str(cluster.kubeconfig), "uninstall", "mig-agent", "-n"]
+            + ["mig-agent", "--wait", "--timeout", "120s"],
+            capture_output=True,
+            check=False,
+            timeout=180,
+        )
+
+
 def observe_reports(cluster: Cluster, node: real_node.RealNode, logs: Path, other: str) -> None:
     """The agent in observe mode with a layout that would change the GPUs: what it would do,
     published, and nothing done (the state label stays the last agent's)."""
     state = node_label(cluster, STATE)
-
-    def report() -> dict[str, object]:
-        meta = node_object(cluster).get("metadata") or {}
-        assert isinstance(meta, dict)
-        text = str((meta.get("annotations") or {}).get(OBSERVED) or "{}")
-        found = json.loads(text)
-        assert isinstance(found, dict)
-        return found
-
     with host_agent(cluster, node, logs, "--observe"):
         set_label(cluster, CONFIG, other)
-        wait_for(f"the annotation {OBSERVED}", lambda: report().get("layout") == other, 120)
-    say(f"{OBSERVED}: {json.dumps(report())}")
+        wait_for(
+            f"the annotation {OBSERVED}",
+            lambda: observed_report(cluster).get("layout") == other,
+            120,
+        )
+    say(f"{OBSERVED}: {json.dumps(observed_report(cluster))}")
     after = node_label(cluster, STATE)
     say(f"state label: {after!r} (before: {state!r})\n")
     if after != state:
@@ -197,6 +240,8 @@ def checks(cluster: Cluster, logs: Path, args: argparse.Namespace) -> bool:
             "nvidia",
             kubeconfig=cluster.kubeconfig,
         )
+        if args.chart_helm:
+            chart_observes(cluster, args.held, args.chart_helm)
         if not args.no_observe:
             observe_reports(cluster, node, logs, args.other)
         return gpu_state(node) == before
@@ -215,6 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--held", default="all-disabled", help="the layout the GPUs hold")
     p.add_argument("--other", default="all-1g.18gb", help="observe mode's layout (a change)")
     p.add_argument("--no-observe", action="store_true", help="leave out the agent's observe mode")
+    p.add_argument(
+        "--chart-helm",
+        default="",
+        metavar="HELM",
+        help="also run the chart's agent in a pod (observe mode), installed with this helm",
+    )
     p.add_argument(
         "--dir", type=Path, default=None, help="the cluster's folder (default: a new one)"
     )
