@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from migsim.cluster import seed_checks
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "real-gpu-node"
 
@@ -28,14 +29,19 @@ def run_script(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def helm() -> str:
-    return subprocess.run(
+def observing_chart(tmp_path: Path) -> Path:
+    """The chart rendered in observe mode with the image built here (what the GPU's machine,
+    which has no helm, applies)."""
+    helm = subprocess.run(
         [str(SCRIPT.parent / "helm-binary"), "build"], check=True, stdout=subprocess.PIPE, text=True
     ).stdout.strip()
+    manifest = tmp_path / "mig-agent-observe.yaml"
+    manifest.write_text(seed_checks.render_chart(helm, "observe=true"))
+    return manifest
 
 
 def test_the_script_passes_over_a_simulated_h200_and_changes_nothing(tmp_path: Path) -> None:
-    done = run_script(tmp_path, "--chart-helm", helm())
+    done = run_script(tmp_path, "--chart", str(observing_chart(tmp_path)))
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "NVIDIA H200" in out, out

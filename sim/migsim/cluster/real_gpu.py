@@ -3,12 +3,12 @@ real node whose kubelet runs on containerd and runc over the machine's own NVIDI
 device plugin over the real NVML, a CDI spec from `nvidia-ctk cdi generate`, the RuntimeClass
 `nvidia`; then mig-agent on the host against that kubelet with the layout the GPUs already hold
 (its plan must be empty: nothing is changed), `mig-agent verify` of the node, with
-``--chart-helm`` the chart's agent in a pod (observe mode) over the layout they hold, and the
+``--chart`` the chart's agent in a pod (observe mode) over the layout they hold, and the
 agent in observe mode with a layout that would change the GPUs. MIG mode and instances must read
 the same before and after, else it fails. Prints a transcript: each command, then its output.
 
 ``python -m migsim.cluster.real_gpu [--driver-root DIR | --gpus SPEC] [--held LAYOUT]
-[--other LAYOUT] [--no-observe] [--chart-helm HELM]``
+[--other LAYOUT] [--no-observe] [--chart MANIFEST]``
 
 Never changes a GPU: no apply runs unless its plan is empty, and the agent is started only after
 that check. Needs root, the Kubernetes and NVIDIA binaries and the real node's tools
@@ -152,13 +152,17 @@ def observed_report(cluster: Cluster) -> dict[str, object]:
     return found
 
 
-def chart_observes(cluster: Cluster, held: str, helm: str) -> None:
+def chart_observes(cluster: Cluster, node: real_node.RealNode, held: str, manifest: Path) -> None:
     """The chart's agent in a pod of its DaemonSet, under the RuntimeClass `nvidia` (the NVIDIA
     runtime brings the driver's NVML into the image built here): Ready once its NVML answered
     (the kubelet's readiness probe), then its observe pass over the GPUs for the layout they
-    hold: no change found. Observe mode: the pod can change neither the GPUs nor the node."""
-    say(f"$ helm install mig-agent charts/mig-agent --set observe=true (image {images.AGENT})")
-    seed_checks.install_chart(cluster, helm, "observe=true")
+    hold: no change found. ``manifest``: the chart rendered in observe mode
+    (seed_checks.render_chart), in which the pod can change neither the GPUs nor the node."""
+    say(f"$ kubectl apply -f {manifest.name}  # the chart, observe=true, image {images.AGENT}")
+    real_node.import_image(node, images.agent())
+    cluster.kubectl("label", "node", real_node.NAME, "--overwrite", "nvidia.com/gpu.present=true")
+    cluster.kubectl("create", "namespace", "mig-agent")
+    cluster.kubectl("apply", "-f", str(manifest))
     try:
         pod = seed_checks.wait_agent_ready(cluster, 180)
         (status,) = pod["status"]["containerStatuses"]
@@ -180,13 +184,7 @@ def chart_observes(cluster: Cluster, held: str, helm: str) -> None:
         if report.get("changes") is not False or report.get("error"):
             raise DevClusterError(f"the chart's agent did not find {held} in place: {report}")
     finally:
-        subprocess.run(
-            [helm, "--kubeconfig", str(cluster.kubeconfig), "uninstall", "mig-agent", "-n"]
-            + ["mig-agent", "--wait", "--timeout", "120s"],
-            capture_output=True,
-            check=False,
-            timeout=180,
-        )
+        cluster.kubectl("delete", "-f", str(manifest), "--wait=true", check=False)
 
 
 def observe_reports(cluster: Cluster, node: real_node.RealNode, logs: Path, other: str) -> None:
@@ -240,8 +238,8 @@ def checks(cluster: Cluster, logs: Path, args: argparse.Namespace) -> bool:
             "nvidia",
             kubeconfig=cluster.kubeconfig,
         )
-        if args.chart_helm:
-            chart_observes(cluster, args.held, args.chart_helm)
+        if args.chart:
+            chart_observes(cluster, node, args.held, args.chart)
         if not args.no_observe:
             observe_reports(cluster, node, logs, args.other)
         return gpu_state(node) == before
@@ -261,10 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--other", default="all-1g.18gb", help="observe mode's layout (a change)")
     p.add_argument("--no-observe", action="store_true", help="leave out the agent's observe mode")
     p.add_argument(
-        "--chart-helm",
-        default="",
-        metavar="HELM",
-        help="also run the chart's agent in a pod (observe mode), installed with this helm",
+        "--chart",
+        type=Path,
+        default=None,
+        metavar="MANIFEST",
+        help="also run the chart's agent in a pod: the chart rendered with observe=true "
+        "(migsim.cluster.seed_checks.render_chart: helm template)",
     )
     p.add_argument(
         "--dir", type=Path, default=None, help="the cluster's folder (default: a new one)"

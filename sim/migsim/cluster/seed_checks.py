@@ -132,6 +132,19 @@ def install_chart(cluster: Cluster, helm: str, *values: str) -> None:
         raise DevClusterError(f"helm install: {done.stderr.strip()}")
 
 
+def render_chart(helm: str, *values: str) -> str:
+    """The chart rendered (``helm template``) with the image built here and ``values`` (more
+    ``--set`` pairs): the manifest a machine without helm applies (scripts/real-gpu-node)."""
+    repository, tag = images.AGENT.rsplit(":", 1)
+    sets = [f"image.repository={repository}", f"image.tag={tag}", "image.pullPolicy=Never"]
+    argv = [helm, "template", "mig-agent", str(CHART), "-n", "mig-agent"]
+    argv += [arg for pair in (*sets, *values) for arg in ("--set", pair)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise DevClusterError(f"helm template: {done.stderr.strip()}")
+    return done.stdout
+
+
 def wait_agent_ready(cluster: Cluster, timeout: float = 180) -> dict[str, Any]:
     """The chart's agent pod on the real node, once the kubelet's readiness probe passed."""
     selector = "labelSelector=app.kubernetes.io/name%3Dmig-agent"
