@@ -1,7 +1,9 @@
 """The node agent: from the node's layout label to a repartitioned node, and back to a clean
-node. ``reconcile`` holds the pass (Agent); its steps are ``node_guard`` (cordon and operands),
-``device_plugin`` (restart and wait for resources), ``reporting``, ``reboot``; ``loop`` runs
-passes on events, backoff and resync."""
+node. ``reconcile`` holds the agent between passes (Agent); ``change_pass`` runs one pass as its
+phases (``planning``, ``refusals``, ``announce``, ``drain_phase``, ``apply_phase``,
+``advertise_phase``, ``finish``), over ``advertiser`` (the device plugin or NVIDIA's DRA plugin),
+``node_guard`` (cordon and operands) and ``reporting``; ``loop`` runs passes on events, backoff
+and resync."""
 
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.agent.reboot import REBOOT_TIMEOUT_S, run_reboot
