@@ -26,6 +26,7 @@ import pytest
 from kubernetes import client
 from migsim.cluster import Cluster, agents, mig_manager
 from migsim.cluster.processes import stop
+from migsim.cluster.waiting import wait_until
 from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
@@ -51,6 +52,11 @@ def nvml_reads(node: AgentNode) -> NodeState:
         return backend.observe()
     finally:
         backend.close()
+
+
+def with_processes(state: NodeState) -> NodeState | None:
+    """``state`` once some process runs on its GPUs, else None."""
+    return state if any(g.processes for g in state.gpus) else None
 
 
 def node_and_pods(node: AgentNode) -> dict[str, Any]:
@@ -109,7 +115,13 @@ def test_observe_mode_says_what_it_would_do_and_changes_nothing(
     wait_running(core, namespace, "trainer")
     wait_running(core, namespace, "web")
     simstate.reset_call_counts(node.sim_state)
-    gpus_before, node_before = nvml_reads(node), node_and_pods(node)
+    # the trainer's process shows on its GPU a moment after its pod runs: read once it does
+    gpus_before = wait_until(
+        lambda: with_processes(nvml_reads(node)),
+        timeout=30,
+        what="the trainer's process on its GPU",
+    )
+    node_before = node_and_pods(node)
     assert not any(g.mig_current for g in gpus_before.gpus)
 
     node.label("all-1g.10gb")
