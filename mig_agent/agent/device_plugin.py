@@ -25,6 +25,7 @@ from mig_agent.core.advertised import (
 )
 from mig_agent.core.errors import ConfigError, DevicePluginTimeout, MigAgentError
 from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.observed import NodeState
 from mig_agent.core.plan_text import first_few
 from mig_agent.core.scheduling import parse_selector
 from mig_agent.gpu.backend import GpuBackend
@@ -131,10 +132,10 @@ def listing(node: NodeView, want: Mapping[str, int]) -> Listing:
 
 
 def expected(
-    s: Settings, gpus: GpuBackend, node: NodeView, models: Mapping[int, GpuModel]
+    s: Settings, state: NodeState, node: NodeView, models: Mapping[int, GpuModel]
 ) -> dict[str, int]:
-    """What NVIDIA's plugin advertises on ``node`` for its GPUs as they are now."""
-    return expected_resources(gpus.observe(), models, *plugin_rules(s, node))
+    """What NVIDIA's plugin advertises on ``node`` for its GPUs as ``state`` reads them."""
+    return expected_resources(state, models, *plugin_rules(s, node))
 
 
 def resources_ok(
@@ -149,7 +150,7 @@ def resources_ok(
     unhealthy device is still listed: no reason to repeat a change)."""
     if not plugin_pods(cluster, s, pods):
         return True
-    want = expected(s, gpus, node, models)
+    want = expected(s, gpus.observe(), node, models)
     return listing(node, want).listed == want
 
 
@@ -177,12 +178,13 @@ def wait_resources(
         or bool(old_plugins)
         or bool(plugin_pods(cluster, s))
     )
-    want = expected(s, gpus, node, models)
+    # the GPUs do not change while it waits: what they hold is read once
+    state = gpus.observe()
+    want = expected(s, state, node, models)
     if not has_plugin:
         log.warning("device_plugin.skipped_wait", expected=want)
         return want
-    # the GPUs do not change while it waits: what they hold is read once
-    present = device_uuids(gpus.observe()) if allocatable is not None else frozenset()
+    present = device_uuids(state) if allocatable is not None else frozenset()
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = False
     delays = poll_delays(s.poll_s)

@@ -20,6 +20,7 @@ from mig_agent.core.advertised import Devices, plugin_devices
 from mig_agent.core.dra_devices import Kind
 from mig_agent.core.errors import DraPluginMissing, DraPluginTimeout, KubeError
 from mig_agent.core.gpu_models import GpuModel
+from mig_agent.core.observed import NodeState
 from mig_agent.core.plan_text import first_few
 from mig_agent.gpu.backend import GpuBackend
 from mig_agent.kube.cluster import Cluster, PodView
@@ -137,9 +138,9 @@ def holders(
     return dra_devices.claim_holders(claims, slices, s.node_name)
 
 
-def expected(gpus: GpuBackend, models: Mapping[int, GpuModel]) -> Counter[Kind]:
-    """What the plugin publishes for the GPUs as they are now."""
-    devices: Devices = plugin_devices(gpus.observe(), models)
+def expected(state: NodeState, models: Mapping[int, GpuModel]) -> Counter[Kind]:
+    """What the plugin publishes for the GPUs as ``state`` reads them."""
+    devices: Devices = plugin_devices(state, models)
     return dra_devices.expected_devices(devices)
 
 
@@ -159,7 +160,7 @@ def devices_ok(
     if slices is None:
         slices = cluster.list_resource_slices(s.node_name)
     state = gpus.observe()
-    want = dra_devices.expected_devices(plugin_devices(state, models))
+    want = expected(state, models)
     return dra_devices.published_devices(slices, s.node_name) == want and not (
         dra_devices.stale_uuids(slices, s.node_name, dra_devices.held_uuids(state))
     )
@@ -188,8 +189,8 @@ def wait_devices(
     naming what is missing or extra. Returns the devices, named by kind. Both from watches
     (the node's pods, then its slices): the plugin's start costs a list and a watch of each,
     not two lists every poll."""
-    want = expected(gpus, models)
-    held = dra_devices.held_uuids(gpus.observe())  # the GPUs do not change while it waits
+    state = gpus.observe()  # the GPUs do not change while it waits: read once
+    want, held = expected(state, models), dra_devices.held_uuids(state)
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = _new_plugin_runs(cluster, s, clock, deadline, old_plugins)
 
