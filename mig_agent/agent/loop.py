@@ -80,10 +80,15 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
                     return
             agent.watched_node = None  # closed: re-opened at once
             agent.watch_alive_at = agent.clock.now()
-        except MigAgentError as exc:
+        except Exception as exc:  # noqa: BLE001 (whatever ends it, the watch is opened again)
+            # a cut connection or a line that is no JSON as much as the API's refusal: the
+            # cached node is no longer current, and a dead thread would leave it so until the
+            # liveness probe restarted the pod
             agent.watched_node = None
             agent.watch_alive_at = agent.clock.now()  # alive, retrying: a restart won't help
-            log.warning("watch.failed", error=str(exc), retry_in_s=delay)
+            log.warning(
+                "watch.failed", error=str(exc), error_type=type(exc).__name__, retry_in_s=delay
+            )
             stop.wait(delay)
             delay = min(delay * 2, 30.0)
 

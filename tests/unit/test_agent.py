@@ -492,6 +492,46 @@ def test_watch_reconnects_after_errors_and_wakes_on_label_change() -> None:
     assert agent.wake_event.is_set()
 
 
+def test_a_watch_failing_with_any_error_forgets_the_node_and_is_opened_again() -> None:
+    """Before: only a MigAgentError was caught; a line that was no JSON (ValueError) or a cut
+    stream (urllib3's ProtocolError) ended the watch's thread with the node left cached, and
+    resyncs went on reading that stale node until the liveness probe restarted the pod."""
+    import urllib3
+    from structlog.testing import capture_logs
+
+    agent, cluster, gpus = make()
+    agent.reconcile_once()
+    stop = threading.Event()
+    calls = [0]
+    failures: list[BaseException] = [
+        ValueError("Expecting value: line 1 column 1 (char 0)"),
+        urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead"),
+    ]
+
+    def failing_watch(name: str, *, timeout_s: int) -> Any:
+        calls[0] += 1
+        yield cluster.nodes[NODE]
+        if failures:
+            raise failures.pop(0)
+        stop.set()
+
+    cluster.watch_node = failing_watch  # type: ignore[method-assign]
+    cached_while_waiting: list[Any] = []
+    original_wait = stop.wait
+
+    def wait(t: float | None = None) -> bool:
+        cached_while_waiting.append(agent.watched_node)
+        return original_wait(0)
+
+    stop.wait = wait  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        agent.watch_forever(stop)
+    assert calls[0] == 3  # opened again after each failure
+    assert cached_while_waiting == [None, None]  # the node forgotten while the watch was down
+    said = [e.get("error_type") for e in logs if e["event"] == "watch.failed"]
+    assert said == ["ValueError", "ProtocolError"]
+
+
 def test_config_change_is_picked_up_and_a_broken_one_keeps_the_last_good(tmp_path: Path) -> None:
     import os
     import shutil
