@@ -9,7 +9,9 @@ changes the fewest GPUs, then the fewest nodes; ties go to the first in node and
 Pools of up to EXACT_NODES nodes with a useful option are searched exactly: branch and bound
 over the nodes, bounded by a relaxed flow (every undecided node at the most it could offer of
 each kind), seeded with the greedy answer, within a budget of bound evaluations (``optimal``
-says whether it ran to its end; tests/unit/test_advise.py proves it against brute force).
+says whether it ran to its end and every placement it scored was proven the most, see
+advise_assign; tests/unit/test_advise.py proves it against brute force, pods of several devices
+included).
 Larger pools take the greedy answer: nodes in order of the pending pods their option would
 serve (lazily re-rated as pods get places), then every proposal that serves nobody is dropped,
 every node moved to its cheapest option that holds the pods placed on it, and, up to TRIM_NODES
@@ -25,7 +27,13 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mig_agent.core.advise_assign import Want, assign, relaxed, served_upper_bound
+from mig_agent.core.advise_assign import (
+    Want,
+    assign,
+    assign_proven,
+    relaxed,
+    served_upper_bound,
+)
 
 # exact search up to this many nodes with useful options, with this many bound evaluations
 # (the first up to 8 nodes, the second beyond: a few seconds at most)
@@ -249,11 +257,16 @@ def _exact(
     }
     demand = relaxed(wants)
     unit = all(w.count == 1 for w in wants)
+    proven = True  # every placement of pods of several devices it scored was proven the most
 
     def value(choice: Choice) -> tuple[int, tuple[int, int, int]]:
-        if not unit:
-            return _value(wants, choice)
-        served = served_upper_bound(demand, {n: o.free for n, o in choice.items()})
+        nonlocal proven
+        capacity = {n: o.free for n, o in choice.items()}
+        if unit:
+            served = served_upper_bound(demand, capacity)
+        else:
+            placed, exact = assign_proven(wants, capacity)
+            served, proven = len(placed), proven and exact
         return served, _total(o.cost for o in choice.values())
 
     best_choice, best = dict(seed), value(seed)
@@ -282,7 +295,7 @@ def _exact(
         go(depth + 1, choice, cost)
 
     go(0, {}, STAY_COST)
-    return best_choice, budget[0] > 0
+    return best_choice, budget[0] > 0 and proven
 
 
 def _advice(

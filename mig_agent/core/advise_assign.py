@@ -1,10 +1,13 @@
 """Which pending pods a pool serves once every node has its devices: the assignment behind
 ``advise``. Given the free devices per node, it places pods on nodes they may use.
 
-Exact for pods that need one device (a maximum flow per device kind, over nodes grouped by the
-pods that may use them); pods that need several devices of a kind on one node are packed first,
-largest first, onto the node with the most free devices of that kind (first fit: packing them
-is bin packing, and such pods are rare among MIG workloads).
+Pods that need one device are placed by a maximum flow per device kind, over nodes grouped by the
+pods that may use them. Pods that need several devices of a kind on one node make it bin
+packing: ``assign_proven`` searches their places by branch and bound (each pod on a node it
+fits or unplaced, bounded by the flow of what is left), seeded with first fit (largest first,
+onto the node with the most free devices of the kind), within EXACT_STEPS steps; it says
+whether it proved its answer the most pods. Serving a big pod first is not always best: two
+pods of one device may fit where one of two does.
 
 Pure module: no I/O.
 """
@@ -35,9 +38,79 @@ class Want:
 
 Capacity = Mapping[str, Mapping[str, int]]  # node -> kind -> free devices
 
+# steps of the search placing pods of several devices (each a bound evaluated): milliseconds
+EXACT_STEPS = 5_000
+
 
 def assign(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
     """pod -> node for the pods served: within ``capacity`` and each pod's ``nodes``."""
+    return assign_proven(wants, capacity)[0]
+
+
+def assign_proven(
+    wants: Sequence[Want], capacity: Capacity, steps: int = EXACT_STEPS
+) -> tuple[dict[str, str], bool]:
+    """``assign``'s answer, and whether it is proven to serve the most pods."""
+    seed = _first_fit(wants, capacity)
+    big = sorted((w for w in wants if w.count > 1), key=lambda w: (-w.count, len(w.nodes), w.pod))
+    if not big:
+        return seed, True
+    demand = relaxed([w for w in wants if w.count == 1])
+    best: int = len(seed)
+    best_big: dict[str, str] | None = None
+    left = steps
+
+    def go(i: int, free: dict[str, Counter[str]], placed: dict[str, str]) -> None:
+        nonlocal best, best_big, left
+        if left <= 0:
+            return
+        left -= 1
+        units = served_upper_bound(demand, free)
+        if len(placed) + len(big) - i + units <= best:
+            return
+        if i == len(big):
+            best, best_big = len(placed) + units, dict(placed)
+            return
+        w = big[i]
+        for n in sorted(w.nodes):
+            if n in free and free[n][w.kind] >= w.count:
+                free[n][w.kind] -= w.count
+                placed[w.pod] = n
+                go(i + 1, free, placed)
+                del placed[w.pod]
+                free[n][w.kind] += w.count
+        go(i + 1, free, placed)
+
+    go(0, {n: Counter(c) for n, c in capacity.items()}, {})
+    if best_big is None:
+        return seed, left > 0
+    return _placed_then_units(wants, capacity, best_big), left > 0
+
+
+def _placed_then_units(
+    wants: Sequence[Want], capacity: Capacity, placed: Mapping[str, str]
+) -> dict[str, str]:
+    """The big pods where ``placed`` puts them, the pods of one device by flow in what is left."""
+    free = {n: Counter(c) for n, c in capacity.items()}
+    by_pod = {w.pod: w for w in wants}
+    for pod, node in placed.items():
+        free[node][by_pod[pod].kind] -= by_pod[pod].count
+    return {**placed, **_units(wants, free)}
+
+
+def _units(wants: Sequence[Want], free: Mapping[str, Counter[str]]) -> dict[str, str]:
+    by_kind: dict[str, list[Want]] = defaultdict(list)
+    for w in wants:
+        if w.count == 1:
+            by_kind[w.kind].append(w)
+    out: dict[str, str] = {}
+    for kind in sorted(by_kind):
+        out.update(_unit_flow(by_kind[kind], {n: c[kind] for n, c in free.items() if c[kind]}))
+    return out
+
+
+def _first_fit(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
+    """The big pods first, largest first, each on the fullest node; then the rest by flow."""
     free = {n: Counter(c) for n, c in capacity.items()}
     out: dict[str, str] = {}
     big: dict[tuple[str, int, frozenset[str]], list[str]] = defaultdict(list)
@@ -58,12 +131,7 @@ def assign(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
             out[pod] = node
             if free[node][kind] >= count:
                 heapq.heappush(heap, (-free[node][kind], node))
-    by_kind: dict[str, list[Want]] = defaultdict(list)
-    for w in wants:
-        if w.count == 1:
-            by_kind[w.kind].append(w)
-    for kind in sorted(by_kind):
-        out.update(_unit_flow(by_kind[kind], {n: c[kind] for n, c in free.items() if c[kind]}))
+    out.update(_units(wants, free))
     return out
 
 
