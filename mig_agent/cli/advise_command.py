@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,11 @@ def add_args(p: argparse.ArgumentParser, *, outputs: tuple[str, ...]) -> None:
     )
     p.add_argument("-o", "--output", choices=outputs, default=outputs[0])
     p.add_argument(
-        "--apply", action="store_true", help="relabel through the rollout, then follow the pods"
+        "--apply",
+        action="store_true",
+        help="relabel through the rollout, each node only if, looked at again just before, it "
+        "is as read (labels, no new eviction, its pods still waiting), then follow the pods "
+        "and sum up what was done and what was not",
     )
     p.add_argument(
         "-p",
@@ -86,23 +91,38 @@ def run(
             max_nodes=args.max_nodes,
             generated=args.generated,
         )
-        if args.output == "json":
-            out(json.dumps(ops_advise.report_json(report), indent=2))
-        elif args.output == "table":
+        as_table = args.output == "table"
+        if as_table:
             for line in ops_advise.report_lines(report):
                 out(line)
-        elif dump is not None:
-            out(dump(ops_advise.report_json(report)).rstrip("\n"))
         if not args.apply or not report.proposals:
+            if not as_table:
+                out(_document(ops_advise.report_json(report), args.output, dump))
             return EXIT_OK
-        return ops_advise.apply(
+        # JSON and YAML: one document on stdout once done, the rollout's progress on stderr
+        progress = out if as_table else _stderr
+        applied = ops_advise.apply(
             cluster,
             catalog,
             report,
             max_parallel=args.max_parallel,
             settings=settings,
-            out=out,
-            verify=verifier(cluster, args, settings, out) if args.verify else None,
+            out=progress,
+            verify=verifier(cluster, args, settings, progress) if args.verify else None,
         )
+        if not as_table:
+            doc = {**ops_advise.report_json(report), "apply": ops_advise.applied_json(applied)}
+            out(_document(doc, args.output, dump))
+        return applied.exit_code
     finally:
         cluster.close()
+
+
+def _document(doc: Any, output: str, dump: Callable[[Any], str] | None) -> str:
+    if output == "json" or dump is None:
+        return json.dumps(doc, indent=2)
+    return dump(doc).rstrip("\n")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """What ``advise`` reads of the cluster: the pending pods no node can take today for want of GPU
 devices (demand), and the GPU nodes with what each approved layout would do there (supply).
 One look at nodes, pods, ResourceSlices, ResourceClaims and PodDisruptionBudgets; no patch.
+``read_node`` looks again at one node, for ``advise --apply`` just before its relabel.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from mig_agent.config.settings import Settings
 from mig_agent.core import demand, dra_devices
 from mig_agent.core.advertised import node_mig_strategy
-from mig_agent.core.advise import Supply
+from mig_agent.core.advise import Option, Supply
 from mig_agent.core.advise_assign import Want
 from mig_agent.core.advise_options import DRA, Holder, Memo, node_supply
 from mig_agent.core.errors import ConfigError, KubeError
@@ -41,6 +42,11 @@ class Pool:
     allowed: dict[str, list[str]] = field(default_factory=dict)
     # node -> kinds only options that evict offer (refused without --allow-evict or by PDBs)
     evicting_only: dict[str, set[str]] = field(default_factory=dict)
+    # what a relabel checks again: per node its layout and state labels as read, per pod its
+    # UID (a pod made again under the same name is another pod), the layouts searched
+    seen: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    uids: dict[str, str] = field(default_factory=dict)
+    catalog: LayoutCatalog | None = None
 
 
 def read_pool(
@@ -57,13 +63,11 @@ def read_pool(
     s = settings
     pool = Pool()
     dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
-    claims = {
-        (c.get("metadata", {}).get("namespace", ""), c.get("metadata", {}).get("name", "")): c
-        for c in dra.claims
-    }
+    claims = _claims_by_name(dra)
     pods = cluster.list_pods()
     running: dict[str, list[PodView]] = {}
     for p in pods:
+        pool.uids[str(p.ref)] = p.ref.uid
         if p.node and not p.finished:
             running.setdefault(p.node, []).append(p)
     nodes = [
@@ -77,6 +81,7 @@ def read_pool(
     memo: Memo = {}  # nodes alike plan each layout once
     if generated:
         catalog = with_generated(catalog, _models(nodes, s))[0]
+    pool.catalog = catalog
     for node in nodes:
         busy = _left_alone(node, s, dra)
         if busy:
@@ -89,12 +94,63 @@ def read_pool(
         supply, evicting = _allowed_options(supply, pdbs, running.get(node.name, []), allow_evict)
         pool.evicting_only[node.name] = evicting
         pool.supplies.append(supply)
+        pool.seen[node.name] = {k: node.labels.get(k) for k in (s.config_label, s.state_label)}
     free = {sp.node: sp.free for sp in pool.supplies}
     for p in pods:
         if p.node or p.phase != "Pending" or p.terminating:
             continue
         _add_want(pool, p, nodes, free, claims)
     return pool
+
+
+@dataclass(frozen=True, slots=True)
+class NodeNow:
+    """One node as it is now: its options (those that evict included), the pods bound to it."""
+
+    node: NodeView
+    supply: Supply
+    running: tuple[PodView, ...]
+
+
+def read_node(
+    cluster: Cluster,
+    catalog: LayoutCatalog,
+    settings: Settings,
+    name: str,
+    seen: Mapping[str, str | None],
+) -> NodeNow | str:
+    """``name`` read again (node, its pods, DRA slices and claims), or why it is no longer for
+    advise to change: its labels differ from ``seen``, or it is left alone now."""
+    s = settings
+    node = cluster.get_node(name)
+    differ = {k: node.labels.get(k) for k, v in seen.items() if node.labels.get(k) != v}
+    if differ:
+        now = ", ".join(f"{k}={v or '(none)'}" for k, v in differ.items())
+        return f"relabelled ({now}) meanwhile, not overwritten"
+    dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
+    busy = _left_alone(node, s, dra)
+    if busy:
+        return busy
+    # bound is enough: a pod the scheduler placed holds its device before it runs
+    running = tuple(p for p in cluster.list_pods(node=name) if not p.finished)
+    claims = _claims_by_name(dra)
+    supply = _supply(node, catalog, s, dra, claims, running, {})
+    if isinstance(supply, str):
+        return supply
+    return NodeNow(node, supply, running)
+
+
+def within_budgets(cluster: Cluster, option: Option, running: Sequence[PodView]) -> bool:
+    """Whether the PodDisruptionBudgets allow ``option``'s evictions now."""
+    one = Supply("", None, {}, (option,))
+    return bool(_allowed_options(one, _tolerant_pdbs(cluster), running, True)[0].options)
+
+
+def _claims_by_name(dra: DraView) -> dict[tuple[str, str], Mapping[str, Any]]:
+    return {
+        (c.get("metadata", {}).get("namespace", ""), c.get("metadata", {}).get("name", "")): c
+        for c in dra.claims
+    }
 
 
 def _models(nodes: Sequence[NodeView], s: Settings) -> list[GpuModel]:

@@ -6,11 +6,11 @@ injected.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mig_agent.config.settings import Settings
-from mig_agent.core.errors import ConfigError, MigAgentError
+from mig_agent.core.errors import ConfigError, LabelsChanged, MigAgentError
 from mig_agent.core.labels import State
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import Cluster, NodeView
@@ -32,6 +32,19 @@ from mig_agent.ops.values import (
 from mig_agent.ops.verify import NodeVerdict
 
 
+@dataclass(frozen=True, slots=True)
+class Precondition:
+    """What a node's relabel is conditional on: the labels it expects (the patch is written
+    only while they hold) and the node as the caller last read it (spares the patch a read)."""
+
+    labels: Mapping[str, str | None]
+    known: NodeView | None = None
+
+
+# asked just before a node's patch: its precondition, or why the node is skipped
+Gate = Callable[[str], Precondition | str]
+
+
 def repartition(
     cluster: Cluster,
     catalog: LayoutCatalog,
@@ -48,6 +61,7 @@ def repartition(
     clock: Clock = REAL_CLOCK,
     out: Writer = print,
     verify: Callable[[str], NodeVerdict] | None = None,
+    gate: Gate | None = None,
 ) -> Summary:
     """Set ``layout`` on ``nodes``, at most ``max_parallel`` at a time, following each to the end.
 
@@ -58,6 +72,11 @@ def repartition(
     one patch. Progress lines and the summary table go to ``out``. With ``verify`` (the checks of
     mig_agent.ops.verify, bound to their options), a node counts as a success only once it passed
     them after its agent's ``success``; one that fails them counts as failed.
+
+    With ``gate`` (advise's look again), each node is asked of it just before its patch, which
+    is then conditional on the labels it names: a node the gate turns down, whose labels changed
+    before the patch, or that the preview refuses is skipped (not started, with the reason) and
+    stops nothing; the others go on.
 
     Raises, before touching any node: UnknownLayout for a typo, RolloutRefused when the layout
     does not fit a node by its published GPU state or its agent is busy with another layout
@@ -72,7 +91,7 @@ def repartition(
     the_layout = check_layout(catalog, layout)
     previews = preview(cluster, the_layout, nodes, settings=settings, count_pods=False)
     refused = {p.node: p.reason for p in previews if p.action is Action.REFUSE}
-    if refused and not force:
+    if refused and not force and gate is None:
         lines = "".join(f"\n  {n}: {r}" for n, r in refused.items())
         raise RolloutRefused(
             f"layout {layout} refused on {len(refused)} node(s), no node was changed "
@@ -92,6 +111,7 @@ def repartition(
         heartbeat_s=heartbeat_s,
         width=max((len(n) for n in nodes), default=0),
         verify=verify,
+        gate=gate,
     )
     summary = rollout.run(previews)
     for line in summary_table(summary):
@@ -121,6 +141,7 @@ class _Rollout:
     heartbeat_s: float
     width: int
     verify: Callable[[str], NodeVerdict] | None = None
+    gate: Gate | None = None
     t0: float = 0.0
     failures: int = 0
     active: dict[str, _Active] = field(default_factory=dict)
@@ -134,6 +155,9 @@ class _Rollout:
             if p.action is Action.SKIP:
                 self.results[p.node] = NodeResult(p.node, Result.ALREADY_APPLIED)
                 self._line(p.node, "already applied")
+                continue
+            if p.action is Action.REFUSE and self.gate is not None:
+                self._skip(p.node, p.reason)
                 continue
             if p.action is Action.APPLY and p.reason:
                 self._line(p.node, f"note: {p.reason}")
@@ -182,22 +206,48 @@ class _Rollout:
 
     def _start(self, p: NodePreview) -> None:
         s = self.settings
-        # Registered first: a Ctrl-C during the patch reports the node as possibly in progress.
         following = p.action is Action.FOLLOW
-        self.active[p.node] = _Active(self.clock.now(), p.state if following else None)
         if following:
+            self.active[p.node] = _Active(self.clock.now(), p.state)
             self._line(p.node, f"following: {p.reason} (state {p.state})")
             return
+        # what a Ctrl-C during the gate leaves it: started by nobody
+        self.results[p.node] = NodeResult(p.node, Result.NOT_STARTED, reason="interrupted")
         try:
-            self.cluster.patch_node(
-                p.node,
-                labels={s.config_label: self.layout, s.state_label: None},
-                annotations={s.reason_annotation: None},
-            )
+            pre = self.gate(p.node) if self.gate is not None else None
+        except MigAgentError as exc:  # unread is not as read: skipped, the others go on
+            pre = f"could not look at it again: {exc}"
+        if isinstance(pre, str):
+            self._skip(p.node, pre)
+            return
+        # Registered first: a Ctrl-C during the patch reports the node as possibly in progress.
+        self.active[p.node] = _Active(self.clock.now(), None)
+        labels = {s.config_label: self.layout, s.state_label: None}
+        annotations: dict[str, str | None] = {s.reason_annotation: None}
+        try:
+            if pre is None:
+                self.cluster.patch_node(p.node, labels=labels, annotations=annotations)
+            else:
+                self.cluster.patch_node(
+                    p.node,
+                    labels=labels,
+                    annotations=annotations,
+                    expect_labels=pre.labels,
+                    known=pre.known,
+                )
+        except LabelsChanged as exc:
+            del self.active[p.node]
+            self._skip(p.node, f"{_changed(exc)} meanwhile, not overwritten")
+            return
         except MigAgentError as exc:
             self._finish(p.node, Result.FAILED, f"could not set the layout label: {exc}")
             return
         self._line(p.node, f"started: {s.config_label}={self.layout}")
+
+    def _skip(self, node: str, reason: str) -> None:
+        """Not started, and no failure: what the node is now is no one's fault."""
+        self.results[node] = NodeResult(node, Result.NOT_STARTED, reason=reason)
+        self._line(node, f"skipped: {reason}")
 
     def _poll(self) -> None:
         s = self.settings
@@ -267,6 +317,13 @@ class _Rollout:
         self.out(f"{self._stamp()} in progress: {busy}; {len(self.results)} done, {rest}")
 
 
+def _changed(exc: LabelsChanged) -> str:
+    labels = exc.context.get("labels")
+    if not isinstance(labels, Mapping) or not labels:
+        return "labels changed"
+    return "relabelled (" + ", ".join(f"{k}={v or '(none)'}" for k, v in labels.items()) + ")"
+
+
 def _reason(node: NodeView, s: Settings) -> str:
     return node.annotations.get(s.reason_annotation, "") or "(the agent gave no reason)"
 
@@ -291,6 +348,7 @@ def summary_table(summary: Summary) -> list[str]:
         verdict = "done"
     else:
         bad = [r.node for r in summary.results if r.result in (Result.FAILED, Result.TIMEOUT)]
-        verdict = f"FAILED on {', '.join(bad)}" if bad else "FAILED"
+        skipped = [r.node for r in summary.results if r.result is Result.NOT_STARTED]
+        verdict = f"FAILED on {', '.join(bad)}" if bad else f"not done on {', '.join(skipped)}"
     lines.append(f"layout {summary.layout}: {verdict} ({len(rows)} node(s): {tally})")
     return lines

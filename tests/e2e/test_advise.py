@@ -8,6 +8,9 @@ kubeconfig:
   1g.10gb device gets an unserved reason naming the selector (its only layouts would evict);
 * ``--apply`` relabels through the rollout; the served pod then runs on the proposed node, and
   the running pod was never evicted (same UID, still Running).
+* a relabel someone makes after ``apply`` looked at a node again, as its patch is on its way, is
+  not overwritten (the real client's conditional patch against the real API server): that node is
+  skipped with the reason, the other one relabelled and its pod run there.
 
 * on a DRA node (NVIDIA's DRA kubelet plugin, no device plugin; root only), a pod whose
   ResourceClaim asks DeviceClass mig.nvidia.com for ``profile == '3g.40gb'`` gets a proposal
@@ -22,7 +25,14 @@ from typing import Any
 from kubernetes import client
 from migsim.cluster import Cluster
 
-from .conftest import NodeFactory, wait_running
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import PROFILES
+from mig_agent.kube.client import KubernetesCluster
+from mig_agent.kube.cluster import NodeView
+from mig_agent.ops import advise as ops_advise
+from mig_agent.ops.values import Result
+
+from .conftest import CONFIG, NodeFactory, wait_running
 from .test_dra import claim, claiming_pod
 from .test_ops import explain, make_pool, mig_agent_cli
 
@@ -101,3 +111,57 @@ def test_a_dra_claim_for_a_profile_gets_a_proposal_that_applied_runs_it(
     assert f"{namespace}/wants-3g: scheduled on {node.name}" in res.stdout, res.stdout
     assert node.labels().get("nvidia.com/mig.config") == proposal["to"]
     assert wait_running(core, namespace, "wants-3g", timeout=60).spec.node_name == node.name
+
+
+class _RelabelledInTheWindow:
+    """The real client, but someone relabels ``node`` once, just before apply's patch of it
+    reaches the API server (after apply looked at the node again)."""
+
+    def __init__(self, real: KubernetesCluster, core: client.CoreV1Api, node: str) -> None:
+        self._real, self._core, self._node, self.done = real, core, node, False
+
+    def patch_node(self, name: str, **kw: Any) -> NodeView:
+        if name == self._node and not self.done:
+            self.done = True
+            self._core.patch_node(name, {"metadata": {"labels": {CONFIG: "all-disabled"}}})
+        return self._real.patch_node(name, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def test_apply_never_overwrites_a_relabel_made_after_it_looked_again(
+    agent_node: NodeFactory,
+    core: client.CoreV1Api,
+    installed: Cluster,
+    namespace: str,
+    gpu_pod: Any,
+) -> None:
+    selector, nodes = make_pool(agent_node, core, 2)
+    for n in nodes:
+        n.label("all-1g.10gb")
+    for n in nodes:
+        n.wait_state("success", timeout=90)
+    raced, other = nodes
+    for n in nodes:
+        gpu_pod(namespace, f"for-{n.name}", resources={MIG_3G: 1}, node=n.name)
+    catalog = load_catalog([PROFILES])
+    real = KubernetesCluster.connect(str(installed.kubeconfig))
+    try:
+        report = ops_advise.run(real, catalog, selector=selector)
+        assert sorted(p.node for p in report.proposals) == [raced.name, other.name], report
+        lines: list[str] = []
+        racing = _RelabelledInTheWindow(real, core, raced.name)
+        applied = ops_advise.apply(racing, catalog, report, out=lines.append, poll_s=0.2)
+    finally:
+        real.close()
+    text = "\n".join(lines)
+    assert raced.labels().get(CONFIG) == "all-disabled", text
+    [(_, skipped)] = [(la, r) for la, r in applied.nodes if r.node == raced.name]
+    assert skipped.result is Result.NOT_STARTED, text
+    assert skipped.reason == f"relabelled ({CONFIG}=all-disabled) meanwhile, not overwritten"
+    [(to, done)] = [(la, r) for la, r in applied.nodes if r.node == other.name]
+    assert done.result is Result.SUCCESS, text
+    assert other.labels().get(CONFIG) == to
+    assert f"{namespace}/for-{other.name}: scheduled on {other.name}" in text, text
+    assert wait_running(core, namespace, f"for-{other.name}").spec.node_name == other.name
