@@ -116,6 +116,7 @@ def our_annotations(s: Settings) -> list[str]:
         s.post_apply_annotation,
         s.host_services_annotation,
         s.observe_annotation,
+        s.guard_annotation,
     ]
 
 

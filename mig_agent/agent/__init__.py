@@ -2,7 +2,8 @@
 node. ``reconcile`` holds the agent between passes (Agent); ``change_pass`` runs one pass as its
 phases (``planning``, ``refusals``, ``announce``, ``drain_phase``, ``apply_phase``,
 ``advertise_phase``, ``finish``), over ``advertiser`` (the device plugin or NVIDIA's DRA plugin),
-``node_guard`` (cordon and operands) and ``reporting``; ``loop`` runs passes on events, backoff
+``guard`` (the cordon: what the node is owed, and the one decision to lift it), ``marks``
+(the agent's annotations) and ``reporting``; ``loop`` runs passes on events, backoff
 and resync."""
 
 from mig_agent.agent.outcome import Outcome, PassResult

@@ -61,8 +61,6 @@ class Memory:
     # (layout label, state label) as the agent last read or wrote them
     seen: tuple[str | None, str | None] = (None, None)
     failures: int = 0  # failed passes in a row: the backoff's exponent
-    # a drain failing for a layout: (layout, when its first try failed), for drain_give_up_s
-    drain_failing: tuple[str, float] | None = None
     # the device ids that were no UUIDs when last reported (an Event when they change)
     odd_device_ids: list[str] = field(default_factory=list)
     # whether the last pass that looked found a DRA node (None: none looked): a pass with
@@ -95,8 +93,6 @@ class Change:
     pods: list[PodView] | None = None
     slices: list[dict[str, Any]] | None = None
     interrupted: bool = False  # a pass before this one left its marks: it is finished now
-    apply_started: bool = False  # the first GPU step may have run
-    gpus_changed: bool = False  # the GPUs hold the layout: the plugin's listing is stale
 
     def node_pods(self, cluster: Cluster, node_name: str) -> list[PodView]:
         """Every pod of the node, as the pass listed them (listed now if it did not)."""

@@ -2,7 +2,7 @@
 finish. Each phase is its own module and takes what it needs; this class only orders them and
 decides what a failure past the first GPU step still owes the node (the advertiser restarted,
 the cordon kept while it may list devices that are gone). Any failure leaves by an exception:
-the agent (mig_agent.agent.reconcile) reports it and tidies up."""
+the agent (mig_agent.agent.reconcile) reports it, and the guard settles the node."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import structlog
 
 from mig_agent.agent import advertiser as advertisers
-from mig_agent.agent import host_clients, node_guard
+from mig_agent.agent import guard, host_clients
 from mig_agent.agent.advertise_phase import AdvertisePhase
 from mig_agent.agent.advertiser import Advertiser
 from mig_agent.agent.announce import announce
@@ -21,11 +21,10 @@ from mig_agent.agent.change import Change, Memory, Prepared, Tools
 from mig_agent.agent.drain_phase import DrainPhase
 from mig_agent.agent.finish import Finish
 from mig_agent.agent.holders import Holders
-from mig_agent.agent.node_guard import NodeRebooting
 from mig_agent.agent.outcome import Outcome
 from mig_agent.agent.planning import Planning
 from mig_agent.agent.refusals import Refusals
-from mig_agent.core.errors import InternalError, LabelsChanged, MigAgentError, Stopping
+from mig_agent.core.errors import InternalError
 from mig_agent.core.layout import Layout
 from mig_agent.kube.cluster import NodeView
 from mig_agent.node import hooks
@@ -76,29 +75,17 @@ class ChangePass:
             old_plugins = {p.ref.uid for p in advertiser.find(change.pods)}
             paused = None
             if not change.plan.is_empty or hook_run.hooks.of(hooks.POST_APPLY):
-                paused = marks.enter_context(
-                    node_guard.gpu_clients_paused(t.cluster, t.settings, change.node)
-                )
+                paused = marks.enter_context(guard.paused(t, change))
             return Prepared(hook_run, reset_gpus, old_plugins, paused)
 
     def _change_gpus(
         self, change: Change, ready: Prepared, advertise: AdvertisePhase
     ) -> dict[str, int]:
         """Drain, apply, verify, post-apply hooks, then the advertiser: what the node then
-        advertises. A failure once the GPUs changed restarts the advertiser first: the node
-        must not take pods over devices that are gone."""
-        paused = ready.paused or []
-        try:
-            self._gpu_steps(change, ready, paused)
-        except (LabelsChanged, Stopping, NodeRebooting):
-            raise  # a successor, the next pass or the rebooted node finishes the change
-        except Exception as exc:  # noqa: BLE001 (a bug past the first GPU step too)
-            err = exc if isinstance(exc, MigAgentError) else crashed(exc)
-            advertise.after_failure(change, paused, ready.old_plugins, err)
-            if err is exc:
-                raise
-            raise err from exc
-        return advertise.after_change(change, paused, ready.old_plugins)
+        advertises. Whatever ends it early, the pass's exit settles the node (guard.settle):
+        the advertiser restarted first where the GPUs changed."""
+        self._gpu_steps(change, ready, ready.paused or [])
+        return advertise.after_change(change, ready.paused or [], ready.old_plugins)
 
     def _gpu_steps(self, change: Change, ready: Prepared, paused: list[str]) -> None:
         t = self.tools
@@ -107,10 +94,8 @@ class ChangePass:
             with host_clients.stopped(
                 t.cluster, t.settings, t.run_command, ready.reset_gpus, change.node
             ):
-                change.apply_started = True
                 self.gpu_steps.apply(change, ready.hook_run, ready.reset_gpus)
                 self.gpu_steps.verify(change)
-        change.gpus_changed = True  # or a pass before this one changed them
         self.gpu_steps.post_apply(change, ready.hook_run)
 
 

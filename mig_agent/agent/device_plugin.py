@@ -23,7 +23,12 @@ from mig_agent.core.advertised import (
     plugin_listing,
     stale_devices,
 )
-from mig_agent.core.errors import ConfigError, DevicePluginTimeout, MigAgentError
+from mig_agent.core.errors import (
+    ConfigError,
+    DevicePluginMissing,
+    DevicePluginTimeout,
+    MigAgentError,
+)
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.core.observed import NodeState
 from mig_agent.core.plan_text import first_few
@@ -47,6 +52,30 @@ def plugin_pods(cluster: Cluster, s: Settings, pods: list[PodView] | None = None
         )
         return [p for p in pods if not p.terminating]
     return plugins_among(s, pods)
+
+
+def refuse_if_missing(s: Settings, node: NodeView, pods: list[PodView] | None, layout: str) -> None:
+    """DevicePluginMissing for a change on a node where no device plugin pod is where the
+    settings look, and no operand label brings one: no one would advertise the new layout, so
+    the node would take pods over a listing no one proved."""
+    if plugins_among(s, pods or []) or _deployed_by_operand(s, node):
+        return
+    raise DevicePluginMissing(
+        f"layout {layout}: no device plugin pod is on the node in namespace "
+        f"{s.device_plugin_namespace} with selector {s.device_plugin_selector}: none would "
+        "advertise the new layout, and the node would go on listing devices that are gone; "
+        "nothing was touched (point the chart's devicePlugin.namespace and "
+        "devicePlugin.selector at NVIDIA's device plugin pods)",
+        layout=layout,
+    )
+
+
+def _deployed_by_operand(s: Settings, node: NodeView) -> bool:
+    """The GPU Operator's label deploys the plugin here (paused by a pass, it comes back)."""
+    return any(
+        k.endswith(".device-plugin") and node.labels.get(k, "false") != "false"
+        for k in s.operand_labels
+    )
 
 
 def plugins_among(s: Settings, pods: list[PodView]) -> list[PodView]:
@@ -181,9 +210,12 @@ def wait_resources(
     # the GPUs do not change while it waits: what they hold is read once
     state = gpus.observe()
     want = expected(s, state, node, models)
-    if not has_plugin:
-        log.warning("device_plugin.skipped_wait", expected=want)
-        return want
+    if not has_plugin:  # gone since the pass planned: no one proves the listing
+        raise DevicePluginMissing(
+            f"no device plugin pod is on the node in namespace {s.device_plugin_namespace} "
+            f"with selector {s.device_plugin_selector} to advertise {want}",
+            expected=want,
+        )
     present = device_uuids(state) if allocatable is not None else frozenset()
     deadline = clock.now() + s.device_plugin_timeout_s
     new_pod = False

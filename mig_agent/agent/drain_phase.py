@@ -1,7 +1,10 @@
 """The drain of a change, once the node is cordoned and its operands paused: the GPU pods whose
 devices go are evicted (those on devices that stay are spared), the paused operands' pods
 terminate meanwhile, and what the drain waits for is said on the node. A failed drain is retried
-with the node kept cordoned, up to ``drain_give_up_s``."""
+with the node kept cordoned, up to ``drain_give_up_s`` from its first failed try (the node's
+record keeps when that was: a restart does not start the window again); then given up, with no
+new try while the pods it gave up on are still there. Before the first GPU step the node's pods
+are looked at once more: a pod bound after the drain's look is drained too."""
 
 from __future__ import annotations
 
@@ -10,14 +13,32 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import node_guard, reporting, validators
+from mig_agent.agent import marks, reporting, validators
 from mig_agent.agent.change import Change, Holds, Memory, Tools
 from mig_agent.agent.holders import Holders, claimed
-from mig_agent.core.errors import DrainGivenUp, DrainTimeout, EvictionBlocked, MigAgentError
+from mig_agent.core import guard
+from mig_agent.core.errors import (
+    DrainGivenUp,
+    DrainRefused,
+    DrainTimeout,
+    EvictionBlocked,
+    KubeError,
+    LabelsChanged,
+    MigAgentError,
+)
 from mig_agent.kube.cluster import NodeCondition, PodRef, PodsSeen, PodView
-from mig_agent.node.drain import drain_gpu_pods, is_paused_operand, look, wait_pods_gone
+from mig_agent.node.drain import (
+    drain_gpu_pods,
+    gpu_pods,
+    is_paused_operand,
+    look,
+    to_drain,
+    wait_pods_gone,
+)
 
 log = structlog.get_logger(__name__)
+
+ROUNDS = 3  # drains in a row while GPU pods keep arriving after the look, before failing
 
 
 @dataclass(frozen=True)
@@ -37,8 +58,38 @@ class DrainPhase:
             "MIGDraining",
             "evicting the pods that use the GPUs that change",
         ):
-            self._drain(change, paused)
-            self.still_wanted(change.desired)  # not worth applying a layout no longer asked for
+            for _ in range(ROUNDS):
+                self._drain(change, paused)
+                self.still_wanted(change.desired)  # not worth applying a layout not asked for
+                late = self._arrived_since(change, paused)
+                if not late:
+                    return
+                log.warning("drain.pods_arrived", pods=sorted(str(p.ref) for p in late))
+            raise self._retried(
+                DrainTimeout(
+                    f"GPU pods kept arriving on the cordoned node during {ROUNDS} drains (bound "
+                    "to it by name, or in flight at the cordon): "
+                    + ", ".join(sorted(str(p.ref) for p in late)),
+                    refs=tuple(p.ref for p in late if p.terminating),
+                ),
+                change,
+            )
+
+    def _arrived_since(self, change: Change, paused: list[str]) -> list[PodView]:
+        """The GPU pods the drain would evict that are on the node now, after it: bound after
+        its look (a pod naming the node, a bind in flight at the cordon). None may be left
+        unaccounted for before the first GPU step."""
+        t = self.tools
+        pods = t.cluster.list_pods(node=t.settings.node_name)
+        holds = self.holders.holds(change, pods)
+        candidates = gpu_pods(
+            t.cluster,
+            t.settings.node_name,
+            exclude=[p.ref for p in pods if is_paused_operand(p, paused)],
+            claimed=claimed(change, holds),
+            pods=pods,
+        )
+        return to_drain(candidates, self.holders.may_stay(change.plan, holds))
 
     def _drain(self, change: Change, paused: list[str]) -> None:
         t = self.tools
@@ -55,8 +106,16 @@ class DrainPhase:
         # not two in a row
         try:
             evicted = self._evict(change, operand_pods, holds, pods, seen)
-        except (EvictionBlocked, DrainTimeout) as exc:
-            raise self._retried(exc, change.desired) from None
+        except LabelsChanged:
+            raise
+        except (EvictionBlocked, DrainTimeout, KubeError) as exc:
+            # any eviction error: the pods evicted before it may still run (a 403 from a
+            # webhook, a 5xx past the retries), and the window applies to every failed drain
+            if isinstance(exc, KubeError) and not isinstance(exc, EvictionBlocked):
+                exc.context.setdefault("refs", self._going(change, paused))
+            if isinstance(exc, DrainRefused):
+                raise
+            raise self._retried(exc, change) from None
         t.metrics.evictions.inc(len(evicted))
         if operand_pods:
             log.info("operands.waiting", pods=len(operand_pods))
@@ -98,26 +157,42 @@ class DrainPhase:
             seen=seen,
         )
 
-    def _retried(self, exc: MigAgentError, desired: str) -> MigAgentError:
+    def _going(self, change: Change, paused: list[str]) -> tuple[PodRef, ...]:
+        """The GPU pods of the node terminating now: evicted, maybe still on their devices."""
+        t = self.tools
+        try:
+            pods = t.cluster.list_pods(node=t.settings.node_name)
+        except MigAgentError:
+            return ()
+        holds = self.holders.holds(change, pods)
+        drained = to_drain(
+            gpu_pods(t.cluster, t.settings.node_name, claimed=claimed(change, holds), pods=pods)
+        )
+        return tuple(p.ref for p in drained if p.terminating and not is_paused_operand(p, paused))
+
+    def _retried(self, exc: MigAgentError, change: Change) -> MigAgentError:
         """A failed drain is retried with the node kept cordoned between tries (no pods land
         on it to be evicted again), until ``drain_give_up_s`` after its first failed try for
-        this layout; then DrainGivenUp: uncordoned, failed until a new label or config."""
-        s, now, memory = self.tools.settings, self.tools.clock.now(), self.memory
-        if memory.drain_failing is None or memory.drain_failing[0] != desired:
-            memory.drain_failing = (desired, now)
-        elapsed = now - memory.drain_failing[1]
+        this layout (as the node's record says: a restart keeps the window); then
+        DrainGivenUp, naming the pods it waited on: no new try until they go or the label
+        changes."""
+        s, now = self.tools.settings, self.tools.clock.wall()
+        record = marks.record(s, change.node) or guard.Record()
+        elapsed = guard.drain_failing_for(record, change.desired, now)
+        if elapsed == 0.0:
+            exc.context["drain_failed_at"] = now
         if elapsed < s.drain_give_up_s:
-            return node_guard.keep_cordon_for(
-                exc,
-                f"the drain is retried for up to {s.drain_give_up_s:g} s "
-                "(drain_give_up_s): the node stays cordoned between tries",
-            )
-        memory.drain_failing = None
+            return exc
+        waited = sorted(pod_names(exc.context.get("refs", ())))
+        blocked = exc.context.get("pod")
+        if isinstance(blocked, str) and blocked:
+            waited = sorted({*waited, blocked})
+        until = f"{', '.join(waited)} are gone or " if waited else ""
         return DrainGivenUp(
             f"{exc}; given up after {elapsed:.0f} s of retries (drain_give_up_s "
-            f"{s.drain_give_up_s:g} s): the node is uncordoned; change the layout label or the "
-            "config to try again",
-            **exc.context,
+            f"{s.drain_give_up_s:g} s): no new try until {until}the layout label or the config "
+            "changes",
+            **{**exc.context, "given_up": tuple(waited)},
         )
 
     def _blocked(self, pod: PodRef, exc: EvictionBlocked) -> None:
@@ -149,3 +224,8 @@ class DrainPhase:
             NodeCondition(s.condition_type, "False", "DrainWaiting", message),
         )
         reporting.event_on_node(self.tools.cluster, s, "MIGDrainWaiting", message)
+
+
+def pod_names(refs: object) -> set[str]:
+    """The "namespace/name" of the pods an error's ``refs`` name."""
+    return {str(r) for r in refs if isinstance(r, PodRef)} if isinstance(refs, tuple) else set()

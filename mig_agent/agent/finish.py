@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import node_guard, reporting, validators
+from mig_agent.agent import marks, reporting, validators
 from mig_agent.agent.advertiser import Advertiser
 from mig_agent.agent.change import NOTE, Change, Memory, Tools
 from mig_agent.agent.device_plugin import listing
@@ -43,10 +43,10 @@ class Finish:
                 looked.append(advertiser.advertises(change, as_listed=True))
             return looked[0]
 
-        interrupted = node_guard.interrupted(s, node) or (
+        interrupted = marks.interrupted(s, node) or (
             empty and node.labels.get(s.state_label) == State.FAILED and not advertised()
         )
-        if interrupted and empty and not node_guard.marked(s, node) and advertised():
+        if interrupted and empty and not marks.marked(s, node) and advertised():
             # only the last write was lost (an API server gone just before "success"): the
             # layout and its devices are in place, nothing to pause or restart
             interrupted = False
@@ -142,7 +142,7 @@ class Finish:
             **{
                 k: v
                 for k, v in exc.context.items()
-                if k not in ("node", "layout", "refs", NOTE, node_guard.KEEP_CORDON)
+                if k not in ("node", "layout", "refs", NOTE, "drain_failed_at", "given_up")
             },
         )
         t.metrics.reconfigurations.labels(result="failed", layout=desired).inc()
@@ -207,10 +207,7 @@ class Finish:
 
 
 def failure_reason(exc: MigAgentError) -> str:
-    """The failure as the node reports it: the error, what was done about it, and why the node
-    stays cordoned, if it does."""
+    """The failure as the node reports it: the error, then what was done about it and why the
+    node stays cordoned, if it does (the guard's verdict, mig_agent.agent.guard)."""
     parts = [str(exc), str(exc.context.get(NOTE, ""))]
-    kept = node_guard.cordon_kept_for(exc)
-    if kept and kept not in parts[1]:
-        parts.append(kept)
     return "; ".join(p for p in parts if p)

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import structlog
 
-from mig_agent.agent import device_plugin, node_guard
+from mig_agent.agent import device_plugin, marks
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import MigAgentError, Stopping
@@ -58,7 +58,7 @@ def watch_forever(agent: Agent, stop: threading.Event) -> None:
                 agent.watched_node = node
                 # our annotations holding what we never write there: someone else wrote them,
                 # and a pass corrects them now rather than at the next resync (once per forgery)
-                odd = node_guard.foreign_marks(s, node)
+                odd = marks.foreign_marks(s, node)
                 forged = bool(odd) and odd != woken_for and not agent.pass_running
                 if forged:
                     log.warning("node.foreign_marks", annotations=sorted(odd))

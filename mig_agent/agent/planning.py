@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mig_agent.agent import device_plugin, dra, node_guard
+from mig_agent.agent import device_plugin, dra, marks
 from mig_agent.agent.change import Change, Memory, Tools
 from mig_agent.core import planner
 from mig_agent.core.advertised import Devices, planned_devices, strategy_problem
@@ -39,6 +39,8 @@ class Planning:
                 raise PlanError(f"layout {desired}: {refused}", layout=desired)
             if dra_node and not dra_node.pods and not the_plan.is_empty:
                 raise dra.plugin_missing(t.settings, dra_node, desired)
+            if not dra_node and not the_plan.is_empty:
+                device_plugin.refuse_if_missing(t.settings, node, pods, desired)
             planned: Devices = planned_devices(the_plan, observed, models)
             problem = (
                 split_problem(planned)
@@ -74,7 +76,7 @@ class Planning:
             the_plan.is_empty
             and node.labels.get(s.state_label) == State.SUCCESS
             and s.reason_annotation not in node.annotations
-            and not node_guard.interrupted(s, node)
+            and not marks.interrupted(s, node)
         )
         if settled and self.memory.dra_seen is not None:
             return None, None

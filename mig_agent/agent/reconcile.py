@@ -25,23 +25,29 @@ from pathlib import Path
 
 import structlog
 
-from mig_agent.agent import device_plugin, host_clients, loop, node_guard, observe, reporting
-from mig_agent.agent.change import Memory, Tools
+from mig_agent.agent import device_plugin, guard, host_clients, loop, observe, reporting
+from mig_agent.agent.change import NOTE, Memory, Tools
 from mig_agent.agent.change_pass import ChangePass, crashed
+from mig_agent.agent.drain_phase import pod_names
 from mig_agent.agent.finish import Finish
 from mig_agent.agent.holders import Holders
-from mig_agent.agent.node_guard import NodeRebooting
+from mig_agent.agent.marks import NodeRebooting
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.agent.planning import Planning
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import (
     ConfigError,
+    DevicePluginMissing,
+    DevicePluginTimeout,
+    DrainGivenUp,
+    DraPluginMissing,
     GpuUnavailable,
     LabelsChanged,
     MigAgentError,
     Stopping,
 )
 from mig_agent.core.generated_layouts import with_generated
+from mig_agent.core.guard import Owed
 from mig_agent.core.labels import paused_during_change
 from mig_agent.core.layout import Layout, LayoutCatalog
 from mig_agent.core.observe_report import ObserveReport
@@ -321,7 +327,6 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 (a bug must not end the agent: it reports it)
             return self._failed_and_tidied(desired, crashed(exc))
         self.memory.failures = 0
-        self.memory.drain_failing = None
         if result is Outcome.APPLIED:
             self.metrics.reconfigurations.labels(result="success", layout=desired).inc()
             log.info(
@@ -335,7 +340,10 @@ class Agent:
         """No layout asked for: the node clean, no state to report (an old "failed" would
         mislead), services an earlier pass stopped started again."""
         s = self.settings
-        node_guard.finish(self.cluster, s, node)
+        # a change given up half-way owes the node its listing: the advertiser restarted
+        guard.settle(
+            self.tools, None, node=node, readvertise=True, dra_node=self.memory.dra_seen
+        )
         try:
             host_clients.start_leftover(self.cluster, s, self.run_command, node.annotations)
         except MigAgentError as exc:
@@ -387,50 +395,59 @@ class Agent:
         return PassResult(Outcome.OBSERVED, retry, report.error)
 
     def _stopped(self, exc: Stopping) -> PassResult:
-        """Told to stop inside a wait: undo the marks (a successor starts the pass over; the
-        state label still says pending) and end the loop; but the cordon stays while pods the
-        drain evicted still terminate on devices about to change."""
+        """Told to stop inside a wait: the guard settles the node (a successor starts the pass
+        over; the state label still says pending), keeping the cordon while pods the drain
+        evicted still terminate, or the GPUs changed and are not advertised yet."""
         log.info("reconcile.stopped", reason="the agent is stopping")
-        going = node_guard.still_terminating(exc)
-        if not node_guard.tidy_up(self.cluster, self.settings, going) and going:
-            self._stopped_mid_drain(going)
+        going = tuple(str(r) for r in exc.refs if isinstance(r, PodRef))
+        desired, _ = self.seen
+        with contextlib.suppress(MigAgentError):  # best effort: the agent is going
+            guard.settle(
+                self.tools, desired, owed=Owed(evicted=going), dra_node=self.memory.dra_seen
+            )
         return PassResult(Outcome.STOPPED)
 
-    def _stopped_mid_drain(self, going: tuple[PodRef, ...]) -> None:
-        """Say on the node why it stays cordoned in `pending` (best effort: the agent is
-        going)."""
-        reason = (
-            "the agent stopped mid-change while pods it evicted still terminated ("
-            + ", ".join(map(str, going))
-            + "): the node stays cordoned until the agent's next start finishes the change"
-        )
+    def _failed_and_tidied(self, desired: str, exc: MigAgentError) -> PassResult:
+        """The guard settles the node first (the advertiser restarted where the GPUs changed
+        and it did not just fail itself); its verdict goes into the reason."""
+        again = not isinstance(exc, DevicePluginTimeout | DevicePluginMissing | DraPluginMissing)
         try:
-            self.cluster.patch_node(
-                self.settings.node_name, annotations={self.settings.reason_annotation: reason}
+            settled = guard.settle(
+                self.tools,
+                desired,
+                owed=owed_by(exc),
+                readvertise=again,
+                dra_node=self.memory.dra_seen,
             )
         except MigAgentError as err:
-            log.warning("reason.not_written", error=str(err))
-
-    def _failed_and_tidied(self, desired: str, exc: MigAgentError) -> PassResult:
-        tidy = node_guard.tidy_up(
-            self.cluster,
-            self.settings,
-            node_guard.still_terminating(exc),
-            node_guard.cordon_kept_for(exc),
-        )
+            log.error("node.settle_failed", error=str(err))
+            settled = None
+        if settled is not None:
+            said = [str(exc.context.get(NOTE, "")), settled.note, settled.verdict.why]
+            exc.context[NOTE] = "; ".join(p for p in said if p)
         try:
             failed = Finish(self.tools, self.memory).failed(desired, exc)
         except LabelsChanged as changed:
             return self._superseded(changed)
-        if not tidy and failed.retry_after_s is None:  # our marks are still on the node
+        verdict = settled.verdict if settled is not None else None
+        if failed.retry_after_s is not None:
+            return failed
+        if verdict is None or not verdict.schedulable:  # the cordon stays: looked at again
             return replace(failed, retry_after_s=self.settings.backoff_s)
+        if verdict.drain_given_up:  # no new drain before its pods go: looked at now and then
+            return replace(failed, retry_after_s=self.settings.backoff_max_s)
         return failed
 
     def _superseded(self, exc: LabelsChanged) -> PassResult:
         """The label asks for another layout now: report nothing for the one asked before,
-        undo our marks, and start over at once."""
+        settle the node for the layout asked now, and start over at once."""
         log.info("reconcile.superseded", error=str(exc))
-        node_guard.tidy_up(self.cluster, self.settings)
+        asked = exc.context.get("labels", {})
+        now = asked.get(self.settings.config_label) if isinstance(asked, dict) else None
+        try:
+            guard.settle(self.tools, now, dra_node=self.memory.dra_seen)
+        except MigAgentError as err:
+            log.error("node.settle_failed", error=str(err))
         self.memory.failures = 0
         return PassResult(Outcome.SUPERSEDED, retry_after_s=0.0)
 
@@ -457,3 +474,16 @@ class Agent:
     def run(self, stop: threading.Event, *, config_poll_s: float = 5.0) -> None:
         self.stopping = stop  # the waits inside a pass look at it
         loop.run(self, stop, config_poll_s=config_poll_s)
+
+
+def owed_by(exc: MigAgentError) -> Owed:
+    """What a failed pass adds to the node's record: the pods its drain evicted that may still
+    run, when a failed drain's window began, the pods a drain gave up on."""
+    evicted = tuple(sorted(pod_names(exc.context.get("refs", ()))))
+    began = exc.context.get("drain_failed_at")
+    given_up = exc.context.get("given_up", ()) if isinstance(exc, DrainGivenUp) else ()
+    return Owed(
+        evicted=evicted,
+        drain_failed_at=float(began) if isinstance(began, int | float) else None,
+        given_up=tuple(str(p) for p in given_up) if isinstance(given_up, tuple) else (),
+    )

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import host_clients
+from mig_agent.agent import host_clients, marks
 from mig_agent.agent.change import Change, Holds, Tools
 from mig_agent.agent.holders import Holders
 from mig_agent.core import planner
-from mig_agent.core.errors import DrainRefused, GpuBusy, MigAgentError
+from mig_agent.core.errors import DrainGivenUp, DrainRefused, GpuBusy, MigAgentError
+from mig_agent.kube.cluster import PodView
 from mig_agent.node import hooks
 from mig_agent.node.waits import poll_delays
 
@@ -39,10 +40,30 @@ class Refusals:
         reset_gpus = host_clients.reset_gpus(change.plan, change.models)
         if reset_gpus and s.stop_host_gpu_clients:
             host_clients.services(s)
+        self._refuse_a_drain_given_up(change)
         if self._may_tell_holders(change, hook_run):
             self._refuse_what_no_drain_ends(change, reset_gpus)
         self._refuse_what_the_drain_must_not_evict(change)
         return hook_run, reset_gpus
+
+    def _refuse_a_drain_given_up(self, change: Change) -> None:
+        """DrainGivenUp again, before anything is touched, while the pods a drain of this
+        layout gave up on are still on the node (the node's record names them): a give-up ends
+        the retries until they go or the label changes."""
+        t = self.tools
+        record = marks.record(t.settings, change.node)
+        if record is None or record.layout != change.desired or not record.given_up:
+            return
+        here = _names(change.node_pods(t.cluster, t.settings.node_name))
+        left = sorted(p for p in record.given_up if p in here)
+        if left:
+            raise DrainGivenUp(
+                f"the drain of layout {change.desired} was given up on: "
+                + ", ".join(left)
+                + " still on the node; no new try until they are gone or the layout label or "
+                "the config changes",
+                given_up=tuple(left),
+            )
 
     def _may_tell_holders(self, change: Change, hook_run: hooks.HookRunner) -> bool:
         """Left to the re-plan after the drain when the kubelet cannot tell who holds what, or
@@ -130,3 +151,7 @@ def _busy(t: Tools, foreign: list[planner.EndedProcess], reset_gpus: list[int]) 
     resets = sorted({p.gpu for p in foreign} & set(reset_gpus))
     host_clients.name_blockers(t.settings, t.run_command, busy, resets)
     return busy
+
+
+def _names(pods: list[PodView]) -> set[str]:
+    return {str(p.ref) for p in pods}

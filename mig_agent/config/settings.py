@@ -207,6 +207,11 @@ class Settings:
         """What the agent in observe mode would do for the layout label (JSON)."""
         return f"{self.annotation_prefix}/observed-plan"
 
+    @property
+    def guard_annotation(self) -> str:
+        """What the agent owes the node it cordoned (mig_agent.core.guard.Record, JSON)."""
+        return f"{self.annotation_prefix}/guard"
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from ``MIG_AGENT_*`` variables, then ``overrides`` (None values ignored)."""

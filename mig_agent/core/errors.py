@@ -21,6 +21,8 @@
   + DevicePluginTimeout    the node's resources do not match the layout in time       (retryable)
     - DraPluginTimeout     on a DRA node: the node's ResourceSlice does not list the
                            layout's devices in time                                   (retryable)
+  + DevicePluginMissing    no device plugin pod where the settings look, on a node that is
+                           no DRA node: refused before anything is touched          (retryable)
   + DraPluginMissing       NVIDIA's DRA driver publishes the node's GPUs but no pod of its
                            kubelet plugin is where the settings look: refused before anything
                            is touched, as it could not be restarted after a change   (retryable)
@@ -32,6 +34,9 @@
   + DrainRefused           a GPU pod the drain must not evict: one no controller owns (gone for
                            good once evicted), or a DaemonSet's that would come straight back;
                            refused before the cordon, naming the pods                 (retryable)
+    - EvictionUnsupported  an eviction the API server refuses for good: more than one
+                           PodDisruptionBudget covers the pod (HTTP 500); no retry of the
+                           request ends it, the budgets' owner must     (retryable by the agent)
   + InternalError          an exception that is none of these (a bug): the pass undoes its
                            marks, reports it and backs off rather than the agent dying (retryable)
   + ObserveOnlyRefused     a change asked of a GPU backend opened read-only, or of the cluster
@@ -131,8 +136,9 @@ class DrainTimeout(MigAgentError):
 
 
 class DrainGivenUp(MigAgentError):
-    """A drain retried for ``drain_give_up_s``: the node is uncordoned, and nothing is tried
-    again until the label or the config changes."""
+    """A drain retried for ``drain_give_up_s``: no new try until the pods it waited on are gone
+    or the label or the config changes (the node stays cordoned while a pod it evicted still
+    runs on a GPU that changes)."""
 
 
 class DevicePluginTimeout(MigAgentError):
@@ -142,6 +148,13 @@ class DevicePluginTimeout(MigAgentError):
 class DraPluginTimeout(DevicePluginTimeout):
     """NVIDIA's DRA kubelet plugin did not publish the layout's devices in time: a new plugin
     pod did not run, or the node's ResourceSlice lists other devices."""
+
+
+class DevicePluginMissing(MigAgentError):
+    """No device plugin pod on the node where the settings look: none would advertise a new
+    layout, so the change is refused before anything is touched."""
+
+    retryable = True
 
 
 class DraPluginMissing(MigAgentError):
@@ -166,6 +179,13 @@ class HostServiceFailed(MigAgentError):
 
 class DrainRefused(MigAgentError):
     retryable = True
+
+
+class EvictionUnsupported(DrainRefused):
+    """The API server refuses to evict the pod whatever the timing: more than one
+    PodDisruptionBudget covers it (``pod``; ``pdbs``, namespace/name, where they could be
+    listed). Raised at the first answer; the drain stops there, as for any refused drain, and
+    what it had evicted before is in ``refs``."""
 
 
 class InternalError(MigAgentError):

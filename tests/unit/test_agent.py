@@ -133,7 +133,7 @@ def make(
     t = FakeTime()
     s = Settings(node_name=NODE, **{"config": PROFILES, **settings})  # type: ignore[arg-type]
     agent = Agent(
-        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, t.wait)
+        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, t.wait, t.now)
     )
     agent.reload_config()
     return agent, cluster, gpus
@@ -955,20 +955,26 @@ def test_reboot_commands_that_cannot_run_say_why(command: str, fragment: str) ->
         run_reboot(command)
 
 
-def test_paused_operands_without_a_device_plugin_need_no_device_plugin() -> None:
-    """Only dcgm-exporter is an operand here and no device plugin runs: the pass must not wait
-    for one (before: DevicePluginTimeout)."""
+def test_a_change_without_a_device_plugin_is_refused_issue_42_path_8() -> None:
+    """No device plugin pod where the settings look and no operand label bringing one: the
+    change is refused before anything is touched, as on a DRA node without its plugin (before:
+    applied and reported success over a listing no one proved, logging skipped_wait)."""
     agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
     cluster.on_change = None
     for p in cluster.list_pods(namespace=DP_NS):
         cluster.pods.pop(p.ref)
     cluster.patch_node(NODE, labels={"nvidia.com/gpu.deploy.dcgm-exporter": "true"})
+    before = gpus.observe()
     label(cluster, "all-1g.10gb")
-    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED
+    assert "no device plugin pod is on the node" in result.error
+    assert "devicePlugin.selector" in result.error
     node = cluster.nodes[NODE]
-    assert node.labels[STATE] == "success"
+    assert node.labels[STATE] == "failed"
+    assert not node.unschedulable
+    assert gpus.observe() == before  # nothing touched
     assert node.labels["nvidia.com/gpu.deploy.dcgm-exporter"] == "true"
-    assert_clean(cluster)
 
 
 def test_fixing_the_strategy_label_wakes_the_loop() -> None:
@@ -1134,7 +1140,7 @@ def test_our_annotations_forged_by_someone_else_wake_a_pass() -> None:
 
 
 def test_foreign_marks_are_what_the_agent_never_writes() -> None:
-    from mig_agent.agent.node_guard import foreign_marks
+    from mig_agent.agent.marks import foreign_marks
 
     s = Settings(node_name=NODE, config=PROFILES)
     agent, cluster, gpus = make()
@@ -1204,15 +1210,17 @@ def test_a_lost_success_is_written_without_pausing_or_restarting_anything() -> N
 
 def test_a_terminating_device_plugin_pod_is_neither_restarted_nor_waited_for() -> None:
     """Its DaemonSet no longer wants the node: no new plugin will come (before: the agent
-    deleted it and waited for a successor until DevicePluginTimeout)."""
+    deleted it and waited for a successor until DevicePluginTimeout). No plugin to advertise
+    the change: refused before anything is touched (issue 42 path 8)."""
     agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
     cluster.on_change = None
     (dp,) = cluster.list_pods(namespace=DP_NS)
     cluster.pods[dp.ref] = dataclasses.replace(dp, terminating=True)
     label(cluster, "all-1g.10gb")
-    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and "no device plugin pod" in result.error
     assert dp.ref in cluster.pods  # not deleted again
-    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert not gpus.calls and not cluster.nodes[NODE].unschedulable
 
 
 @pytest.mark.parametrize(
@@ -1248,7 +1256,9 @@ def test_without_nvml_the_agent_names_its_runtime_class(
 
 def test_a_forbidden_request_mid_pass_is_retried_with_back_off() -> None:
     """A restarted API server refuses a valid token (403) until its caches fill; a pass that
-    meets it fails clean and is tried again, not left `failed` until someone relabels."""
+    meets it fails clean and is tried again, not left `failed` until someone relabels. A refused
+    eviction is a failed drain: the node stays cordoned between tries, inside the give-up
+    window (issue 42 path 5)."""
     from mig_agent.core.errors import KubeForbidden
 
     agent, cluster, gpus = make()
@@ -1265,11 +1275,14 @@ def test_a_forbidden_request_mid_pass_is_retried_with_back_off() -> None:
     label(cluster, "all-balanced")
     first = agent.reconcile_once()
     assert first.outcome is Outcome.FAILED and first.retry_after_s is not None
-    assert "403" in cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
+    node = cluster.nodes[NODE]
+    assert "403" in node.annotations["mig-agent.dev/reason"]
+    assert "stays cordoned between tries" in node.annotations["mig-agent.dev/reason"]
+    assert node.unschedulable and node.labels[DP_LABEL] == "true"
     assert not gpus.calls
-    assert_clean(cluster)
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert cluster.evicted == [pod] and cluster.nodes[NODE].labels[STATE] == "success"
+    assert_clean(cluster)
 
 
 def test_device_ids_that_are_no_uuids_drain_every_gpu_pod_and_say_so() -> None:

@@ -108,7 +108,7 @@ def make_dra(
     t = FakeTime()
     s = Settings(node_name=NODE, config=PROFILES, device_plugin_timeout_s=30.0)
     agent = Agent(
-        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, t.wait)
+        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, t.wait, t.now)
     )
     agent.reload_config()
     return agent, cluster, gpus, dra
@@ -250,12 +250,16 @@ def test_a_split_gpu_instance_is_refused_on_a_dra_node() -> None:
 
 
 def test_with_dra_off_the_dra_plugin_is_not_the_agents() -> None:
+    """With DRA off, nothing the agent would restart advertises the GPUs here (no device
+    plugin either): the change is refused, the DRA plugin untouched (issue 42 path 8)."""
     agent, cluster, gpus, dra = make_dra()
     agent.settings = dataclasses.replace(agent.settings, dra=False)
     label(cluster, "all-balanced")
-    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.FAILED and "no device plugin pod" in result.error
     assert dra.started == 1, "the DRA plugin was restarted with DRA off"
-    assert kinds(cluster) == {dra_devices.GPU: 2}  # stale: why DRA is on by default
+    assert not gpus.calls
+    assert kinds(cluster) == {dra_devices.GPU: 2}
 
 
 def test_a_dra_node_whose_plugin_pod_is_away_is_still_a_dra_node() -> None:

@@ -85,10 +85,11 @@ def test_one_list_of_the_nodes_pods_serves_the_plugin_lookups() -> None:
     label(cluster, "all-balanced")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     # before the cordon the pass's one list; then the drain's (a pod placed meanwhile), the
-    # watches (the GPU pods, the paused device plugin), the validators and the new device
-    # plugin once the node lists its devices
+    # watches (the GPU pods, the paused device plugin), the look after the drain (a pod bound
+    # after it: issue 42 path 6), the validators and the new device plugin once the node lists
+    # its devices
     assert lists[:2] == [{"node": NODE}] * 2, lists
-    assert len(lists) <= 6, lists
+    assert len(lists) <= 7, lists
 
 
 class ClaimsByNamespace(FakeCluster):

@@ -346,6 +346,7 @@ def test_own_node_policy_names_the_default_settings(docs: list[Doc]) -> None:
                 s.post_apply_annotation,
                 s.host_services_annotation,
                 s.observe_annotation,
+                s.guard_annotation,
             )
         )
         + "]"

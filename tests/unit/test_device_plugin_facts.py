@@ -112,7 +112,9 @@ def make(
     device_plugin(cluster)
     t = FakeTime()
     s = Settings(node_name=NODE, **{"config": PROFILES, **settings})  # type: ignore[arg-type]
-    agent = Agent(s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep))
+    agent = Agent(
+        s, cluster, gpus, lambda p: load_catalog([p]), clock=Clock(t.now, t.sleep, wall=t.now)
+    )
     agent.reload_config()
     return agent, cluster
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from mig_agent import cli
-from mig_agent.agent import Agent, Outcome
+from mig_agent.agent import Outcome
 from mig_agent.config.profiles import load_catalog, load_text
 from mig_agent.config.settings import PROFILES, Settings
 from mig_agent.core import planner
@@ -27,8 +27,8 @@ from mig_agent.core.generated_layouts import covers, model_layouts, to_config, w
 from mig_agent.core.gpu_models import MODELS, GpuModel
 from mig_agent.core.layout import LayoutCatalog
 
-from .fake_cluster import FakeCluster
 from .fake_gpus import FakeGpus
+from .test_agent import label, make
 
 MIG_MODELS = [m for m in MODELS.values() if m.mig_capable]
 # A model no shipped config knows: the H200's geometry under another PCI id and name.
@@ -75,12 +75,9 @@ def test_a_model_without_layouts_gets_its_own_and_nothing_else_changes() -> None
 @pytest.mark.parametrize("generate", [True, False])
 def test_the_agent_partitions_a_new_model_only_with_generated_layouts(generate: bool) -> None:
     gpus = FakeGpus([NOVEL] * 2)
-    cluster = FakeCluster()
-    cluster.add_node("n", {}, {"nvidia.com/gpu": "2"})
-    settings = Settings(node_name="n", config=str(PROFILES), generate_config=generate)
-    agent = Agent(settings, cluster, gpus, lambda p: load_catalog([p]))
+    agent, cluster, _ = make(gpus, config=str(PROFILES), generate_config=generate)
     agent.reload_config()
-    cluster.patch_node("n", labels={"nvidia.com/mig.config": "all-3g.71gb"})
+    label(cluster, "all-3g.71gb")
     result = agent.reconcile_once()
     if generate:
         assert result.outcome is Outcome.APPLIED

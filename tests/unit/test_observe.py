@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from mig_agent.agent import Agent, Outcome
-from mig_agent.agent.node_guard import foreign_marks
+from mig_agent.agent.marks import foreign_marks
 from mig_agent.agent.observe import ObserveOnlyCluster
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings

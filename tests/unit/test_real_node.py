@@ -18,6 +18,7 @@ nodes do), each against the agent's in-memory fakes:
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from typing import Any
 
@@ -307,8 +308,8 @@ def test_a_stop_ends_the_drains_wait_at_once_and_keeps_the_cordon_for_the_evicte
     node = cluster.nodes[NODE]
     assert node.unschedulable and "mig-agent.dev/cordoned" in node.annotations
     assert node.labels[STATE] == "pending" and node.labels[DP_LABEL] == "true"
-    reason = node.annotations["mig-agent.dev/reason"]
-    assert "stopped mid-change" in reason and "ml/checkpointing" in reason, reason
+    why = json.loads(node.annotations["mig-agent.dev/guard"])["why"]
+    assert "pods it evicted still run" in why and "ml/checkpointing" in why, why
     # the agent's next start, once the pod is gone, finishes the change and tidies up
     cluster.pods.pop(stuck)
     agent.stopping.clear()

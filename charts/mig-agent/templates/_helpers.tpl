@@ -24,7 +24,7 @@ app.kubernetes.io/name: {{ include "mig-agent.name" . }}
 {{/* The agent's annotations (mig_agent.settings.Settings). */}}
 {{- define "mig-agent.annotations" -}}
 {{- $p := .Values.annotationPrefix -}}
-{{- list (printf "%s/cordoned" $p) (printf "%s/paused-operands" $p) (printf "%s/reason" $p) (printf "%s/gpu-state" $p) (printf "%s/reboot-attempted" $p) (printf "%s/post-apply-pending" $p) (printf "%s/stopped-host-services" $p) (printf "%s/observed-plan" $p) | toJson -}}
+{{- list (printf "%s/cordoned" $p) (printf "%s/paused-operands" $p) (printf "%s/reason" $p) (printf "%s/gpu-state" $p) (printf "%s/reboot-attempted" $p) (printf "%s/post-apply-pending" $p) (printf "%s/stopped-host-services" $p) (printf "%s/observed-plan" $p) (printf "%s/guard" $p) | toJson -}}
 {{- end -}}
 
 {{/* CEL true for the GPU Operator's validator pods the agent deletes (deploy/policies.py

@@ -1,0 +1,230 @@
+"""The node guard: the one place that cordons a node for a change and the one that lets it go.
+
+``paused`` cordons and pauses the GPU operands for a change, writing in the same patch what the
+node is then owed (mig_agent.core.guard.Record: the GPUs as the advertiser listed them). Every
+exit of every pass then calls ``settle``: it reads the record, asks NVML (and, where asked,
+the advertiser restarted) and the node's pods for the facts, lets ``core.guard.decide`` say
+whether the node may be schedulable, and writes the answer: operands resumed always, the
+cordon lifted or kept with the record and its reason. Nothing else uncordons."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import structlog
+
+from mig_agent.agent import advertiser as advertisers
+from mig_agent.agent import dra, marks
+from mig_agent.agent.change import Change, Tools
+from mig_agent.config.settings import Settings
+from mig_agent.core import guard, labels
+from mig_agent.core.errors import MigAgentError
+from mig_agent.core.guard import Owed, Record, Verdict
+from mig_agent.core.observed import NodeState
+from mig_agent.kube.cluster import NodeView, PodRef
+from mig_agent.node.drain import still_present
+
+log = structlog.get_logger(__name__)
+
+UNKNOWN = "unknown"  # the digest of GPUs no one can vouch for: only a proof clears it
+
+
+def digest(state: NodeState) -> str:
+    """What of the GPUs an advertiser lists, as a short digest: MIG modes and instances (their
+    UUIDs included: instances made again are other devices), not processes."""
+    text = repr(
+        tuple((g.info.uuid, g.mig_current, g.mig_pending, g.gpu_instances) for g in state.gpus)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def paused(t: Tools, change: Change) -> Iterator[list[str]]:
+    """Cordon (unless cordoned already) and pause the operands for ``change``; the record of
+    what the node is owed in the same patch (a kill right after leaves it to the next agent).
+    Left normally, the advertiser has proven the GPUs: ``settle``. Left by an exception, the
+    pass's exit settles (mig_agent.agent.reconcile)."""
+    s, node = t.settings, change.node
+    annotations: dict[str, str | None] = {}
+    if not node.unschedulable:
+        annotations[s.cordon_annotation] = "true"
+    pause = labels.pause_patch(node.labels, s.operand_labels)
+    operands = labels.paused_during_change(node.labels, s.operand_labels)
+    if operands:
+        annotations[s.paused_annotation] = ",".join(operands)
+    if s.guard_annotation not in node.annotations:  # an older debt keeps its older digest
+        owed = Record(layout=change.desired, gpus=digest(change.observed))
+        annotations[s.guard_annotation] = owed.to_json()
+    if annotations or pause:
+        cluster = t.cluster
+        cluster.patch_node(
+            s.node_name,
+            labels=pause,
+            annotations=annotations,
+            unschedulable=True if not node.unschedulable else None,
+        )
+        log.info("node.paused", cordoned=not node.unschedulable, operands=operands)
+    yield operands
+    settle(t, change.desired, succeeded=True, dra_node=change.dra)
+
+
+@dataclass(frozen=True)
+class Settled:
+    verdict: Verdict
+    note: str = ""  # what was done for the listing (a restart of the advertiser), for reasons
+
+
+def settle(
+    t: Tools,
+    desired: str | None,
+    *,
+    node: NodeView | None = None,
+    owed: Owed | None = None,
+    succeeded: bool = False,
+    readvertise: bool = False,
+    dra_node: bool | None = None,
+) -> Settled:
+    """End of a pass, whichever way it ends: the node schedulable or kept cordoned as the
+    record, the facts and ``core.guard.decide`` say, operands resumed. ``succeeded``: the layout
+    is in place and the pass saw the advertiser list the GPUs as they are (nothing is owed).
+    ``readvertise``: the advertiser is restarted and waited for when the GPUs changed since it
+    listed them (not for a stop or a relabel: the agent goes, or the next pass advertises).
+    ``node`` as just read, where the caller has it; no request at all when the node carries
+    none of the guard's marks."""
+    s = t.settings
+    owed = owed or Owed()
+    node = node or t.cluster.get_node(s.node_name)
+    record = _record(s, node, desired)
+    if record is None and owed == Owed() and not _marks(s, node):
+        return Settled(Verdict(True, None))
+    record = guard.merged(record or Record(layout=desired or ""), desired, owed)
+    if succeeded:
+        record = Record(layout=record.layout)
+    now = _gpus_now(t) if record.gpus else ""
+    note, proven = "", succeeded
+    if record.gpus and now != record.gpus and not proven and readvertise:
+        proven, note = _readvertise(t, node, dra_node)
+        node = t.cluster.get_node(s.node_name)  # the plugin's restart may have resumed one
+    verdict = guard.decide(
+        record,
+        guard.Facts(
+            gpus_now=now,
+            proven=proven,
+            present=_present(t, record),
+            now=t.clock.wall(),
+            give_up_s=s.drain_give_up_s,
+            advertiser=_name(dra_node),
+        ),
+    )
+    _write(t, node, verdict)
+    return Settled(verdict, note)
+
+
+def _record(s: Settings, node: NodeView, desired: str | None) -> Record | None:
+    if s.guard_annotation not in node.annotations:
+        return None
+    # one the agent never wrote vouches for nothing: the GPUs must be proven again
+    return marks.record(s, node) or Record(layout=desired or "", gpus=UNKNOWN)
+
+
+def _marks(s: Settings, node: NodeView) -> bool:
+    return s.cordon_annotation in node.annotations or s.paused_annotation in node.annotations
+
+
+def _gpus_now(t: Tools) -> str:
+    try:
+        return digest(t.gpus.observe())
+    except MigAgentError as exc:  # unreadable GPUs prove nothing
+        log.warning("guard.gpus_unreadable", error=str(exc))
+        return ""
+
+
+def _present(t: Tools, record: Record) -> frozenset[str]:
+    names = set(record.evicted) | set(record.given_up)
+    if not names:
+        return frozenset()
+    refs = [PodRef(*n.split("/", 1)) for n in names]
+    try:
+        left = still_present(t.cluster, t.settings.node_name, refs)
+    except MigAgentError as exc:  # not known to be gone: still there
+        log.warning("guard.pods_unknown", error=str(exc))
+        return frozenset(names)
+    return frozenset(str(r) for r in left)
+
+
+def _name(dra_node: bool | None) -> str:
+    return advertisers.DraPlugin.name if dra_node else advertisers.DevicePlugin.name
+
+
+def _readvertise(t: Tools, node: NodeView, dra_node: bool | None) -> tuple[bool, str]:
+    """Restart the advertiser and wait for it to list the GPUs as they are (best effort):
+    whether it did, and what was done, as the failure's reason says it."""
+    s = t.settings
+    try:
+        if dra_node is None:
+            dra_node = dra.find(t.cluster, s, t.cluster.list_pods(node=s.node_name)) is not None
+        advertiser: advertisers.Advertiser = (
+            advertisers.DraPlugin(t) if dra_node else advertisers.DevicePlugin(t)
+        )
+        operands = [o for o in node.annotations.get(s.paused_annotation, "").split(",") if o]
+        log.warning("guard.readvertising", advertiser=advertiser.name)
+        advertiser.advertise(node, t.gpus.models(), operands, set())
+    except MigAgentError as err:
+        name = _name(dra_node)
+        return False, (
+            f"the GPUs had changed and {name} does not advertise them as they are now ({err})"
+        )
+    return True, (
+        f"the GPUs had changed: {advertiser.name} was restarted and advertises them as they are now"
+    )
+
+
+def _write(t: Tools, node: NodeView, verdict: Verdict) -> None:
+    """The verdict on the node in one patch: operands resumed, the record kept or cleared,
+    the agent's cordon lifted or kept (set again if someone lifted it while owed)."""
+    s = t.settings
+    resume = labels.resume_patch(node.labels, s.operand_labels)
+    annotations: dict[str, str | None] = {}
+    if s.paused_annotation in node.annotations:
+        annotations[s.paused_annotation] = None
+    kept = verdict.record.to_json() if verdict.record else None
+    if node.annotations.get(s.guard_annotation) != kept:
+        annotations[s.guard_annotation] = kept
+    unschedulable = _cordon(s, node, verdict, annotations)
+    if resume or annotations or unschedulable is not None:
+        t.cluster.patch_node(
+            s.node_name, labels=resume, annotations=annotations, unschedulable=unschedulable
+        )
+        log.info(
+            "node.settled",
+            schedulable=verdict.schedulable,
+            operands=sorted(resume),
+            **({"kept_for": verdict.why} if verdict.why else {}),
+        )
+
+
+def _cordon(
+    s: Settings, node: NodeView, verdict: Verdict, annotations: dict[str, str | None]
+) -> bool | None:
+    """The cordon as the verdict wants it: None (as it is), False (lifted), True (set)."""
+    ours = s.cordon_annotation in node.annotations
+    if not verdict.schedulable:
+        if node.unschedulable:
+            return None
+        annotations[s.cordon_annotation] = "true"  # lifted by hand while owed: set again
+        log.warning("node.cordoned_again", reason=verdict.why)
+        return True
+    if not ours:
+        return None
+    annotations[s.cordon_annotation] = None
+    if node.unschedulable and not node.cordoned_by_agent:
+        log.info(
+            "node.cordon_kept",
+            reason="cordoned again by someone else",
+            managers=list(node.unschedulable_by),
+        )
+        return None
+    return False if node.unschedulable else None
