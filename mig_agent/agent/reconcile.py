@@ -341,9 +341,7 @@ class Agent:
         mislead), services an earlier pass stopped started again."""
         s = self.settings
         # a change given up half-way owes the node its listing: the advertiser restarted
-        guard.settle(
-            self.tools, None, node=node, readvertise=True, dra_node=self.memory.dra_seen
-        )
+        guard.settle(self.tools, None, node=node, readvertise=True, dra_node=self.memory.dra_seen)
         try:
             host_clients.start_leftover(self.cluster, s, self.run_command, node.annotations)
         except MigAgentError as exc:
