@@ -5,6 +5,9 @@ Each node offers options: stay as it is, or one of the approved layouts (its fre
 applied, the GPUs that change, the running pods it would evict). A choice is one option per
 node. The best choice serves the most pending pods; among those it evicts the fewest pods, then
 changes the fewest GPUs, then the fewest nodes; ties go to the first in node and layout order.
+Pods of a gang are served all or none (advise_assign). The options of a choice evict, in sum,
+no more pods of a PodDisruptionBudget than it allows (``budgets``; each option says how many of
+each budget's pods it evicts).
 
 Pools of up to EXACT_NODES nodes with a useful option are searched exactly: branch and bound
 over the nodes, bounded by a relaxed flow (every undecided node at the most it could offer of
@@ -52,6 +55,8 @@ class Option:
     free: Mapping[str, int]  # devices free for pending pods once applied, by kind
     resources: Mapping[str, int] = field(default_factory=dict)  # all its devices, by kind
     evicts: tuple[str, ...] = ()  # running pods that would lose their device
+    # PodDisruptionBudget -> how many of the pods it covers ``evicts`` holds
+    budgets: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def cost(self) -> tuple[int, int, int]:
@@ -97,18 +102,31 @@ class Advice:
 
 
 Choice = dict[str, Option]  # node -> the option taken; absent: stays
+Budgets = Mapping[str, int]  # PodDisruptionBudget -> evictions it allows now
 
 
-def advise(wants: Sequence[Want], supplies: Sequence[Supply]) -> Advice:
-    """The best choice of options for ``supplies`` serving ``wants`` (see the module)."""
+def advise(
+    wants: Sequence[Want], supplies: Sequence[Supply], budgets: Budgets | None = None
+) -> Advice:
+    """The best choice of options for ``supplies`` serving ``wants`` within ``budgets`` (see
+    the module; a budget not named allows any number)."""
+    budgets = budgets or {}
     supplies = sorted(supplies, key=lambda s: s.node)
     useful = _useful_options(wants, supplies)
-    choice = _greedy(wants, useful)
-    choice = _trimmed(wants, useful, choice)
+    choice = _greedy(wants, useful, budgets)
+    choice = _trimmed(wants, useful, choice, budgets)
     optimal = False
     if len(useful) <= EXACT_NODES:
-        choice, optimal = _exact(wants, useful, choice)
+        choice, optimal = _exact(wants, useful, choice, budgets)
     return _advice(wants, supplies, choice, optimal)
+
+
+def _within(options: Iterable[Option], budgets: Budgets) -> bool:
+    """Whether ``options`` evict, in sum, no more of any budget's pods than it allows."""
+    used: Counter[str] = Counter()
+    for o in options:
+        used.update(o.budgets)
+    return all(n <= budgets.get(b, n) for b, n in used.items())
 
 
 def _total(costs: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:
@@ -140,8 +158,10 @@ def _useful_options(wants: Sequence[Want], supplies: Sequence[Supply]) -> dict[s
         kept: list[Option] = []
         for o in ranked:
             if not any(
-                all(b.free.get(k, 0) >= o.free.get(k, 0) for k in wanted) for b in kept
-            ):  # ``kept`` are no dearer: ranked by cost
+                all(b.free.get(k, 0) >= o.free.get(k, 0) for k in wanted)
+                and all(n <= o.budgets.get(d, 0) for d, n in b.budgets.items())
+                for b in kept
+            ):  # ``kept`` are no dearer (ranked by cost), and draw on no budget more
                 kept.append(o)
         if kept:
             out[s.node] = kept
@@ -162,9 +182,10 @@ def _better(a: tuple[int, tuple[int, int, int]], b: tuple[int, tuple[int, int, i
     return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
 
 
-def _greedy(wants: Sequence[Want], useful: Mapping[str, list[Option]]) -> Choice:
-    """Options taken one node at a time, the one placing the most pods first. Pods alike
-    (kind, devices, nodes they may use) are counted together."""
+def _greedy(wants: Sequence[Want], useful: Mapping[str, list[Option]], budgets: Budgets) -> Choice:
+    """Options taken one node at a time, the one placing the most pods first, each within
+    what the budgets still allow. Pods alike (kind, devices, nodes they may use) are counted
+    together."""
     left: Counter[tuple[str, int, frozenset[str]]] = Counter(
         (w.kind, w.count, w.nodes) for w in wants
     )
@@ -196,6 +217,8 @@ def _greedy(wants: Sequence[Want], useful: Mapping[str, list[Option]]) -> Choice
         neg, cost, node, i, layout = heapq.heappop(heap)
         if node in choice or neg == 0:
             continue
+        if not _within((*choice.values(), useful[node][i]), budgets):
+            continue
         now, took = rate(node, useful[node][i])
         if now == 0:
             continue
@@ -207,11 +230,13 @@ def _greedy(wants: Sequence[Want], useful: Mapping[str, list[Option]]) -> Choice
     return choice
 
 
-def _trimmed(wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: Choice) -> Choice:
+def _trimmed(
+    wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: Choice, budgets: Budgets
+) -> Choice:
     """``choice`` without proposals that serve nobody, each node at its cheapest option that
     holds the pods placed on it; on pools of up to TRIM_NODES proposals, each also at the
     cheapest option of its node (staying first) that serves no fewer pods overall."""
-    choice = _cheapest_holding(wants, useful, choice)
+    choice = _cheapest_holding(wants, useful, choice, budgets)
     if len(choice) > TRIM_NODES:
         return choice
     best = _value(wants, choice)
@@ -224,39 +249,48 @@ def _trimmed(wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: 
                 del trial[node]
             else:
                 trial[node] = o
+            if not _within(trial.values(), budgets):
+                continue
             value = _value(wants, trial)
             if _better(value, best):
                 choice, best = trial, value
                 break
-    return _cheapest_holding(wants, useful, choice)
+    return _cheapest_holding(wants, useful, choice, budgets)
 
 
 def _cheapest_holding(
-    wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: Choice
+    wants: Sequence[Want], useful: Mapping[str, list[Option]], choice: Choice, budgets: Budgets
 ) -> Choice:
+    """``choice`` without nodes that serve nobody, each node in turn at its cheapest option
+    that holds its pods and keeps the choice within the budgets (its own one does)."""
     served = assign(wants, {n: o.free for n, o in choice.items()})
     need: dict[str, Counter[str]] = defaultdict(Counter)
     by_pod = {w.pod: w for w in wants}
     for pod, node in served.items():
         need[node][by_pod[pod].kind] += by_pod[pod].count
-    return {
-        n: next(o for o in useful[n] if all(o.free.get(k, 0) >= c for k, c in need[n].items()))
-        for n in choice
-        if n in need
-    }
+    out = {n: o for n, o in choice.items() if n in need}
+    for n in sorted(out):
+        out[n] = next(
+            o
+            for o in useful[n]
+            if all(o.free.get(k, 0) >= c for k, c in need[n].items())
+            and _within({**out, n: o}.values(), budgets)
+        )
+    return out
 
 
 def _exact(
-    wants: Sequence[Want], useful: Mapping[str, list[Option]], seed: Choice
+    wants: Sequence[Want], useful: Mapping[str, list[Option]], seed: Choice, budgets: Budgets
 ) -> tuple[Choice, bool]:
-    """Branch and bound over the nodes; (the best choice, whether the search ran to its end)."""
+    """Branch and bound over the nodes, options beyond the budgets left out; (the best choice,
+    whether the search ran to its end)."""
     nodes = sorted(useful)
     most = {
         n: {k: max(o.free.get(k, 0) for o in useful[n]) for o in useful[n] for k in o.free}
         for n in nodes
     }
     demand = relaxed(wants)
-    unit = all(w.count == 1 for w in wants)
+    unit = not any(w.branches for w in wants)
     proven = True  # every placement of pods of several devices it scored was proven the most
 
     def value(choice: Choice) -> tuple[int, tuple[int, int, int]]:
@@ -290,7 +324,8 @@ def _exact(
         node = nodes[depth]
         for o in useful[node]:
             choice[node] = o
-            go(depth + 1, choice, _total((cost, o.cost)))
+            if not o.budgets or _within(choice.values(), budgets):
+                go(depth + 1, choice, _total((cost, o.cost)))
             del choice[node]
         go(depth + 1, choice, cost)
 

@@ -3,11 +3,12 @@
 
 Pods that need one device are placed by a maximum flow per device kind, over nodes grouped by the
 pods that may use them. Pods that need several devices of a kind on one node make it bin
-packing: ``assign_proven`` searches their places by branch and bound (each pod on a node it
-fits or unplaced, bounded by the flow of what is left), seeded with first fit (largest first,
-onto the node with the most free devices of the kind), within EXACT_STEPS steps; it says
-whether it proved its answer the most pods. Serving a big pod first is not always best: two
-pods of one device may fit where one of two does.
+packing, and pods of a gang (served all or none) a choice per gang: ``assign_proven`` searches
+their places by branch and bound (each such pod on a node it fits or unplaced, a gang's pods
+all placed or none, bounded by the flow of what is left), seeded with first fit (largest first,
+onto the node with the most free devices of the kind; gangs not placed whole dropped), within
+EXACT_STEPS steps; it says whether it proved its answer the most pods. Serving a big pod first
+is not always best: two pods of one device may fit where one of two does.
 
 Pure module: no I/O.
 """
@@ -27,6 +28,7 @@ class Want:
     ``kind`` is an extended resource (``nvidia.com/mig-3g.40gb``, ``nvidia.com/gpu``) or a DRA
     device kind (``dra:3g.40gb``, ``dra:gpu``). ``constraint`` says which of the pod's
     scheduling constraints narrowed ``nodes`` ("" when none did), for the reason it is unserved.
+    Pods of one ``gang`` ("": none) are served all or none.
     """
 
     pod: str  # namespace/name
@@ -34,6 +36,12 @@ class Want:
     count: int
     nodes: frozenset[str]
     constraint: str = ""
+    gang: str = ""
+
+    @property
+    def branches(self) -> bool:
+        """Placed by the search, not the flow: several devices, or one of a gang."""
+        return self.count > 1 or bool(self.gang)
 
 
 Capacity = Mapping[str, Mapping[str, int]]  # node -> kind -> free devices
@@ -52,13 +60,14 @@ def assign_proven(
 ) -> tuple[dict[str, str], bool]:
     """``assign``'s answer, and whether it is proven to serve the most pods."""
     seed = _first_fit(wants, capacity)
-    big = sorted((w for w in wants if w.count > 1), key=lambda w: (-w.count, len(w.nodes), w.pod))
+    big, gang_end = _searched(wants)
     if not big:
         return seed, True
-    demand = relaxed([w for w in wants if w.count == 1])
+    demand = relaxed([w for w in wants if not w.branches])
     best: int = len(seed)
     best_big: dict[str, str] | None = None
     left = steps
+    nodes = [sorted(w.nodes) for w in big]
 
     def go(i: int, free: dict[str, Counter[str]], placed: dict[str, str]) -> None:
         nonlocal best, best_big, left
@@ -72,19 +81,61 @@ def assign_proven(
             best, best_big = len(placed) + units, dict(placed)
             return
         w = big[i]
-        for n in sorted(w.nodes):
+        first = 0
+        if _twins(big, i, gang_end):  # alike pods of a gang: places in node order only
+            first = nodes[i].index(placed[big[i - 1].pod])
+        for n in nodes[i][first:]:
             if n in free and free[n][w.kind] >= w.count:
                 free[n][w.kind] -= w.count
                 placed[w.pod] = n
                 go(i + 1, free, placed)
                 del placed[w.pod]
                 free[n][w.kind] += w.count
-        go(i + 1, free, placed)
+        if not w.gang:
+            go(i + 1, free, placed)
+        elif i in gang_end:  # its first pod: the gang left out
+            go(gang_end[i], free, placed)
 
     go(0, {n: Counter(c) for n, c in capacity.items()}, {})
     if best_big is None:
         return seed, left > 0
     return _placed_then_units(wants, capacity, best_big), left > 0
+
+
+def _searched(wants: Sequence[Want]) -> tuple[list[Want], dict[int, int]]:
+    """The pods the search places, largest first, a gang's together; and, for the first pod of
+    each gang, where the pods after its gang begin."""
+    blocks: dict[str, list[Want]] = defaultdict(list)
+    for w in wants:
+        if w.branches:
+            blocks[w.gang or "\0" + w.pod].append(w)
+    ordered = sorted(
+        (sorted(b, key=lambda w: (-w.count, len(w.nodes), w.pod)) for b in blocks.values()),
+        key=lambda b: (-b[0].count, -len(b), len(b[0].nodes), b[0].pod),
+    )
+    big: list[Want] = []
+    gang_end: dict[int, int] = {}
+    for block in ordered:
+        if block[0].gang:
+            gang_end[len(big)] = len(big) + len(block)
+        big += block
+    return big, gang_end
+
+
+def _twins(big: Sequence[Want], i: int, gang_end: Mapping[int, int]) -> bool:
+    if i == 0 or i in gang_end or not big[i].gang:
+        return False
+    a, b = big[i - 1], big[i]
+    return (a.gang, a.kind, a.count, a.nodes) == (b.gang, b.kind, b.count, b.nodes)
+
+
+def _whole_gangs(wants: Sequence[Want], placed: dict[str, str]) -> dict[str, str]:
+    """``placed`` without the pods of gangs it does not place whole."""
+    broken = {w.gang for w in wants if w.gang and w.pod not in placed}
+    if not broken:
+        return placed
+    dropped = {w.pod for w in wants if w.gang in broken}
+    return {p: n for p, n in placed.items() if p not in dropped}
 
 
 def _placed_then_units(
@@ -95,10 +146,11 @@ def _placed_then_units(
     by_pod = {w.pod: w for w in wants}
     for pod, node in placed.items():
         free[node][by_pod[pod].kind] -= by_pod[pod].count
-    return {**placed, **_units(wants, free)}
+    return {**placed, **_units([w for w in wants if not w.branches], free)}
 
 
 def _units(wants: Sequence[Want], free: Mapping[str, Counter[str]]) -> dict[str, str]:
+    """The pods of one device among ``wants`` by flow, kind by kind."""
     by_kind: dict[str, list[Want]] = defaultdict(list)
     for w in wants:
         if w.count == 1:
@@ -110,7 +162,8 @@ def _units(wants: Sequence[Want], free: Mapping[str, Counter[str]]) -> dict[str,
 
 
 def _first_fit(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
-    """The big pods first, largest first, each on the fullest node; then the rest by flow."""
+    """The big pods first, largest first, each on the fullest node; then the rest by flow;
+    then the gangs it did not place whole taken out."""
     free = {n: Counter(c) for n, c in capacity.items()}
     out: dict[str, str] = {}
     big: dict[tuple[str, int, frozenset[str]], list[str]] = defaultdict(list)
@@ -132,7 +185,7 @@ def _first_fit(wants: Sequence[Want], capacity: Capacity) -> dict[str, str]:
             if free[node][kind] >= count:
                 heapq.heappush(heap, (-free[node][kind], node))
     out.update(_units(wants, free))
-    return out
+    return _whole_gangs(wants, out)
 
 
 Demand = dict[str, list[tuple[frozenset[str], int]]]  # kind -> (nodes, pods), one device each

@@ -25,6 +25,9 @@ MIG_PREFIX: Final = "nvidia.com/mig-"
 MIG_CLASS: Final = "mig.nvidia.com"
 GPU_CLASS: Final = "gpu.nvidia.com"
 DRA_GPU: Final = "dra:gpu"
+# labels that put a pod in a gang, served all or none: the coscheduling plugin's PodGroup
+# (scheduling-plugins), and Kueue's plain pod groups
+GANG_LABELS: Final = ("scheduling.x-k8s.io/pod-group", "kueue.x-k8s.io/pod-group-name")
 
 # device.attributes["gpu.nvidia.com"].profile == "3g.40gb", either way round
 _PROFILE_EQUALS = (
@@ -44,6 +47,14 @@ _DRIVER_EQUALS = re.compile(r"^\s*device\.driver\s*==\s*(['\"])([^'\"]+)\1\s*$")
 class Ask:
     kind: str
     count: int
+
+
+def gang_of(namespace: str, labels: Mapping[str, str]) -> str:
+    """The gang a pod belongs to ("namespace/group"), or "" for none."""
+    for key in GANG_LABELS:
+        if labels.get(key):
+            return f"{namespace}/{labels[key]}"
+    return ""
 
 
 def dra_kind(profile: str) -> str:

@@ -73,7 +73,7 @@ def run(
     pool = read_pool(
         cluster, catalog, settings, selector=selector, allow_evict=allow_evict, generated=generated
     )
-    advice = advise(pool.wants, pool.supplies)
+    advice = advise(pool.wants, pool.supplies, pool.budgets)
     proposals, beyond = _at_most(advice, max_nodes)
     unserved = [(w.pod, _why(w, pool, allow_evict)) for w in advice.unserved]
     unserved += [
@@ -137,6 +137,20 @@ def _why(want: Want, pool: Pool, allow_evict: bool) -> str:
             return f"only layouts that evict running pods offer {kind} on {where} (--allow-evict)"
         nodes = f" ({', '.join(allowed)})" if want.constraint else ""
         return f"no approved layout offers {kind} on {where}{nodes}"
+    offers = [
+        o for n in offering for o in supplies[n].options if o.free.get(want.kind, 0) >= want.count
+    ]
+    if all(o.budgets for o in offers):
+        budgets = ", ".join(sorted({b for o in offers for b in o.budgets}))
+        return (
+            f"the layouts that offer {kind} on {where} evict pods of PodDisruptionBudgets "
+            f"({budgets}) whose disruptions the proposals' evictions already take"
+        )
+    if want.gang:
+        return (
+            f"its gang {want.gang} is served all or none, and the approved layouts cannot "
+            "serve all of its pods"
+        )
     return f"the {kind} devices approved layouts can offer on {where} go to other pending pods"
 
 

@@ -6,6 +6,7 @@ One look at nodes, pods, ResourceSlices, ResourceClaims and PodDisruptionBudgets
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,7 @@ class Pool:
     seen: dict[str, dict[str, str | None]] = field(default_factory=dict)
     uids: dict[str, str] = field(default_factory=dict)
     catalog: LayoutCatalog | None = None
+    budgets: dict[str, int] = field(default_factory=dict)  # PDB -> evictions it allows now
 
 
 def read_pool(
@@ -78,6 +80,7 @@ def read_pool(
         or dra_devices.publishes(dra.slices, n.name)
     ]
     pdbs = _tolerant_pdbs(cluster) if allow_evict else []
+    pool.budgets = budgets_of(pdbs)
     memo: Memo = {}  # nodes alike plan each layout once
     if generated:
         catalog = with_generated(catalog, _models(nodes, s))[0]
@@ -244,33 +247,54 @@ def _allowed_options(
     supply: Supply, pdbs: Sequence[PdbView], running: Sequence[PodView], allow_evict: bool
 ) -> tuple[Supply, set[str]]:
     """The supply without the options it may not take: any eviction without ``allow_evict``,
-    else more evictions of a PDB's pods than it allows now; also the kinds only those offer."""
+    else more evictions of a PDB's pods than it allows now; the others say how many of each
+    PDB's pods they evict (the search keeps their sum within it). Also the kinds only the
+    options left out offer."""
     labels = {str(p.ref): (p.ref.namespace, p.labels) for p in running}
-
-    def allowed(evicts: Sequence[str]) -> bool:
-        if not evicts:
-            return True
-        if not allow_evict:
-            return False
-        for pdb in pdbs:
-            covered = sum(
-                1
-                for pod in evicts
-                if pod in labels
-                and labels[pod][0] == pdb.namespace
-                and pdb.selector is not None
-                and pdb.selector.matches(labels[pod][1])
-            )
-            if covered > pdb.disruptions_allowed:
-                return False
-        return True
-
-    kept = tuple(o for o in supply.options if allowed(o.evicts))
+    allowed = budgets_of(pdbs)
+    kept: list[Option] = []
+    for o in supply.options:
+        if o.evicts and not allow_evict:
+            continue
+        covered = _covered(o.evicts, pdbs, labels)
+        if all(n <= allowed[b] for b, n in covered.items()):
+            kept.append(dataclasses.replace(o, budgets=covered) if covered else o)
     offered = {k for o in kept for k, n in o.free.items() if n}
-    refused = {k for o in supply.options if o not in kept for k, n in o.free.items() if n}
-    return Supply(supply.node, supply.layout, supply.free, kept, supply.resources), (
+    layouts = {o.layout for o in kept}
+    refused = {k for o in supply.options if o.layout not in layouts for k, n in o.free.items() if n}
+    return Supply(supply.node, supply.layout, supply.free, tuple(kept), supply.resources), (
         refused - offered
     )
+
+
+def _covered(
+    evicts: Sequence[str],
+    pdbs: Sequence[PdbView],
+    labels: Mapping[str, tuple[str, Mapping[str, str]]],
+) -> dict[str, int]:
+    """PDB -> how many of ``evicts`` (pods by name: namespace and labels) it covers."""
+    out: dict[str, int] = {}
+    for pdb in pdbs:
+        n = sum(
+            1
+            for pod in evicts
+            if pod in labels
+            and labels[pod][0] == pdb.namespace
+            and pdb.selector is not None
+            and pdb.selector.matches(labels[pod][1])
+        )
+        if n:
+            out[_budget(pdb)] = n
+    return out
+
+
+def _budget(pdb: PdbView) -> str:
+    return f"{pdb.namespace}/{pdb.name}"
+
+
+def budgets_of(pdbs: Sequence[PdbView]) -> dict[str, int]:
+    """The evictions each PodDisruptionBudget allows now, for the search."""
+    return {_budget(p): p.disruptions_allowed for p in pdbs}
 
 
 def _tolerant_pdbs(cluster: Cluster) -> list[PdbView]:
@@ -312,4 +336,5 @@ def _add_want(
     if any(free.get(n, {}).get(ask.kind, 0) >= ask.count for n in allowed):
         return  # a node can take it today: the scheduler's to place
     active = frozenset(n for n in allowed if n in free)
-    pool.wants.append(Want(name, ask.kind, ask.count, active, pod.constraints.describe()))
+    gang = demand.gang_of(pod.ref.namespace, pod.labels)
+    pool.wants.append(Want(name, ask.kind, ask.count, active, pod.constraints.describe(), gang))

@@ -11,7 +11,12 @@
   and no proposal serves nobody;
 * nothing is proposed when nothing is pending, or when no option offers what is asked;
 * evictions only where no eviction-free option serves as many; ties go the same way every time;
-* large pools take the greedy path and still serve what the flow bound allows on easy pools.
+* large pools take the greedy path and still serve what the flow bound allows on easy pools;
+* gangs (pods served all or none) and PodDisruptionBudgets shared across proposals (the chosen
+  options evict, in sum, no more of a budget's pods than it allows): the search finds what a
+  brute force of its own finds (every subset of gangs served, every option per node within the
+  budgets) on 400 seeded pools and on pools hypothesis draws, says ``optimal``, and the greedy
+  path's answers keep gangs whole and budgets in sum.
 """
 
 from __future__ import annotations
@@ -33,54 +38,93 @@ KINDS = ("a", "b", "c")
 BRUTE_POOLS = 400
 
 
-def _pool(rng: random.Random, *, counts: Sequence[int] = (1,)) -> tuple[list[Want], list[Supply]]:
+def _pool(
+    rng: random.Random,
+    *,
+    counts: Sequence[int] = (1,),
+    gangs: bool = False,
+    budgets: bool = False,
+) -> tuple[list[Want], list[Supply], dict[str, int]]:
     names = [f"n{i}" for i in range(rng.randint(2, 4))]
+    budget_of: dict[str, str] = {}  # evicted pod -> the budget covering it
     supplies = []
     for n in names:
-        options = tuple(
-            Option(
-                f"L{j}",
-                tuple(range(rng.randint(1, 3))),
-                {k: rng.randint(0, 3) for k in rng.sample(KINDS, rng.randint(1, 2))},
-                evicts=tuple(f"run/{n}-{e}" for e in range(rng.choice((0, 0, 0, 1, 2)))),
+        options = []
+        for j in range(rng.randint(0, 3)):
+            evicts = tuple(f"run/{n}-{e}" for e in range(rng.choice((0, 0, 0, 1, 2))))
+            covered: Counter[str] = Counter()
+            for pod in evicts if budgets else ():
+                budget = budget_of.setdefault(pod, rng.choice(("b0", "b1", "")))
+                if budget:
+                    covered[budget] += 1
+            options.append(
+                Option(
+                    f"L{j}",
+                    tuple(range(rng.randint(1, 3))),
+                    {k: rng.randint(0, 3) for k in rng.sample(KINDS, rng.randint(1, 2))},
+                    evicts=evicts,
+                    budgets=dict(covered),
+                )
             )
-            for j in range(rng.randint(0, 3))
-        )
-        supplies.append(Supply(n, "now", {}, options))
+        supplies.append(Supply(n, "now", {}, tuple(options)))
     wants = []
     for p in range(rng.randint(0, 6)):
         nodes = frozenset(rng.sample(names, rng.randint(1, len(names))))
-        wants.append(Want(f"ns/p{p}", rng.choice(KINDS), rng.choice(counts), nodes))
-    return wants, supplies
+        gang = rng.choice(("", "", "g0", "g1")) if gangs else ""
+        wants.append(Want(f"ns/p{p}", rng.choice(KINDS), rng.choice(counts), nodes, gang=gang))
+    allowed = {"b0": rng.randint(0, 2), "b1": rng.randint(0, 2)} if budgets else {}
+    return wants, supplies, allowed
 
 
 def _best_served(wants: Sequence[Want], capacity: Mapping[str, Mapping[str, int]]) -> int:
-    """The most pods placed, by trying every node (or none) for every pod."""
+    """The most pods placed, by trying every subset of the gangs served and, within it, every
+    node (or none, for a pod of no gang served) for every pod."""
     nodes = sorted(capacity)
+    gangs = sorted({w.gang for w in wants if w.gang})
+    start = tuple(tuple(capacity[n].get(k, 0) for k in KINDS) for n in nodes)
+    most = 0
+    for r in range(len(gangs) + 1):
+        for served in itertools.combinations(gangs, r):
+            pods = [w for w in wants if not w.gang or w.gang in served]
+            most = max(most, _placed(pods, nodes, start))
+    return most
+
+
+def _placed(wants: Sequence[Want], nodes: Sequence[str], start: tuple[tuple[int, ...], ...]) -> int:
+    """The most of ``wants`` placed, every pod of a gang placed (-1: they cannot all be)."""
 
     @functools.cache
     def go(i: int, free: tuple[tuple[int, ...], ...]) -> int:
         if i == len(wants):
             return 0
         w = wants[i]
-        best = go(i + 1, free)
+        best = -1 if w.gang else go(i + 1, free)
         for j, n in enumerate(nodes):
             k = KINDS.index(w.kind)
             if n in w.nodes and free[j][k] >= w.count:
                 row = list(free[j])
                 row[k] -= w.count
-                best = max(best, 1 + go(i + 1, (*free[:j], tuple(row), *free[j + 1 :])))
+                rest = go(i + 1, (*free[:j], tuple(row), *free[j + 1 :]))
+                if rest >= 0:
+                    best = max(best, 1 + rest)
         return best
 
-    start = tuple(tuple(capacity[n].get(k, 0) for k in KINDS) for n in nodes)
-    return go(0, start)
+    return max(go(0, start), 0)
 
 
-def _brute(wants: Sequence[Want], supplies: Sequence[Supply]) -> tuple[int, tuple[int, ...]]:
-    """(served, (evictions, GPUs changed, nodes changed)) of the best choice of all."""
+def _brute(
+    wants: Sequence[Want], supplies: Sequence[Supply], budgets: Mapping[str, int] | None = None
+) -> tuple[int, tuple[int, ...]]:
+    """(served, (evictions, GPUs changed, nodes changed)) of the best choice of all, of those
+    that evict no more of any budget's pods than it allows."""
     best: tuple[int, tuple[int, ...]] = (0, (0, 0, 0))
     for picks in itertools.product(*[(None, *s.options) for s in supplies]):
         chosen = [o for o in picks if o is not None]
+        used = Counter[str]()
+        for o in chosen:
+            used.update(o.budgets)
+        if any(n > (budgets or {}).get(b, n) for b, n in used.items()):
+            continue
         capacity = {s.node: (o.free if o else s.free) for s, o in zip(supplies, picks, strict=True)}
         served = _best_served(wants, capacity)
         cost = (
@@ -93,27 +137,38 @@ def _brute(wants: Sequence[Want], supplies: Sequence[Supply]) -> tuple[int, tupl
     return best
 
 
-def _check_valid(wants: Sequence[Want], supplies: Sequence[Supply], advice: Advice) -> None:
+def _check_valid(
+    wants: Sequence[Want],
+    supplies: Sequence[Supply],
+    advice: Advice,
+    budgets: Mapping[str, int] | None = None,
+) -> None:
     by_pod = {w.pod: w for w in wants}
-    used: dict[str, Counter[str]] = {}
+    used = Counter[str]()
+    for p in advice.proposals:
+        used.update(p.option.budgets)
+    assert all(n <= (budgets or {}).get(b, n) for b, n in used.items()), used
     for p in advice.proposals:
         assert p.serves, f"{p.node} proposed but serves nobody"
-        used[p.node] = Counter()
+        taken = Counter[str]()
         for pod in p.serves:
             w = by_pod[pod]
             assert p.node in w.nodes
-            used[p.node][w.kind] += w.count
-        for kind, n in used[p.node].items():
+            taken[w.kind] += w.count
+        for kind, n in taken.items():
             assert n <= p.option.free.get(kind, 0)
     served = {pod for p in advice.proposals for pod in p.serves}
     assert {w.pod for w in advice.unserved} == set(by_pod) - served
     assert len(served) == advice.served
+    for gang in {w.gang for w in wants if w.gang}:
+        members = {w.pod for w in wants if w.gang == gang}
+        assert members <= served or not members & served, f"gang {gang} served in part"
 
 
 def test_the_search_matches_brute_force_on_seeded_small_pools() -> None:
     exact = 0
     for seed in range(BRUTE_POOLS):
-        wants, supplies = _pool(random.Random(seed))
+        wants, supplies, _ = _pool(random.Random(seed))
         advice = advise(wants, supplies)
         _check_valid(wants, supplies, advice)
         assert (advice.served, advice.cost) == _brute(wants, supplies), f"seed {seed}"
@@ -124,7 +179,7 @@ def test_the_search_matches_brute_force_on_seeded_small_pools() -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.integers(min_value=0, max_value=2**32))
 def test_the_search_matches_brute_force_on_drawn_pools(seed: int) -> None:
-    wants, supplies = _pool(random.Random(seed))
+    wants, supplies, _ = _pool(random.Random(seed))
     advice = advise(wants, supplies)
     _check_valid(wants, supplies, advice)
     assert (advice.served, advice.cost) == _brute(wants, supplies)
@@ -132,7 +187,7 @@ def test_the_search_matches_brute_force_on_drawn_pools(seed: int) -> None:
 
 def test_pods_of_several_devices_get_valid_answers_never_better_than_brute_force() -> None:
     for seed in range(150):
-        wants, supplies = _pool(random.Random(seed), counts=(1, 2, 3))
+        wants, supplies, _ = _pool(random.Random(seed), counts=(1, 2, 3))
         advice = advise(wants, supplies)
         _check_valid(wants, supplies, advice)
         assert advice.served <= _brute(wants, supplies)[0]
@@ -143,9 +198,9 @@ def test_the_greedy_path_is_valid_and_matches_brute_force_on_served_mostly() -> 
     nearly every pool (the exact search makes up the rest)."""
     same = 0
     for seed in range(200):
-        wants, supplies = _pool(random.Random(seed))
+        wants, supplies, _ = _pool(random.Random(seed))
         useful = adv._useful_options(wants, sorted(supplies, key=lambda s: s.node))
-        choice = adv._trimmed(wants, useful, adv._greedy(wants, useful))
+        choice = adv._trimmed(wants, useful, adv._greedy(wants, useful, {}), {})
         advice = adv._advice(wants, supplies, choice, False)
         _check_valid(wants, supplies, advice)
         same += advice.served == _brute(wants, supplies)[0]
@@ -231,7 +286,7 @@ def test_two_pods_of_one_device_beat_one_of_two_issue_43() -> None:
 
 def test_the_search_matches_brute_force_with_pods_of_several_devices() -> None:
     for seed in range(BRUTE_POOLS):
-        wants, supplies = _pool(random.Random(seed), counts=(1, 2, 3))
+        wants, supplies, _ = _pool(random.Random(seed), counts=(1, 2, 3))
         advice = advise(wants, supplies)
         _check_valid(wants, supplies, advice)
         assert advice.optimal, f"seed {seed}"
@@ -241,7 +296,68 @@ def test_the_search_matches_brute_force_with_pods_of_several_devices() -> None:
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(st.integers(min_value=0, max_value=2**32))
 def test_the_search_matches_brute_force_on_drawn_pools_of_several_devices(seed: int) -> None:
-    wants, supplies = _pool(random.Random(seed), counts=(1, 2, 3))
+    wants, supplies, _ = _pool(random.Random(seed), counts=(1, 2, 3))
     advice = advise(wants, supplies)
     _check_valid(wants, supplies, advice)
     assert (advice.served, advice.cost) == _brute(wants, supplies)
+
+
+def test_the_search_matches_brute_force_with_gangs() -> None:
+    for seed in range(BRUTE_POOLS):
+        wants, supplies, _ = _pool(random.Random(seed), counts=(1, 2, 3), gangs=True)
+        advice = advise(wants, supplies)
+        _check_valid(wants, supplies, advice)
+        assert advice.optimal, f"seed {seed}"
+        assert (advice.served, advice.cost) == _brute(wants, supplies), f"seed {seed}"
+
+
+def test_the_search_matches_brute_force_with_budgets_shared_across_proposals() -> None:
+    for seed in range(BRUTE_POOLS):
+        wants, supplies, budgets = _pool(random.Random(seed), counts=(1, 2), budgets=True)
+        advice = advise(wants, supplies, budgets)
+        _check_valid(wants, supplies, advice, budgets)
+        assert advice.optimal, f"seed {seed}"
+        assert (advice.served, advice.cost) == _brute(wants, supplies, budgets), f"seed {seed}"
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.integers(min_value=0, max_value=2**32))
+def test_the_search_matches_brute_force_on_drawn_pools_with_gangs_and_budgets(seed: int) -> None:
+    wants, supplies, budgets = _pool(
+        random.Random(seed), counts=(1, 2, 3), gangs=True, budgets=True
+    )
+    advice = advise(wants, supplies, budgets)
+    _check_valid(wants, supplies, advice, budgets)
+    assert (advice.served, advice.cost) == _brute(wants, supplies, budgets)
+
+
+def test_the_greedy_path_keeps_gangs_whole_and_budgets_in_sum() -> None:
+    for seed in range(200):
+        wants, supplies, budgets = _pool(
+            random.Random(seed), counts=(1, 2), gangs=True, budgets=True
+        )
+        useful = adv._useful_options(wants, sorted(supplies, key=lambda s: s.node))
+        choice = adv._trimmed(wants, useful, adv._greedy(wants, useful, budgets), budgets)
+        _check_valid(wants, supplies, adv._advice(wants, supplies, choice, False), budgets)
+
+
+def test_a_gang_that_cannot_be_served_whole_is_not_served_at_all() -> None:
+    only = frozenset({"n0"})
+    wants = [Want(f"ns/g{i}", "a", 1, only, gang="ns/job") for i in range(3)]
+    wants.append(Want("ns/solo", "a", 1, only))
+    advice = advise(wants, [_node("n0", Option("two", (0,), {"a": 2}))])
+    assert [p.serves for p in advice.proposals] == [("ns/solo",)]
+    assert advice.optimal
+    advice = advise(wants, [_node("n0", Option("four", (0,), {"a": 4}))])
+    assert [p.serves for p in advice.proposals] == [("ns/g0", "ns/g1", "ns/g2", "ns/solo")]
+
+
+def test_two_proposals_never_evict_more_of_one_budget_than_it_allows() -> None:
+    wants = [Want(f"ns/p{i}", "a", 1, frozenset({f"n{i}"})) for i in range(2)]
+    supplies = [
+        _node(f"n{i}", Option("x", (0,), {"a": 1}, evicts=(f"ns/run{i}",), budgets={"ns/pdb": 1}))
+        for i in range(2)
+    ]
+    advice = advise(wants, supplies, {"ns/pdb": 1})
+    assert advice.served == 1 and advice.optimal
+    assert advise(wants, supplies, {"ns/pdb": 2}).served == 2

@@ -484,3 +484,38 @@ def test_the_commands_parse_their_flags_and_print_json_and_yaml(
     assert "to: one-3g" in lines[0]
     with pytest.raises(SystemExit):
         kubectl.build_parser().parse_args(["advise", "--max-nodes", "0"])
+
+
+def test_proposals_together_evict_no_more_of_a_budget_than_it_allows(catalog: Any) -> None:
+    c = _pool(catalog, "gpu-a", "gpu-b")
+    for n in ("gpu-a", "gpu-b"):
+        c.add_pod("team", f"busy-{n}", n, gpu={MIG_1G: 1}, labels={"app": "busy"})
+        _ask_3g(c, f"pinned-{n}", nodeSelector={"kubernetes.io/hostname": n})
+    c.pdbs.append(PdbView("team", "busy-pdb", LabelSelector({"app": "busy"}), 1))
+    report = ops_advise.run(c, catalog, allow_evict=True)
+    assert [(p.node, p.option.evicts) for p in report.proposals] == [
+        ("gpu-a", ("team/busy-gpu-a",))
+    ]
+    assert report.optimal
+    assert dict(report.unserved) == {
+        "team/pinned-gpu-b": "the layouts that offer mig-3g.40gb on the node(s) its nodeSelector "
+        "kubernetes.io/hostname=gpu-b allows evict pods of PodDisruptionBudgets (team/busy-pdb) "
+        "whose disruptions the proposals' evictions already take"
+    }
+
+
+def test_pods_of_a_pod_group_are_a_gang_served_all_or_none(catalog: Any) -> None:
+    c = _pool(catalog, "gpu-a")
+    group = {"scheduling.x-k8s.io/pod-group": "trainer"}
+    for i in range(5):  # one node's all-3g offers four 3g.40gb: the gang of five cannot fit
+        ref = _ask_3g(c, f"trainer-{i}")
+        c.pods[ref] = dataclasses.replace(c.pods[ref], labels=group)
+    report = ops_advise.run(c, catalog)
+    assert report.proposals == ()
+    reasons = dict(report.unserved)
+    assert reasons["team/trainer-0"] == (
+        "its gang team/trainer is served all or none, and the approved layouts cannot serve all "
+        "of its pods"
+    )
+    _ask_3g(c, "solo")
+    assert [p.serves for p in ops_advise.run(c, catalog).proposals] == [("team/solo",)]
