@@ -8,7 +8,11 @@ agent in observe mode with a layout that would change the GPUs. MIG mode and ins
 the same before and after, else it fails. Prints a transcript: each command, then its output.
 
 ``python -m migsim.cluster.real_gpu [--driver-root DIR | --gpus SPEC] [--held LAYOUT]
-[--other LAYOUT] [--no-observe] [--chart MANIFEST]``
+[--other LAYOUT] [--no-observe] [--chart MANIFEST] [--dra]``
+
+With ``--dra`` the node is a DRA node instead (real_gpu_dra.py): NVIDIA's DRA kubelet plugin
+publishes the GPUs, mig-agent reaches `success` by its ResourceSlice, and a pod's ResourceClaim
+is prepared by the kubelet and runs `nvidia-smi -L` on the claimed GPU.
 
 Never changes a GPU: no apply runs unless its plan is empty, and the agent is started only after
 that check. Needs root, the Kubernetes and NVIDIA binaries and the real node's tools
@@ -20,124 +24,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from . import images, real_node, seed_checks
+from . import images, real_gpu_dra, real_node, seed_checks
 from .agents import PLUGIN_NS
 from .cluster import Cluster
 from .errors import DevClusterError
-from .processes import Proc, spawn, stop
-
-CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
-
-
-def mig_agent(
-    *args: str, backend: Sequence[str] = (), kubeconfig: Path | None = None, check: bool = True
-) -> str:
-    """`mig-agent ARGS` (with `backend`'s options: the GPUs it reads), its command line and
-    output in the transcript."""
-    say(f"$ mig-agent {' '.join(args)}")
-    env = {**os.environ, **({"KUBECONFIG": str(kubeconfig)} if kubeconfig else {})}
-    done = subprocess.run(
-        [sys.executable, "-m", "mig_agent", *args, *backend],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=env,
-    )
-    say((done.stdout + done.stderr).rstrip() + "\n")
-    if check and done.returncode != 0:
-        raise DevClusterError(f"mig-agent {args[0]} exited {done.returncode}")
-    return done.stdout
-
-
-def backend_of(node: real_node.RealNode) -> list[str]:
-    """mig-agent's options for the node's GPUs: the real NVML, or the simulated GPUs' state."""
-    if node.driver_root:
-        return ["--backend", "nvml"]
-    return ["--backend", "simulated", "--sim-state", str(node.sim_state)]
-
-
-def gpu_state(node: real_node.RealNode) -> str:
-    """The GPUs as NVML reports them (MIG mode, instances), to compare before and after."""
-    done = subprocess.run(
-        [sys.executable, "-m", "mig_agent", "export", "-o", "json", *backend_of(node)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stdout
-
-
-def wait_for(what: str, probe: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise DevClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.5)
-
-
-def node_object(cluster: Cluster) -> dict[str, object]:
-    node = cluster.api.get(f"/api/v1/nodes/{real_node.NAME}")
-    assert isinstance(node, dict)
-    return node
-
-
-def allocatable(cluster: Cluster) -> dict[str, str]:
-    status = node_object(cluster).get("status") or {}
-    assert isinstance(status, dict)
-    return {k: v for k, v in (status.get("allocatable") or {}).items() if k.startswith("nvidia")}
-
-
-def node_label(cluster: Cluster, key: str) -> str:
-    meta = node_object(cluster).get("metadata") or {}
-    assert isinstance(meta, dict)
-    return str((meta.get("labels") or {}).get(key, ""))
-
-
-def set_label(cluster: Cluster, key: str, value: str) -> None:
-    say(f"$ kubectl label node {real_node.NAME} {key}={value} --overwrite")
-    cluster.api.request(
-        "PATCH",
-        f"/api/v1/nodes/{real_node.NAME}",
-        {"metadata": {"labels": {key: value}}},
-        content_type="application/merge-patch+json",
-    )
-
-
-@contextlib.contextmanager
-def host_agent(
-    cluster: Cluster, node: real_node.RealNode, logs: Path, *extra: str
-) -> Iterator[Proc]:
-    """`mig-agent run` on the host for the real node, over its GPUs; stopped on leaving."""
-    argv = [sys.executable, "-m", "mig_agent", "run", "--node", real_node.NAME]
-    argv += [*backend_of(node), "--kubeconfig", str(cluster.kubeconfig), *extra]
-    agent = spawn(f"mig-agent{'-'.join(extra)}", argv, logs / f"mig-agent{'-'.join(extra)}.log")
-    try:
-        yield agent
-    finally:
-        stop([agent])
-
-
-def held_layout_applies(cluster: Cluster, node: real_node.RealNode, logs: Path, held: str) -> None:
-    """The agent, with the layout the GPUs hold: `success` without a change."""
-    # exits non-zero unless nothing would change: no agent is started then
-    mig_agent("plan", "-c", held, "--exit-code", backend=backend_of(node))
-    with host_agent(cluster, node, logs):
-        set_label(cluster, CONFIG, held)
-        wait_for("state success", lambda: node_label(cluster, STATE) == "success", 180)
-    say(f"state: {node_label(cluster, STATE)}\n")
-
+from .real_gpu_steps import (
+    CONFIG,
+    STATE,
+    allocatable,
+    gpu_state,
+    held_layout_applies,
+    host_agent,
+    host_smi,
+    mig_agent,
+    node_label,
+    node_object,
+    say,
+    set_label,
+    wait_for,
+)
 
 OBSERVED = "mig-agent.dev/observed-plan"
 
@@ -205,18 +115,6 @@ def observe_reports(cluster: Cluster, node: real_node.RealNode, logs: Path, othe
         raise DevClusterError("the observing agent changed the state label")
 
 
-def host_smi(node: real_node.RealNode) -> None:
-    """nvidia-smi on the host: the driver's (MIG mode by query), or the simulated one's list."""
-    if not node.driver_root:
-        say(f"$ nvidia-smi -L\n{seed_checks.host_nvidia_smi(node, '-L').rstrip()}\n")
-        return
-    query = ["--query-gpu=name,uuid,mig.mode.current,mig.mode.pending", "--format=csv"]
-    say(f"$ nvidia-smi {' '.join(query)}")
-    smi = Path(node.driver_root) / "bin" / "nvidia-smi"
-    done = subprocess.run([str(smi), *query], capture_output=True, text=True, check=False)
-    say((done.stdout + done.stderr).rstrip() + "\n")
-
-
 def checks(cluster: Cluster, logs: Path, args: argparse.Namespace) -> bool:
     """The checks on a real node over the GPUs; whether the GPUs read the same after."""
     node = real_node.start(
@@ -269,11 +167,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--dir", type=Path, default=None, help="the cluster's folder (default: a new one)"
     )
+    p.add_argument(
+        "--dra",
+        action="store_true",
+        help="the node as a DRA node instead: NVIDIA's DRA kubelet plugin, a pod's "
+        "ResourceClaim prepared by the kubelet (migsim.cluster.real_gpu_dra)",
+    )
     args = p.parse_args(argv)
     directory = args.dir or Path(tempfile.mkdtemp(prefix="real-gpu-"))
     cluster = Cluster.up(directory, gpu_nodes=0, log=say)
     try:
-        unchanged = checks(cluster, directory / "logs", args)
+        if args.dra:
+            driver_root = "" if args.gpus else args.driver_root
+            logs = directory / "logs"
+            unchanged = real_gpu_dra.checks(cluster, logs, args.held, args.gpus, driver_root)
+        else:
+            unchanged = checks(cluster, directory / "logs", args)
     finally:
         cluster.down()
     if not unchanged:
