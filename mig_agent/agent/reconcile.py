@@ -60,6 +60,9 @@ from mig_agent.observability.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
+UNTOUCHED = "nothing was touched"
+TOUCHED_BEFORE = "this pass touched nothing (the GPUs changed in an earlier one)"
+
 
 def config_fingerprint(path: str) -> tuple[tuple[str, float, int], ...]:
     """Modification times and sizes of the config files, to notice a changed ConfigMap."""
@@ -423,6 +426,9 @@ class Agent:
         if settled is not None:
             said = [str(exc.context.get(NOTE, "")), settled.note, settled.verdict.why]
             exc.context[NOTE] = "; ".join(p for p in said if p)
+            if settled.verdict.record is not None and settled.verdict.record.gpus:
+                # this pass touched nothing, but the GPUs are not as the node lists them
+                exc.args = (str(exc).replace(UNTOUCHED, TOUCHED_BEFORE),)
         try:
             failed = Finish(self.tools, self.memory).failed(desired, exc)
         except LabelsChanged as changed:

@@ -1,0 +1,190 @@
+"""We test the node guard's promise on the paths issue 42 found out of it, with the in-memory
+fakes of tests/unit/test_agent.py: never schedulable while the node advertises devices NVML no
+longer holds, nor while a pod the agent evicted still runs on a GPU that changes, nor between
+the tries of a drain; and never saying what is not so. Each test failed before the guard
+(mig_agent.agent.guard) kept what the node is owed as a record on the node."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mig_agent.agent import Agent, Outcome
+from mig_agent.core.errors import GpuResetRequired, KubeForbidden, LabelsChanged, Stopping
+from mig_agent.core.gpu_models import MODELS
+from tests.unit.fake_cluster import FakeCluster
+
+from .fake_gpus import FakeGpus
+from .test_agent import CONFIG, NODE, STATE, assert_clean, label, make
+from .test_agent_after_gpus_changed import advertises_what_nvml_holds
+
+REASON = "mig-agent.dev/reason"
+GUARD = "mig-agent.dev/guard"
+
+
+def _plugin_failing_after_the_change(agent: Agent, cluster: FakeCluster) -> Any:
+    """A first pass changes the GPUs and its plugin never comes back: the node stays cordoned
+    over a stale listing. Returns the plugin's player, to bring it back."""
+    plugin = cluster.on_change
+    cluster.on_change = None
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    node = cluster.nodes[NODE]
+    assert node.unschedulable and not advertises_what_nvml_holds(cluster, _gpus(agent))
+    return plugin
+
+
+def _gpus(agent: Agent) -> FakeGpus:
+    assert isinstance(agent.gpus, FakeGpus)
+    return agent.gpus
+
+
+def test_a_typo_in_the_next_layout_keeps_the_cordon_over_a_stale_listing_path_1() -> None:
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    _plugin_failing_after_the_change(agent, cluster)
+    label(cluster, "all-1g.10gbb")  # misspelt: fails before any phase
+    result = agent.reconcile_once()
+    node = cluster.nodes[NODE]
+    assert result.outcome is Outcome.FAILED
+    assert node.unschedulable, "uncordoned over a listing of devices that are gone"
+    assert "stays cordoned until the device plugin advertises" in node.annotations[REASON]
+    assert result.retry_after_s is not None
+
+
+def test_a_drain_refused_after_the_gpus_changed_keeps_the_cordon_and_says_so_path_1() -> None:
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    plugin = _plugin_failing_after_the_change(agent, cluster)
+
+    def stale(c: FakeCluster) -> None:  # back, but listing the GPUs as they were
+        plugin(c)
+        c.patch_node_resources(NODE, {"nvidia.com/gpu": 8, "nvidia.com/mig-1g.10gb": 0})
+
+    cluster.on_change = stale
+    stale(cluster)
+    cluster.add_pod("work", "bare", NODE, gpu={"nvidia.com/mig-1g.10gb": 1}, owner="")
+    label(cluster, "all-balanced")
+    result = agent.reconcile_once()
+    node = cluster.nodes[NODE]
+    assert result.outcome is Outcome.FAILED and "bare" in node.annotations[REASON]
+    assert node.unschedulable
+    reason = node.annotations[REASON]
+    assert "nothing was touched" not in reason, reason
+    assert "stays cordoned until the device plugin advertises" in reason, reason
+
+
+def test_the_label_removed_after_the_gpus_changed_readvertises_before_uncordoning_path_1() -> None:
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    plugin = _plugin_failing_after_the_change(agent, cluster)
+    cluster.patch_node(NODE, labels={CONFIG: None})
+    assert agent.reconcile_once().outcome is Outcome.IDLE
+    assert cluster.nodes[NODE].unschedulable  # no plugin to prove the listing yet
+    cluster.on_change = plugin
+    plugin(cluster)
+    assert agent.reconcile_once().outcome is Outcome.IDLE
+    assert advertises_what_nvml_holds(cluster, gpus)
+    assert_clean(cluster)
+
+
+def _mode_change_stuck(gpus: FakeGpus, then: BaseException) -> None:
+    """GPU 1's MIG mode change is where the pass ends (``then``), GPU 0 changed before it."""
+    set_mode = gpus.set_mig_mode
+
+    def stuck_on_gpu_1(gpu: int, *, enabled: bool) -> None:
+        if gpu == 1:
+            raise then
+        set_mode(gpu, enabled=enabled)
+
+    gpus.set_mig_mode = stuck_on_gpu_1  # type: ignore[method-assign]
+
+
+def test_a_stop_mid_apply_keeps_the_cordon_for_the_next_agent_path_2() -> None:
+    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), operands=False)
+    _mode_change_stuck(gpus, Stopping())
+    label(cluster, "all-1g.5gb")
+    assert agent.reconcile_once().outcome is Outcome.STOPPED
+    node = cluster.nodes[NODE]
+    assert gpus.observe().gpus[0].mig_current  # GPU 0 changed
+    assert not advertises_what_nvml_holds(cluster, gpus)
+    assert node.unschedulable, "uncordoned advertising the GPUs as they were"
+    assert json.loads(node.annotations[GUARD])["gpus"]
+    # the next agent (a new pod of the DaemonSet) reads the record and keeps the promise
+    _mode_change_stuck(gpus, GpuResetRequired("GPU 1: MIG mode change pending", gpu=1))
+    restarted = Agent(agent.settings, cluster, gpus, agent.load_catalog, clock=agent.clock)
+    restarted.reload_config()
+    assert restarted.reconcile_once().outcome is Outcome.FAILED
+    assert advertises_what_nvml_holds(cluster, gpus)
+    assert_clean(cluster)
+
+
+def test_a_relabel_mid_apply_keeps_the_cordon_until_the_listing_is_proven_path_2() -> None:
+    agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), operands=False)
+    relabel = LabelsChanged("layout label changed", labels={CONFIG: None})
+    _mode_change_stuck(gpus, relabel)
+    label(cluster, "all-1g.5gb")
+    assert agent.reconcile_once().outcome is Outcome.SUPERSEDED
+    assert cluster.nodes[NODE].unschedulable, "uncordoned advertising the GPUs as they were"
+    cluster.patch_node(NODE, labels={CONFIG: None})
+    assert agent.reconcile_once().outcome is Outcome.IDLE  # readvertised, then uncordoned
+    assert advertises_what_nvml_holds(cluster, gpus)
+    assert_clean(cluster)
+
+
+def test_an_eviction_error_mid_round_keeps_the_cordon_while_evicted_pods_run_path_5() -> None:
+    agent, cluster, gpus = make(drain_timeout_s=30.0, drain_give_up_s=100.0)
+    going = cluster.add_pod("work", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1})
+    other = cluster.add_pod("work", "webhooked", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.linger.add(going)
+    evict = cluster.evict
+
+    def forbidden_for_one(ref: Any) -> None:
+        if ref == other:
+            raise KubeForbidden("evict pod work/webhooked: 403 denied by a webhook", status=403)
+        evict(ref)
+
+    cluster.evict = forbidden_for_one  # type: ignore[method-assign]
+    label(cluster, "all-balanced")
+    result = agent.reconcile_once()
+    node = cluster.nodes[NODE]
+    assert result.outcome is Outcome.FAILED and result.retry_after_s
+    assert cluster.pods[going].terminating
+    assert node.unschedulable, "uncordoned while an evicted pod still runs"
+    assert "work/checkpointing" in node.annotations[REASON]
+    assert not gpus.calls
+    # the give-up applies: tries end after drain_give_up_s, not for ever
+    for _ in range(8):  # each retry after its back-off
+        agent.clock.sleep(result.retry_after_s or 0.0)
+        result = agent.reconcile_once()
+    assert "given up" in cluster.nodes[NODE].annotations[REASON], result
+    cluster.pods.pop(going)
+    cluster.evict = evict  # type: ignore[method-assign]
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert_clean(cluster)
+
+
+def test_a_gpu_pod_bound_after_the_drains_look_is_drained_before_the_gpus_change_path_6() -> None:
+    agent, cluster, gpus = make()
+    first = cluster.add_pod("work", "train", NODE, gpu={"nvidia.com/gpu": 1})
+    late: list[Any] = []
+    evict = cluster.evict
+
+    def bind_one_more(ref: Any) -> None:
+        evict(ref)
+        if not late:  # bound by name while the drain evicts: the cordon does not stop it
+            late.append(cluster.add_pod("work", "by-name", NODE, gpu={"nvidia.com/gpu": 1}))
+
+    cluster.evict = bind_one_more  # type: ignore[method-assign]
+    apply_calls: list[int] = []
+    destroy = gpus.set_mig_mode
+
+    def no_pod_on_changing_devices(gpu: int, *, enabled: bool) -> None:
+        apply_calls.append(len([p for p in cluster.pods if p.name == "by-name"]))
+        destroy(gpu, enabled=enabled)
+
+    gpus.set_mig_mode = no_pod_on_changing_devices  # type: ignore[method-assign]
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert first in cluster.evicted and late and late[0] in cluster.evicted
+    assert apply_calls and not any(apply_calls), "a GPU changed under a pod never drained"
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert_clean(cluster)
