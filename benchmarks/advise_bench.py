@@ -14,7 +14,11 @@ the search takes on a large pool.
   device-minutes idle while some pod waits, pods evicted, relabels (GPUs changed).
 * large pool: 1,000 nodes of 8xH100-80GB at mixed layouts, half their devices held by running
   pods, 10,000 pending pods (a tenth pinned to one node by nodeSelector): time to build every
-  node's options and to search.
+  node's options and to search; once with pods of one device, once mixed (a fifth asking two
+  devices, a tenth in gangs of four).
+* greedy against exact: seeded pools small enough for the exact search (4 to 12 nodes of
+  8xH100-80GB, mixed demand as above): pods served and disruption of the greedy answer (what
+  larger pools get) against the exact one, and the time per decision of each.
 
 Run: python benchmarks/advise_bench.py [--quick]   (prints tables; no cluster needed)
 """
@@ -39,6 +43,7 @@ import structlog
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mig_agent.config.profiles import load_catalog  # noqa: E402
+from mig_agent.core import advise as search  # noqa: E402
 from mig_agent.core.advertised import plugin_devices  # noqa: E402
 from mig_agent.core.advise import Supply, advise  # noqa: E402
 from mig_agent.core.advise_assign import Want  # noqa: E402
@@ -53,6 +58,7 @@ H100 = MODELS["H100-80GB"]
 CATALOG = load_catalog([Path(__file__).resolve().parents[1] / "profiles"])
 PROFILES = {"1g.10gb": 0.45, "2g.20gb": 0.25, "3g.40gb": 0.2, "7g.80gb": 0.1}
 START = ("all-1g.10gb", "all-2g.20gb", "all-3g.40gb", "all-7g.80gb")
+GANG_DRAW = 0.1 / 3.7  # a gang of four this often of the draws: a tenth of the pods in gangs
 
 
 def approved() -> list[Layout]:
@@ -261,20 +267,19 @@ def best_fixed(pods: Sequence[Pod], minutes: int, nodes_n: int) -> tuple[Figures
     return Figures(pending_pod_min=best[0]), f"{len(useful)} layouts, best {mix}"
 
 
-def large_pool(nodes_n: int, pods_n: int, seed: int = 1) -> tuple[float, float, int, int]:
-    """(seconds to build the options, seconds to search, pods served, proposals)."""
-    rng = random.Random(seed)
-    layouts = approved()
+def pool_supplies(nodes_n: int, layouts: Sequence[Layout]) -> tuple[list[Supply], float]:
+    """The options of ``nodes_n`` nodes at mixed layouts, half their devices held; and the
+    seconds it took to build them."""
     states = {}
     for name in START:
         n = Node("x", "", FakeGpus([H100] * 8))
         n.set_layout(CATALOG.get(name))
         states[name] = (n.gpus.observe(), n.gpus.models(), n.capacity)
-    names = [f"gpu-{i:04}" for i in range(nodes_n)]
     t0 = time.perf_counter()
     supplies: list[Supply] = []
     memo: Memo = {}
-    for i, name in enumerate(names):
+    for i in range(nodes_n):
+        name = f"gpu-{i:04}"
         layout = START[i % len(START)]
         state, models, capacity = states[layout]
         held = [k for k, c in capacity.items() for _ in range(c // 2)]
@@ -284,22 +289,102 @@ def large_pool(nodes_n: int, pods_n: int, seed: int = 1) -> tuple[float, float, 
                 name, layout, layouts, state, models, strategy="mixed", holders=holders, memo=memo
             )
         )
-    t1 = time.perf_counter()
+    return supplies, time.perf_counter() - t0
+
+
+def demand(rng: random.Random, names: Sequence[str], pods_n: int, mixed: bool) -> list[Want]:
+    """Pending pods, a tenth pinned to one node; ``mixed``: a fifth asking two devices and a
+    tenth in gangs of four (pods of one kind each)."""
     every = frozenset(names)
     kinds = ["nvidia.com/mig-" + k for k in PROFILES]
-    wants = [
-        Want(
-            f"bench/p{i}",
-            rng.choices(kinds, list(PROFILES.values()))[0],
-            1,
-            every if rng.random() >= 0.1 else frozenset({rng.choice(names)}),
-        )
-        for i in range(pods_n)
-    ]
-    t2 = time.perf_counter()
+    wants: list[Want] = []
+    while len(wants) < pods_n:
+        kind = rng.choices(kinds, list(PROFILES.values()))[0]
+        nodes = every if rng.random() >= 0.1 else frozenset({rng.choice(names)})
+        i = len(wants)
+        if mixed and rng.random() < GANG_DRAW:
+            wants += [Want(f"bench/g{i}-{j}", kind, 1, every, gang=f"bench/g{i}") for j in range(4)]
+            continue
+        count = 2 if mixed and rng.random() < 0.2 else 1
+        wants.append(Want(f"bench/p{i}", kind, count, nodes))
+    return wants[:pods_n]
+
+
+def large_pool(
+    nodes_n: int, pods_n: int, *, mixed: bool = False, seed: int = 1
+) -> tuple[float, float, int, int]:
+    """(seconds to build the options, seconds to search, pods served, proposals)."""
+    supplies, build_s = pool_supplies(nodes_n, approved())
+    wants = demand(random.Random(seed), [s.node for s in supplies], pods_n, mixed)
+    t0 = time.perf_counter()
     advice = advise(wants, supplies)
-    t3 = time.perf_counter()
-    return t1 - t0, t3 - t2, advice.served, len(advice.proposals)
+    return build_s, time.perf_counter() - t0, advice.served, len(advice.proposals)
+
+
+@dataclass
+class Gap:
+    pools: int = 0
+    fewer: int = 0  # pools where the greedy answer served fewer pods
+    lost: int = 0  # pods the greedy answer served fewer, in all
+    served: int = 0  # pods the exact answers served, in all
+    dearer: int = 0  # pools served alike where the greedy answer disrupted more
+    proven: int = 0  # exact answers proven optimal
+    greedy_s: list[float] = field(default_factory=list)
+    exact_s: list[float] = field(default_factory=list)
+
+
+def greedy_gap(pools: int, seed: int = 3) -> Gap:
+    """The greedy answer against the exact one on ``pools`` seeded pools where both run."""
+    rng = random.Random(seed)
+    layouts = approved()
+    g = Gap()
+    for _ in range(pools):
+        nodes_n = rng.randint(4, search.EXACT_NODES)
+        supplies, _ = pool_supplies(nodes_n, layouts)
+        wants = demand(rng, [s.node for s in supplies], rng.randint(nodes_n, nodes_n * 8), True)
+        t0 = time.perf_counter()
+        ordered = sorted(supplies, key=lambda s: s.node)
+        useful = search._useful_options(wants, ordered)
+        choice = search._trimmed(wants, useful, search._greedy(wants, useful, {}), {})
+        greedy = search._advice(wants, ordered, choice, False)
+        t1 = time.perf_counter()
+        exact = advise(wants, supplies)
+        t2 = time.perf_counter()
+        g.pools += 1
+        g.greedy_s.append(t1 - t0)
+        g.exact_s.append(t2 - t1)
+        g.proven += exact.optimal
+        g.served += exact.served
+        g.fewer += greedy.served < exact.served
+        g.lost += exact.served - greedy.served
+        g.dearer += greedy.served == exact.served and greedy.cost > exact.cost
+    return g
+
+
+def _ms(times: Sequence[float]) -> str:
+    ordered = sorted(times)
+    return f"{ordered[len(ordered) // 2] * 1000:.0f} ms median, {ordered[-1] * 1000:.0f} ms max"
+
+
+def report_large(nodes_n: int, pods_n: int, pools: int) -> None:
+    print(f"\n## Large pool: {nodes_n} nodes, {pods_n} pending pods\n")
+    print("| demand | options for every node | search | decision | pods served | proposals |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mixed in (False, True):
+        build_s, search_s, served, proposals = large_pool(nodes_n, pods_n, mixed=mixed)
+        what = "mixed (2 devices, gangs of 4)" if mixed else "one device each"
+        print(
+            f"| {what} | {build_s:.2f} s | {search_s:.2f} s | {build_s + search_s:.2f} s | "
+            f"{served} | {proposals} |"
+        )
+    g = greedy_gap(pools)
+    print(f"\n## Greedy against exact: {g.pools} pools of 4-{search.EXACT_NODES} nodes\n")
+    print(
+        f"exact proven optimal on {g.proven} of {g.pools}; greedy served fewer on {g.fewer} "
+        f"({g.lost} pods of {g.served}, {100 * g.lost / max(g.served, 1):.2f}%), served alike "
+        f"but disrupted more on {g.dearer}; per decision: greedy {_ms(g.greedy_s)}, exact "
+        f"{_ms(g.exact_s)}"
+    )
 
 
 def main() -> None:
@@ -336,14 +421,7 @@ def main() -> None:
     print(f"\nlongest advise (options + search) in the runs: {longest * 1000:.0f} ms")
 
     big_nodes, big_pods = (200, 2000) if args.quick else (1000, 10000)
-    build_s, search_s, served, proposals = large_pool(big_nodes, big_pods)
-    print(f"\n## Large pool: {big_nodes} nodes, {big_pods} pending pods\n")
-    print("| options for every node | search | total | pods served | proposals |")
-    print("|---:|---:|---:|---:|---:|")
-    print(
-        f"| {build_s:.2f} s | {search_s:.2f} s | {build_s + search_s:.2f} s | {served} | "
-        f"{proposals} |"
-    )
+    report_large(big_nodes, big_pods, 20 if args.quick else 200)
 
 
 if __name__ == "__main__":
