@@ -3,13 +3,17 @@
 The only module that imports kubernetes.
 
 Transient failures (5xx, throttling, connection errors) are retried here, in one place, with
-jittered capped backoff; callers see mig_agent.core.errors only. An eviction's 429 is not
-throttling: it means a PodDisruptionBudget forbids it now, so it is never retried here.
+jittered capped backoff; callers see mig_agent.core.errors only. Each request says whether it may
+be sent again (_REPEAT): a failure may have lost its answer, not its effect. An eviction's 429 is
+not throttling: it means a PodDisruptionBudget forbids it now, so it is never retried here; nor is
+its 500 for a pod more than one budget covers, which no retry ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 import json
 import math
 import re
@@ -27,10 +31,12 @@ from kubernetes.client.exceptions import ApiException
 from mig_agent.core.errors import (
     ConfigError,
     EvictionBlocked,
+    EvictionUnsupported,
     KubeError,
     KubeForbidden,
     KubeUnavailable,
     LabelsChanged,
+    MigAgentError,
     PodReplaced,
 )
 from mig_agent.core.scheduling import constraints_of, label_selector_of, taints_of
@@ -58,12 +64,71 @@ REQUEST_TIMEOUT_S: Final = 30.0
 # a smaller pool closes and reopens a TLS connection per eviction beyond it.
 CONNECTIONS: Final = 16
 _PDB_CAUSE = re.compile(r"disruption budget (\S+)")
+# the eviction API's 500 for a pod more than one PodDisruptionBudget covers (kube-apiserver's
+# pkg/registry/core/pod/storage/eviction.go): it lasts as long as the budgets do
+_SEVERAL_BUDGETS = "more than one PodDisruptionBudget"
+
+
+class Repeat(enum.Enum):
+    """Whether a request may be sent again after a failure that may have come after the server
+    acted on it (a reset or a timeout once it was sent, a 5xx): its answer lost, not its work."""
+
+    SAFE = "safe"  # sent twice, the same as sent once
+    NAMED = "named"  # a create of a named object: a repeat may meet it (409 AlreadyExists)
+    ONCE = "once"  # sent twice, two objects: repeated only where it surely was not acted on
+
+
+# Every request the client sends, by the client library's method (tests/unit/test_kube_retries
+# holds each listed); one that is not is retried only where surely unsent, as ONCE.
+_REPEAT: Final[Mapping[str, Repeat]] = {
+    **dict.fromkeys(
+        (
+            "read_node",
+            "list_node",
+            "read_namespaced_pod",
+            "read_namespaced_pod_log",
+            "list_namespaced_pod",
+            "list_pod_for_all_namespaces",
+            "list_namespaced_event",
+            "list_resource_slice",
+            "list_namespaced_resource_claim",
+            "list_resource_claim_for_all_namespaces",
+            "list_namespaced_pod_disruption_budget",
+            "list_pod_disruption_budget_for_all_namespaces",
+        ),
+        Repeat.SAFE,
+    ),
+    # merge patches: sent again, the node ends the same; one carrying a resourceVersion meets
+    # a 409 after its lost answer, and _patch_node_if reads the node: holding all the patch
+    # writes, it has it
+    "patch_node": Repeat.SAFE,
+    "patch_node_status": Repeat.SAFE,
+    # with the UID precondition: the repeat finds the pod going, or gone (404)
+    "delete_namespaced_pod": Repeat.SAFE,
+    # a repeat finds the pod terminating, which the API evicts again without a budget's say,
+    # or gone (404)
+    "create_namespaced_pod_eviction": Repeat.SAFE,
+    # verify's pods: named, labelled with verify's run (create_pod)
+    "create_namespaced_pod": Repeat.NAMED,
+    # by generateName: a repeat after a lost answer would be a second Event
+    "create_namespaced_event": Repeat.ONCE,
+}
 
 
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ApiException):
         return exc.status in _TRANSIENT or exc.status == 0
     return isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)
+
+
+def _surely_unsent(exc: BaseException) -> bool:
+    """A failure that shows the server did not act: throttled (API Priority and Fairness
+    answers 429 before a request is handled), or no connection made."""
+    if isinstance(exc, ApiException):
+        return bool(exc.status == 429)
+    if isinstance(exc, urllib3.exceptions.MaxRetryError):
+        exc = exc.reason or exc
+    return isinstance(exc, urllib3.exceptions.ConnectTimeoutError | ConnectionRefusedError)
 
 
 def _retry_after(exc: BaseException | None) -> float | None:
@@ -171,6 +236,9 @@ class KubernetesCluster(Cluster, PodRunner):
             reraise=True,
             sleep=sleep,
         )
+        self._retrying_unsent = self._retrying.copy(
+            retry=tenacity.retry_if_exception(lambda e: _is_transient(e) and _surely_unsent(e))
+        )
 
     @classmethod
     def connect(
@@ -202,13 +270,53 @@ class KubernetesCluster(Cluster, PodRunner):
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The answer as parsed JSON: the client's own models cost five times the request
-        (a list of 48 pods: 75 ms into models, 14 ms as JSON), on every look of a wait."""
+        (a list of 48 pods: 75 ms into models, 14 ms as JSON), on every look of a wait.
+        Retried as ``fn``'s entry in _REPEAT allows."""
 
         def counted(*a: Any, **kw: Any) -> Any:
             self._on_request(getattr(fn, "__name__", "request"))
             return _json(fn(*a, _request_timeout=self._timeout, _preload_content=False, **kw))
 
-        return self._retrying(counted, *args, **kwargs)
+        return self._retrying_of(fn)(counted, *args, **kwargs)
+
+    def _retrying_of(self, fn: Callable[..., Any]) -> tenacity.Retrying:
+        repeat = _REPEAT.get(getattr(fn, "__name__", ""), Repeat.ONCE)
+        return self._retrying_unsent if repeat is Repeat.ONCE else self._retrying
+
+    def _create_named(
+        self,
+        fn: Callable[..., Any],
+        namespace: str,
+        body: Mapping[str, Any],
+        read: Callable[[], Any],
+    ) -> Any:
+        """A create of a named object, retried as a read is: after a lost answer the repeat
+        meets the object the first try made (409 AlreadyExists), taken for made when it carries
+        every label of ``body`` (which must name the caller's run: a value no other run's
+        object has). Not retrying creates at all would make a transient fault fail the caller
+        while the object may exist; a 409 on the first try, or of an object without those
+        labels, is someone else's, and raised."""
+        sent = 0
+
+        @functools.wraps(fn)
+        def counting_tries(*a: Any, **kw: Any) -> Any:
+            nonlocal sent
+            sent += 1
+            return fn(*a, **kw)
+
+        try:
+            return self._call(counting_tries, namespace, dict(body))
+        except ApiException as exc:
+            if exc.status != 409 or sent < 2:
+                raise
+            existing = read()
+            want = (body.get("metadata") or {}).get("labels") or {}
+            have = (existing.get("metadata") or {}).get("labels") or {}
+            if not want or any(have.get(k) != v for k, v in want.items()):
+                raise
+            name = (existing.get("metadata") or {}).get("name", "")
+            log.warning("kube.create_answer_lost", namespace=namespace, name=name, tries=sent)
+            return existing
 
     # nodes --------------------------------------------------------------------------------
 
@@ -277,12 +385,17 @@ class KubernetesCluster(Cluster, PodRunner):
         """The patch carries the resourceVersion of the read its labels were checked against,
         so the server refuses it (409) if anything changed in between; then check again. The
         first try goes by ``known`` (the node as the caller last had it) where its labels
-        agree: no read when nothing changed since."""
+        agree: no read when nothing changed since. A 409 after a lost answer may be the
+        patch's own write: a node that then holds all it writes has it."""
+        maybe_written = False
         for _ in range(self._conflict_attempts):
             agrees = known is not None and all(known.labels.get(k) == v for k, v in expect.items())
             node = known if known is not None and agrees else self.get_node(name)
             known = None
             differ = {k: node.labels.get(k) for k, v in expect.items() if node.labels.get(k) != v}
+            if differ and maybe_written and _holds(node, body):
+                log.warning("kube.patch_answer_lost", node=name)
+                return node
             if differ:
                 now = ", ".join(f"{k}={v}" for k, v in differ.items())
                 raise LabelsChanged(
@@ -291,11 +404,19 @@ class KubernetesCluster(Cluster, PodRunner):
                     labels=differ,
                 )
             body["metadata"]["resourceVersion"] = node.resource_version
+            sent = 0
+
+            @functools.wraps(self._core.patch_node)
+            def patch(*a: Any, **kw: Any) -> Any:
+                nonlocal sent
+                sent += 1
+                return self._core.patch_node(*a, **kw)
+
             try:
                 with _kube("patch node", node=name):
                     return _node(
                         self._call(
-                            self._core.patch_node,
+                            patch,
                             name,
                             body,
                             _content_type="application/merge-patch+json",
@@ -305,6 +426,7 @@ class KubernetesCluster(Cluster, PodRunner):
             except KubeError as exc:
                 if exc.context.get("status") != 409:
                     raise
+                maybe_written = sent > 1
         raise KubeUnavailable(
             f"patch node: {name} changed under every one of {self._conflict_attempts} attempts",
             op="patch node",
@@ -465,6 +587,8 @@ class KubernetesCluster(Cluster, PodRunner):
                 raise EvictionBlocked(
                     _blocked_reason(ref, exc), pod=str(ref), pdb=_pdb_name(exc)
                 ) from exc
+            if _is_several_budgets(exc):
+                raise self._several_budgets(ref, exc) from exc
             with _kube("evict pod", pod=str(ref)):  # throttled past every retry, or else
                 raise
         except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError):
@@ -473,14 +597,50 @@ class KubernetesCluster(Cluster, PodRunner):
 
     def _call_but_not_past_a_budget(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Retried as any call (a throttling 429 after its Retry-After), but for a 429 from a
-        PodDisruptionBudget: that one the drain retries at its own pace."""
+        PodDisruptionBudget (that one the drain retries at its own pace) and the 500 for a pod
+        several budgets cover (no retry ends it)."""
         self._on_request(getattr(fn, "__name__", "request"))
-        retrying = self._retrying.copy(
+        retrying = self._retrying_of(fn).copy(
             retry=tenacity.retry_if_exception(
-                lambda e: _is_transient(e) and not _is_budget_refusal(e)
+                lambda e: (
+                    _is_transient(e) and not _is_budget_refusal(e) and not _is_several_budgets(e)
+                )
             )
         )
         return _json(retrying(fn, *args, _request_timeout=self._timeout, _preload_content=False))
+
+    def _several_budgets(self, ref: PodRef, exc: ApiException) -> EvictionUnsupported:
+        """The refusal of an eviction of a pod more than one budget covers, naming them (the
+        API's answer does not): the budgets of its namespace whose selector matches its labels,
+        as the eviction API finds them."""
+        try:
+            pdbs = self._budgets_over(ref)
+            which = ", ".join(pdbs) if pdbs else "none found now"
+        except MigAgentError as lookup:
+            pdbs, which = (), f"they could not be listed: {lookup}"
+        return EvictionUnsupported(
+            f"eviction of pod {ref} refused: more than one PodDisruptionBudget covers it "
+            f"({which}), and the eviction API evicts no such pod ({_api_message(exc)}); no "
+            "retry ends it: delete all but one of those budgets, or narrow their selectors",
+            pod=str(ref),
+            pdbs=pdbs,
+        )
+
+    def _budgets_over(self, ref: PodRef) -> tuple[str, ...]:
+        """The PodDisruptionBudgets (namespace/name) whose selector matches the pod's labels."""
+        pod = self.get_pod(ref)
+        if pod is None:
+            return ()
+        with _kube("list poddisruptionbudgets", namespace=ref.namespace):
+            got = self._call(self._policy.list_namespaced_pod_disruption_budget, ref.namespace)
+        budgets = [_pdb(p) for p in got["items"]]
+        return tuple(
+            sorted(
+                f"{b.namespace}/{b.name}"
+                for b in budgets
+                if b.selector is not None and b.selector.matches(pod.labels)
+            )
+        )
 
     def delete_pod(self, ref: PodRef) -> None:
         opts = client.V1DeleteOptions(
@@ -520,9 +680,16 @@ class KubernetesCluster(Cluster, PodRunner):
     # verify's pods --------------------------------------------------------------------------
 
     def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> PodRef:
+        """Make the pod; the manifest's labels must name the caller's run (see _create_named:
+        a pod whose create's answer was lost is then found, not refused as another's)."""
         name = str((manifest.get("metadata") or {}).get("name", ""))
         with _kube("create pod", pod=f"{namespace}/{name}"):
-            pod = self._call(self._core.create_namespaced_pod, namespace, dict(manifest))
+            pod = self._create_named(
+                self._core.create_namespaced_pod,
+                namespace,
+                manifest,
+                lambda: self._call(self._core.read_namespaced_pod, name, namespace),
+            )
         meta = pod.get("metadata") or {}
         return PodRef(namespace, meta.get("name", name), meta.get("uid", ""))
 
@@ -540,7 +707,7 @@ class KubernetesCluster(Cluster, PodRunner):
 
     def pod_log(self, ref: PodRef) -> str:
         with _kube("read pod log", pod=str(ref)):
-            resp = self._retrying(
+            resp = self._retrying_of(self._core.read_namespaced_pod_log)(
                 self._core.read_namespaced_pod_log,
                 ref.name,
                 ref.namespace,
@@ -629,6 +796,27 @@ def _is_budget_refusal(exc: BaseException) -> bool:
     said = [str(body.get("message", ""))]
     said += [f"{c.get('reason')} {c.get('message')}" for c in causes if isinstance(c, dict)]
     return any("DisruptionBudget" in text or "disruption budget" in text for text in said)
+
+
+def _holds(node: NodeView, body: Mapping[str, Any]) -> bool:
+    """Whether ``node`` holds every label, annotation and cordon a merge patch ``body`` writes
+    (None: removed)."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    return (
+        all(node.labels.get(k) == v for k, v in (meta.get("labels") or {}).items())
+        and all(node.annotations.get(k) == v for k, v in (meta.get("annotations") or {}).items())
+        and ("unschedulable" not in spec or node.unschedulable == bool(spec["unschedulable"]))
+    )
+
+
+def _is_several_budgets(exc: BaseException) -> bool:
+    """The eviction API's 500 for a pod that more than one PodDisruptionBudget covers."""
+    return (
+        isinstance(exc, ApiException)
+        and exc.status == 500
+        and _SEVERAL_BUDGETS in _api_message(exc)
+    )
 
 
 def _blocked_reason(ref: PodRef, exc: ApiException) -> str:

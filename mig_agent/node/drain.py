@@ -18,6 +18,7 @@ from mig_agent.core.errors import (
     DrainTimeout,
     EvictionBlocked,
     KubeError,
+    MigAgentError,
     PodReplaced,
     Stopping,
 )
@@ -74,7 +75,8 @@ Evicted = EvictionBlocked | PodReplaced | None
 def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, Evicted]:
     """Evict ``refs`` side by side (an eviction is a round trip of its own, ~0.1 s: 56 pods one
     after another would add seconds to the pass); per pod None, the budget that refused it, or
-    PodReplaced. Any other error is raised once every eviction has been tried."""
+    PodReplaced. Any other error (EvictionUnsupported: a pod several budgets cover) is raised
+    once every eviction has been tried, naming in ``evicted`` the pods this round evicted."""
     if not refs:
         return {}
 
@@ -98,6 +100,9 @@ def evict_all(cluster: Cluster, refs: list[PodRef]) -> dict[PodRef, Evicted]:
             continue
         results[ref] = future.result()
     if failure is not None:
+        if isinstance(failure, MigAgentError):  # they terminate on: whoever undoes must know
+            gone = sorted((r for r, v in results.items() if v is None), key=str)
+            failure.context["evicted"] = tuple(gone)
         raise failure
     return results
 
@@ -346,7 +351,14 @@ class _Drain:
             self.tell_or_give_up()
 
     def evict_round(self) -> None:
-        for ref, exc in evict_all(self.cluster, list(self.to_evict)).items():
+        try:
+            results = evict_all(self.cluster, list(self.to_evict))
+        except MigAgentError as failure:  # the drain stops; the pods evicted so far still go
+            evicted = failure.context.get("evicted", ())
+            going = self.going() | set(evicted if isinstance(evicted, tuple) else ())
+            failure.context["refs"] = tuple(sorted(going, key=str))
+            raise
+        for ref, exc in results.items():
             if isinstance(exc, PodReplaced):  # gone; the one of its name decided afresh
                 self.replaced(ref)
             elif exc is not None:

@@ -9,17 +9,21 @@ Per node, in order (a failed check stops the node's later ones, which would only
    those devices;
 3. ``pod <resource>``: per advertised resource kind a tiny pod (verify_pods), pinned to the node,
    given one device; its ``nvidia-smi -L`` must show exactly one device of that kind, one the
-   node's GPU state lists. The pods are deleted afterwards, whatever happened (Ctrl-C too).
+   node's GPU state lists. The pods are deleted afterwards by their run's label, whatever
+   happened (an error, Ctrl-C, SIGTERM; a pod whose create's answer was lost too).
 
 Time and output are injected; the Kubernetes side is the Cluster and PodRunner interfaces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import signal
+import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Protocol
@@ -47,7 +51,7 @@ from mig_agent.kube.cluster import Cluster, NodeView, PodRef, PodRunner
 from mig_agent.node.waits import Clock
 from mig_agent.ops.dra_view import read as dra_view_of
 from mig_agent.ops.values import DEFAULT_SETTINGS, REAL_CLOCK, Writer
-from mig_agent.ops.verify_pods import PodSpec, manifest, outcome, pod_name
+from mig_agent.ops.verify_pods import RUN_LABEL, PodSpec, manifest, outcome, pod_name
 
 POLL_S = 0.5
 DEFAULT_PODS: Final = PodSpec()
@@ -133,7 +137,7 @@ def verify_node(
         if add(check) and gpus is not None:
             check, resources = _allocatable(cluster, node, gpus, settings)
             if add(check) and resources:
-                for c in _pods(cluster, name, resources, gpus, pods, clock):
+                for c in _pods(cluster, name, resources, gpus, pods, clock, out):
                     add(c)
     except MigAgentError as exc:
         add(Check("api", False, str(exc), "the API server, the kubeconfig's rights"))
@@ -247,32 +251,94 @@ def _pods(
     gpus: _Gpus,
     spec: PodSpec,
     clock: Clock,
+    out: Writer,
 ) -> list[Check]:
-    """A pod per resource, run at once; each judged once it ended; all deleted in the end."""
-    suffix = secrets.token_hex(3)
+    """A pod per resource, run at once; each judged once it ended; all deleted in the end by
+    the run's label, whatever ends the run (SIGTERM too: _sigterm_interrupts)."""
+    run = secrets.token_hex(3)
     made: dict[str, PodRef] = {}
+    with _sigterm_interrupts():
+        try:
+            refused = _make_pods(cluster, node, resources, spec, run, made)
+            judged = {**refused, **_judge_pods(cluster, made, gpus, spec, clock)}
+            return [judged[r] for r in sorted(resources)]
+        finally:
+            _delete_run(cluster, spec.namespace, run, made.values(), out)
+
+
+def _make_pods(
+    cluster: VerifyCluster,
+    node: str,
+    resources: Mapping[str, int],
+    spec: PodSpec,
+    run: str,
+    made: dict[str, PodRef],
+) -> dict[str, Check]:
+    """Make the run's pods, into ``made`` as each is made; the checks of those refused."""
     refused: dict[str, Check] = {}
+    for resource in sorted(resources):
+        body = manifest(pod_name(node, resource, run), node, resource, spec, run)
+        try:
+            made[resource] = cluster.create_pod(spec.namespace, body)
+        except MigAgentError as exc:  # noqa: PERF203 - each pod gets its try
+            refused[resource] = Check(
+                f"pod {resource}",
+                False,
+                f"the pod could not be made: {exc}",
+                "--runtime-class (a RuntimeClass the cluster has), --pod-namespace (one that "
+                "exists, its quotas and policies), your rights to make pods there",
+            )
+    return refused
+
+
+def _delete_run(
+    cluster: VerifyCluster, namespace: str, run: str, made: Iterable[PodRef], out: Writer
+) -> None:
+    """Delete the run's pods: those its label finds (one whose create failed after the server
+    made it, too) and those made (should the list fail). A pod left would hold its device, and
+    every later change of the node would be refused for a pod no controller owns: said."""
+    pods = {(r.namespace, r.name): r for r in made}
+    selector = f"{RUN_LABEL}={run}"
     try:
-        for resource in sorted(resources):
-            body = manifest(pod_name(node, resource, suffix), node, resource, spec)
-            try:
-                made[resource] = cluster.create_pod(spec.namespace, body)
-            except MigAgentError as exc:
-                refused[resource] = Check(
-                    f"pod {resource}",
-                    False,
-                    f"the pod could not be made: {exc}",
-                    "--runtime-class (a RuntimeClass the cluster has), --pod-namespace (one that "
-                    "exists, its quotas and policies), your rights to make pods there",
-                )
-        judged = {**refused, **_judge_pods(cluster, made, gpus, spec, clock)}
-        return [judged[r] for r in sorted(resources)]
+        listed = cluster.list_pods(namespace=namespace, label_selector=selector)
+        pods.update(((p.ref.namespace, p.ref.name), p.ref) for p in listed)
+    except MigAgentError as exc:
+        out(f"  WARN  verify's pods could not be listed ({exc}): deleting those it knows")
+    for ref in pods.values():
+        try:
+            cluster.delete_pod(ref)
+        except MigAgentError as exc:  # noqa: PERF203 - each pod gets its try
+            out(
+                f"  WARN  pod {ref} was not deleted ({exc}): "
+                f"kubectl delete pod -n {namespace} -l {selector}"
+            )
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while verify's pods exist, so that their deletion runs
+    (by default SIGTERM ends Python at once, past every finally); a second one is not let cut
+    the deletion short. Only in the main thread, over the default disposition: a program with
+    a handler of its own keeps it."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    ):
+        yield
+        return
+    told = False
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        nonlocal told
+        if not told:
+            told = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
     finally:
-        for ref in made.values():
-            try:
-                cluster.delete_pod(ref)
-            except MigAgentError:  # noqa: PERF203 - each pod gets its try
-                continue
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _judge_pods(

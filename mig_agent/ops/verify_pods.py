@@ -17,6 +17,9 @@ DEFAULT_IMAGE: Final = "nvcr.io/nvidia/cuda:12.8.1-base-ubuntu24.04"
 DEFAULT_RUNTIME_CLASS: Final = "nvidia"
 LABEL: Final = "app.kubernetes.io/name"
 LABEL_VALUE: Final = "mig-agent-verify"
+# one value per run of a node's checks: its pods are deleted by it, those whose create's answer
+# was lost too, and a create's repeat knows its own pod by it (KubernetesCluster.create_pod)
+RUN_LABEL: Final = "mig-agent.dev/verify-run"
 # a container that will not start with restartPolicy Never: no point waiting for it
 _STUCK: Final = frozenset(
     {
@@ -85,9 +88,9 @@ def pod_name(node: str, resource: str, suffix: str) -> str:
     return f"{LABEL_VALUE}-{short.strip('-')}"[:50].rstrip("-") + f"-{suffix}"
 
 
-def manifest(name: str, node: str, resource: str, spec: PodSpec) -> dict[str, Any]:
-    """A pod pinned to ``node`` (nodeName: no scheduler, a cordoned node too; every taint
-    tolerated) given one ``resource``, listing its devices."""
+def manifest(name: str, node: str, resource: str, spec: PodSpec, run: str) -> dict[str, Any]:
+    """A pod of the run ``run`` pinned to ``node`` (nodeName: no scheduler, a cordoned node
+    too; every taint tolerated) given one ``resource``, listing its devices."""
     pod_spec: dict[str, Any] = {
         "nodeName": node,
         "restartPolicy": "Never",
@@ -111,7 +114,11 @@ def manifest(name: str, node: str, resource: str, spec: PodSpec) -> dict[str, An
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "labels": {LABEL: LABEL_VALUE, "mig-agent.dev/verify-node": node[:63]},
+            "labels": {
+                LABEL: LABEL_VALUE,
+                "mig-agent.dev/verify-node": node[:63],
+                RUN_LABEL: run,
+            },
         },
         "spec": pod_spec,
     }
