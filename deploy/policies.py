@@ -17,7 +17,7 @@ What the policies allow is exactly what the agent writes:
 * Events about its own Node with the reasons of EVENT_REASONS;
 * pod deletion: the device plugin's pod (namespace and selector of the settings) on its node,
   and with ``restart_validators`` the GPU Operator's validator pods there (their ``app`` label
-  one of mig_agent.agent.validators.APPS).
+  one of mig_agent.agent.phases.validators.APPS).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from string import Template
 
-from mig_agent.agent.validators import APPS as VALIDATOR_APPS
+from mig_agent.agent.phases.validators import APPS as VALIDATOR_APPS
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import MigAgentError
 from mig_agent.core.labels import PAUSED, State

@@ -1,6 +1,6 @@
 """What the phases of a pass share: the tools they work with (``Tools``), what the agent
 remembers from one pass to the next (``Memory``), and the change one pass works on
-(``Change``). Plain values: the phases (planning, drain_phase, apply_phase, advertise_phase,
+(``Change``). Plain values: the phases (mig_agent.agent.phases: planning, drain, apply, advertise,
 finish) take them as arguments, none reaches back into the agent."""
 
 from __future__ import annotations

@@ -11,19 +11,19 @@ from collections.abc import Callable
 
 import structlog
 
-from mig_agent.agent import advertiser as advertisers
 from mig_agent.agent import guard, host_clients
-from mig_agent.agent.advertise_phase import AdvertisePhase
-from mig_agent.agent.advertiser import Advertiser
-from mig_agent.agent.announce import announce
-from mig_agent.agent.apply_phase import ApplyPhase
+from mig_agent.agent.advertisers import advertiser as advertisers
+from mig_agent.agent.advertisers.advertiser import Advertiser
 from mig_agent.agent.change import Change, Memory, Prepared, Tools
-from mig_agent.agent.drain_phase import DrainPhase
-from mig_agent.agent.finish import Finish
-from mig_agent.agent.holders import Holders
 from mig_agent.agent.outcome import Outcome
-from mig_agent.agent.planning import Planning
-from mig_agent.agent.refusals import Refusals
+from mig_agent.agent.phases.advertise import AdvertisePhase
+from mig_agent.agent.phases.announce import announce
+from mig_agent.agent.phases.apply import ApplyPhase
+from mig_agent.agent.phases.drain import DrainPhase
+from mig_agent.agent.phases.finish import Finish
+from mig_agent.agent.phases.holders import Holders
+from mig_agent.agent.phases.planning import Planning
+from mig_agent.agent.phases.refusals import Refusals
 from mig_agent.core.errors import InternalError
 from mig_agent.core.layout import Layout
 from mig_agent.kube.cluster import NodeView

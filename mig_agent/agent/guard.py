@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import advertiser as advertisers
-from mig_agent.agent import dra, marks
+from mig_agent.agent import marks
+from mig_agent.agent.advertisers import advertiser as advertisers
+from mig_agent.agent.advertisers import dra
 from mig_agent.agent.change import Change, Tools
 from mig_agent.config.settings import Settings
 from mig_agent.core import guard, labels
@@ -198,12 +199,10 @@ def _write(t: Tools, node: NodeView, verdict: Verdict) -> None:
         t.cluster.patch_node(
             s.node_name, labels=resume, annotations=annotations, unschedulable=unschedulable
         )
-        log.info(
-            "node.settled",
-            schedulable=verdict.schedulable,
-            operands=sorted(resume),
-            **({"kept_for": verdict.why} if verdict.why else {}),
-        )
+        if verdict.schedulable:
+            log.info("node.resumed", uncordoned=unschedulable is False, operands=sorted(resume))
+        else:
+            log.warning("node.cordon_kept", reason=verdict.why, operands=sorted(resume))
 
 
 def _cordon(

@@ -10,7 +10,8 @@ from typing import Protocol
 
 import structlog
 
-from mig_agent.agent import device_plugin, marks
+from mig_agent.agent import marks
+from mig_agent.agent.advertisers import device_plugin
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import MigAgentError, Stopping

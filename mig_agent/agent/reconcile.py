@@ -25,15 +25,16 @@ from pathlib import Path
 
 import structlog
 
-from mig_agent.agent import device_plugin, guard, host_clients, loop, observe, reporting
+from mig_agent.agent import guard, host_clients, loop, observe, reporting
+from mig_agent.agent.advertisers import device_plugin
 from mig_agent.agent.change import NOTE, Memory, Tools
 from mig_agent.agent.change_pass import ChangePass, crashed
-from mig_agent.agent.drain_phase import pod_names
-from mig_agent.agent.finish import Finish
-from mig_agent.agent.holders import Holders
 from mig_agent.agent.marks import NodeRebooting
 from mig_agent.agent.outcome import Outcome, PassResult
-from mig_agent.agent.planning import Planning
+from mig_agent.agent.phases.drain import pod_names
+from mig_agent.agent.phases.finish import Finish
+from mig_agent.agent.phases.holders import Holders
+from mig_agent.agent.phases.planning import Planning
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import (
     ConfigError,

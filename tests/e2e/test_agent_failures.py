@@ -6,12 +6,14 @@ first tests did not see, because no simulated pod held a GPU process:
 * an interrupted pass whose successor fails early (a layout typo) leaves the node clean;
 * a relabel during a pass never shows ``success`` with the old layout's resources;
 * a failing reboot command is ``failed`` with its reason, the guard not armed, the agent alive;
-* paused operands without a device plugin do not make the agent wait for one;
+* a change on a node without a device plugin is refused before anything is touched;
+* a kill after the GPUs changed leaves the node's record, which the next agent keeps;
 * /healthz stays 200 while the agent waits for a label fix long after its last pass.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -26,6 +28,7 @@ from .conftest import REASON, STATE, AgentNode, NodeFactory, wait_running
 from .test_agent import applied, assert_clean, pod_exists, wait_clean
 
 CONFIG = "nvidia.com/mig.config"
+GUARD = "mig-agent.dev/guard"
 
 
 def pod_processes(node: AgentNode) -> list[tuple[int, simstate.SimProcess]]:
@@ -195,7 +198,7 @@ def test_a_failing_reboot_command_is_failed_with_its_reason(agent_node: NodeFact
     assert Proc(**record["agent"]).alive() and record["restarts"] == 0, node.log_tail()
 
 
-def test_paused_operands_without_a_device_plugin_do_not_wait_for_one(
+def test_a_change_without_a_device_plugin_is_refused_before_anything_is_touched(
     agent_node: NodeFactory, core: client.CoreV1Api
 ) -> None:
     node = agent_node("2xH100-80GB", settings={"MIG_AGENT_DEVICE_PLUGIN_TIMEOUT_S": "5"})
@@ -229,12 +232,40 @@ def test_paused_operands_without_a_device_plugin_do_not_wait_for_one(
         },
     )
     wait_for(lambda: not plugin_pods(), "the device plugin pod to go", node, timeout=60)
-    seen: list[str] = []
+    before = [g.mig_current for g in simstate.load_node(node.sim_state).gpus]
     node.label("all-1g.10gb")
-    assert node.wait_state("success", "failed", timeout=60, seen=seen) == "success", node.log_tail()
-    assert "failed" not in seen and "DevicePluginTimeout" not in node.log_tail(200), seen
+    # before (issue 42 path 8): applied and `success` over a listing no one proved
+    assert node.wait_state("success", "failed", timeout=60) == "failed", node.log_tail()
+    reason = node.node().metadata.annotations[REASON]
+    assert "no device plugin pod is on the node" in reason and "nothing was touched" in reason
+    assert [g.mig_current for g in simstate.load_node(node.sim_state).gpus] == before
     assert node.labels()["nvidia.com/gpu.deploy.dcgm-exporter"] == "true"
     assert not node.node().spec.unschedulable
+
+
+def test_a_kill_after_the_gpus_changed_leaves_the_record_the_next_agent_keeps(
+    agent_node: NodeFactory,
+) -> None:
+    """Issue 42: killed while a post-apply hook runs (the GPUs changed, the device plugin still
+    lists them whole), the agent leaves its cordon and the node's record of what it owes (the
+    GPUs' digest as advertised); the agent's next pod reads it, keeps the node cordoned until
+    the plugin lists the GPUs as they are, then lets it go."""
+    node = agent_node("2xH100-80GB", settings={"MIG_AGENT_POST_APPLY_COMMAND": "sleep 60"})
+    node.label("all-1g.10gb")
+    wait_for(lambda: "hook.started" in node.log_tail(10), "the post-apply hook", node, 60)
+    agents.kill_agent(node.cluster.dir, node.name)
+    seen = node.node()
+    assert seen.spec.unschedulable
+    record = json.loads(seen.metadata.annotations[GUARD])
+    assert record["layout"] == "all-1g.10gb" and record["gpus"], record
+    assert all(g.mig_current for g in simstate.load_node(node.sim_state).gpus)  # changed
+    assert "nvidia.com/gpu" in (seen.status.allocatable or {})  # listed as they were
+    node.restart_agent(settings={"MIG_AGENT_POST_APPLY_COMMAND": "true"})
+    assert node.wait_state("success", "failed", timeout=90) == "success", node.log_tail()
+    wait_clean(node)
+    done = node.node()
+    assert GUARD not in (done.metadata.annotations or {})
+    assert int(done.status.allocatable.get("nvidia.com/mig-1g.10gb", "0")) == 14
 
 
 def test_healthz_stays_ok_while_waiting_for_a_label_fix(agent_node: NodeFactory) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from mig_agent.agent import Agent, Outcome, dra
+from mig_agent.agent import Agent, Outcome
+from mig_agent.agent.advertisers import dra
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices

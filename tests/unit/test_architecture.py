@@ -125,7 +125,7 @@ def _own_imports(path: Path) -> set[str]:
                     + ([base] if base else [])
                 )
             if base.startswith("mig_agent"):
-                for alias in node.names:  # "from mig_agent.agent import node_guard" is a module
+                for alias in node.names:  # "from mig_agent.agent import guard" is a module
                     sub = f"{base}.{alias.name}"
                     out.add(
                         sub

@@ -436,7 +436,7 @@ AGENT_CODE = REPO / "mig_agent" / "agent"
 
 def _calls(name: str, module: str = "") -> Iterator[ast.Call]:
     """Calls of `name` (of `module`.`name` if given) in the agent's code."""
-    for path in sorted(AGENT_CODE.glob("*.py")):
+    for path in sorted(AGENT_CODE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Call):
                 continue

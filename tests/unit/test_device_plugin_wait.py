@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mig_agent.agent import device_plugin
+from mig_agent.agent.advertisers import device_plugin
 from mig_agent.config.settings import Settings
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.kube.cluster import PodsSeen, PodView

@@ -206,7 +206,7 @@ def test_gpu_pods_are_evicted_while_the_paused_operands_terminate() -> None:
 def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
     """While the new plugin starts, each look reads the node only; its pods are listed once
     the numbers match (before: a list of pods and a read of the node at every look)."""
-    from mig_agent.agent import device_plugin
+    from mig_agent.agent.advertisers import device_plugin
     from mig_agent.config.settings import Settings
 
     agent, cluster, gpus = make()

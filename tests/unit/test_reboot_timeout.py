@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mig_agent.agent.reboot import REBOOT_TIMEOUT_S, run_reboot
+from mig_agent.agent.phases.reboot import REBOOT_TIMEOUT_S, run_reboot
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import ConfigError, RebootFailed
 

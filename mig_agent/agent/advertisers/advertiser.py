@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from mig_agent.agent import device_plugin, dra
+from mig_agent.agent.advertisers import device_plugin, dra
 from mig_agent.agent.change import Change, Tools
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.kube.cluster import NodeView, PodView

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from mig_agent.agent import plugin_start
+from mig_agent.agent.advertisers import plugin_start
 from mig_agent.config.device_plugin import device_plugin_sharing
 from mig_agent.config.settings import Settings
 from mig_agent.core import labels

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from mig_agent.agent import device_plugin, plugin_start
+from mig_agent.agent.advertisers import device_plugin, plugin_start
 from mig_agent.config.settings import Settings
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, plugin_devices

@@ -1,8 +1,8 @@
-"""The advertiser's part of a change (mig_agent.agent.advertiser: the device plugin, or NVIDIA's
-DRA plugin): restarted and waited for once the GPUs hold the layout; the only step when the GPUs
-hold the layout and only the listing is wrong. Whenever what it advertises may name devices that
-are gone, the guard (mig_agent.agent.guard) keeps the node cordoned until it advertises the GPUs
-as they are."""
+"""The advertiser's part of a change (mig_agent.agent.advertisers: the device plugin, or
+NVIDIA's DRA plugin): restarted and waited for once the GPUs hold the layout; the only step
+when the GPUs hold the layout and only the listing is wrong. Whenever what it advertises may
+name devices that are gone, the guard (mig_agent.agent.guard) keeps the node cordoned until it
+advertises the GPUs as they are."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from mig_agent.agent import guard
-from mig_agent.agent.advertiser import Advertiser
+from mig_agent.agent.advertisers.advertiser import Advertiser
 from mig_agent.agent.change import Change, Tools
 
 log = structlog.get_logger(__name__)

@@ -13,7 +13,7 @@ import structlog
 from mig_agent.agent import host_clients, reporting
 from mig_agent.agent.change import Change, Memory, Tools
 from mig_agent.agent.marks import NodeRebooting
-from mig_agent.agent.reboot import run_reboot
+from mig_agent.agent.phases.reboot import run_reboot
 from mig_agent.core import planner
 from mig_agent.core.errors import GpuBusy, GpuResetRequired, MigAgentError, RebootFailed
 from mig_agent.core.labels import State

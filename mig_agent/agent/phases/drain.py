@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import marks, reporting, validators
+from mig_agent.agent import marks, reporting
 from mig_agent.agent.change import Change, Holds, Memory, Tools
-from mig_agent.agent.holders import Holders, claimed
+from mig_agent.agent.phases import validators
+from mig_agent.agent.phases.holders import Holders, claimed
 from mig_agent.core import guard
 from mig_agent.core.errors import (
     DrainGivenUp,

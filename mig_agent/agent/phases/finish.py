@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import marks, reporting, validators
-from mig_agent.agent.advertiser import Advertiser
+from mig_agent.agent import marks, reporting
+from mig_agent.agent.advertisers.advertiser import Advertiser
+from mig_agent.agent.advertisers.device_plugin import listing
 from mig_agent.agent.change import NOTE, Change, Memory, Tools
-from mig_agent.agent.device_plugin import listing
 from mig_agent.agent.outcome import Outcome, PassResult
+from mig_agent.agent.phases import validators
 from mig_agent.core.advertised import expected_resources
 from mig_agent.core.errors import GpuUnavailable, LabelsChanged, MigAgentError
 from mig_agent.core.labels import State

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from mig_agent.agent import dra, reporting
+from mig_agent.agent import reporting
+from mig_agent.agent.advertisers import dra
 from mig_agent.agent.change import Change, Holds, Memory, Tools
 from mig_agent.core import planner
 from mig_agent.core.errors import MigAgentError

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mig_agent.agent import device_plugin, dra, marks
+from mig_agent.agent import marks
+from mig_agent.agent.advertisers import device_plugin, dra
 from mig_agent.agent.change import Change, Memory, Tools
 from mig_agent.core import planner
 from mig_agent.core.advertised import Devices, planned_devices, strategy_problem

@@ -10,7 +10,7 @@ import structlog
 
 from mig_agent.agent import host_clients, marks
 from mig_agent.agent.change import Change, Holds, Tools
-from mig_agent.agent.holders import Holders
+from mig_agent.agent.phases.holders import Holders
 from mig_agent.core import planner
 from mig_agent.core.errors import DrainGivenUp, DrainRefused, GpuBusy, MigAgentError
 from mig_agent.kube.cluster import PodView
