@@ -228,6 +228,13 @@ def test_agent_has_the_right(agent_sa: Api, verb: str, resource: str, namespace:
     assert can(agent_sa, verb, resource, namespace)
 
 
+def test_agent_may_list_the_budgets_an_eviction_refusal_names(agent_sa: Api) -> None:
+    # a pod several PodDisruptionBudgets cover is refused by name of its budgets, which the
+    # API's answer does not give; listing them is read only and changes nothing
+    assert can(agent_sa, "list", "poddisruptionbudgets", "team-a", group="policy")
+    assert not can(agent_sa, "delete", "poddisruptionbudgets", "team-a", group="policy")
+
+
 @pytest.mark.parametrize(("verb", "resource", "namespace"), REFUSED, ids=_ids(REFUSED))
 def test_agent_lacks_the_right(agent_sa: Api, verb: str, resource: str, namespace: str) -> None:
     assert not can(agent_sa, verb, resource, namespace)

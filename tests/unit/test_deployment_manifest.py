@@ -240,6 +240,8 @@ def test_cluster_role_grants_exactly_what_the_agent_needs(docs: list[Doc]) -> No
         ("pods", "list"),
         ("pods", "watch"),  # the drain's waits watch the node's pods
         ("pods/eviction", "create"),
+        # to name the budgets of a pod several cover, whose eviction the API refuses for good
+        ("poddisruptionbudgets", "list"),
         # no resource.k8s.io: dra.enabled is auto, and the one-file install saw no cluster
         # with NVIDIA's DRA driver (tests/e2e/test_helm.py renders it on)
     }

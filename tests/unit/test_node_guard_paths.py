@@ -10,7 +10,13 @@ import json
 from typing import Any
 
 from mig_agent.agent import Agent, Outcome
-from mig_agent.core.errors import GpuResetRequired, KubeForbidden, LabelsChanged, Stopping
+from mig_agent.core.errors import (
+    EvictionUnsupported,
+    GpuResetRequired,
+    KubeForbidden,
+    LabelsChanged,
+    Stopping,
+)
 from mig_agent.core.gpu_models import MODELS
 from tests.unit.fake_cluster import FakeCluster
 
@@ -187,4 +193,46 @@ def test_a_gpu_pod_bound_after_the_drains_look_is_drained_before_the_gpus_change
     assert first in cluster.evicted and late and late[0] in cluster.evicted
     assert apply_calls and not any(apply_calls), "a GPU changed under a pod never drained"
     assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert_clean(cluster)
+
+
+def test_a_pod_under_two_budgets_fails_the_drain_at_once_path_3() -> None:
+    agent, cluster, gpus = make(drain_timeout_s=30.0, drain_give_up_s=100.0)
+    going = cluster.add_pod("work", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1})
+    doubly = cluster.add_pod("work", "doubly-budgeted", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.linger.add(going)
+    evict = cluster.evict
+    tries: list[Any] = []
+
+    def two_budgets(ref: Any) -> None:
+        tries.append(ref)
+        if ref == doubly:  # what the client raises at the API server's first 500
+            raise EvictionUnsupported(
+                "eviction of pod work/doubly-budgeted refused: more than one "
+                "PodDisruptionBudget covers it (work/a, work/b)",
+                pod=str(ref),
+                pdbs=("work/a", "work/b"),
+            )
+        evict(ref)
+
+    cluster.evict = two_budgets  # type: ignore[method-assign]
+    label(cluster, "all-balanced")
+    result = agent.reconcile_once()
+    node = cluster.nodes[NODE]
+    assert result.outcome is Outcome.FAILED
+    assert tries.count(doubly) == 1, "a refusal no retry ends was tried again"
+    assert not gpus.calls
+    reason = node.annotations[REASON]
+    assert "work/doubly-budgeted" in reason and "work/a, work/b" in reason
+    assert "nothing was touched" not in reason  # it evicted work/checkpointing
+    assert node.unschedulable, "uncordoned while an evicted pod still runs"
+    assert node.labels[STATE] == "failed"
+    cluster.pods.pop(going)  # the evicted pod ends; the budgets are still both there
+    agent.clock.sleep(result.retry_after_s or 0.0)
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert not cluster.nodes[NODE].unschedulable  # nothing runs that it evicted, no GPU changed
+    assert not gpus.calls
+    cluster.evict = evict  # type: ignore[method-assign]  # a budget deleted: the drain goes on
+    agent.clock.sleep(3600.0)
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert_clean(cluster)
