@@ -487,8 +487,10 @@ def owed_by(exc: MigAgentError) -> Owed:
     evicted = tuple(sorted(pod_names(exc.context.get("refs", ()))))
     began = exc.context.get("drain_failed_at")
     given_up = exc.context.get("given_up", ()) if isinstance(exc, DrainGivenUp) else ()
+    cause = exc.context.get("cause", "") if isinstance(exc, DrainGivenUp) else ""
     return Owed(
         evicted=evicted,
         drain_failed_at=float(began) if isinstance(began, int | float) else None,
         given_up=tuple(str(p) for p in given_up) if isinstance(given_up, tuple) else (),
+        given_up_why=cause if isinstance(cause, str) else "",
     )

@@ -13,6 +13,10 @@ import json
 from dataclasses import dataclass, field, replace
 
 
+RECORD_CAP = 4096  # characters: deploy/policies.py caps every annotation of the agent's at it
+TEXT_CAP = 1200  # characters of each of the record's words (why, given_up_why)
+
+
 @dataclass(frozen=True)
 class Record:
     """What the node is owed. ``gpus`` is a digest of the GPUs' MIG layout as the advertiser
@@ -25,12 +29,21 @@ class Record:
     drain_since: float | None = None  # wall time of the first failed drain for ``layout``
     given_up: tuple[str, ...] = ()  # the pods a drain gave up on: no new try while one is left
     why: str = ""  # why the cordon stays, as the node says it
+    # what the drain given up on last failed on (a budget, a pod stuck terminating): the later
+    # passes' refusals name it, not only the pods
+    given_up_why: str = ""
 
     @property
     def empty(self) -> bool:
         return not (self.gpus or self.evicted or self.drain_since is not None or self.given_up)
 
     def to_json(self) -> str:
+        """The annotation's text, within RECORD_CAP (the admission policy's cap on the agent's
+        annotations): the words cut first, then dropped; what the guard decides from is kept."""
+        text = self._json(self.why[:TEXT_CAP], self.given_up_why[:TEXT_CAP])
+        return text if len(text) <= RECORD_CAP else self._json("", "")
+
+    def _json(self, why: str, given_up_why: str) -> str:
         data: dict[str, object] = {"layout": self.layout}
         if self.gpus:
             data["gpus"] = self.gpus
@@ -40,8 +53,10 @@ class Record:
             data["drainSince"] = round(self.drain_since, 3)
         if self.given_up:
             data["givenUp"] = list(self.given_up)
-        if self.why:
-            data["why"] = self.why
+        if why:
+            data["why"] = why
+        if given_up_why:
+            data["givenUpWhy"] = given_up_why
         return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
@@ -67,6 +82,7 @@ def parse(text: str) -> Record:
         drain_since=float(since) if since is not None else None,
         given_up=_names(data, "givenUp"),
         why=_text(data, "why"),
+        given_up_why=_text(data, "givenUpWhy"),
     )
 
 
@@ -92,6 +108,7 @@ class Owed:
     evicted: tuple[str, ...] = ()
     drain_failed_at: float | None = None
     given_up: tuple[str, ...] = ()
+    given_up_why: str = ""  # what the drain given up on failed on
 
 
 def merged(record: Record, desired: str | None, owed: Owed) -> Record:
@@ -108,6 +125,7 @@ def merged(record: Record, desired: str | None, owed: Owed) -> Record:
         evicted=tuple(sorted(set(record.evicted) | set(owed.evicted))),
         drain_since=since,
         given_up=tuple(sorted(set(record.given_up) | set(owed.given_up))),
+        given_up_why=owed.given_up_why or record.given_up_why,
     )
 
 
@@ -159,7 +177,8 @@ def decide(record: Record, facts: Facts) -> Verdict:
     else:
         since = None
     why = "; ".join(reasons)
-    kept = Record(record.layout, gpus, evicted, since, given_up, why)
+    cause = record.given_up_why if given_up else ""
+    kept = Record(record.layout, gpus, evicted, since, given_up, why, cause)
     return Verdict(not reasons, None if kept.empty else kept, why, given_up)
 
 

@@ -424,7 +424,8 @@ ANNOTATIONS = (
     "may change only its own annotations (mig-agent.dev/cordoned, "
     "mig-agent.dev/paused-operands, mig-agent.dev/reason, mig-agent.dev/gpu-state, "
     "mig-agent.dev/reboot-attempted, mig-agent.dev/post-apply-pending, "
-    "mig-agent.dev/stopped-host-services, mig-agent.dev/observed-plan), not: "
+    "mig-agent.dev/stopped-host-services, mig-agent.dev/observed-plan, mig-agent.dev/guard), "
+    "not: "
 )
 STATE_VALUE = f"may set {STATE} only to pending, rebooting, success, failed, not "
 OPERANDS = "may move an operand label only to true or paused-for-mig-change, "

@@ -73,6 +73,11 @@ def test_the_drain_is_given_up_after_the_setting_and_a_new_label_starts_again() 
     again = agent.reconcile_once()
     assert again.outcome is Outcome.FAILED and again.retry_after_s == agent.settings.backoff_max_s
     assert len(cluster.evicted) == evictions and not cluster.nodes[NODE].unschedulable
+    # the later refusals still say what the drain failed on (found by the guard model): the
+    # budget the operator must relax, not only the pod
+    again_reason = cluster.nodes[NODE].annotations[REASON]
+    assert "PodDisruptionBudget work/keep-one" in again_reason, again_reason
+    assert "no new try until they are gone" in again_reason
     # a new layout asked for: tried again from the start, with the node cordoned again
     del cluster.blocked[pod]
     cluster.patch_node(NODE, labels={CONFIG: "all-1g.10gb"})

@@ -193,7 +193,7 @@ class DrainPhase:
             f"{exc}; given up after {elapsed:.0f} s of retries (drain_give_up_s "
             f"{s.drain_give_up_s:g} s): no new try until {until}the layout label or the config "
             "changes",
-            **{**exc.context, "given_up": tuple(waited)},
+            **{**exc.context, "given_up": tuple(waited), "cause": str(exc)},
         )
 
     def _blocked(self, pod: PodRef, exc: EvictionBlocked) -> None:

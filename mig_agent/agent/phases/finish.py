@@ -143,7 +143,7 @@ class Finish:
             **{
                 k: v
                 for k, v in exc.context.items()
-                if k not in ("node", "layout", "refs", NOTE, "drain_failed_at", "given_up")
+                if k not in ("node", "layout", "refs", NOTE, "drain_failed_at", "given_up", "cause")
             },
         )
         t.metrics.reconfigurations.labels(result="failed", layout=desired).inc()

@@ -57,12 +57,14 @@ class Refusals:
         here = _names(change.node_pods(t.cluster, t.settings.node_name))
         left = sorted(p for p in record.given_up if p in here)
         if left:
+            cause = f" ({record.given_up_why})" if record.given_up_why else ""
             raise DrainGivenUp(
-                f"the drain of layout {change.desired} was given up on: "
+                f"the drain of layout {change.desired} was given up on{cause}: "
                 + ", ".join(left)
                 + " still on the node; no new try until they are gone or the layout label or "
                 "the config changes",
                 given_up=tuple(left),
+                cause=record.given_up_why,
             )
 
     def _may_tell_holders(self, change: Change, hook_run: hooks.HookRunner) -> bool:
