@@ -345,7 +345,12 @@ class Agent:
         mislead), services an earlier pass stopped started again."""
         s = self.settings
         # a change given up half-way owes the node its listing: the advertiser restarted
-        guard.settle(self.tools, None, node=node, readvertise=True, dra_node=self.memory.dra_seen)
+        try:
+            guard.settle(
+                self.tools, None, node=node, readvertise=True, dra_node=self.memory.dra_seen
+            )
+        except Stopping as stop:  # told to stop while the advertiser restarts
+            return self._stopped(stop)
         try:
             host_clients.start_leftover(self.cluster, s, self.run_command, node.annotations)
         except MigAgentError as exc:
@@ -420,6 +425,11 @@ class Agent:
                 owed=owed_by(exc),
                 readvertise=again,
                 dra_node=self.memory.dra_seen,
+            )
+        except Stopping as stop:  # told to stop while the advertiser restarts: a stop
+            going = exc.context.get("refs", ())
+            return self._stopped(
+                Stopping((*stop.refs, *(going if isinstance(going, tuple) else ())))
             )
         except MigAgentError as err:
             log.error("node.settle_failed", error=str(err))

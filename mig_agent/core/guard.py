@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-
 RECORD_CAP = 4096  # characters: deploy/policies.py caps every annotation of the agent's at it
 TEXT_CAP = 1200  # characters of each of the record's words (why, given_up_why)
 

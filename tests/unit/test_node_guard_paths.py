@@ -236,3 +236,52 @@ def test_a_pod_under_two_budgets_fails_the_drain_at_once_path_3() -> None:
     agent.clock.sleep(3600.0)
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert_clean(cluster)
+
+
+def _stop_at_the_plugins_restart(agent: Agent, cluster: FakeCluster) -> None:
+    """A plugin pod not yet Ready, and SIGTERM as the guard restarts it: the wait for the new
+    pod sees the stop."""
+    cluster.add_pod(
+        "gpu-operator",
+        "dp-new",
+        NODE,
+        labels={"app": "nvidia-device-plugin-daemonset"},
+        owner="DaemonSet",
+        ready=False,
+    )
+    delete = cluster.delete_pod
+
+    def stopped_then(ref: Any) -> None:
+        agent.stopping.set()
+        delete(ref)
+        cluster.add_pod(
+            "gpu-operator",
+            "dp-newer",
+            NODE,
+            labels={"app": "nvidia-device-plugin-daemonset"},
+            owner="DaemonSet",
+            ready=False,
+        )
+
+    cluster.delete_pod = stopped_then  # type: ignore[method-assign]
+
+
+def test_a_stop_while_a_failed_pass_readvertises_is_a_stop_with_the_cordon_kept() -> None:
+    # found by the guard model: Stopping left the pass from the guard's readvertise
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    _plugin_failing_after_the_change(agent, cluster)  # and still not back: the wait sleeps
+    _stop_at_the_plugins_restart(agent, cluster)
+    label(cluster, "all-1g.10gbb")  # misspelt: the pass fails, then readvertises
+    assert agent.reconcile_once().outcome is Outcome.STOPPED
+    node = cluster.nodes[NODE]
+    assert node.unschedulable, "uncordoned over a listing no one proved"
+    assert json.loads(node.annotations[GUARD])["gpus"]
+
+
+def test_a_stop_while_the_idle_pass_readvertises_is_a_stop_with_the_cordon_kept() -> None:
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    _plugin_failing_after_the_change(agent, cluster)  # and still not back: the wait sleeps
+    _stop_at_the_plugins_restart(agent, cluster)
+    cluster.patch_node(NODE, labels={CONFIG: None})
+    assert agent.reconcile_once().outcome is Outcome.STOPPED
+    assert cluster.nodes[NODE].unschedulable
