@@ -8,6 +8,8 @@ kept on the node (mig-agent.dev/guard): a restarted agent does not start it over
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mig_agent.agent import Agent, Outcome
 
 from .fake_cluster import FakeCluster
@@ -121,5 +123,21 @@ def test_the_window_survives_a_restart_and_the_give_up_ends_when_the_pod_goes() 
     cluster.pods.pop(pod)
     cluster.blocked.clear()
     assert restarted.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert_clean(cluster)
+
+
+def test_a_drain_given_up_on_a_pod_that_then_completes_goes_on() -> None:
+    # found by the guard model: a pod given up on that completes (its object stays, phase
+    # Succeeded) holds no device, yet was taken for one still on the node, the pass refused
+    # for good and never looked at again
+    agent, cluster, gpus = make(drain_timeout_s=30.0, drain_give_up_s=50.0)
+    pod = cluster.add_pod("work", "guarded", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.blocked[pod] = "keep-one"
+    label(cluster, "all-balanced")
+    _until_given_up(agent, cluster)
+    cluster.pods[pod] = replace(cluster.pods[pod], phase="Succeeded")
+    result = agent.reconcile_once()
+    assert result.outcome is Outcome.APPLIED, result
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert_clean(cluster)

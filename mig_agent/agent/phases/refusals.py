@@ -54,7 +54,10 @@ class Refusals:
         record = marks.record(t.settings, change.node)
         if record is None or record.layout != change.desired or not record.given_up:
             return
-        here = _names(change.node_pods(t.cluster, t.settings.node_name))
+        # a pod that completed holds no device, though its object stays
+        here = _names(
+            [p for p in change.node_pods(t.cluster, t.settings.node_name) if not p.finished]
+        )
         left = sorted(p for p in record.given_up if p in here)
         if left:
             cause = f" ({record.given_up_why})" if record.given_up_why else ""
