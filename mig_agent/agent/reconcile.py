@@ -459,8 +459,10 @@ class Agent:
         log.info("reconcile.superseded", error=str(exc))
         asked = exc.context.get("labels", {})
         now = asked.get(self.settings.config_label) if isinstance(asked, dict) else None
+        # pods the drain evicted still terminate on the GPUs: the cordon stays while they run
+        going = Owed(evicted=tuple(sorted(pod_names(exc.context.get("refs", ())))))
         try:
-            guard.settle(self.tools, now, dra_node=self.memory.dra_seen)
+            guard.settle(self.tools, now, owed=going, dra_node=self.memory.dra_seen)
         except MigAgentError as err:
             log.error("node.settle_failed", error=str(err))
         self.memory.failures = 0

@@ -112,10 +112,11 @@ class Owed:
 
 def merged(record: Record, desired: str | None, owed: Owed) -> Record:
     """``record`` as this pass leaves it: what the pass owes added; what a relabel ends (the
-    drain's window, its give-up, the pods evicted for a layout no longer asked for) dropped. The
-    digest of the GPUs stays whatever the label says: only the advertiser's proof clears it."""
-    if record.layout != desired:
-        record = Record(layout=desired or "", gpus=record.gpus)
+    drain's window, its give-up) dropped. The digest of the GPUs and the pods evicted that may
+    still run stay whatever the label says: only the advertiser's proof, and the pods' going,
+    clear them."""
+    if record.layout != desired:  # pods evicted for it may still run on GPUs the next changes
+        record = Record(layout=desired or "", gpus=record.gpus, evicted=record.evicted)
     since = record.drain_since
     if since is None and owed.drain_failed_at is not None:
         since = owed.drain_failed_at

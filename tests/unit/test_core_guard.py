@@ -90,10 +90,10 @@ def test_a_bad_record_is_told_by_what_is_wrong(text: str, words: str) -> None:
         parse(text)
 
 
-def test_a_relabel_ends_the_drains_debts_but_not_the_gpus() -> None:
+def test_a_relabel_ends_the_drains_window_and_give_up_but_not_the_gpus_nor_evicted_pods() -> None:
     record = Record("a", "d0", ("w/p",), 10.0, ("w/q",), "", "a budget")
     after = merged(record, "b", Owed())
-    assert after == Record("b", "d0")
+    assert after == Record("b", "d0", ("w/p",))
 
 
 def test_a_pass_adds_its_evictions_its_first_failed_drain_and_a_give_ups_cause() -> None:

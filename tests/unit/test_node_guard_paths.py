@@ -285,3 +285,30 @@ def test_a_stop_while_the_idle_pass_readvertises_is_a_stop_with_the_cordon_kept(
     cluster.patch_node(NODE, labels={CONFIG: None})
     assert agent.reconcile_once().outcome is Outcome.STOPPED
     assert cluster.nodes[NODE].unschedulable
+
+
+def test_a_relabel_mid_drain_keeps_the_cordon_while_the_evicted_pods_run() -> None:
+    # found by the guard model: the superseded pass uncordoned with an evicted pod still
+    # terminating on a GPU the new layout changes too
+    agent, cluster, gpus = make(drain_timeout_s=30.0)
+    going = cluster.add_pod("work", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.linger.add(going)
+    evict = cluster.evict
+
+    def relabelled_after(ref: Any) -> None:
+        evict(ref)
+        cluster.patch_node(NODE, labels={CONFIG: "all-1g.10gb"})
+
+    cluster.evict = relabelled_after  # type: ignore[method-assign]
+    label(cluster, "all-balanced")
+    assert agent.reconcile_once().outcome is Outcome.SUPERSEDED
+    node = cluster.nodes[NODE]
+    assert cluster.pods[going].terminating
+    assert node.unschedulable, "uncordoned while an evicted pod still runs"
+    assert json.loads(node.annotations[GUARD])["evicted"] == ["work/checkpointing"]
+    assert not gpus.calls
+    cluster.evict = evict  # type: ignore[method-assign]
+    cluster.linger.discard(going)
+    cluster.pods.pop(going)
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert_clean(cluster)

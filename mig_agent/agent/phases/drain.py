@@ -60,8 +60,12 @@ class DrainPhase:
             "evicting the pods that use the GPUs that change",
         ):
             for _ in range(ROUNDS):
-                self._drain(change, paused)
-                self.still_wanted(change.desired)  # not worth applying a layout not asked for
+                try:
+                    self._drain(change, paused)
+                    self.still_wanted(change.desired)  # not worth applying a layout not asked for
+                except LabelsChanged as exc:  # the pods evicted so far go on terminating
+                    exc.context.setdefault("refs", self._going(change, paused))
+                    raise
                 late = self._arrived_since(change, paused)
                 if not late:
                     return
@@ -108,7 +112,7 @@ class DrainPhase:
         try:
             evicted = self._evict(change, operand_pods, holds, pods, seen)
         except LabelsChanged:
-            raise
+            raise  # with the pods going, by run()
         except (EvictionBlocked, DrainTimeout, KubeError) as exc:
             # any eviction error: the pods evicted before it may still run (a 403 from a
             # webhook, a 5xx past the retries), and the window applies to every failed drain
