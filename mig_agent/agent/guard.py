@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -56,8 +56,8 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
     operands = labels.paused_during_change(node.labels, s.operand_labels)
     if operands:
         annotations[s.paused_annotation] = ",".join(operands)
-    if s.guard_annotation not in node.annotations:  # an older debt keeps its older digest
-        owed = Record(layout=change.desired, gpus=digest(change.observed))
+    owed = _owed_at_the_cordon(s, node, change)
+    if owed is not None:
         annotations[s.guard_annotation] = owed.to_json()
     if annotations or pause:
         cluster = t.cluster
@@ -70,6 +70,19 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
         log.info("node.paused", cordoned=not node.unschedulable, operands=operands)
     yield operands
     settle(t, change.desired, succeeded=True, dra_node=change.dra)
+
+
+def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record | None:
+    """The record as the cordon leaves it: the GPUs' digest as the advertiser lists them now
+    added to what the node is owed already (a failed drain's window, pods evicted), an older
+    digest kept (the GPUs changed since the advertiser last listed them); None: left as is (an
+    annotation the agent never wrote: settle proves the GPUs again)."""
+    if s.guard_annotation not in node.annotations:
+        return Record(layout=change.desired, gpus=digest(change.observed))
+    record = marks.record(s, node)
+    if record is None or record.gpus:
+        return None
+    return replace(record, gpus=digest(change.observed))
 
 
 @dataclass(frozen=True)

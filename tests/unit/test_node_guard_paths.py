@@ -312,3 +312,25 @@ def test_a_relabel_mid_drain_keeps_the_cordon_while_the_evicted_pods_run() -> No
     cluster.pods.pop(going)
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert_clean(cluster)
+
+
+def test_a_change_after_a_failed_drain_keeps_the_cordon_over_a_stale_listing() -> None:
+    # found by the guard model: a record the node kept from a failed drain (its window, pods
+    # evicted) held no digest of the GPUs, and the cordon of the next try added none: the GPUs
+    # changed, the plugin never listed them, and the node was uncordoned over the old listing
+    agent, cluster, gpus = make(
+        operands=False, drain_timeout_s=30.0, drain_give_up_s=60.0, device_plugin_timeout_s=5.0
+    )
+    pod = cluster.add_pod("work", "guarded", NODE, gpu={"nvidia.com/gpu": 1})
+    cluster.blocked[pod] = "keep-one"
+    label(cluster, "all-1g.10gb")
+    first = agent.reconcile_once()
+    assert first.outcome is Outcome.FAILED and GUARD in cluster.nodes[NODE].annotations
+    del cluster.blocked[pod]
+    cluster.on_change = None  # the plugin does not come back after the change
+    agent.clock.sleep(60.0)  # the next try ends past the drain's window
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    node = cluster.nodes[NODE]
+    assert gpus.calls, "the GPUs did not change"
+    assert not advertises_what_nvml_holds(cluster, gpus)
+    assert node.unschedulable, "uncordoned over a listing of devices that are gone"
