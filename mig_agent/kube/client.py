@@ -467,18 +467,25 @@ class KubernetesCluster(Cluster, PodRunner):
         self._unconditional("patch node status", name, self._core.patch_node_status, body)
 
     def watch_node(self, name: str, *, timeout_s: int) -> Iterator[NodeView]:
+        """The node as each change of it arrives, read from the watch's raw JSON (as the pod
+        and slice watches are). A watch ended by the server's ERROR event raises KubeError: the
+        caller drops the node it cached and opens the watch again."""
         self._on_request("watch_node")
-        w = watch.Watch()
         with _kube("watch node", node=name):
-            for event in w.stream(
-                self._core.list_node,
-                field_selector=f"metadata.name={name}",
-                timeout_seconds=timeout_s,
-                # the server ends the watch at timeout_s; silence beyond that is a dead connection
-                _request_timeout=(10, timeout_s + 10),
-            ):
-                if event["type"] in ("ADDED", "MODIFIED"):
-                    yield _node(event["raw_object"])
+            events = watch_events(self._core.list_node, f"metadata.name={name}", "", timeout_s)
+            try:
+                for event in events:
+                    if event["type"] == "ERROR":
+                        status = event.get("object") or {}
+                        raise KubeError(
+                            f"watch of node {name} ended by the API server: "
+                            f"{status.get('message') or status}",
+                            node=name,
+                        )
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        yield _node(event["object"])
+            finally:
+                events.close()
 
     # pods ---------------------------------------------------------------------------------
 

@@ -467,6 +467,31 @@ def test_the_agents_pod_watch_sees_a_deletion_as_it_happens(
     assert requests == ["list_pod_for_all_namespaces", "watch_pods"]
 
 
+def test_the_agents_node_watch_delivers_each_change_from_the_raw_json(
+    cluster: Cluster, core: client.CoreV1Api, gpu_node_factory: GpuNodeFactory
+) -> None:
+    """The loop's node watch (path 7 of issue 42): the node as it is, then each change of it,
+    read from the watch's JSON lines as the pod and slice watches are; one request."""
+    from mig_agent.kube.client import KubernetesCluster
+
+    node = gpu_node_factory()
+    requests: list[str] = []
+    k = KubernetesCluster.connect(str(cluster.kubeconfig), on_request=requests.append)
+    try:
+        watch = k.watch_node(node, timeout_s=20)
+        first = next(watch)
+        assert first.name == node and first.labels.get("nvidia.com/mig.config") is None
+        core.patch_node(node, {"metadata": {"labels": {"nvidia.com/mig.config": "all-1g.10gb"}}})
+        for seen in watch:
+            if seen.labels.get("nvidia.com/mig.config") == "all-1g.10gb":
+                break
+        watch.close()  # type: ignore[attr-defined]
+    finally:
+        k.close()
+    assert seen.resource_version != first.resource_version and seen.capacity
+    assert requests == ["watch_node"]
+
+
 def test_a_pod_watch_the_api_server_ends_with_an_error_event_ends_quietly(
     cluster: Cluster, gpu_node_factory: GpuNodeFactory, tmp_path: Path
 ) -> None:
