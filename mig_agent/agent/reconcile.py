@@ -346,7 +346,7 @@ class Agent:
         s = self.settings
         # a change given up half-way owes the node its listing: the advertiser restarted
         try:
-            guard.settle(
+            settled = guard.settle(
                 self.tools, None, node=node, readvertise=True, dra_node=self.memory.dra_seen
             )
         except Stopping as stop:  # told to stop while the advertiser restarts
@@ -356,11 +356,16 @@ class Agent:
         except MigAgentError as exc:
             log.error("host_clients.start_failed", error=str(exc))
         ours = (s.reason_annotation, s.post_apply_annotation, s.observe_annotation)
-        if s.state_label in node.labels or any(a in node.annotations for a in ours):
+        annotations: dict[str, str | None] = dict.fromkeys(ours)
+        # a cordon kept says why on the node, though no layout is asked for
+        kept = [settled.note, settled.verdict.why] if not settled.verdict.schedulable else []
+        if any(kept):
+            annotations[s.reason_annotation] = "; ".join(p for p in kept if p)[:4096]
+        if s.state_label in node.labels or any(a in node.annotations for a in ours) or any(kept):
             node = self.cluster.patch_node(
                 s.node_name,
                 labels={s.state_label: None},
-                annotations=dict.fromkeys(ours),
+                annotations=annotations,
             )
             self.seen = (None, None)
         self.metrics.set_state("")
@@ -405,13 +410,13 @@ class Agent:
         """Told to stop inside a wait: the guard settles the node (a successor starts the pass
         over; the state label still says pending), keeping the cordon while pods the drain
         evicted still terminate, or the GPUs changed and are not advertised yet."""
-        log.info("reconcile.stopped", reason="the agent is stopping")
         going = tuple(str(r) for r in exc.refs if isinstance(r, PodRef))
         desired, _ = self.seen
-        with contextlib.suppress(MigAgentError):  # best effort: the agent is going
+        with contextlib.suppress(MigAgentError, Stopping):  # best effort: the agent is going
             guard.settle(
                 self.tools, desired, owed=Owed(evicted=going), dra_node=self.memory.dra_seen
             )
+        log.info("reconcile.stopped", reason="the agent is stopping")  # once the node is settled
         return PassResult(Outcome.STOPPED)
 
     def _failed_and_tidied(self, desired: str, exc: MigAgentError) -> PassResult:

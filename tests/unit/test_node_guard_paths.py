@@ -334,3 +334,17 @@ def test_a_change_after_a_failed_drain_keeps_the_cordon_over_a_stale_listing() -
     assert gpus.calls, "the GPUs did not change"
     assert not advertises_what_nvml_holds(cluster, gpus)
     assert node.unschedulable, "uncordoned over a listing of devices that are gone"
+
+
+def test_the_label_removed_with_the_plugin_gone_keeps_the_cordon_and_says_why() -> None:
+    # found by the guard model: the idle pass kept the cordon over a listing no one proved and
+    # cleared the reason, so the node said nothing of why it stayed cordoned
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    _plugin_failing_after_the_change(agent, cluster)
+    cluster.patch_node(NODE, labels={CONFIG: None})
+    assert agent.reconcile_once().outcome is Outcome.IDLE
+    node = cluster.nodes[NODE]
+    assert node.unschedulable
+    reason = node.annotations[REASON]
+    assert "stays cordoned until the device plugin advertises" in reason, reason
+    assert "app=nvidia-device-plugin-daemonset" in reason, reason
