@@ -125,6 +125,11 @@ def shell(script: str, grace_s: int = 30) -> dict[str, Any]:
 
 def deployment(name: str, spec: dict[str, Any], resource: str) -> dict[str, Any]:
     spec["containers"][0]["resources"] = {"limits": {resource: 1}}
+    # placed by the scheduler, which keeps off a cordoned node: a pod template bound by name
+    # would put each replacement back on the node the agent drains (and the agent rightly
+    # refuses to change the GPUs under pods that keep arriving)
+    node_name = spec.pop("nodeName")
+    spec["nodeSelector"] = {"kubernetes.io/hostname": node_name}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -331,11 +336,11 @@ def test_a_budget_that_forbids_the_eviction_fails_the_change_touching_no_gpu(
 
 
 def test_a_long_pass_keeps_the_agent_live_and_ready(chart: NodeCluster) -> None:
-    """Every mutating NVML call takes 3 s (as MIG calls and resets take seconds on hardware):
+    """Every mutating NVML call takes 6 s (as MIG calls and resets take seconds on hardware):
     the pass lasts longer than the liveness probe's window (3 x 20 s), which must not kill it."""
     c, rn = chart.cluster, chart.node
     (agent,) = agent_pods(c)
-    with sim_fault(rn, "latency", "3"):
+    with sim_fault(rn, "latency", "6"):
         relabel(c, "all-3g.40gb")
         started = time.monotonic()
         not_ready: list[str] = []
