@@ -7,6 +7,7 @@ the tries of a drain; and never saying what is not so. Each test failed before t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from mig_agent.agent import Agent, Outcome
@@ -135,19 +136,36 @@ def test_a_relabel_mid_apply_keeps_the_cordon_until_the_listing_is_proven_path_2
     assert_clean(cluster)
 
 
-def test_an_eviction_error_mid_round_keeps_the_cordon_while_evicted_pods_run_path_5() -> None:
-    agent, cluster, gpus = make(drain_timeout_s=30.0, drain_give_up_s=100.0)
+def _one_goes_slowly_one_is_refused(
+    cluster: FakeCluster, refused_name: str, refusal: Callable[[], Exception]
+) -> tuple[Any, Any, Any, list[Any]]:
+    """Two GPU pods: work/checkpointing, whose eviction is granted and which lingers
+    terminating, and ``refused_name``, whose every eviction raises a new ``refusal()``.
+    Returns the two, the cluster's own evict (to put back) and the pods each eviction was
+    asked for."""
     going = cluster.add_pod("work", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1})
-    other = cluster.add_pod("work", "webhooked", NODE, gpu={"nvidia.com/gpu": 1})
+    other = cluster.add_pod("work", refused_name, NODE, gpu={"nvidia.com/gpu": 1})
     cluster.linger.add(going)
     evict = cluster.evict
+    tries: list[Any] = []
 
-    def forbidden_for_one(ref: Any) -> None:
+    def refused_for_one(ref: Any) -> None:
+        tries.append(ref)
         if ref == other:
-            raise KubeForbidden("evict pod work/webhooked: 403 denied by a webhook", status=403)
+            raise refusal()
         evict(ref)
 
-    cluster.evict = forbidden_for_one  # type: ignore[method-assign]
+    cluster.evict = refused_for_one  # type: ignore[method-assign]
+    return going, other, evict, tries
+
+
+def test_an_eviction_error_mid_round_keeps_the_cordon_while_evicted_pods_run_path_5() -> None:
+    agent, cluster, gpus = make(drain_timeout_s=30.0, drain_give_up_s=100.0)
+
+    def refused() -> Exception:
+        return KubeForbidden("evict pod work/webhooked: 403 denied by a webhook", status=403)
+
+    going, _, evict, _ = _one_goes_slowly_one_is_refused(cluster, "webhooked", refused)
     label(cluster, "all-balanced")
     result = agent.reconcile_once()
     node = cluster.nodes[NODE]
@@ -198,24 +216,18 @@ def test_a_gpu_pod_bound_after_the_drains_look_is_drained_before_the_gpus_change
 
 def test_a_pod_under_two_budgets_fails_the_drain_at_once_path_3() -> None:
     agent, cluster, gpus = make(drain_timeout_s=30.0, drain_give_up_s=100.0)
-    going = cluster.add_pod("work", "checkpointing", NODE, gpu={"nvidia.com/gpu": 1})
-    doubly = cluster.add_pod("work", "doubly-budgeted", NODE, gpu={"nvidia.com/gpu": 1})
-    cluster.linger.add(going)
-    evict = cluster.evict
-    tries: list[Any] = []
 
-    def two_budgets(ref: Any) -> None:
-        tries.append(ref)
-        if ref == doubly:  # what the client raises at the API server's first 500
-            raise EvictionUnsupported(
-                "eviction of pod work/doubly-budgeted refused: more than one "
-                "PodDisruptionBudget covers it (work/a, work/b)",
-                pod=str(ref),
-                pdbs=("work/a", "work/b"),
-            )
-        evict(ref)
+    def refused() -> Exception:  # what the client raises at the API server's first 500
+        return EvictionUnsupported(
+            "eviction of pod work/doubly-budgeted refused: more than one PodDisruptionBudget "
+            "covers it (work/a, work/b)",
+            pod="work/doubly-budgeted",
+            pdbs=("work/a", "work/b"),
+        )
 
-    cluster.evict = two_budgets  # type: ignore[method-assign]
+    going, doubly, evict, tries = _one_goes_slowly_one_is_refused(
+        cluster, "doubly-budgeted", refused
+    )
     label(cluster, "all-balanced")
     result = agent.reconcile_once()
     node = cluster.nodes[NODE]
