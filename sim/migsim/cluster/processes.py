@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -80,19 +81,42 @@ def _read_stat(pid: int) -> tuple[str, int] | None:
     return None if fields is None else (fields[0], int(fields[19]))
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that are free on 127.0.0.1 right now.
+_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000  # below the ephemeral range, above the well-known servers' ports
 
-    All sockets stay open until every port is chosen so the kernel hands out distinct ports; they
-    are closed before the servers bind. Another program could grab one in between, and the server
-    would then fail to start with "address already in use" in its log: rare on a dev machine, and
-    the price of not hard-coding ports (which would stop two clusters running side by side).
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default if unreadable)."""
+    try:
+        low, high = _PORT_RANGE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that are free on 127.0.0.1 right now, all below the kernel's
+    ephemeral range.
+
+    Below it because any outgoing connection (a watch on the API server, a probe) takes a local
+    port from that range: a server told to bind a port chosen there could find it taken, and a
+    restarted agent then failed for minutes with "address already in use". Ports are drawn at
+    random and each is bound once to check that it is free; the sockets stay open until every
+    port is chosen so that they are distinct. Another server of ours could still take one in
+    between (two draws of the same free port): rare, and the price of not hard-coding ports
+    (which would stop two clusters running side by side).
     """
+    low, high = _LOWEST_PORT, ephemeral_range()[0] - 1
+    rng = random.SystemRandom()
     sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        while len(sockets) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", rng.randint(low, high)))
+            except OSError:
+                s.close()
+                continue
             sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
