@@ -44,6 +44,8 @@ class Tools:
     allocatable_devices: Callable[[], Mapping[str, frozenset[str]]] | None = None
     # runs the reboot command; None: run_reboot with the reboot_timeout_s setting
     reboot: Callable[[str], None] | None = None
+    # the id of the node's boot; None: the kernel's (phases.reboot.current_boot_id)
+    boot_id: Callable[[], str] | None = None
 
     def phase(
         self, node: NodeView, name: str, reason: str, message: str
@@ -71,6 +73,8 @@ class Memory:
     # what the last look at NVML found ("" fine): /readyz answers from it, never calling NVML
     # itself (a reset holds the NVML lock for minutes)
     gpu_status: str = "GPUs not read yet"
+    # the layout this agent ran the reboot command for (none: None): its one reboot
+    rebooted_for: str | None = None
 
 
 @dataclass(slots=True)

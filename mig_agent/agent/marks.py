@@ -22,6 +22,7 @@ class NodeRebooting(Exception):
 
 
 _LAYOUT = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_BOOT_ID = re.compile(r"^[0-9a-f-]{1,64}$")
 _SERVICES = re.compile(r"^[A-Za-z0-9@._:-]+(,[A-Za-z0-9@._:-]+)*$")
 
 
@@ -40,7 +41,10 @@ def foreign_marks(s: Settings, node: NodeView) -> dict[str, str]:
             ok = node.labels.get(s.state_label) == State.FAILED
         elif key == s.gpu_state_annotation:
             ok = _is_gpu_state(value)
-        elif key in (s.reboot_annotation, s.post_apply_annotation):
+        elif key == s.reboot_annotation:  # layout@boot-id, or the layout alone
+            layout, _, boot = value.partition("@")
+            ok = bool(_LAYOUT.match(layout)) and (not boot or bool(_BOOT_ID.match(boot)))
+        elif key == s.post_apply_annotation:
             ok = bool(_LAYOUT.match(value))
         elif key == s.host_services_annotation:
             ok = bool(_SERVICES.match(value))

@@ -87,6 +87,8 @@ class Agent:
     metrics: Metrics = field(default_factory=Metrics)
     # runs the reboot command; None: run_reboot with the reboot_timeout_s setting
     reboot: Callable[[str], None] | None = None
+    # the id of the node's boot; None: the kernel's (tests give their own)
+    boot_id: Callable[[], str] | None = None
     # runs hook and host service commands (mig_agent.host.commands.run_command)
     run_command: commands.Runner = commands.run_command
     # (namespace, pod) -> GPU device ids it holds (kubelet PodResources); None: not known
@@ -289,6 +291,7 @@ class Agent:
             self.pod_devices,
             self.allocatable_devices,
             self.reboot,
+            self.boot_id,
         )
 
     # -- one pass -----------------------------------------------------------------------------

@@ -391,6 +391,7 @@ class World:
         self.names = itertools.count(1)
         self.pids = itertools.count(1000)
         self.reboot_asked = False
+        self.boots = 1  # the node's boot: the reboot guard tells a reboot by its id
         self.cluster.add_node(NODE, {DP_LABEL: "true"} if operands else {}, {})
         self.cluster.world = self
         self.cluster.on_change = lambda _c: self.on_change()
@@ -412,6 +413,7 @@ class World:
             clock=Clock(t.now, t.sleep, t.wait, t.now),
         )
         agent.reboot = self._reboot_asked
+        agent.boot_id = lambda: f"boot-{self.boots}"
         if self.podresources:
             agent.pod_devices = self.pod_devices
             agent.allocatable_devices = self.allocatable_devices
@@ -494,6 +496,7 @@ class World:
         """The node reboots: pending MIG modes take effect, processes and the plugin start
         again, the agent is a new process."""
         self.reboot_asked, self.agent = False, None
+        self.boots += 1
         self.gpus.reboot()
         for facts in self.pods.values():
             facts.pid = None

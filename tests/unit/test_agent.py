@@ -419,8 +419,9 @@ def test_mode_change_needing_reboot_reboots_once_then_fails() -> None:
     from mig_agent.core.errors import GpuResetRequired
 
     reboots: list[str] = []
+    boots = ["boot-1"]
     agent, cluster, gpus = make(FakeGpus([MODELS["A100-40GB"]] * 2), reboot_command="/sbin/reboot")
-    agent.reboot = reboots.append
+    agent.reboot, agent.boot_id = reboots.append, lambda: boots[-1]
 
     def stuck(gpu: int, *, enabled: bool) -> None:
         raise GpuResetRequired("GPU 0: MIG mode change pending")
@@ -430,7 +431,11 @@ def test_mode_change_needing_reboot_reboots_once_then_fails() -> None:
     assert agent.reconcile_once().outcome is Outcome.REBOOTING
     assert reboots == ["/sbin/reboot"]
     assert cluster.nodes[NODE].labels[STATE] == "rebooting"
-    # after the "reboot" the mode is still pending: no second reboot, a clear failure
+    # after the reboot (a new boot, a new agent) the mode is still pending: no second reboot,
+    # a clear failure
+    boots.append("boot-2")
+    agent, _, _ = make(gpus, reboot_command="/sbin/reboot")
+    agent.cluster, agent.reboot, agent.boot_id = cluster, reboots.append, lambda: boots[-1]
     result = agent.reconcile_once()
     assert result.outcome is Outcome.FAILED and reboots == ["/sbin/reboot"]
     assert (

@@ -13,7 +13,7 @@ import structlog
 from mig_agent.agent import host_clients, reporting
 from mig_agent.agent.change import Change, Memory, Tools
 from mig_agent.agent.marks import NodeRebooting
-from mig_agent.agent.phases.reboot import run_reboot
+from mig_agent.agent.phases.reboot import asked_reboot, current_boot_id, parse_asked, run_reboot
 from mig_agent.core import planner
 from mig_agent.core.errors import GpuBusy, GpuResetRequired, MigAgentError, RebootFailed
 from mig_agent.core.labels import State
@@ -104,24 +104,41 @@ class ApplyPhase:
             raise GpuResetRequired(
                 f"{exc}; no reboot command is configured, reboot the node to finish", **exc.context
             ) from exc
-        if node.annotations.get(s.reboot_annotation) == desired:
-            raise GpuResetRequired(
-                f"{exc}; MIG mode change did not take effect after "
-                "rebooting once, not rebooting again",
-                **exc.context,
-            ) from exc
+        boot = t.boot_id() if t.boot_id is not None else current_boot_id()
+        refusal = self._no_second_reboot(node.annotations.get(s.reboot_annotation), desired, boot)
+        if refusal:
+            raise GpuResetRequired(f"{exc}; {refusal}", **exc.context) from exc
         self.memory.seen = (desired, State.REBOOTING)  # our own label: no wake-up for it
         t.cluster.patch_node(
             s.node_name,
             labels={s.state_label: State.REBOOTING},
-            annotations={s.reboot_annotation: desired},
+            annotations={s.reboot_annotation: asked_reboot(desired, boot)},
             expect_labels={s.config_label: desired},
         )
         t.metrics.set_state(State.REBOOTING)
         reporting.event(t.cluster, node, "MIGRebooting", f"{exc}; rebooting the node", warning=True)
         log.warning("node.rebooting", error=str(exc))
+        self.memory.rebooted_for = desired
         self._reboot()
         raise NodeRebooting()
+
+    def _no_second_reboot(self, asked: str | None, desired: str, boot: str) -> str:
+        """Why no reboot is run now ("": run it). One reboot per layout: a second would not
+        help. But an ask in this very boot that this agent never ran (the agent that asked was
+        killed before its command ran) has had no reboot yet, and gets it."""
+        if asked is None:
+            return ""
+        layout, asked_in = parse_asked(asked)
+        if layout != desired:
+            return ""
+        if asked_in and asked_in == boot:
+            if self.memory.rebooted_for != desired:
+                return ""
+            return (
+                f"the reboot command ran but the node did not reboot (its boot id is still "
+                f"{boot}); MIG mode change did not take effect, not rebooting again"
+            )
+        return "MIG mode change did not take effect after rebooting once, not rebooting again"
 
     def _reboot(self) -> None:
         t = self.tools

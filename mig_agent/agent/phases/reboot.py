@@ -7,12 +7,35 @@ import os
 import shlex
 import signal
 import subprocess
+from pathlib import Path
 
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import RebootFailed
 
 REBOOT_TIMEOUT_S = Settings().reboot_timeout_s
 """The default of the setting reboot_timeout_s."""
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # the host's, also inside a container
+
+
+def current_boot_id() -> str:
+    """The kernel's id of this boot ("" if unreadable): the reboot guard tells by it whether the
+    node rebooted since the reboot was asked."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def asked_reboot(layout: str, boot_id: str) -> str:
+    """The reboot annotation's value: the layout a reboot was asked for, and the boot it was
+    asked in (``layout@boot``; the layout alone when the boot id is unknown)."""
+    return f"{layout}@{boot_id}" if boot_id else layout
+
+
+def parse_asked(value: str) -> tuple[str, str]:
+    """(layout, boot id) of a reboot annotation's value ("" for a boot id not recorded)."""
+    layout, _, boot = value.partition("@")
+    return layout, boot
 
 
 def run_reboot(command: str, timeout_s: float = REBOOT_TIMEOUT_S) -> None:
