@@ -9,6 +9,8 @@ writes them (kueue.x-k8s.io/v1beta2), and through ``advise`` on FakeCluster:
   demand, and a pod asking two device kinds is not understood;
 * property: every GPU workload ends in exactly one of demand, left out for quota, not
   understood, or skipped, and the pods of the demand are the reserved pod sets' counts;
+* the kube boundary lists v1beta2, falls back to v1beta1 where that is not served, and reads
+  nothing where Kueue is not installed;
 * advise proposes the relabel that gives a waiting workload's gang its devices, says so in
   text and JSON, and counts the workloads left out for quota.
 """
@@ -16,12 +18,15 @@ writes them (kueue.x-k8s.io/v1beta2), and through ``advise`` on FakeCluster:
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
@@ -30,6 +35,7 @@ from mig_agent.core.kueue_demand import workload_demand
 from mig_agent.core.planner import plan
 from mig_agent.core.scheduling import Taint
 from mig_agent.core.snapshot import compact
+from mig_agent.kube.client import KubernetesCluster
 from mig_agent.node.apply import execute
 from mig_agent.ops import advise as ops_advise
 from tests.unit.fake_cluster import FakeCluster
@@ -176,6 +182,7 @@ _pod_sets = st.lists(
 )
 
 
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(_states, _pod_sets), max_size=6))
 def test_every_gpu_workload_lands_in_one_place_and_pods_add_up(
     specs: list[tuple[str, list[tuple[int, dict[str, int]]]]],
@@ -211,6 +218,50 @@ def test_every_gpu_workload_lands_in_one_place_and_pods_add_up(
             assert name in got.waiting_for_quota
         else:
             assert not any(places)
+
+
+class _Answer:
+    def __init__(self, body: bytes) -> None:
+        self.data = body
+
+    def release_conn(self) -> None:
+        pass
+
+
+def _served(*versions: str) -> Any:
+    """A list_cluster_custom_object that serves ``versions`` only (404 for the others)."""
+    asked: list[str] = []
+
+    def list_cluster_custom_object(group: str, version: str, plural: str, **_: Any) -> _Answer:
+        asked.append(version)
+        if version not in versions:
+            raise ApiException(status=404, reason="Not Found")
+        item = {"apiVersion": f"{group}/{version}", "metadata": {"name": plural}}
+        return _Answer(json.dumps({"items": [item]}).encode())
+
+    list_cluster_custom_object.asked = asked
+    return list_cluster_custom_object
+
+
+@pytest.mark.parametrize(
+    ("served", "asked", "got"),
+    [
+        (("v1beta2", "v1beta1"), ["v1beta2"], ["kueue.x-k8s.io/v1beta2"]),
+        (("v1beta1",), ["v1beta2", "v1beta1"], ["kueue.x-k8s.io/v1beta1"]),
+        ((), ["v1beta2", "v1beta1"], []),
+    ],
+)
+def test_the_boundary_lists_the_newest_version_served(
+    served: tuple[str, ...], asked: list[str], got: list[str]
+) -> None:
+    k = KubernetesCluster(client.ApiClient(), attempts=1)
+    fake = _served(*served)
+    k._custom = type("Custom", (), {"list_cluster_custom_object": staticmethod(fake)})()
+    try:
+        assert [w["apiVersion"] for w in k.list_kueue("workloads")] == got
+    finally:
+        k.close()
+    assert fake.asked == asked
 
 
 CONFIG = """
