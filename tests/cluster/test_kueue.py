@@ -130,12 +130,34 @@ class Queue:
             self.made.append(f"{KUEUE}{path}/{body['metadata']['name']}")
 
     def delete(self) -> None:
+        """The namespace's Jobs and Workloads, then the queues, flavor and checks, each gone
+        before the next: while Kueue still runs to take its finalizers off them. A Workload
+        left behind would be demand to every later advise on this cluster."""
+        api, ns = self.cluster.api, self.namespace
+        api.request("DELETE", f"/apis/batch/v1/namespaces/{ns}/jobs?propagationPolicy=Background")
+        api.request("DELETE", f"{KUEUE}/namespaces/{ns}/workloads")
+        wait_until(
+            lambda: not api.get(f"{KUEUE}/namespaces/{ns}/workloads")["items"],
+            timeout=60,
+            what=f"the Workloads of {ns} deleted",
+        )
         for path in reversed(self.made):
             try:
-                self.cluster.api.request("DELETE", path)
+                api.request("DELETE", path)
             except ApiError as e:
                 if e.status != 404:
                     raise
+            wait_until(lambda p=path: _gone(api, p), timeout=60, what=f"{path} deleted")
+
+
+def _gone(api: Any, path: str) -> bool:
+    try:
+        api.get(path)
+    except ApiError as e:
+        if e.status == 404:
+            return True
+        raise
+    return False
 
 
 _KINDS = {
