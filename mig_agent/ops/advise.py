@@ -7,7 +7,8 @@ another), so ``apply`` looks at each node again just before its patch: the label
 read, no eviction the proposal did not show (none without --allow-evict), every pod it serves
 still waiting (the same pod: matched by UID) and still fitting; the patch itself is written only
 while the labels hold. A node that fails any of it is skipped with the reason, and the summary
-says what was done and what was not.
+says what was done and what was not. The pods of a Kueue workload's demand do not exist before
+Kueue admits it: they are neither looked at again nor followed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What ``advise`` reads of the cluster: the pending pods no node can take today for want of GPU
-devices (demand), and the GPU nodes with what each approved layout would do there (supply).
-One look at nodes, pods, ResourceSlices, ResourceClaims and PodDisruptionBudgets; no patch.
+devices, and Kueue's workloads that wait on admission checks (demand), and the GPU nodes with
+what each approved layout would do there (supply). One look at nodes, pods, ResourceSlices,
+ResourceClaims, PodDisruptionBudgets and Kueue's Workloads and ResourceFlavors; no patch.
 ``read_node`` looks again at one node, for ``advise --apply`` just before its relabel.
 """
 

@@ -12,7 +12,8 @@ writes them (kueue.x-k8s.io/v1beta2), and through ``advise`` on FakeCluster:
 * the kube boundary lists v1beta2, falls back to v1beta1 where that is not served, and reads
   nothing where Kueue is not installed;
 * advise proposes the relabel that gives a waiting workload's gang its devices, says so in
-  text and JSON, and counts the workloads left out for quota.
+  text and JSON, and counts the workloads left out for quota; ``--apply`` relabels for it
+  without looking for its pods (none exists before Kueue admits it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from mig_agent.core.scheduling import Taint
 from mig_agent.core.snapshot import compact
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.node.apply import execute
+from mig_agent.node.waits import Clock
 from mig_agent.ops import advise as ops_advise
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.fake_gpus import FakeGpus
@@ -328,3 +330,25 @@ def test_a_gang_too_big_for_the_pool_is_served_not_at_all(catalog: Any) -> None:
     assert report.proposals == ()
     assert len(report.unserved) == 5
     assert all("gang workload:team/huge" in why for _, why in report.unserved)
+
+
+def test_apply_relabels_for_a_workload_and_follows_none_of_its_pods(catalog: Any) -> None:
+    c = _pool(catalog, "gpu-a")
+    c.kueue["workloads"] = [_workload("train", ("main", 2, {MIG_3G: 1}), conditions=RESERVED)]
+
+    def agent(cluster: FakeCluster) -> None:
+        node = cluster.nodes["gpu-a"]
+        if node.labels.get(S.config_label) == "all-3g" and S.state_label not in node.labels:
+            cluster.nodes["gpu-a"] = dataclasses.replace(
+                node, labels={**node.labels, S.state_label: "success"}
+            )
+
+    c.on_change = agent
+    report = ops_advise.run(c, catalog, settings=S)
+    assert [p.node for p in report.proposals] == ["gpu-a"]
+    t = [0.0]
+    clock = Clock(now=lambda: t[0], sleep=lambda s: t.__setitem__(0, t[0] + s))
+    lines: list[str] = []
+    applied = ops_advise.apply(c, catalog, report, clock=clock, out=lines.append, poll_s=0.1)
+    assert c.nodes["gpu-a"].labels[S.config_label] == "all-3g"
+    assert applied.pods == () and applied.exit_code == 0, lines
