@@ -105,6 +105,9 @@ class ObserveOnlyCluster(Cluster):
     def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
         return self._inner.list_resource_claims(namespace)
 
+    def list_kueue(self, plural: str) -> list[dict[str, Any]]:
+        return self._inner.list_kueue(plural)
+
     def watch_resource_slices(
         self, node: str, *, timeout_s: float
     ) -> Iterator[list[dict[str, Any]]]:

@@ -42,6 +42,8 @@ from mig_agent.core.errors import (
 from mig_agent.core.scheduling import constraints_of, label_selector_of, taints_of
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
+    KUEUE_GROUP,
+    KUEUE_VERSIONS,
     Cluster,
     NodeCondition,
     NodeView,
@@ -95,6 +97,7 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
             "list_resource_claim_for_all_namespaces",
             "list_namespaced_pod_disruption_budget",
             "list_pod_disruption_budget_for_all_namespaces",
+            "list_cluster_custom_object",
         ),
         Repeat.SAFE,
     ),
@@ -220,6 +223,7 @@ class KubernetesCluster(Cluster, PodRunner):
         self._core = client.CoreV1Api(api)
         self._resource = client.ResourceV1Api(api)
         self._policy = client.PolicyV1Api(api)
+        self._custom = client.CustomObjectsApi(api)
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
@@ -786,6 +790,20 @@ class KubernetesCluster(Cluster, PodRunner):
         with _kube("list poddisruptionbudgets"):
             items = self._call(self._policy.list_pod_disruption_budget_for_all_namespaces)["items"]
         return [_pdb(p) for p in items]
+
+    def list_kueue(self, plural: str) -> list[dict[str, Any]]:
+        for version in KUEUE_VERSIONS:
+            try:
+                with _kube(f"list {plural}.{KUEUE_GROUP}", version=version):
+                    got = self._call(
+                        self._custom.list_cluster_custom_object, KUEUE_GROUP, version, plural
+                    )
+            except KubeError as exc:
+                if exc.context.get("status") == 404:  # not served: an older Kueue, or none
+                    continue
+                raise
+            return list(got["items"])
+        return []
 
 
 def _is_budget_refusal(exc: BaseException) -> bool:

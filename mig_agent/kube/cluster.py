@@ -19,6 +19,10 @@ AGENT_MANAGER = "mig-agent"
 # before it named its own (an upgrade mid-pass must still undo its cordon)
 _CLIENT_DEFAULT_MANAGER = "OpenAPI-Generator"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+KUEUE_GROUP = "kueue.x-k8s.io"
+# v1beta2 first: Kueue v0.17's storage version (v1beta1 is served beside it, converted by
+# Kueue's webhook); v1beta1 alone in older releases
+KUEUE_VERSIONS = ("v1beta2", "v1beta1")
 
 
 def is_gpu_resource(name: str) -> bool:
@@ -233,6 +237,12 @@ class Cluster(Protocol):
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         """Every PodDisruptionBudget of the cluster."""
+        ...
+
+    def list_kueue(self, plural: str) -> list[dict[str, Any]]:
+        """Kueue's objects of ``plural`` (``workloads``, ``resourceflavors``) in every
+        namespace, as the API returns them: in the first of KUEUE_VERSIONS served; [] where
+        Kueue is not installed."""
         ...
 
 

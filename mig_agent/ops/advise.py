@@ -7,7 +7,8 @@ another), so ``apply`` looks at each node again just before its patch: the label
 read, no eviction the proposal did not show (none without --allow-evict), every pod it serves
 still waiting (the same pod: matched by UID) and still fitting; the patch itself is written only
 while the labels hold. A node that fails any of it is skipped with the reason, and the summary
-says what was done and what was not.
+says what was done and what was not. The pods of a Kueue workload's demand do not exist before
+Kueue admits it: they are neither looked at again nor followed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Report:
     wants: Mapping[str, Want] = field(default_factory=dict)
     catalog: LayoutCatalog | None = None
     allow_evict: bool = False
+    # Kueue: the workloads read as demand, those left out because quota holds them (-> why),
+    # and the wants that stand for their pods (none exists yet: not looked up, not followed)
+    workloads: tuple[str, ...] = ()
+    workloads_for_quota: Mapping[str, str] = field(default_factory=dict)
+    workload_pods: frozenset[str] = frozenset()
 
 
 def run(
@@ -91,6 +97,9 @@ def run(
         wants={w.pod: w for w in pool.wants if w.pod in pods},
         catalog=pool.catalog,
         allow_evict=allow_evict,
+        workloads=tuple(pool.workloads),
+        workloads_for_quota=dict(sorted(pool.workloads_for_quota.items())),
+        workload_pods=frozenset(pool.workload_pods),
     )
 
 
@@ -188,6 +197,19 @@ def report_lines(report: Report) -> list[str]:
         )
     if report.proposals and not report.optimal:
         out.append("(large pool: the greedy answer, not proven the best)")
+    return out + _workload_lines(report)
+
+
+def _workload_lines(report: Report) -> list[str]:
+    """What advise read of Kueue's workloads; nothing where it found none asking for GPUs."""
+    if not report.workloads and not report.workloads_for_quota:
+        return []
+    out = ["", f"Kueue workloads read as demand: {len(report.workloads)}"]
+    out += [f"  {w}" for w in report.workloads]
+    if report.workloads_for_quota:
+        n = len(report.workloads_for_quota)
+        out.append(f"left out: {n} workload(s) wait for quota, not devices")
+        out += [f"  {w}: {why}" for w, why in report.workloads_for_quota.items()]
     return out
 
 
@@ -209,6 +231,12 @@ def report_json(report: Report) -> dict[str, Any]:
         "unserved": [{"pod": pod, "reason": why} for pod, why in report.unserved],
         "left_alone": dict(report.left_alone),
         "optimal": report.optimal,
+        "workloads": {
+            "read": list(report.workloads),
+            "left_out_for_quota": [
+                {"workload": w, "reason": why} for w, why in report.workloads_for_quota.items()
+            ],
+        },
     }
 
 
@@ -333,6 +361,8 @@ def _not_waiting(cluster: Cluster, report: Report, pods: Sequence[str]) -> list[
     """Of ``pods``, those that no longer wait unscheduled (the same pod: by UID), with why."""
     out: list[str] = []
     for pod in pods:
+        if pod in report.workload_pods:
+            continue  # a workload's pod, not made before Kueue admits it
         namespace, name = pod.split("/", 1)
         view = cluster.get_pod(PodRef(namespace, name, report.uids.get(pod, "")))
         if view is None:
@@ -358,6 +388,8 @@ def _follow(
     for p in report.proposals:
         result = results[p.node]
         for pod in p.serves:
+            if pod in report.workload_pods:
+                continue  # no pod until Kueue admits its workload: not followed
             uid = report.uids.get(pod, "")
             if result.result in _GOOD:
                 namespace, name = pod.split("/", 1)
@@ -366,7 +398,7 @@ def _follow(
                 why = f"not followed: {p.node} {result.result}"
                 outcomes[pod] = PodOutcome(pod, uid, "", why)
     outcomes.update(_scheduled(cluster, refs, timeout_s, poll_s, clock))
-    return tuple(outcomes[pod] for p in report.proposals for pod in p.serves)
+    return tuple(outcomes[pod] for p in report.proposals for pod in p.serves if pod in outcomes)
 
 
 def _scheduled(

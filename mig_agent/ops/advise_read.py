@@ -1,6 +1,7 @@
 """What ``advise`` reads of the cluster: the pending pods no node can take today for want of GPU
-devices (demand), and the GPU nodes with what each approved layout would do there (supply).
-One look at nodes, pods, ResourceSlices, ResourceClaims and PodDisruptionBudgets; no patch.
+devices, and Kueue's workloads that wait on admission checks (demand), and the GPU nodes with
+what each approved layout would do there (supply). One look at nodes, pods, ResourceSlices,
+ResourceClaims, PodDisruptionBudgets and Kueue's Workloads and ResourceFlavors; no patch.
 ``read_node`` looks again at one node, for ``advise --apply`` just before its relabel.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mig_agent.config.settings import Settings
-from mig_agent.core import demand, dra_devices
+from mig_agent.core import demand, dra_devices, kueue_demand
 from mig_agent.core.advertised import node_mig_strategy
 from mig_agent.core.advise import Option, Supply
 from mig_agent.core.advise_assign import Want
@@ -49,6 +50,11 @@ class Pool:
     uids: dict[str, str] = field(default_factory=dict)
     catalog: LayoutCatalog | None = None
     budgets: dict[str, int] = field(default_factory=dict)  # PDB -> evictions it allows now
+    # Kueue: the workloads read as demand, those left out because quota holds them (-> why),
+    # and the wants that stand for their pods (no pod exists yet)
+    workloads: list[str] = field(default_factory=list)
+    workloads_for_quota: dict[str, str] = field(default_factory=dict)
+    workload_pods: set[str] = field(default_factory=set)
 
 
 def read_pool(
@@ -103,7 +109,53 @@ def read_pool(
         if p.node or p.phase != "Pending" or p.terminating:
             continue
         _add_want(pool, p, nodes, free, claims)
+    _add_workloads(pool, cluster, nodes, free)
     return pool
+
+
+def _add_workloads(
+    pool: Pool, cluster: Cluster, nodes: Sequence[NodeView], free: Mapping[str, Mapping[str, int]]
+) -> None:
+    """Kueue's workloads that wait on admission checks (mig_agent.core.kueue_demand): each pod
+    of a pod set one want, the workload's pods one gang. Nothing where Kueue is not installed
+    or its workloads may not be read."""
+    workloads = _tolerant_kueue(cluster, "workloads")
+    if not workloads:
+        return
+    flavors = {
+        str((f.get("metadata") or {}).get("name", "")): f
+        for f in _tolerant_kueue(cluster, "resourceflavors")
+    }
+    got = kueue_demand.workload_demand(workloads, flavors)
+    pool.workloads = got.workloads
+    pool.workloads_for_quota = dict(got.waiting_for_quota)
+    pool.not_understood.update({f"workload {w}": why for w, why in got.not_understood.items()})
+    for ps in got.pod_sets:
+        allowed = [n.name for n in nodes if not ps.constraints.refusal(n.name, n.labels, n.taints)]
+        active = frozenset(n for n in allowed if n in free)
+        for pod in ps.pods():
+            pool.allowed[pod] = allowed
+            pool.workload_pods.add(pod)
+            pool.wants.append(
+                Want(
+                    pod,
+                    ps.ask.kind,
+                    ps.ask.count,
+                    active,
+                    ps.constraints.describe(),
+                    f"workload:{ps.workload}",
+                )
+            )
+
+
+def _tolerant_kueue(cluster: Cluster, plural: str) -> list[dict[str, Any]]:
+    """Kueue's ``plural``; none where the caller may not read them."""
+    try:
+        return cluster.list_kueue(plural)
+    except KubeError as exc:
+        if exc.context.get("status") in (403, 404):
+            return []
+        raise
 
 
 @dataclass(frozen=True, slots=True)

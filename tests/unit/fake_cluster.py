@@ -47,6 +47,8 @@ class FakeCluster(Cluster):
     slices: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
     pdbs: list[PdbView] = field(default_factory=list)
+    # Kueue's objects by plural (workloads, resourceflavors), as the API returns them
+    kueue: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # the requests the agent would make of the API server, by method (a watch: one request)
     requests: Counter[str] = field(default_factory=Counter)
 
@@ -267,6 +269,10 @@ class FakeCluster(Cluster):
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         self._check("list_pod_disruption_budgets")
         return list(self.pdbs)
+
+    def list_kueue(self, plural: str) -> list[dict[str, Any]]:
+        self._check("list_kueue")
+        return list(self.kueue.get(plural, []))
 
 
 def _merge(old: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import agents, real_node
+from . import agents, kueue, real_node
 from .cluster import COMPONENTS, Cluster, default_dir, down
 from .errors import ClusterNotRunning, DevClusterError
 from .nodes import DEFAULT_GPUS
@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         "scripts/node-packages) with these simulated GPUs (e.g. 2xH100-80GB) and NVIDIA's "
         "device plugin as its DaemonSet's pod",
     )
+    up.add_argument(
+        "--kueue",
+        action="store_true",
+        help="also Kueue's controller and CRDs (scripts/kueue-binary build); no webhook is "
+        "registered: queue Jobs created suspended with the label kueue.x-k8s.io/queue-name",
+    )
     down_p = with_dir(sub.add_parser("down", help="stop the cluster's processes"))
     down_p.add_argument("--purge", action="store_true", help="also remove the cluster folder")
     with_dir(sub.add_parser("status", help="show processes, health, memory and nodes"))
@@ -180,6 +186,9 @@ def _up(args: argparse.Namespace) -> int:
             real = real_node.start(cluster, real_node.NAME, gpus=args.real_node)
             real_node.install_device_plugin(cluster, real)
         print(f"real node {real.name}: kubelet on containerd, {real.gpus}", file=sys.stderr)
+    if args.kueue:
+        kueue.start(cluster)
+        print(f"Kueue running; its log: {cluster.dir / 'logs' / 'kueue.log'}", file=sys.stderr)
     print(f"ready in {time.monotonic() - started:.1f} s; use it with:", file=sys.stderr)
     print(f"  export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}", file=sys.stderr)
     return 0

@@ -35,6 +35,7 @@ from . import kubeconfig, kwok_stages, nodes, pki
 from .agent_records import stop_all
 from .api import Api, ApiError, probe
 from .errors import BinariesMissing, ClusterNotRunning, DevClusterError, WaitTimeout
+from .kueue import stop_recorded as stop_kueue
 from .processes import Proc, free_ports, spawn, stop
 from .waiting import wait_until
 
@@ -707,7 +708,7 @@ def down(directory: Path | None = None, *, purge: bool = False) -> list[str]:
     directory = (directory or default_dir()).resolve()
     if not directory.exists():
         return []
-    agents_killed = stop_all(directory)
+    agents_killed = stop_all(directory) + stop_kueue(directory)
     with _locked(directory):
         state = _load_state(directory)
         killed = agents_killed + (stop(list(reversed(state.procs))) if state is not None else [])

@@ -1,0 +1,201 @@
+"""Kueue's queued work as GPU demand for ``advise``: the Workloads (``kueue.x-k8s.io``, v1beta2
+or v1beta1: the fields read here are the same in both, Kueue v0.17's CRDs) that reserved quota
+but are not admitted yet, i.e. wait on their admission checks, and whose pod sets ask for MIG
+devices (``nvidia.com/mig-*``) or whole GPUs (``nvidia.com/gpu``).
+
+A suspended Job has no pods until Kueue admits its Workload, so this demand is nowhere else:
+each pod set is ``count`` pods (the count its quota was reserved for, where the admission says
+so: a partial admission reserves fewer), each asking what the pod template's containers ask,
+placed by the template's nodeSelector, node affinity and tolerations, and those of the
+ResourceFlavor its GPU resource was assigned (Kueue adds them to the pods when it admits).
+All pods of a workload are one gang: Kueue admits a workload whole.
+
+Left out, and counted, with the reason:
+
+- workloads that have not reserved quota (``QuotaReserved`` False or not set yet: the reason
+  is ``Pending`` in Kueue v0.17, ``WaitingForQuota`` / ``ExceedsMaxQuota`` / ``NoMatchingFlavor``
+  later): quota holds them back, and no relabel gives quota;
+- admitted workloads: their Jobs run pods, and pods that are Pending count as pods already
+  (counting the workload too would count them twice);
+- finished or deactivated workloads;
+- pod sets that ask for no GPU device are not demand; a workload whose GPU ask is not
+  understood (several device kinds in one pod) is left out naming why.
+
+DRA claims by profile in pod set templates (ResourceClaimTemplates) are not read yet.
+
+Pure module: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from mig_agent.core import demand
+from mig_agent.core.scheduling import PodConstraints, constraints_of
+
+QUOTA_RESERVED: Final = "QuotaReserved"
+ADMITTED: Final = "Admitted"
+FINISHED: Final = "Finished"
+
+
+@dataclass(frozen=True, slots=True)
+class PodSetDemand:
+    """``count`` pods of ``workload``'s pod set ``pod_set``, each asking ``ask``."""
+
+    workload: str  # namespace/name
+    pod_set: str
+    count: int
+    ask: demand.Ask
+    constraints: PodConstraints
+
+    def pods(self) -> list[str]:
+        """A name per pod, for advise's tables: ``namespace/workload[pod-set/i]``."""
+        return [f"{self.workload}[{self.pod_set}/{i}]" for i in range(self.count)]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadDemand:
+    """What the workloads ask, and which were left out (workload -> why)."""
+
+    pod_sets: tuple[PodSetDemand, ...] = ()
+    waiting_for_quota: Mapping[str, str] = field(default_factory=dict)
+    not_understood: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def workloads(self) -> list[str]:
+        """The workloads read as demand, in order."""
+        return list(dict.fromkeys(p.workload for p in self.pod_sets))
+
+
+def _condition(workload: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    for c in (workload.get("status") or {}).get("conditions") or ():
+        if c.get("type") == kind:
+            return dict(c)
+    return {}
+
+
+def _is_true(workload: Mapping[str, Any], kind: str) -> bool:
+    return _condition(workload, kind).get("status") == "True"
+
+
+def _requests(template: Mapping[str, Any]) -> dict[str, int]:
+    """The GPU resources a pod of ``template`` asks (largest of requests and limits, any
+    container or init container), as the kube boundary reads a pod's."""
+    spec = template.get("spec") or {}
+    out: dict[str, int] = {}
+    for c in [*(spec.get("containers") or ()), *(spec.get("initContainers") or ())]:
+        res = c.get("resources") or {}
+        for source in (res.get("limits") or {}, res.get("requests") or {}):
+            for k, v in source.items():
+                if k == demand.GPU_RESOURCE or k.startswith(demand.MIG_PREFIX):
+                    out[k] = max(out.get(k, 0), int(str(v)))
+    return out
+
+
+def _assignments(workload: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    admission = (workload.get("status") or {}).get("admission") or {}
+    return {str(a.get("name", "")): a for a in admission.get("podSetAssignments") or ()}
+
+
+def _with_flavor(spec: Mapping[str, Any], flavor: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The pod spec with the flavor's node labels and tolerations added, as Kueue does."""
+    if not flavor:
+        return spec
+    fspec = flavor.get("spec") or {}
+    return {
+        **spec,
+        "nodeSelector": {**(fspec.get("nodeLabels") or {}), **(spec.get("nodeSelector") or {})},
+        "tolerations": [*(spec.get("tolerations") or ()), *(fspec.get("tolerations") or ())],
+    }
+
+
+def _pod_set(
+    name: str,
+    pod_set: Mapping[str, Any],
+    assignment: Mapping[str, Any],
+    flavors: Mapping[str, Mapping[str, Any]],
+) -> PodSetDemand | str | None:
+    """One pod set's demand, why it is not understood, or None when it asks for no GPU."""
+    template = pod_set.get("template") or {}
+    requests = _requests(template)
+    if not requests:
+        return None
+    ask = demand.from_requests(requests)
+    if isinstance(ask, str):
+        return f"pod set {pod_set.get('name', '')!r} {ask}"
+    flavor_name = (assignment.get("flavors") or {}).get(ask.kind)
+    flavor = flavors.get(str(flavor_name)) if flavor_name else None
+    spec = _with_flavor(template.get("spec") or {}, flavor)
+    count = assignment.get("count", pod_set.get("count", 1))
+    return PodSetDemand(name, str(pod_set.get("name", "")), int(count), ask, constraints_of(spec))
+
+
+def _skip(workload: Mapping[str, Any]) -> str | None:
+    """Why ``workload`` is no demand at all (not even counted), or None."""
+    if (workload.get("spec") or {}).get("active") is False:
+        return "deactivated"
+    if _is_true(workload, FINISHED):
+        return "finished"
+    if _is_true(workload, ADMITTED):
+        return "admitted"
+    return None
+
+
+def _quota_wait(workload: Mapping[str, Any]) -> str:
+    """Why quota holds ``workload`` back ("" when it has reserved quota)."""
+    reserved = _condition(workload, QUOTA_RESERVED)
+    if reserved.get("status") == "True":
+        return ""
+    if not reserved:
+        return "no quota reserved yet"
+    why = str(reserved.get("reason") or "quota not reserved")
+    message = str(reserved.get("message") or "")
+    return f"{why}: {message}" if message else why
+
+
+def workload_demand(
+    workloads: Iterable[Mapping[str, Any]],
+    flavors: Mapping[str, Mapping[str, Any]] | None = None,
+) -> WorkloadDemand:
+    """The GPU demand of the Workloads that wait on admission checks (see the module);
+    ``flavors`` are the ResourceFlavors by name."""
+    flavors = flavors or {}
+    out: list[PodSetDemand] = []
+    quota: dict[str, str] = {}
+    odd: dict[str, str] = {}
+    for w in sorted(workloads, key=_name):
+        name = _name(w)
+        if _skip(w) is not None:
+            continue
+        found = _pod_sets(name, w, flavors)
+        if isinstance(found, str):
+            odd[name] = found
+        elif found:
+            waits = _quota_wait(w)
+            if waits:
+                quota[name] = waits
+            else:
+                out += found
+    return WorkloadDemand(tuple(out), quota, odd)
+
+
+def _pod_sets(
+    name: str, workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]
+) -> Sequence[PodSetDemand] | str:
+    """The GPU pod sets of ``workload``, or why one of them is not understood."""
+    assignments = _assignments(workload)
+    found: list[PodSetDemand] = []
+    for ps in (workload.get("spec") or {}).get("podSets") or ():
+        got = _pod_set(name, ps, assignments.get(str(ps.get("name", ""))) or {}, flavors)
+        if isinstance(got, str):
+            return got
+        if got is not None and got.count > 0:
+            found.append(got)
+    return found
+
+
+def _name(workload: Mapping[str, Any]) -> str:
+    meta = workload.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"

@@ -1,0 +1,347 @@
+"""We test Kueue on the local cluster (Kueue's own controller, v0.17.0, started by
+migsim.cluster.kueue; Kubernetes' Job controller), and ``advise`` reading its queue:
+
+* a suspended Job labelled for a LocalQueue whose ClusterQueue has quota for
+  ``nvidia.com/mig-1g.10gb``: Kueue makes its Workload, admits it, unsuspends the Job, and the
+  Job controller makes its pods;
+* a Job asking more than the quota: its Workload stays without quota (QuotaReserved False,
+  reason ``Pending`` in v0.17, the message naming the quota) and the Job suspended;
+* a Job whose ClusterQueue names an AdmissionCheck nobody serves (but for its Active condition,
+  which the test sets as its controller would): its Workload reserves quota and waits on the
+  check; ``advise`` reads it as demand (two pods asking 3g.40gb each) and proposes the relabel
+  of the node at all-1g.10gb to all-3g, which serves both; a Job beyond the quota, read at the
+  same time, is counted as left out for quota.
+
+No webhook of Kueue's is registered (see migsim.cluster.kueue): the tests create their Jobs
+suspended, with the queue label, as Kueue's Job webhook would have made them. The node advise
+looks at has its GPU state annotation written here, as its agent would publish it (no agent
+runs in this module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from migsim.cluster import Cluster, wait_until
+from migsim.cluster import kueue as kueue_sim
+from migsim.cluster.api import ApiError
+
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.planner import plan
+from mig_agent.core.snapshot import compact
+from mig_agent.kube.client import KubernetesCluster
+from mig_agent.node.apply import execute
+from mig_agent.ops import advise as ops_advise
+from tests.unit.fake_gpus import FakeGpus
+
+if TYPE_CHECKING:
+    from tests.conftest import GpuNodeFactory
+
+MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
+KUEUE = f"/apis/{kueue_sim.API_VERSION}"
+S = Settings()
+CONFIG = """
+version: v1
+mig-configs:
+  all-1g.10gb:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+  all-3g:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+"""
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster: Cluster) -> Iterator[kueue_sim.Kueue]:
+    """Kueue's controller on the session's cluster, stopped after the module."""
+    running = kueue_sim.start(cluster)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+class Queue:
+    """A ResourceFlavor, a ClusterQueue (quota per resource, admission checks) and a LocalQueue
+    in ``namespace``, all named after it; the cluster-wide ones deleted by ``delete``."""
+
+    def __init__(self, cluster: Cluster, namespace: str) -> None:
+        self.cluster, self.namespace, self.name = cluster, namespace, namespace
+        self.made: list[str] = []
+
+    def create(self, quota: Mapping[str, int], checks: tuple[str, ...] = ()) -> None:
+        self._post("/resourceflavors", {"metadata": {"name": self.name}, "spec": {}})
+        resources = [{"name": r, "nominalQuota": n} for r, n in quota.items()]
+        spec: dict[str, Any] = {
+            "namespaceSelector": {},
+            "resourceGroups": [
+                {
+                    "coveredResources": list(quota),
+                    "flavors": [{"name": self.name, "resources": resources}],
+                }
+            ],
+        }
+        if checks:
+            spec["admissionChecksStrategy"] = {"admissionChecks": [{"name": c} for c in checks]}
+        self._post("/clusterqueues", {"metadata": {"name": self.name}, "spec": spec})
+        self._post(
+            f"/namespaces/{self.namespace}/localqueues",
+            {"metadata": {"name": "lq"}, "spec": {"clusterQueue": self.name}},
+        )
+
+    def check(self, name: str, controller: str) -> None:
+        """An AdmissionCheck of ``controller``, marked Active as its controller would: Kueue
+        keeps a ClusterQueue naming an inactive check inactive, reserving no quota. Nothing
+        else of the check is served: its workloads stay Pending on it."""
+        self._post(
+            "/admissionchecks", {"metadata": {"name": name}, "spec": {"controllerName": controller}}
+        )
+        active = {
+            "type": "Active",
+            "status": "True",
+            "reason": "Active",
+            "message": "marked by the test",
+            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        self.cluster.api.request(
+            "PATCH",
+            f"{KUEUE}/admissionchecks/{name}/status",
+            {"status": {"conditions": [active]}},
+            content_type="application/merge-patch+json",
+        )
+
+    def _post(self, path: str, body: dict[str, Any]) -> None:
+        kind = path.rsplit("/", 1)[1]
+        self.cluster.api.request(
+            "POST",
+            KUEUE + path,
+            {"apiVersion": kueue_sim.API_VERSION, **body, "kind": _KINDS[kind]},
+        )
+        if not path.startswith("/namespaces/"):
+            self.made.append(f"{KUEUE}{path}/{body['metadata']['name']}")
+
+    def delete(self) -> None:
+        """The namespace's Jobs and Workloads, then the queues, flavor and checks, each gone
+        before the next: while Kueue still runs to take its finalizers off them. A Workload
+        left behind would be demand to every later advise on this cluster."""
+        api, ns = self.cluster.api, self.namespace
+        api.request("DELETE", f"/apis/batch/v1/namespaces/{ns}/jobs?propagationPolicy=Background")
+        api.request("DELETE", f"{KUEUE}/namespaces/{ns}/workloads")
+        wait_until(
+            lambda: not api.get(f"{KUEUE}/namespaces/{ns}/workloads")["items"],
+            timeout=60,
+            what=f"the Workloads of {ns} deleted",
+        )
+        for path in reversed(self.made):
+            try:
+                api.request("DELETE", path)
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+            wait_until(lambda p=path: _gone(api, p), timeout=60, what=f"{path} deleted")
+
+
+def _gone(api: Any, path: str) -> bool:
+    try:
+        api.get(path)
+    except ApiError as e:
+        if e.status == 404:
+            return True
+        raise
+    return False
+
+
+_KINDS = {
+    "resourceflavors": "ResourceFlavor",
+    "clusterqueues": "ClusterQueue",
+    "localqueues": "LocalQueue",
+    "admissionchecks": "AdmissionCheck",
+}
+
+
+@pytest.fixture
+def queue(cluster: Cluster, namespace: str, kueue: kueue_sim.Kueue) -> Iterator[Queue]:
+    q = Queue(cluster, namespace)
+    try:
+        yield q
+    finally:
+        q.delete()
+
+
+def _job(cluster: Cluster, namespace: str, name: str, pods: int, resource: str) -> None:
+    """A Job of ``pods`` pods asking one ``resource`` each, queued as Kueue's webhook would."""
+    container = {
+        "name": "work",
+        "image": "busybox",
+        "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}},
+    }
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": {kueue_sim.QUEUE_LABEL: "lq"}},
+        "spec": {
+            "suspend": True,
+            "parallelism": pods,
+            "completions": pods,
+            "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
+        },
+    }
+    cluster.api.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body)
+
+
+def _workload(cluster: Cluster, namespace: str, job: str) -> dict[str, Any] | None:
+    """The Workload Kueue made for ``job`` (owned by it), or None while there is none."""
+    items = cluster.api.get(f"{KUEUE}/namespaces/{namespace}/workloads")["items"]
+    for w in items:
+        if any(o.get("name") == job for o in w["metadata"].get("ownerReferences") or ()):
+            return dict(w)
+    return None
+
+
+def _condition(workload: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any]:
+    for c in ((workload or {}).get("status") or {}).get("conditions") or ():
+        if c["type"] == kind:
+            return dict(c)
+    return {}
+
+
+def _suspended(cluster: Cluster, namespace: str, job: str) -> bool:
+    got = cluster.api.get(f"/apis/batch/v1/namespaces/{namespace}/jobs/{job}")
+    return bool(got["spec"].get("suspend"))
+
+
+def test_a_queued_job_is_admitted_and_unsuspended_and_its_pods_made(
+    cluster: Cluster, namespace: str, queue: Queue
+) -> None:
+    queue.create({MIG_1G: 2})
+    _job(cluster, namespace, "fits", 2, MIG_1G)
+    wait_until(
+        lambda: (
+            _condition(_workload(cluster, namespace, "fits"), "Admitted").get("status") == "True"
+        ),
+        timeout=60,
+        what="the Workload of job fits admitted",
+    )
+    wait_until(
+        lambda: not _suspended(cluster, namespace, "fits"), timeout=60, what="fits unsuspended"
+    )
+
+    def pods() -> int:
+        got = cluster.api.get(
+            f"/api/v1/namespaces/{namespace}/pods?labelSelector=batch.kubernetes.io/job-name=fits"
+        )
+        return len(got["items"])
+
+    assert wait_until(lambda: pods() == 2, timeout=60, what="the Job's two pods")
+
+
+def test_a_job_beyond_the_quota_stays_suspended_waiting_for_quota(
+    cluster: Cluster, namespace: str, queue: Queue
+) -> None:
+    queue.create({MIG_1G: 2})
+    _job(cluster, namespace, "too-big", 3, MIG_1G)
+    reserved = wait_until(
+        lambda: _condition(_workload(cluster, namespace, "too-big"), "QuotaReserved"),
+        timeout=60,
+        what="the Workload of job too-big to say whether it reserved quota",
+    )
+    assert reserved["status"] == "False", reserved
+    assert reserved["reason"] in ("Pending", "WaitingForQuota", "ExceedsMaxQuota"), reserved
+    assert MIG_1G in reserved["message"] and "quota" in reserved["message"], reserved
+    assert _suspended(cluster, namespace, "too-big")
+
+
+def _published_node(cluster: Cluster, catalog: Any, node: str, selector: tuple[str, str]) -> None:
+    """``node`` at all-1g.10gb with its GPU state published, as its agent would (one H100)."""
+    gpus = FakeGpus([MODELS["H100-80GB"]])
+    execute(plan(catalog.get("all-1g.10gb"), gpus.observe(), gpus.models()), gpus)
+    meta = {
+        "labels": {
+            S.config_label: "all-1g.10gb",
+            S.state_label: "success",
+            selector[0]: selector[1],
+        },
+        "annotations": {S.gpu_state_annotation: compact(gpus.observe(), gpus.models())},
+    }
+    cluster.api.request(
+        "PATCH",
+        f"/api/v1/nodes/{node}",
+        {"metadata": meta},
+        content_type="application/merge-patch+json",
+    )
+
+
+def test_advise_reads_a_workload_waiting_on_its_check_and_proposes_the_relabel(
+    cluster: Cluster,
+    namespace: str,
+    queue: Queue,
+    gpu_node_factory: GpuNodeFactory,
+    tmp_path: Path,
+) -> None:
+    check = f"{namespace}-layout"
+    queue.check(check, "example.com/nobody-serves-this")
+    queue.create({MIG_3G: 2, MIG_1G: 2}, checks=(check,))
+    (tmp_path / "layouts.yaml").write_text(CONFIG)
+    catalog = load_catalog([tmp_path / "layouts.yaml"])
+    node = gpu_node_factory("1xH100-80GB")
+    label = ("kueue-test", namespace)
+    _published_node(cluster, catalog, node, label)
+    _job(cluster, namespace, "train", 2, MIG_3G)
+    _job(cluster, namespace, "too-big", 3, MIG_1G)
+
+    def waits_on_check() -> bool:
+        w = _workload(cluster, namespace, "train")
+        states = [
+            c.get("state") for c in ((w or {}).get("status") or {}).get("admissionChecks") or ()
+        ]
+        return _condition(w, "QuotaReserved").get("status") == "True" and states == ["Pending"]
+
+    wait_until(
+        waits_on_check, timeout=60, what="train's Workload to reserve quota and wait on its check"
+    )
+    wait_until(
+        lambda: (
+            _condition(_workload(cluster, namespace, "too-big"), "QuotaReserved").get("status")
+            == "False"
+        ),
+        timeout=60,
+        what="too-big's Workload to wait for quota",
+    )
+    assert _suspended(cluster, namespace, "train")
+
+    kube = KubernetesCluster.connect(str(cluster.kubeconfig))
+    try:
+        report = ops_advise.run(kube, catalog, settings=S, selector="=".join(label))
+    finally:
+        kube.close()
+    train = _workload(cluster, namespace, "train")
+    assert train is not None
+    name = f"{namespace}/{train['metadata']['name']}"
+    # every namespace's workloads are read; other tests' may still be there (namespaces go
+    # slowly), so only this one's are looked at
+    assert [w for w in report.workloads if w.startswith(f"{namespace}/")] == [name]
+    [proposal] = report.proposals
+    assert (proposal.node, proposal.from_layout, proposal.option.layout) == (
+        node,
+        "all-1g.10gb",
+        "all-3g",
+    )
+    assert sorted(proposal.serves) == [f"{name}[main/0]", f"{name}[main/1]"]
+    assert proposal.option.evicts == ()
+    too_big = _workload(cluster, namespace, "too-big")
+    assert too_big is not None
+    held = f"{namespace}/{too_big['metadata']['name']}"
+    assert [w for w in report.workloads_for_quota if w.startswith(f"{namespace}/")] == [held]
+    lines = ops_advise.report_lines(report)
+    n = len(report.workloads_for_quota)
+    assert f"left out: {n} workload(s) wait for quota, not devices" in lines
+    assert any(line.startswith(f"  {held}: Pending: ") for line in lines), lines
