@@ -74,15 +74,23 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
 
 def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record | None:
     """The record as the cordon leaves it: the GPUs' digest as the advertiser lists them now
-    added to what the node is owed already (a failed drain's window, pods evicted), an older
-    digest kept (the GPUs changed since the advertiser last listed them); None: left as is (an
-    annotation the agent never wrote: settle proves the GPUs again)."""
+    added to what the node is owed already (a failed drain's window, pods evicted); None: left
+    as is (an annotation the agent never wrote: settle proves the GPUs again).
+
+    An older digest that the GPUs no longer match vouches for nothing now: since the GPUs
+    changed, the advertiser may have listed them (resumed by the last pass, or restarted on its
+    own), and a change back to the old layout would match the digest over a listing of the
+    other one. Only a proof clears it then (UNKNOWN)."""
     if s.guard_annotation not in node.annotations:
         return Record(layout=change.desired, gpus=digest(change.observed))
     record = marks.record(s, node)
-    if record is None or record.gpus:
+    if record is None:
         return None
-    return replace(record, gpus=digest(change.observed))
+    if not record.gpus:
+        return replace(record, gpus=digest(change.observed))
+    if record.gpus not in (UNKNOWN, digest(change.observed)):
+        return replace(record, gpus=UNKNOWN)
+    return None
 
 
 @dataclass(frozen=True)

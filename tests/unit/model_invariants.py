@@ -176,12 +176,14 @@ def _success_is_true(w: World) -> Iterator[str]:
     """``success``, written in this pass, only with the layout in place on the GPUs, the
     plugin listing exactly the devices they hold, and the agent's cordon gone."""
     node = w.cluster.nodes[NODE]
-    wrote = any(
-        x.what == "state" and x.text == State.SUCCESS and x.pass_no == w.pass_no for x in w.written
-    )
+    wrote = [
+        x
+        for x in w.written
+        if x.what == "state" and x.text == State.SUCCESS and x.pass_no == w.pass_no
+    ]
     if not wrote or node.labels.get(STATE) != State.SUCCESS:
         return
-    layout = node.labels.get(CONFIG)
+    layout = wrote[-1].layout  # as the label was at the write: a relabel after it is news
     if not in_place(w, layout):
         yield f"state success, but the GPUs do not hold layout {layout}"
     # listed, healthy or not: a device an Xid made unhealthy is still the layout's (the

@@ -322,6 +322,7 @@ class Written:
     text: str
     cordoned_by_agent: bool  # the agent's cordon stood when it was written
     gpus_changed: bool  # a GPU had changed in this pass by then
+    layout: str | None = None  # the layout label then (a relabel may follow the write)
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,7 +556,8 @@ class World:
         node = self.cluster.nodes[NODE]
         ours = node.unschedulable and "mig-agent.dev/cordoned" in node.annotations
         changed = gpu_layout(self.gpus) != self.pass_start
-        self.written.append(Written(self.pass_no, what, text, ours, changed))
+        layout = node.labels.get(CONFIG)
+        self.written.append(Written(self.pass_no, what, text, ours, changed, layout))
 
     def fire(self, at: str, op: str = "") -> None:
         """The armed fault due at this event, if any."""

@@ -3,7 +3,13 @@ that every run holds them, not only the model's own budget of examples:
 
 * a kill right after the ``rebooting`` patch, before the reboot command ran: the next agent
   must reboot (the ask is of this boot), not say the change "did not take effect after
-  rebooting once" (there was no reboot).
+  rebooting once" (there was no reboot);
+* a change whose device plugin never came back, then one back to the layout of the first
+  cordon: the GPUs match the digest taken at that cordon, but the plugin had listed the other
+  layout in between, so the digest vouches for nothing (the node stayed schedulable over 14
+  devices NVML no longer held);
+* a relabel right after the pass wrote ``success``: the success was for the layout of its
+  write, not the new one (the model's own reading was wrong there).
 """
 
 from __future__ import annotations
@@ -40,6 +46,50 @@ def test_a_kill_before_the_reboot_command_ran_gets_the_reboot() -> None:
                 {
                     "fault": Armed(at="patch", nth=3, action="kill", arg="all-1g.10gb"),
                     "layout": "all-1g.10gb",
+                },
+            ),
+        ]
+    )
+
+
+def test_a_digest_the_gpus_left_vouches_for_nothing_once_they_come_back() -> None:
+    _replay(
+        [
+            (
+                "start",
+                {
+                    "operands": True,
+                    "podresources": True,
+                    "reboot": False,
+                    "pending": False,
+                    "found": False,
+                },
+            ),
+            ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
+            ("plugin_behaves", {"mode": "stale"}),
+            ("relabel", {"fault": None, "layout": "all-disabled"}),
+        ]
+    )
+
+
+def test_a_relabel_after_the_success_write_is_news_for_the_next_pass() -> None:
+    _replay(
+        [
+            (
+                "start",
+                {
+                    "operands": False,
+                    "podresources": False,
+                    "reboot": False,
+                    "pending": False,
+                    "found": True,
+                },
+            ),
+            (
+                "relabel",
+                {
+                    "fault": Armed(at="patch", nth=5, action="relabel", arg="all-1g.10gb"),
+                    "layout": "all-balanced",
                 },
             ),
         ]
