@@ -377,6 +377,7 @@ class World:
         self.agent: Agent | None = None
         self.pass_no = 0
         self.pass_start: tuple[object, ...] = ()
+        self.gpu_calls = 0
         self.pass_label: str | None = None
         self.written: list[Written] = []
         self.evictions: list[tuple[int, Eviction]] = []
@@ -433,6 +434,7 @@ class World:
         self.pass_no += 1
         self.counts, self.armed = {}, [armed] if armed else []
         self.pass_start = gpu_layout(self.gpus)
+        self.gpu_calls = 0  # the agent's GPU changes asked in this pass
         self.pass_label = self.cluster.nodes[NODE].labels.get(CONFIG)
         self.pass_began_at = self.time.now()
         self.evictions_asked, self.evictions_refused, self.two_budgets_asked = 0, 0, False
@@ -454,7 +456,7 @@ class World:
 
     def _drain_window(self, result: PassResult | None) -> None:
         """When the tries of a failed drain began for the label (the start of the first pass
-        that failed with the GPUs untouched and an eviction refused or a pod it evicted still
+        that failed with the GPUs untouched (no change asked of them) and an eviction refused or a pod it evicted still
         there; no later than the agent's own reckoning), until the label changes or a pass
         succeeds. A pod under two budgets is
         refused for good, not retried: no window."""
@@ -475,6 +477,7 @@ class World:
             and (self.evictions_refused > 0 or still_going)
             and not self.two_budgets_asked
             and gpu_layout(self.gpus) == self.pass_start
+            and not self.gpu_calls  # a drain that fails ends the pass before the GPUs
         )
         if failed_drain and (self.drain_failing is None or self.drain_failing[0] != label):
             self.drain_failing = (label, self.pass_began_at)
@@ -519,6 +522,7 @@ class World:
     def gpu_call(self, op: str) -> None:
         if self.dead:
             raise Crash()
+        self.gpu_calls += 1
         self.fire("gpu", op)
 
     def looked(self) -> None:

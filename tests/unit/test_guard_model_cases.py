@@ -9,11 +9,15 @@ that every run holds them, not only the model's own budget of examples:
   layout in between, so the digest vouches for nothing (the node stayed schedulable over 14
   devices NVML no longer held);
 * a relabel right after the pass wrote ``success``: the success was for the layout of its
-  write, not the new one (the model's own reading was wrong there).
+  write, not the new one (the model's own reading was wrong there);
+* an eviction answered 409 (the pod replaced), the drain's next look evicting it, then a pass
+  failed at the GPUs: no failed drain, so no window to stay cordoned in (the model took a pass
+  that asked the GPUs for a change, and failed there, for a failed drain).
 """
 
 from __future__ import annotations
 
+from tests.unit.model_answers import Answer
 from tests.unit.model_world import Armed
 from tests.unit.test_guard_model import GuardModel
 
@@ -92,5 +96,33 @@ def test_a_relabel_after_the_success_write_is_news_for_the_next_pass() -> None:
                     "layout": "all-balanced",
                 },
             ),
+        ]
+    )
+
+
+def test_a_pass_that_failed_at_the_gpus_after_its_drain_opens_no_window() -> None:
+    _replay(
+        [
+            (
+                "start",
+                {
+                    "operands": False,
+                    "podresources": False,
+                    "reboot": False,
+                    "pending": True,
+                    "found": True,
+                },
+            ),
+            ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
+            (
+                "pod_arrives",
+                {
+                    "leaving": "at once",
+                    "owner": "ReplicaSet",
+                    "pick": 0,
+                    "script": (Answer.CONFLICT, Answer.GRANTED),
+                },
+            ),
+            ("a_pass", {"fault": None, "wait": 0.0}),
         ]
     )
