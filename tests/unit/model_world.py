@@ -456,10 +456,10 @@ class World:
 
     def _drain_window(self, result: PassResult | None) -> None:
         """When the tries of a failed drain began for the label (the start of the first pass
-        that failed with the GPUs untouched (no change asked of them) and an eviction refused or a pod it evicted still
-        there; no later than the agent's own reckoning), until the label changes or a pass
-        succeeds. A pod under two budgets is
-        refused for good, not retried: no window."""
+        that failed with the GPUs untouched, no change asked of them, and an eviction refused
+        or a pod it evicted still there; no later than the agent's own reckoning), until the
+        label changes or a pass succeeds. A pod under two budgets is refused for good, not
+        retried: no window."""
         label = self.cluster.nodes[NODE].labels.get(CONFIG)
         if self.drain_failing is not None and self.drain_failing[0] not in (label, self.pass_label):
             self.drain_failing = None  # relabelled since: the window ends
