@@ -81,12 +81,15 @@ def _devices_destroyed_under_pods(w: World) -> Iterator[str]:
 
 
 def _schedulable_while_evicted_pods_go(w: World) -> Iterator[str]:
-    """Schedulable implies no pod the agent evicted still terminates on a GPU the label's
-    layout changes: new pods would land beside it, only to be evicted at the next try."""
+    """Schedulable implies no pod the agent evicted still terminates on a GPU that the layout
+    it uncordoned for changes: new pods would land beside it, only to be evicted at the next
+    try. That layout, not a relabel's since: until its next pass cordons, the agent has decided
+    for the label it saw (a pod stuck on a GPU the other layout keeps is no reason)."""
     node = w.cluster.nodes[NODE]
     if node.unschedulable:
         return
-    changing = changing_gpus(w, node.labels.get(CONFIG)) or set()
+    layout = w.uncordoned_for or node.labels.get(CONFIG)
+    changing = changing_gpus(w, layout) or set()
     held = held_devices(w.gpus)
     evicted = {ev.ref for _, ev in w.evictions}
     for facts in w.live_pods():
@@ -94,7 +97,7 @@ def _schedulable_while_evicted_pods_go(w: World) -> Iterator[str]:
         if facts.ref in evicted and w.cluster.pods[facts.ref].terminating and on & changing:
             yield (
                 f"the node is schedulable while pod {facts.ref}, evicted, still terminates on "
-                f"GPU(s) {sorted(on)} that layout {node.labels.get(CONFIG)} changes"
+                f"GPU(s) {sorted(on)} that layout {layout} changes"
             )
 
 

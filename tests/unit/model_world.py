@@ -378,6 +378,7 @@ class World:
         self.pass_no = 0
         self.pass_start: tuple[object, ...] = ()
         self.gpu_calls = 0
+        self.uncordoned_for: str | None = None  # the label when the agent last uncordoned
         self.pass_label: str | None = None
         self.written: list[Written] = []
         self.evictions: list[tuple[int, Eviction]] = []
@@ -549,6 +550,8 @@ class World:
         labels = patch.get("labels") or {}
         annotations = patch.get("annotations") or {}
         assert isinstance(labels, Mapping) and isinstance(annotations, Mapping)
+        if patch.get("unschedulable") is False:  # the agent's uncordon: for the label now
+            self.uncordoned_for = self.cluster.nodes[NODE].labels.get(CONFIG)
         if labels.get(STATE):
             self.said("state", str(labels[STATE]))
         reason = annotations.get("mig-agent.dev/reason")

@@ -12,7 +12,10 @@ that every run holds them, not only the model's own budget of examples:
   write, not the new one (the model's own reading was wrong there);
 * an eviction answered 409 (the pod replaced), the drain's next look evicting it, then a pass
   failed at the GPUs: no failed drain, so no window to stay cordoned in (the model took a pass
-  that asked the GPUs for a change, and failed there, for a failed drain).
+  that asked the GPUs for a change, and failed there, for a failed drain);
+* a pod stuck terminating after its eviction, a relabel to the layout the GPUs hold (success,
+  schedulable: that layout changes no GPU), then a relabel back: the node is schedulable until
+  the next pass cordons, by the agent's decision for the label it last saw.
 """
 
 from __future__ import annotations
@@ -124,5 +127,29 @@ def test_a_pass_that_failed_at_the_gpus_after_its_drain_opens_no_window() -> Non
                 },
             ),
             ("a_pass", {"fault": None, "wait": 0.0}),
+        ]
+    )
+
+
+def test_a_stuck_pod_beside_a_layout_that_keeps_its_gpu_is_no_reason_to_stay_cordoned() -> None:
+    _replay(
+        [
+            (
+                "start",
+                {
+                    "operands": False,
+                    "podresources": False,
+                    "reboot": False,
+                    "pending": False,
+                    "found": True,
+                },
+            ),
+            (
+                "pod_arrives",
+                {"leaving": "stuck", "owner": "ReplicaSet", "pick": 0, "script": (Answer.GRANTED,)},
+            ),
+            ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
+            ("relabel", {"fault": None, "layout": "all-disabled"}),
+            ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
         ]
     )
