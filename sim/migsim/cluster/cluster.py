@@ -35,7 +35,7 @@ from . import kubeconfig, kwok_stages, nodes, pki
 from .agent_records import stop_all
 from .api import Api, ApiError, probe
 from .errors import BinariesMissing, ClusterNotRunning, DevClusterError, WaitTimeout
-from .kueue import stop_recorded as stop_kueue
+from .kueue_record import stop_recorded as stop_kueue
 from .processes import Proc, free_ports, spawn, stop
 from .waiting import wait_until
 

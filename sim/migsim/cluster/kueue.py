@@ -42,8 +42,9 @@ import yaml
 
 from .api import ApiError, probe
 from .errors import BinariesMissing, DevClusterError
-from .processes import Proc, free_ports, spawn, stop
-from .records import RecordFile, procs
+from .kueue_record import KEY as _KEY
+from .kueue_record import RECORDS, stop_recorded
+from .processes import Proc, free_ports, spawn
 from .waiting import wait_until
 
 if TYPE_CHECKING:
@@ -62,8 +63,6 @@ CONVERTED: Final = (
     "cohorts.kueue.x-k8s.io",
     "multikueueclusters.kueue.x-k8s.io",
 )
-RECORDS: Final = RecordFile("kueue.json", lock=".kueue.lock")
-_KEY: Final = "kueue"
 
 
 def find_kueue() -> Path:
@@ -181,16 +180,6 @@ def start(cluster: Cluster, *, timeout: float = 120.0) -> Kueue:
         kueue.stop()
         raise
     return kueue
-
-
-def stop_recorded(directory: Path) -> list[str]:
-    """Stop the Kueue controller recorded in `directory`, if any; names needing SIGKILL."""
-    if not (directory / RECORDS.lock).exists() and not (directory / RECORDS.name).exists():
-        return []
-    with RECORDS.locked(directory):
-        killed = stop(procs(RECORDS.load(directory).get(_KEY, {}), (_KEY,)))
-        RECORDS.save(directory, {})
-    return killed
 
 
 def _apply_crds(cluster: Cluster, crd_dir: Path, timeout: float) -> None:
