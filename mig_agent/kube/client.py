@@ -44,9 +44,10 @@ from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     KUEUE_GROUP,
     KUEUE_VERSIONS,
-    Cluster,
+    KueueCluster,
     NodeCondition,
     NodeView,
+    ObjectRef,
     PdbView,
     PodRef,
     PodRunner,
@@ -106,6 +107,11 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
     # writes, it has it
     "patch_node": Repeat.SAFE,
     "patch_node_status": Repeat.SAFE,
+    # Kueue's objects: merge patches, the same sent again (the check's state with the
+    # resourceVersion read: a repeat after a lost answer meets a 409, and the next round reads)
+    "patch_namespaced_custom_object": Repeat.SAFE,
+    "patch_namespaced_custom_object_status": Repeat.SAFE,
+    "patch_cluster_custom_object_status": Repeat.SAFE,
     # with the UID precondition: the repeat finds the pod going, or gone (404)
     "delete_namespaced_pod": Repeat.SAFE,
     # a repeat finds the pod terminating, which the API evicts again without a budget's say,
@@ -204,7 +210,7 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-class KubernetesCluster(Cluster, PodRunner):
+class KubernetesCluster(KueueCluster, PodRunner):
     """The agent's client of the API server (kubeconfig or in-cluster credentials)."""
 
     def __init__(
@@ -804,6 +810,61 @@ class KubernetesCluster(Cluster, PodRunner):
                 raise
             return list(got["items"])
         return []
+
+    def patch_kueue(
+        self,
+        plural: str,
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        namespace: str = "",
+        status: bool = False,
+    ) -> dict[str, Any]:
+        """Merge-patch Kueue's object (v1beta2; ``status``: its status subresource); a body
+        carrying ``metadata.resourceVersion`` is refused (KubeError, status 409) when the
+        object changed since."""
+        version = KUEUE_VERSIONS[0]
+        c = self._custom
+        if namespace:
+            fn = (
+                c.patch_namespaced_custom_object_status
+                if status
+                else c.patch_namespaced_custom_object
+            )
+            args: tuple[Any, ...] = (KUEUE_GROUP, version, namespace, plural, name, dict(body))
+        else:
+            fn = c.patch_cluster_custom_object_status if status else c.patch_cluster_custom_object
+            args = (KUEUE_GROUP, version, plural, name, dict(body))
+        where = f"{namespace}/{name}" if namespace else name
+        with _kube(f"patch {plural}.{KUEUE_GROUP}", name=where, subresource=status):
+            return dict(self._call(fn, *args))
+
+    def emit_object_event(
+        self, obj: ObjectRef, *, reason: str, message: str, warning: bool = False
+    ) -> None:
+        """An Event about ``obj`` (in its namespace), from this client's component."""
+        now = datetime.now(UTC)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{obj.name}.", namespace=obj.namespace),
+            involved_object=client.V1ObjectReference(
+                kind=obj.kind,
+                name=obj.name,
+                namespace=obj.namespace,
+                uid=obj.uid,
+                api_version=obj.api_version,
+            ),
+            reason=reason,
+            message=message[:1024],
+            type="Warning" if warning else "Normal",
+            source=client.V1EventSource(component=self._component),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            reporting_component=self._component,
+            reporting_instance=self._component,
+        )
+        with _kube("create event", object=f"{obj.kind} {obj.namespace}/{obj.name}"):
+            self._call(self._core.create_namespaced_event, obj.namespace, event)
 
 
 def _is_budget_refusal(exc: BaseException) -> bool:
