@@ -42,6 +42,7 @@ def register(sub: Any) -> None:
         description=DESCRIPTION,
     )
     p.add_argument("--controller-name", default=CONTROLLER_NAME, metavar="NAME")
+    p.add_argument("-l", "--selector", default="", help="label selector of the GPU nodes")
     p.add_argument("--interval", type=_positive, default=10.0, metavar="SECONDS")
     p.add_argument("--once", action="store_true", help="one round, then exit")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
@@ -71,7 +72,13 @@ def cmd_admission_check(
         while True:
             try:
                 _print_round(
-                    run_round(cluster, catalog, settings, controller_name=args.controller_name)
+                    run_round(
+                        cluster,
+                        catalog,
+                        settings,
+                        controller_name=args.controller_name,
+                        selector=args.selector,
+                    )
                 )
             except KubeUnavailable as exc:
                 if args.once:

@@ -63,9 +63,10 @@ def run_round(
     settings: Settings,
     *,
     controller_name: str = CONTROLLER_NAME,
+    selector: str = "",
     now: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> Round:
-    """One round of the controller (see the module)."""
+    """One round of the controller (see the module), over the GPU nodes ``selector`` picks."""
     checks = [
         c
         for c in cluster.list_kueue("admissionchecks")
@@ -76,7 +77,7 @@ def run_round(
     objects = _waiting_workloads(cluster.list_kueue("workloads"), params)
     if not objects:
         return Round(activated)
-    pool = read_pool(cluster, catalog, settings, allow_evict=True)
+    pool = read_pool(cluster, catalog, settings, selector=selector, allow_evict=True)
     waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
     decisions = decide(waiting, pool.supplies, pool.left_alone, pool.budgets)
     skipped: dict[str, str] = {}

@@ -1,0 +1,231 @@
+"""We test the MIG layout AdmissionCheck end to end: Kueue v0.17.0's own controller on the local
+cluster (migsim.cluster.kueue), one simulated H100 node with a real agent and device plugin at
+all-1g.10gb, and mig-agent's check controller (``mig-agent admission-check``: its first round
+through the CLI with ``--once``, the later ones in process, each a fresh call: all its state is
+on the objects):
+
+* a ClusterQueue with quota for nvidia.com/mig-3g.40gb naming the check; a Job of two pods
+  asking one 3g.40gb each: the controller marks the check Active, relabels the node to
+  all-3g.40gb, the agent reaches success, the controller marks the check Ready, Kueue admits the
+  workload and unsuspends the Job, and both pods run on the node (the only one with 3g.40gb
+  devices, two since the relabel: the scheduler placed them on the new devices); nothing
+  was evicted (no pod of the test was deleted, the agent evicted none);
+* a Job asking mig-7g.80gb, which no approved layout offers, keeps waiting (suspended, its
+  check Pending) with a message that says so, and an Event on its Workload.
+
+No webhook of Kueue's is registered (see migsim.cluster.kueue): Jobs are made suspended, with
+the queue label, as Kueue's Job webhook would have made them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from migsim.cluster import Cluster, wait_until
+from migsim.cluster import kueue as kueue_sim
+
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.kube.client import KubernetesCluster
+from mig_agent.ops.admission_check import run_round
+from tests.cluster.test_kueue import KUEUE, Queue, _condition, _suspended, _workload
+from tests.conftest import SIMULATED_IMAGE
+
+from .conftest import NodeFactory
+
+MIG_3G, MIG_7G = "nvidia.com/mig-3g.40gb", "nvidia.com/mig-7g.80gb"
+S = Settings()
+# the approved layouts: as the packaged profiles make them on an H100
+LAYOUTS = """
+version: v1
+mig-configs:
+  all-1g.10gb:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+  all-3g.40gb:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+"""
+
+
+@pytest.fixture(scope="module")
+def kueue(installed: Cluster) -> Iterator[kueue_sim.Kueue]:
+    """Kueue's controller on the session's cluster, stopped after the module."""
+    running = kueue_sim.start(installed)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def queue(installed: Cluster, namespace: str, kueue: kueue_sim.Kueue) -> Iterator[Queue]:
+    q = Queue(installed, namespace)
+    try:
+        yield q
+    finally:
+        q.delete()
+
+
+def _job(cluster: Cluster, namespace: str, name: str, pods: int, resource: str) -> None:
+    """A Job of ``pods`` pods asking one ``resource`` each, queued as Kueue's webhook would
+    (the image the nodes' runtime has: no registry is reached)."""
+    container = {
+        "name": "work",
+        "image": SIMULATED_IMAGE,
+        "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}},
+    }
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": {kueue_sim.QUEUE_LABEL: "lq"}},
+        "spec": {
+            "suspend": True,
+            "parallelism": pods,
+            "completions": pods,
+            "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
+        },
+    }
+    cluster.api.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body)
+
+
+def _pods(core: client.CoreV1Api, namespace: str, job: str) -> list[Any]:
+    return list(
+        core.list_namespaced_pod(
+            namespace, label_selector=f"batch.kubernetes.io/job-name={job}"
+        ).items
+    )
+
+
+def _check_entry(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
+    w = _workload(cluster, namespace, job)
+    entries = ((w or {}).get("status") or {}).get("admissionChecks") or [{}]
+    return dict(entries[0])
+
+
+def _ran_on(core: client.CoreV1Api, namespace: str, job: str) -> list[str]:
+    """The nodes the Job's two pods ran on, once both run or ran (the simulated image's
+    command exits at once); [] before."""
+    pods = _pods(core, namespace, job)
+    if len(pods) != 2 or any(p.status.phase not in ("Running", "Succeeded") for p in pods):
+        return []
+    return sorted(p.spec.node_name for p in pods)
+
+
+def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
+    installed: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    queue: Queue,
+    agent_node: NodeFactory,
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "layouts.yaml").write_text(LAYOUTS)
+    catalog = load_catalog([tmp_path / "layouts.yaml"])
+    node = agent_node("1xH100-80GB")
+    pool = f"admission-check={namespace}"
+    core.patch_node(node.name, {"metadata": {"labels": {"admission-check": namespace}}})
+    node.label("all-1g.10gb")
+    node.wait_state("success", timeout=90)
+
+    check, controller = f"{namespace}-mig", f"mig-agent.dev/{namespace}"
+    installed.api.request(
+        "POST",
+        f"{KUEUE}/admissionchecks",
+        {
+            "apiVersion": kueue_sim.API_VERSION,
+            "kind": "AdmissionCheck",
+            "metadata": {"name": check},
+            "spec": {"controllerName": controller},
+        },
+    )
+    queue.made.append(f"{KUEUE}/admissionchecks/{check}")
+    queue.create({MIG_3G: 2, MIG_7G: 1}, checks=(check,))
+
+    # the first round by the CLI: the check marked Active, so Kueue reserves quota
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mig_agent",
+            "admission-check",
+            "--once",
+            "--controller-name",
+            controller,
+            "-l",
+            pool,
+            "-f",
+            str(tmp_path / "layouts.yaml"),
+            "--kubeconfig",
+            str(installed.kubeconfig),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert f"check {check}: marked Active" in cli.stdout, cli.stdout
+    _job(installed, namespace, "train", 2, MIG_3G)
+    _job(installed, namespace, "huge", 1, MIG_7G)
+
+    kube = KubernetesCluster.connect(str(installed.kubeconfig))
+    rounds: list[str] = []
+
+    def one_round() -> None:
+        r = run_round(kube, catalog, S, controller_name=controller, selector=pool)
+        rounds.extend(f"{d.workload}: {d.verdict.value}: {d.message}" for d in r.decisions)
+
+    def admitted() -> bool:
+        one_round()
+        w = _workload(installed, namespace, "train")
+        return _condition(w, "Admitted").get("status") == "True"
+
+    try:
+        wait_until(
+            admitted,
+            timeout=240,
+            interval=1.0,
+            what=f"train admitted after the relabel; rounds: {rounds[-6:]}; "
+            f"agent log:\n{node.log_tail()}",
+        )
+        for _ in range(3):  # the unservable one, looked at again: still waiting, same message
+            one_round()
+    finally:
+        kube.close()
+
+    labels = node.labels()
+    assert (labels[S.config_label], labels[S.state_label]) == ("all-3g.40gb", "success")
+    assert any("relabelling" in line and node.name in line for line in rounds), rounds
+    assert _check_entry(installed, namespace, "train")["state"] == "Ready"
+    assert wait_until(
+        lambda: not _suspended(installed, namespace, "train"), timeout=60, what="train unsuspended"
+    )
+    on = wait_until(
+        lambda: _ran_on(core, namespace, "train"), timeout=120, what="train's two pods to run"
+    )
+    assert on == [node.name, node.name]
+    assert node.gpu_resources() == {MIG_3G: 2}
+    assert '"drain.evict' not in node.log_tail(2000) and "evicted" not in node.log_tail(2000)
+
+    huge = _check_entry(installed, namespace, "huge")
+    assert huge["state"] == "Pending", huge
+    assert huge["message"] == (
+        "1 pod(s) asking mig-7g.80gb: no approved layout can serve all of its pods"
+    ), huge
+    assert _suspended(installed, namespace, "huge")
+    w = _workload(installed, namespace, "huge")
+    assert w is not None
+    events = core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={w['metadata']['name']}"
+    ).items
+    ours = [e for e in events if e.reason.startswith("MIGLayout")]
+    assert [e.reason for e in ours] == ["MIGLayoutWaiting"], [e.message for e in ours]
