@@ -19,6 +19,7 @@ the queue label, as Kueue's Job webhook would have made them.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
+from kubernetes import config as kube_config
 from migsim.cluster import Cluster, wait_until
 from migsim.cluster import kueue as kueue_sim
 
@@ -35,9 +38,12 @@ from mig_agent.config.settings import Settings
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.ops.admission_check import run_round
 from tests.cluster.test_kueue import KUEUE, Queue, _condition, _suspended, _workload
-from tests.conftest import SIMULATED_IMAGE
+from tests.conftest import SIMULATED_IMAGE, SaKubeconfig
 
 from .conftest import NodeFactory
+from .test_helm import CHART, Doc, helm, run, template
+
+__all__ = ["helm"]  # the fixture, used by the tests here
 
 MIG_3G, MIG_7G = "nvidia.com/mig-3g.40gb", "nvidia.com/mig-7g.80gb"
 S = Settings()
@@ -73,6 +79,102 @@ def queue(installed: Cluster, namespace: str, kueue: kueue_sim.Kueue) -> Iterato
         yield q
     finally:
         q.delete()
+
+
+def _chart(helm: str, release: str, namespace: str) -> list[Doc]:
+    """The controller's objects as the chart renders them with admissionCheck.enabled."""
+    out = run(
+        helm,
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--set",
+        "admissionCheck.enabled=true",
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    return [d for d in docs if d["metadata"]["name"].startswith(f"{release}-admission-check")]
+
+
+_CREATE = {
+    "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "ValidatingAdmissionPolicy": (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+    ),
+    "ValidatingAdmissionPolicyBinding": (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings"
+    ),
+}
+
+
+@pytest.fixture
+def controller_rights(
+    helm: str, installed: Cluster, namespace: str, sa_kubeconfig: SaKubeconfig
+) -> Iterator[Path]:
+    """The chart's ServiceAccount, ClusterRole, binding and node admission policy of the
+    controller on the session's cluster (release named after the test's namespace); the
+    kubeconfig acting as that account. The cluster-wide objects are deleted after."""
+    release = "r" + hashlib.sha256(namespace.encode()).hexdigest()[:12]
+    docs = _chart(helm, release, namespace)
+    made: list[str] = []
+    try:
+        for d in docs:
+            if d["kind"] in _CREATE:
+                installed.api.request("POST", _CREATE[d["kind"]], d)
+                made.append(f"{_CREATE[d['kind']]}/{d['metadata']['name']}")
+        yield sa_kubeconfig(namespace, f"{release}-admission-check")
+    finally:
+        for path in reversed(made):
+            installed.api.request("DELETE", path)
+
+
+def test_the_chart_renders_the_controller_only_when_enabled(helm: str) -> None:
+    assert not [d for d in template(helm) if "admission-check" in d["metadata"]["name"]]
+    docs = _chart(helm, "mig-agent", "mig-agent")
+    assert {(d["kind"], d["metadata"]["name"]) for d in docs} == {
+        ("ServiceAccount", "mig-agent-admission-check"),
+        ("ClusterRole", "mig-agent-admission-check"),
+        ("ClusterRoleBinding", "mig-agent-admission-check"),
+        ("ValidatingAdmissionPolicy", "mig-agent-admission-check-layout-label-only"),
+        ("ValidatingAdmissionPolicyBinding", "mig-agent-admission-check-layout-label-only"),
+        ("Deployment", "mig-agent-admission-check"),
+    }
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == [
+        "admission-check",
+        "--controller-name=mig-agent.dev/mig-layout",
+        "--interval=10",
+    ]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    verbs = {v for r in role["rules"] for v in r["verbs"]}
+    assert verbs == {"get", "list", "patch", "create"}
+    resources = {res for r in role["rules"] for res in r["resources"]}
+    assert not resources & {"secrets", "pods/eviction", "nodes/status"}
+    assert [r["resources"] for r in role["rules"] if "create" in r["verbs"]] == [["events"]]
+
+
+def _wait_policy_denies(kubeconfig: Path, node: str) -> None:
+    """Until the chart's admission policy is in force: the controller's account may not set
+    any node label but the layout's (a policy takes effect a moment after it is made)."""
+    api = client.CoreV1Api(kube_config.new_client_from_config(str(kubeconfig)))
+
+    def denied() -> bool:
+        try:
+            api.patch_node(node, {"metadata": {"labels": {"probe": "x"}}})
+        except client.ApiException as e:
+            if e.status in (403, 422) and "only the layout label" in str(e.body):
+                return True
+            raise
+        return False
+
+    try:
+        wait_until(denied, timeout=30, what="the controller's node policy in force")
+    finally:
+        api.api_client.close()
 
 
 def _job(cluster: Cluster, namespace: str, name: str, pods: int, resource: str) -> None:
@@ -127,6 +229,7 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     queue: Queue,
     agent_node: NodeFactory,
     tmp_path: Path,
+    controller_rights: Path,
 ) -> None:
     (tmp_path / "layouts.yaml").write_text(LAYOUTS)
     catalog = load_catalog([tmp_path / "layouts.yaml"])
@@ -135,6 +238,7 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     core.patch_node(node.name, {"metadata": {"labels": {"admission-check": namespace}}})
     node.label("all-1g.10gb")
     node.wait_state("success", timeout=90)
+    _wait_policy_denies(controller_rights, node.name)
 
     check, controller = f"{namespace}-mig", f"mig-agent.dev/{namespace}"
     installed.api.request(
@@ -165,7 +269,7 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
             "-f",
             str(tmp_path / "layouts.yaml"),
             "--kubeconfig",
-            str(installed.kubeconfig),
+            str(controller_rights),
         ],
         capture_output=True,
         text=True,
@@ -177,7 +281,7 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     _job(installed, namespace, "train", 2, MIG_3G)
     _job(installed, namespace, "huge", 1, MIG_7G)
 
-    kube = KubernetesCluster.connect(str(installed.kubeconfig))
+    kube = KubernetesCluster.connect(str(controller_rights))  # the chart's rights only
     rounds: list[str] = []
 
     def one_round() -> None:
