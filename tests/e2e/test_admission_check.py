@@ -11,7 +11,13 @@ on the objects):
   devices, two since the relabel: the scheduler placed them on the new devices); nothing
   was evicted (no pod of the test was deleted, the agent evicted none);
 * a Job asking mig-7g.80gb, which no approved layout offers, keeps waiting (suspended, its
-  check Pending) with a message that says so, and an Event on its Workload.
+  check Pending) with a message that says so, and an Event on its Workload;
+* a Job whose devices only a relabel evicting a running pod can give (a pod holds one of the
+  node's 1g.10gb devices) keeps waiting, the check saying evictions are not allowed; the node
+  keeps its layout and the pod runs on;
+* the controller runs under the chart's rights (its ServiceAccount, ClusterRole and node
+  admission policy, applied to the cluster): enough for all of it, and no node label but the
+  layout's may be set by it; the chart renders the controller only when enabled.
 
 No webhook of Kueue's is registered (see migsim.cluster.kueue): Jobs are made suspended, with
 the queue label, as Kueue's Job webhook would have made them.
@@ -38,14 +44,18 @@ from mig_agent.config.settings import Settings
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.ops.admission_check import run_round
 from tests.cluster.test_kueue import KUEUE, Queue, _condition, _suspended, _workload
-from tests.conftest import SIMULATED_IMAGE, SaKubeconfig
+from tests.conftest import SIMULATED_IMAGE, GpuPodFactory, SaKubeconfig
 
-from .conftest import NodeFactory
+from .conftest import AgentNode, NodeFactory, wait_running
 from .test_helm import CHART, Doc, helm, run, template
 
 __all__ = ["helm"]  # the fixture, used by the tests here
 
-MIG_3G, MIG_7G = "nvidia.com/mig-3g.40gb", "nvidia.com/mig-7g.80gb"
+MIG_1G, MIG_3G, MIG_7G = (
+    "nvidia.com/mig-1g.10gb",
+    "nvidia.com/mig-3g.40gb",
+    "nvidia.com/mig-7g.80gb",
+)
 S = Settings()
 # the approved layouts: as the packaged profiles make them on an H100
 LAYOUTS = """
@@ -222,24 +232,23 @@ def _ran_on(core: client.CoreV1Api, namespace: str, job: str) -> list[str]:
     return sorted(p.spec.node_name for p in pods)
 
 
-def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
-    installed: Cluster,
-    core: client.CoreV1Api,
-    namespace: str,
-    queue: Queue,
-    agent_node: NodeFactory,
-    tmp_path: Path,
-    controller_rights: Path,
-) -> None:
+def _pool_of_one(
+    tmp_path: Path, agent_node: NodeFactory, core: client.CoreV1Api, namespace: str
+) -> tuple[Any, AgentNode, str]:
+    """The approved layouts, and a pool of one H100 node at all-1g.10gb (its selector)."""
     (tmp_path / "layouts.yaml").write_text(LAYOUTS)
     catalog = load_catalog([tmp_path / "layouts.yaml"])
     node = agent_node("1xH100-80GB")
-    pool = f"admission-check={namespace}"
     core.patch_node(node.name, {"metadata": {"labels": {"admission-check": namespace}}})
     node.label("all-1g.10gb")
     node.wait_state("success", timeout=90)
-    _wait_policy_denies(controller_rights, node.name)
+    return catalog, node, f"admission-check={namespace}"
 
+
+def _check(
+    installed: Cluster, queue: Queue, namespace: str, quota: dict[str, int]
+) -> tuple[str, str]:
+    """An AdmissionCheck of a controller name of the test's own, and the queue naming it."""
     check, controller = f"{namespace}-mig", f"mig-agent.dev/{namespace}"
     installed.api.request(
         "POST",
@@ -252,7 +261,22 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
         },
     )
     queue.made.append(f"{KUEUE}/admissionchecks/{check}")
-    queue.create({MIG_3G: 2, MIG_7G: 1}, checks=(check,))
+    queue.create(quota, checks=(check,))
+    return check, controller
+
+
+def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
+    installed: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    queue: Queue,
+    agent_node: NodeFactory,
+    tmp_path: Path,
+    controller_rights: Path,
+) -> None:
+    catalog, node, pool = _pool_of_one(tmp_path, agent_node, core, namespace)
+    _wait_policy_denies(controller_rights, node.name)
+    check, controller = _check(installed, queue, namespace, {MIG_3G: 2, MIG_7G: 1})
 
     # the first round by the CLI: the check marked Active, so Kueue reserves quota
     cli = subprocess.run(
@@ -333,3 +357,45 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     ).items
     ours = [e for e in events if e.reason.startswith("MIGLayout")]
     assert [e.reason for e in ours] == ["MIGLayoutWaiting"], [e.message for e in ours]
+
+
+def test_a_workload_that_needs_an_eviction_is_not_served_without_the_permission(
+    installed: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    queue: Queue,
+    agent_node: NodeFactory,
+    tmp_path: Path,
+    controller_rights: Path,
+    gpu_pod: GpuPodFactory,
+) -> None:
+    catalog, node, pool = _pool_of_one(tmp_path, agent_node, core, namespace)
+    busy = gpu_pod(namespace, "busy", resources={MIG_1G: 1}, node=node.name)
+    wait_running(core, namespace, "busy")
+    _, controller = _check(installed, queue, namespace, {MIG_3G: 2})
+    kube = KubernetesCluster.connect(str(controller_rights))
+    try:
+        run_round(kube, catalog, S, controller_name=controller, selector=pool)  # Active
+        _job(installed, namespace, "train", 2, MIG_3G)
+        want = (
+            "2 pod(s) asking mig-3g.40gb: only layouts that evict running pods serve it, and "
+            "the check does not allow evictions"
+        )
+
+        def says_why() -> bool:
+            run_round(kube, catalog, S, controller_name=controller, selector=pool)
+            return _check_entry(installed, namespace, "train").get("message") == want
+
+        wait_until(
+            says_why,
+            timeout=120,
+            interval=1.0,
+            what=f"train's check to say why: {_check_entry(installed, namespace, 'train')}",
+        )
+    finally:
+        kube.close()
+    assert _check_entry(installed, namespace, "train")["state"] == "Pending"
+    assert _suspended(installed, namespace, "train")
+    assert node.labels()[S.config_label] == "all-1g.10gb"
+    now = core.read_namespaced_pod("busy", namespace)
+    assert (now.metadata.uid, now.status.phase) == (busy.metadata.uid, "Running")
