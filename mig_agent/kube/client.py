@@ -39,12 +39,14 @@ from mig_agent.core.errors import (
     MigAgentError,
     PodReplaced,
 )
+from mig_agent.core.lease import LeaseSeen, may_hold
 from mig_agent.core.scheduling import constraints_of, label_selector_of, taints_of
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     KUEUE_GROUP,
     KUEUE_VERSIONS,
     KueueCluster,
+    Leases,
     NodeCondition,
     NodeView,
     ObjectRef,
@@ -99,6 +101,7 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
             "list_namespaced_pod_disruption_budget",
             "list_pod_disruption_budget_for_all_namespaces",
             "list_cluster_custom_object",
+            "read_namespaced_lease",
         ),
         Repeat.SAFE,
     ),
@@ -210,7 +213,7 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-class KubernetesCluster(KueueCluster, PodRunner):
+class KubernetesCluster(KueueCluster, Leases, PodRunner):
     """The agent's client of the API server (kubeconfig or in-cluster credentials)."""
 
     def __init__(
@@ -230,6 +233,7 @@ class KubernetesCluster(KueueCluster, PodRunner):
         self._resource = client.ResourceV1Api(api)
         self._policy = client.PolicyV1Api(api)
         self._custom = client.CustomObjectsApi(api)
+        self._coord = client.CoordinationV1Api(api)
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
@@ -865,6 +869,60 @@ class KubernetesCluster(KueueCluster, PodRunner):
         )
         with _kube("create event", object=f"{obj.kind} {obj.namespace}/{obj.name}"):
             self._call(self._core.create_namespaced_event, obj.namespace, event)
+
+    # leader election ---------------------------------------------------------------------
+
+    def hold_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:
+        """Take or renew the Lease for ``holder`` (mig_agent.core.lease decides); False while
+        another holds it, or when another wrote it between the read and the write."""
+        now = datetime.now(UTC)
+        where = f"{namespace}/{name}"
+        try:
+            with _kube("read lease", lease=where):
+                got = self._call_unless_absent(self._coord.read_namespaced_lease, name, namespace)
+            seen = None if got is None else _lease_seen(got.get("spec") or {})
+            if not may_hold(seen, holder, now):
+                return False
+            stamp = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            spec: dict[str, Any] = {
+                **((got or {}).get("spec") or {}),
+                "holderIdentity": holder,
+                "leaseDurationSeconds": duration_s,
+                "renewTime": stamp,
+            }
+            if seen is None or seen.holder != holder:
+                spec["acquireTime"] = stamp
+                spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
+            if got is None:
+                body = {"metadata": {"name": name, "namespace": namespace}, "spec": spec}
+                with _kube("create lease", lease=where):
+                    self._call(self._coord.create_namespaced_lease, namespace, body)
+            else:
+                body = {"metadata": got["metadata"], "spec": spec}
+                with _kube("renew lease", lease=where):
+                    self._call(self._coord.replace_namespaced_lease, name, namespace, body)
+        except KubeError as exc:
+            if exc.context.get("status") == 409:  # another replica wrote it first
+                return False
+            raise
+        return True
+
+    def _call_unless_absent(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return self._call(fn, *args)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
+def _lease_seen(spec: Mapping[str, Any]) -> LeaseSeen:
+    renewed = spec.get("renewTime")
+    return LeaseSeen(
+        str(spec.get("holderIdentity") or ""),
+        datetime.fromisoformat(str(renewed).replace("Z", "+00:00")) if renewed else None,
+        int(spec.get("leaseDurationSeconds") or 0),
+    )
 
 
 def _is_budget_refusal(exc: BaseException) -> bool:

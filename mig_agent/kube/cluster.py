@@ -280,6 +280,14 @@ class KueueCluster(Cluster, Protocol):
     ) -> None: ...
 
 
+class Leases(Protocol):
+    """Leader election over a coordination.k8s.io Lease."""
+
+    def hold_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:
+        """Take or renew the Lease for ``holder``; False while another replica holds it."""
+        ...
+
+
 class PodRunner(Protocol):
     """What ``verify`` needs beyond Cluster: pods of its own, read as the API returns them, with
     their logs and events. Errors as Cluster's."""

@@ -26,6 +26,7 @@ the queue label, as Kueue's Job webhook would have made them.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -109,6 +110,8 @@ def _chart(helm: str, release: str, namespace: str) -> list[Doc]:
 
 _CREATE = {
     "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "Role": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    "RoleBinding": "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
     "ValidatingAdmissionPolicy": (
         "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
@@ -132,8 +135,9 @@ def controller_rights(
     try:
         for d in docs:
             if d["kind"] in _CREATE:
-                installed.api.request("POST", _CREATE[d["kind"]], d)
-                made.append(f"{_CREATE[d['kind']]}/{d['metadata']['name']}")
+                path = _CREATE[d["kind"]].format(ns=namespace)
+                installed.api.request("POST", path, d)
+                made.append(f"{path}/{d['metadata']['name']}")
         yield sa_kubeconfig(namespace, f"{release}-admission-check")
     finally:
         for path in reversed(made):
@@ -147,6 +151,8 @@ def test_the_chart_renders_the_controller_only_when_enabled(helm: str) -> None:
         ("ServiceAccount", "mig-agent-admission-check"),
         ("ClusterRole", "mig-agent-admission-check"),
         ("ClusterRoleBinding", "mig-agent-admission-check"),
+        ("Role", "mig-agent-admission-check-lease"),
+        ("RoleBinding", "mig-agent-admission-check-lease"),
         ("ValidatingAdmissionPolicy", "mig-agent-admission-check-layout-label-only"),
         ("ValidatingAdmissionPolicyBinding", "mig-agent-admission-check-layout-label-only"),
         ("Deployment", "mig-agent-admission-check"),
@@ -158,10 +164,19 @@ def test_the_chart_renders_the_controller_only_when_enabled(helm: str) -> None:
         "admission-check",
         "--controller-name=mig-agent.dev/mig-layout",
         "--interval=10",
+        "--lease=mig-agent/mig-agent-admission-check",
     ]
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     verbs = {v for r in role["rules"] for v in r["verbs"]}
     assert verbs == {"get", "list", "patch", "create"}
+    (lease,) = [d for d in docs if d["kind"] == "Role"]
+    assert lease["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
     resources = {res for r in role["rules"] for res in r["resources"]}
     assert not resources & {"secrets", "pods/eviction", "nodes/status"}
     assert [r["resources"] for r in role["rules"] if "create" in r["verbs"]] == [["events"]]
@@ -232,6 +247,37 @@ def _ran_on(core: client.CoreV1Api, namespace: str, job: str) -> list[str]:
     return sorted(p.spec.node_name for p in pods)
 
 
+def _cli(tmp_path: Path, kubeconfig: Path, controller: str, pool: str, me: str) -> str:
+    """One round of ``mig-agent admission-check --once`` as replica ``me``; its stdout."""
+    namespace = pool.partition("=")[2]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mig_agent",
+            "admission-check",
+            "--once",
+            "--controller-name",
+            controller,
+            "-l",
+            pool,
+            "-f",
+            str(tmp_path / "layouts.yaml"),
+            "--kubeconfig",
+            str(kubeconfig),
+            "--lease",
+            f"{namespace}/controller",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "POD_NAME": me},
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
 def _pool_of_one(
     tmp_path: Path, agent_node: NodeFactory, core: client.CoreV1Api, namespace: str
 ) -> tuple[Any, AgentNode, str]:
@@ -278,30 +324,12 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     _wait_policy_denies(controller_rights, node.name)
     check, controller = _check(installed, queue, namespace, {MIG_3G: 2, MIG_7G: 1})
 
-    # the first round by the CLI: the check marked Active, so Kueue reserves quota
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mig_agent",
-            "admission-check",
-            "--once",
-            "--controller-name",
-            controller,
-            "-l",
-            pool,
-            "-f",
-            str(tmp_path / "layouts.yaml"),
-            "--kubeconfig",
-            str(controller_rights),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert cli.returncode == 0, cli.stderr
-    assert f"check {check}: marked Active" in cli.stdout, cli.stdout
+    # the first round by the CLI: the check marked Active, so Kueue reserves quota; a second
+    # replica, the Lease held by the first, does nothing
+    first = _cli(tmp_path, controller_rights, controller, pool, "first")
+    assert f"check {check}: marked Active" in first, first
+    second = _cli(tmp_path, controller_rights, controller, pool, "second")
+    assert second == f"not the leader: {namespace}/controller is held by another\n", second
     _job(installed, namespace, "train", 2, MIG_3G)
     _job(installed, namespace, "huge", 1, MIG_7G)
 
