@@ -8,19 +8,18 @@ Pure module: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseSeen:
-    """What a Lease says (None: no such Lease yet)."""
+    """What a Lease says (None: no such Lease yet); times in seconds since the epoch."""
 
     holder: str
-    renewed: datetime | None
+    renewed: float | None
     duration_s: int
 
 
-def may_hold(seen: LeaseSeen | None, me: str, now: datetime) -> bool:
+def may_hold(seen: LeaseSeen | None, me: str, now: float) -> bool:
     """Whether ``me`` may write itself as the Lease's holder at ``now``: no Lease yet, no
     holder, ``me`` already, or a holder that let it expire (a Lease without a renew time has
     expired)."""
@@ -28,4 +27,4 @@ def may_hold(seen: LeaseSeen | None, me: str, now: datetime) -> bool:
         return True
     if seen.renewed is None:
         return True
-    return now >= seen.renewed + timedelta(seconds=seen.duration_s)
+    return now >= seen.renewed + seen.duration_s

@@ -881,7 +881,7 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
             with _kube("read lease", lease=where):
                 got = self._call_unless_absent(self._coord.read_namespaced_lease, name, namespace)
             seen = None if got is None else _lease_seen(got.get("spec") or {})
-            if not may_hold(seen, holder, now):
+            if not may_hold(seen, holder, now.timestamp()):
                 return False
             stamp = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             spec: dict[str, Any] = {
@@ -920,7 +920,9 @@ def _lease_seen(spec: Mapping[str, Any]) -> LeaseSeen:
     renewed = spec.get("renewTime")
     return LeaseSeen(
         str(spec.get("holderIdentity") or ""),
-        datetime.fromisoformat(str(renewed).replace("Z", "+00:00")) if renewed else None,
+        datetime.fromisoformat(str(renewed).replace("Z", "+00:00")).timestamp()
+        if renewed
+        else None,
         int(spec.get("leaseDurationSeconds") or 0),
     )
 

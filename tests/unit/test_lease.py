@@ -4,17 +4,15 @@ replica renewed within its duration."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 from mig_agent.core.lease import LeaseSeen, may_hold
 
-T0 = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+T0 = 1_796_558_400.0  # 2026-12-06 12:00 UTC
 
 
 def test_who_may_hold_the_lease() -> None:
     assert may_hold(None, "a", T0)
     assert may_hold(LeaseSeen("", T0, 30), "a", T0)
-    assert may_hold(LeaseSeen("a", T0, 30), "a", T0 + timedelta(seconds=5))
-    assert not may_hold(LeaseSeen("b", T0, 30), "a", T0 + timedelta(seconds=29))
-    assert may_hold(LeaseSeen("b", T0, 30), "a", T0 + timedelta(seconds=30))
+    assert may_hold(LeaseSeen("a", T0, 30), "a", T0 + 5)
+    assert not may_hold(LeaseSeen("b", T0, 30), "a", T0 + 29)
+    assert may_hold(LeaseSeen("b", T0, 30), "a", T0 + 30)
     assert may_hold(LeaseSeen("b", None, 30), "a", T0)
