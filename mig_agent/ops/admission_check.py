@@ -7,7 +7,8 @@
    ``mig-agent.dev/reject-unservable: "true"``; ``spec.parameters`` is not read);
 2. reads the Workloads that reserved quota and whose ``status.admissionChecks[]`` entry of one
    of our checks is Pending (or Ready, not yet admitted: their devices stay promised), and the
-   pool as ``advise`` reads it (mig_agent.ops.advise_read);
+   pool as ``advise`` reads it (mig_agent.ops.advise_read); a workload admitted after our check
+   was Ready whose Job's pods are not all bound yet holds the devices of those still to be;
 3. decides (mig_agent.core.admission_check) and writes: a relabel names its nodes in the
    Workload's annotation ``mig-agent.dev/admission-relabels`` first, then patches each node's
    layout label, conditional on its labels as read; Ready, Retry and Rejected set the entry's
@@ -30,7 +31,9 @@ from typing import Any, Final
 import structlog
 
 from mig_agent.config.settings import Settings
+from mig_agent.core import kueue_demand
 from mig_agent.core.admission_check import Decision, Params, Target, Verdict, Waiting, decide
+from mig_agent.core.advise_assign import Want
 from mig_agent.core.errors import KubeError, LabelsChanged
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import KUEUE_GROUP, KUEUE_VERSIONS, KueueCluster, ObjectRef
@@ -74,12 +77,15 @@ def run_round(
     ]
     activated = tuple(_activate(cluster, c, now()) for c in checks if not _active(c))
     params = {_name(c): _params(c) for c in checks}
-    objects = _waiting_workloads(cluster.list_kueue("workloads"), params)
+    workloads = cluster.list_kueue("workloads")
+    objects = _waiting_workloads(workloads, params)
     if not objects:
         return Round(activated)
     pool = read_pool(cluster, catalog, settings, selector=selector, allow_evict=True)
     waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
-    decisions = decide(waiting, pool.supplies, pool.left_alone, pool.budgets)
+    held = _admitted_unbound(cluster, workloads, params, pool, selector)
+    decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
+    decisions = decisions[: len(waiting)]
     skipped: dict[str, str] = {}
     for (w, check), d in zip(objects, decisions, strict=True):
         try:
@@ -168,6 +174,61 @@ def _waiting_workloads(
         return (-int((w.get("spec") or {}).get("priority") or 0), created, _key(w))
 
     return sorted(out, key=order)
+
+
+def _admitted_unbound(
+    cluster: KueueCluster,
+    workloads: Sequence[Mapping[str, Any]],
+    checks: Mapping[str, Params],
+    pool: Pool,
+    selector: str,
+) -> list[Waiting]:
+    """Workloads admitted after our check was Ready whose Job's pods are not all bound yet
+    (made, scheduled: seconds after the admission): as Ready ones, holding the devices of the
+    pods still to be bound, so that no later workload is marked Ready on them."""
+    admitted = [
+        w
+        for w in workloads
+        if _is_true(w, "Admitted")
+        and not _is_true(w, "Finished")
+        and any(_entry(w, c).get("state") == READY for c in checks)
+        and _job_of(w)
+    ]
+    if not admitted:
+        return []
+    nodes = cluster.list_nodes(selector)
+    free = {s.node for s in pool.supplies}
+    out = []
+    for w in admitted:
+        meta = w.get("metadata") or {}
+        pods = cluster.list_pods(
+            namespace=str(meta.get("namespace", "")),
+            label_selector=f"batch.kubernetes.io/job-name={_job_of(w)}",
+        )
+        done = sum(1 for p in pods if p.node or p.finished)
+        # as not yet admitted, for the demand its pod sets make
+        status = {**(w.get("status") or {})}
+        status["conditions"] = [c for c in _conditions(w) if c.get("type") != "Admitted"]
+        got = kueue_demand.workload_demand([{**w, "status": status}])
+        wants = []
+        for ps in got.pod_sets:
+            allowed = frozenset(
+                n.name
+                for n in nodes
+                if n.name in free and not ps.constraints.refusal(n.name, n.labels, n.taints)
+            )
+            wants += [Want(pod, ps.ask.kind, ps.ask.count, allowed) for pod in ps.pods()]
+        if len(wants) > done:
+            out.append(Waiting(_key(w), tuple(wants[done:]), ready=True))
+    return out
+
+
+def _job_of(workload: Mapping[str, Any]) -> str:
+    """The Job that owns ``workload`` ("" for none)."""
+    for o in (workload.get("metadata") or {}).get("ownerReferences") or ():
+        if o.get("kind") == "Job":
+            return str(o.get("name", ""))
+    return ""
 
 
 def _relabelled(workload: Mapping[str, Any]) -> dict[str, Target]:

@@ -9,7 +9,9 @@ on FakeCluster with Kueue's objects shaped as v0.17 writes them:
   all state is on the objects, as after a restart) marks it Ready, drops the annotation and
   sends an Event;
 * a workload no approved layout serves stays Pending, its message saying why, once;
-* a relabel that failed makes the entry Retry.
+* a relabel that failed makes the entry Retry;
+* a workload admitted after the check was Ready, its Job's pods not bound yet, keeps its
+  devices from the next workload.
 """
 
 from __future__ import annotations
@@ -231,3 +233,20 @@ def test_a_failed_relabel_makes_the_check_retry(catalog: Any) -> None:
         "the relabel for it failed (gpu-a: its last change failed (state failed))",
         True,
     )
+
+
+def test_an_admitted_workload_whose_pods_are_not_bound_yet_keeps_its_devices(
+    catalog: Any,
+) -> None:
+    first = _workload("first", 2, MIG_3G, state="Ready")
+    first["metadata"]["ownerReferences"] = [{"kind": "Job", "name": "first"}]
+    first["status"]["conditions"][1] = {"type": "Admitted", "status": "True"}
+    c = _pool(catalog, first, _workload("second", 1, MIG_3G))
+    _at(c, catalog, "gpu-a", "all-3g")  # two 3g.40gb, both for first's pods to come
+    r = run_round(c, catalog, S, controller_name=CONTROLLER)
+    [d] = r.decisions
+    assert (d.workload, d.verdict.value) == ("team/second", "Wait"), d
+    assert _entry(c, "second")["state"] == "Pending"
+    c.kueue["workloads"] = [_workload("second", 1, MIG_3G)]  # first gone: its devices free
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Ready"
