@@ -9,7 +9,8 @@ on FakeCluster with Kueue's objects shaped as v0.17 writes them:
   all state is on the objects, as after a restart) marks it Ready, drops the annotation and
   sends an Event;
 * a workload no approved layout serves stays Pending, its message saying why, once;
-* a relabel that failed makes the entry Retry;
+* a relabel that failed makes the entry Retry; the check's annotations allow evictions, or
+  make an unservable workload Rejected;
 * a workload admitted after the check was Ready, its Job's pods not bound yet, keeps its
   devices from the next workload.
 """
@@ -250,3 +251,22 @@ def test_an_admitted_workload_whose_pods_are_not_bound_yet_keeps_its_devices(
     c.kueue["workloads"] = [_workload("second", 1, MIG_3G)]  # first gone: its devices free
     [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
     assert d.verdict.value == "Ready"
+
+
+def test_the_checks_annotations_are_its_parameters(catalog: Any) -> None:
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    c.add_pod("team", "busy", "gpu-a", gpu={MIG_1G: 1})
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait" and "does not allow evictions" in d.message
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {"mig-agent.dev/allow-evict": "true"}
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Relabel", d
+    assert c.nodes["gpu-a"].labels[S.config_label] == "all-3g"
+    huge = _workload("huge", 3, "nvidia.com/mig-7g.80gb")
+    c = _pool(catalog, huge)
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {
+        "mig-agent.dev/reject-unservable": "true"
+    }
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert _entry(c, "huge")["state"] == "Rejected"
+    assert c.object_events[-1][1] == "MIGLayoutRejected" and c.object_events[-1][3]
