@@ -185,14 +185,16 @@ def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catal
     assert entry["state"] == "Pending" and entry["message"] == "relabelling gpu-a to all-3g for it"
     assert [e[1] for e in c.object_events] == ["MIGLayoutRelabel"]
 
+    # the old success, the old devices still published (the agent has not begun): waits
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait"
+    assert _entry(c, "train")["message"] == "waiting for gpu-a (to all-3g) to reach success"
     c.nodes["gpu-a"] = dataclasses.replace(
         c.nodes["gpu-a"], labels={**c.nodes["gpu-a"].labels, S.state_label: "pending"}
     )
     writes = c.writes
-    run_round(c, catalog, S, controller_name=CONTROLLER)  # changing: waits
-    run_round(c, catalog, S, controller_name=CONTROLLER)
-    assert _entry(c, "train")["message"] == "waiting for gpu-a (to all-3g) to reach success"
-    assert c.writes == writes + 1  # the message once, then nothing
+    run_round(c, catalog, S, controller_name=CONTROLLER)  # changing: waits, writes nothing
+    assert c.writes == writes
 
     _at(c, catalog, "gpu-a", "all-3g")  # the agent's success, the new devices published
     r = run_round(c, catalog, S, controller_name=CONTROLLER)
