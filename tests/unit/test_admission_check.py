@@ -12,11 +12,14 @@ makes seven 1g.10gb devices, all-3g two 3g.40gb):
   (or is Rejected where the check says so) with a message naming what it asks;
 * property (hypothesis): over random pools and queues, the Ready workloads' pods are placed
   within each node's free devices, summed over workloads, and no node is relabelled for two
-  workloads nor relabelled where another workload was promised devices.
+  workloads nor relabelled where another workload was promised devices; one workload is
+  served (Ready or relabelled) exactly when a brute force over every node's layouts finds a
+  choice that places all its pods.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping
 
@@ -25,7 +28,7 @@ from hypothesis import strategies as st
 
 from mig_agent.core.admission_check import Params, Target, Verdict, Waiting, decide
 from mig_agent.core.advise import Option, Supply
-from mig_agent.core.advise_assign import Want
+from mig_agent.core.advise_assign import Want, assign
 
 MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
 ALL_1G = {MIG_1G: 7}
@@ -170,3 +173,35 @@ def test_property_no_two_workloads_share_devices_or_nodes(
     for w, d in zip(waiting, decisions, strict=True):
         if d.verdict is Verdict.RELABEL and not w.params.allow_evict:
             assert all(not s.options[0].evicts for s in supplies if s.node in d.relabels)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_nodes, st.sampled_from([MIG_1G, MIG_3G]), st.integers(1, 8), st.booleans())
+def test_property_one_workload_is_served_exactly_when_some_choice_of_layouts_serves_it(
+    nodes: list[tuple[str, int]], kind: str, count: int, evict: bool
+) -> None:
+    """Against brute force: every node at its layout or another approved one (those that
+    evict only where allowed); the workload is Ready or relabelled exactly when one of those
+    choices places all its pods, and a relabel's choice does."""
+    names = [f"n{i}" for i in range(len(nodes))]
+    supplies = [
+        _node(n, layout, evicts=tuple(f"x/{n}-{j}" for j in range(held)))
+        for n, (layout, held) in zip(names, nodes, strict=True)
+    ]
+    wants = _wants("ns/w", count, kind, frozenset(names))
+    per_node = [
+        [dict(s.free), *(dict(o.free) for o in s.options if evict or not o.evicts)]
+        for s in supplies
+    ]
+    servable = any(
+        len(assign(wants, dict(zip(names, choice, strict=True)))) == len(wants)
+        for choice in itertools.product(*per_node)
+    )
+    [d] = decide([Waiting("ns/w", wants, Params(allow_evict=evict))], supplies)
+    assert (d.verdict in (Verdict.READY, Verdict.RELABEL)) == servable, d
+    if d.verdict is Verdict.RELABEL:
+        by = {s.node: s for s in supplies}
+        capacity = {
+            n: dict(by[n].options[0].free) if n in d.relabels else dict(by[n].free) for n in names
+        }
+        assert len(assign(wants, capacity)) == len(wants)
