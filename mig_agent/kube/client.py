@@ -39,14 +39,17 @@ from mig_agent.core.errors import (
     MigAgentError,
     PodReplaced,
 )
+from mig_agent.core.lease import LeaseSeen, may_hold
 from mig_agent.core.scheduling import constraints_of, label_selector_of, taints_of
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
     KUEUE_GROUP,
     KUEUE_VERSIONS,
-    Cluster,
+    KueueCluster,
+    Leases,
     NodeCondition,
     NodeView,
+    ObjectRef,
     PdbView,
     PodRef,
     PodRunner,
@@ -98,6 +101,7 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
             "list_namespaced_pod_disruption_budget",
             "list_pod_disruption_budget_for_all_namespaces",
             "list_cluster_custom_object",
+            "read_namespaced_lease",
         ),
         Repeat.SAFE,
     ),
@@ -106,6 +110,11 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
     # writes, it has it
     "patch_node": Repeat.SAFE,
     "patch_node_status": Repeat.SAFE,
+    # Kueue's objects: merge patches, the same sent again (the check's state with the
+    # resourceVersion read: a repeat after a lost answer meets a 409, and the next round reads)
+    "patch_namespaced_custom_object": Repeat.SAFE,
+    "patch_namespaced_custom_object_status": Repeat.SAFE,
+    "patch_cluster_custom_object_status": Repeat.SAFE,
     # with the UID precondition: the repeat finds the pod going, or gone (404)
     "delete_namespaced_pod": Repeat.SAFE,
     # a repeat finds the pod terminating, which the API evicts again without a budget's say,
@@ -204,7 +213,7 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-class KubernetesCluster(Cluster, PodRunner):
+class KubernetesCluster(KueueCluster, Leases, PodRunner):
     """The agent's client of the API server (kubeconfig or in-cluster credentials)."""
 
     def __init__(
@@ -224,6 +233,7 @@ class KubernetesCluster(Cluster, PodRunner):
         self._resource = client.ResourceV1Api(api)
         self._policy = client.PolicyV1Api(api)
         self._custom = client.CustomObjectsApi(api)
+        self._coord = client.CoordinationV1Api(api)
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
@@ -804,6 +814,117 @@ class KubernetesCluster(Cluster, PodRunner):
                 raise
             return list(got["items"])
         return []
+
+    def patch_kueue(
+        self,
+        plural: str,
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        namespace: str = "",
+        status: bool = False,
+    ) -> dict[str, Any]:
+        """Merge-patch Kueue's object (v1beta2; ``status``: its status subresource); a body
+        carrying ``metadata.resourceVersion`` is refused (KubeError, status 409) when the
+        object changed since."""
+        version = KUEUE_VERSIONS[0]
+        c = self._custom
+        if namespace:
+            fn = (
+                c.patch_namespaced_custom_object_status
+                if status
+                else c.patch_namespaced_custom_object
+            )
+            args: tuple[Any, ...] = (KUEUE_GROUP, version, namespace, plural, name, dict(body))
+        else:
+            fn = c.patch_cluster_custom_object_status if status else c.patch_cluster_custom_object
+            args = (KUEUE_GROUP, version, plural, name, dict(body))
+        where = f"{namespace}/{name}" if namespace else name
+        with _kube(f"patch {plural}.{KUEUE_GROUP}", name=where, subresource=status):
+            return dict(self._call(fn, *args))
+
+    def emit_object_event(
+        self, obj: ObjectRef, *, reason: str, message: str, warning: bool = False
+    ) -> None:
+        """An Event about ``obj`` (in its namespace), from this client's component."""
+        now = datetime.now(UTC)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{obj.name}.", namespace=obj.namespace),
+            involved_object=client.V1ObjectReference(
+                kind=obj.kind,
+                name=obj.name,
+                namespace=obj.namespace,
+                uid=obj.uid,
+                api_version=obj.api_version,
+            ),
+            reason=reason,
+            message=message[:1024],
+            type="Warning" if warning else "Normal",
+            source=client.V1EventSource(component=self._component),
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            reporting_component=self._component,
+            reporting_instance=self._component,
+        )
+        with _kube("create event", object=f"{obj.kind} {obj.namespace}/{obj.name}"):
+            self._call(self._core.create_namespaced_event, obj.namespace, event)
+
+    # leader election ---------------------------------------------------------------------
+
+    def hold_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:
+        """Take or renew the Lease for ``holder`` (mig_agent.core.lease decides); False while
+        another holds it, or when another wrote it between the read and the write."""
+        now = datetime.now(UTC)
+        where = f"{namespace}/{name}"
+        try:
+            with _kube("read lease", lease=where):
+                got = self._call_unless_absent(self._coord.read_namespaced_lease, name, namespace)
+            seen = None if got is None else _lease_seen(got.get("spec") or {})
+            if not may_hold(seen, holder, now.timestamp()):
+                return False
+            stamp = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            spec: dict[str, Any] = {
+                **((got or {}).get("spec") or {}),
+                "holderIdentity": holder,
+                "leaseDurationSeconds": duration_s,
+                "renewTime": stamp,
+            }
+            if seen is None or seen.holder != holder:
+                spec["acquireTime"] = stamp
+                spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
+            if got is None:
+                body = {"metadata": {"name": name, "namespace": namespace}, "spec": spec}
+                with _kube("create lease", lease=where):
+                    self._call(self._coord.create_namespaced_lease, namespace, body)
+            else:
+                body = {"metadata": got["metadata"], "spec": spec}
+                with _kube("renew lease", lease=where):
+                    self._call(self._coord.replace_namespaced_lease, name, namespace, body)
+        except KubeError as exc:
+            if exc.context.get("status") == 409:  # another replica wrote it first
+                return False
+            raise
+        return True
+
+    def _call_unless_absent(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return self._call(fn, *args)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
+def _lease_seen(spec: Mapping[str, Any]) -> LeaseSeen:
+    renewed = spec.get("renewTime")
+    return LeaseSeen(
+        str(spec.get("holderIdentity") or ""),
+        datetime.fromisoformat(str(renewed).replace("Z", "+00:00")).timestamp()
+        if renewed
+        else None,
+        int(spec.get("leaseDurationSeconds") or 0),
+    )
 
 
 def _is_budget_refusal(exc: BaseException) -> bool:

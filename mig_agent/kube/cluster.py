@@ -85,6 +85,17 @@ def _gpu_counts(resources: Mapping[str, str]) -> dict[str, int]:
 
 
 @dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """An object an Event is about (a Kueue Workload, say)."""
+
+    kind: str
+    namespace: str
+    name: str
+    uid: str = ""
+    api_version: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PodRef:
     namespace: str
     name: str
@@ -243,6 +254,37 @@ class Cluster(Protocol):
         """Kueue's objects of ``plural`` (``workloads``, ``resourceflavors``) in every
         namespace, as the API returns them: in the first of KUEUE_VERSIONS served; [] where
         Kueue is not installed."""
+        ...
+
+
+class KueueCluster(Cluster, Protocol):
+    """What the MIG layout AdmissionCheck writes besides nodes: Kueue's objects, and Events
+    about them."""
+
+    def patch_kueue(
+        self,
+        plural: str,
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        namespace: str = "",
+        status: bool = False,
+    ) -> dict[str, Any]:
+        """Merge-patch Kueue's object (``status``: its status subresource) in v1beta2; the
+        object as written. A body with ``metadata.resourceVersion`` is refused (KubeError,
+        status 409) when the object changed since."""
+        ...
+
+    def emit_object_event(
+        self, obj: ObjectRef, *, reason: str, message: str, warning: bool = False
+    ) -> None: ...
+
+
+class Leases(Protocol):
+    """Leader election over a coordination.k8s.io Lease."""
+
+    def hold_lease(self, namespace: str, name: str, holder: str, duration_s: int) -> bool:
+        """Take or renew the Lease for ``holder``; False while another replica holds it."""
         ...
 
 

@@ -1,0 +1,369 @@
+"""``mig-agent admission-check``: Kueue's check controller for the AdmissionChecks whose
+``spec.controllerName`` is ours. One round (``run_round``):
+
+1. marks each of our AdmissionChecks Active (``status.conditions``: Kueue keeps a ClusterQueue
+   that names an inactive check inactive), reading its parameters from its annotations
+   (``mig-agent.dev/allow-evict: "true"``, ``mig-agent.dev/max-nodes: "N"``,
+   ``mig-agent.dev/reject-unservable: "true"``; ``spec.parameters`` is not read);
+2. reads the Workloads that reserved quota and whose ``status.admissionChecks[]`` entry of one
+   of our checks is Pending (or Ready, not yet admitted: their devices stay promised), and the
+   pool as ``advise`` reads it (mig_agent.ops.advise_read); a workload admitted after our check
+   was Ready whose Job's pods are not all bound yet holds the devices of those still to be;
+3. decides (mig_agent.core.admission_check) and writes: a relabel names its nodes in the
+   Workload's annotation ``mig-agent.dev/admission-relabels`` first, then patches each node's
+   layout label, conditional on its labels as read; Ready, Retry and Rejected set the entry's
+   state (status subresource, with the resourceVersion read: a workload changed meanwhile is
+   left for the next round); a wait sets the entry's message. Each change of state or message
+   gets an Event on the Workload.
+
+All its state is on the objects (the annotation, the entry, the nodes' labels): a restarted
+controller carries on where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import structlog
+
+from mig_agent.config.settings import Settings
+from mig_agent.core import kueue_demand
+from mig_agent.core.admission_check import Decision, Params, Target, Verdict, Waiting, decide
+from mig_agent.core.advise_assign import Want
+from mig_agent.core.errors import KubeError, LabelsChanged
+from mig_agent.core.layout import LayoutCatalog
+from mig_agent.kube.cluster import KUEUE_GROUP, KUEUE_VERSIONS, KueueCluster, ObjectRef
+from mig_agent.ops.advise_read import Pool, read_pool
+
+log = structlog.get_logger(__name__)
+
+CONTROLLER_NAME: Final = "mig-agent.dev/mig-layout"
+RELABELS: Final = "mig-agent.dev/admission-relabels"
+ALLOW_EVICT: Final = "mig-agent.dev/allow-evict"
+MAX_NODES: Final = "mig-agent.dev/max-nodes"
+REJECT_UNSERVABLE: Final = "mig-agent.dev/reject-unservable"
+PENDING, READY = "Pending", "Ready"
+API_VERSION: Final = f"{KUEUE_GROUP}/{KUEUE_VERSIONS[0]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one round did: the checks it marked Active, a decision per workload, and the
+    workloads it could not write (-> why)."""
+
+    activated: tuple[str, ...] = ()
+    decisions: tuple[Decision, ...] = ()
+    skipped: Mapping[str, str] = field(default_factory=dict)
+
+
+def run_round(
+    cluster: KueueCluster,
+    catalog: LayoutCatalog,
+    settings: Settings,
+    *,
+    controller_name: str = CONTROLLER_NAME,
+    selector: str = "",
+    now: Callable[[], datetime] = lambda: datetime.now(UTC),
+) -> Round:
+    """One round of the controller (see the module), over the GPU nodes ``selector`` picks."""
+    checks = [
+        c
+        for c in cluster.list_kueue("admissionchecks")
+        if (c.get("spec") or {}).get("controllerName") == controller_name
+    ]
+    activated = tuple(_activate(cluster, c, now()) for c in checks if not _active(c))
+    params = {_name(c): _params(c) for c in checks}
+    workloads = cluster.list_kueue("workloads")
+    objects = _waiting_workloads(workloads, params)
+    if not objects:
+        return Round(activated)
+    pool = read_pool(cluster, catalog, settings, selector=selector, allow_evict=True)
+    waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
+    held = _admitted_unbound(cluster, workloads, params, pool, selector)
+    decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
+    decisions = decisions[: len(waiting)]
+    skipped: dict[str, str] = {}
+    for (w, check), d in zip(objects, decisions, strict=True):
+        try:
+            _apply(cluster, settings, w, check, d, pool, now())
+        except KubeError as exc:
+            skipped[d.workload] = str(exc)
+            log.warning("admission_check.write_failed", workload=d.workload, error=str(exc))
+    return Round(activated, tuple(decisions), skipped)
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
+
+
+def _key(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def _conditions(obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list((obj.get("status") or {}).get("conditions") or ())
+
+
+def _is_true(obj: Mapping[str, Any], kind: str) -> bool:
+    return any(c.get("type") == kind and c.get("status") == "True" for c in _conditions(obj))
+
+
+def _active(check: Mapping[str, Any]) -> bool:
+    return _is_true(check, "Active")
+
+
+def _stamp(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _activate(cluster: KueueCluster, check: Mapping[str, Any], t: datetime) -> str:
+    active = {
+        "type": "Active",
+        "status": "True",
+        "reason": "Active",
+        "message": "mig-agent's MIG layout check controller serves it",
+        "lastTransitionTime": _stamp(t),
+    }
+    cluster.patch_kueue(
+        "admissionchecks", _name(check), {"status": {"conditions": [active]}}, status=True
+    )
+    log.info("admission_check.activated", check=_name(check))
+    return _name(check)
+
+
+def _params(check: Mapping[str, Any]) -> Params:
+    notes = (check.get("metadata") or {}).get("annotations") or {}
+    max_nodes = str(notes.get(MAX_NODES, "")).strip()
+    return Params(
+        allow_evict=str(notes.get(ALLOW_EVICT, "")).lower() == "true",
+        max_nodes=int(max_nodes) if max_nodes.isdigit() and int(max_nodes) > 0 else None,
+        reject_unservable=str(notes.get(REJECT_UNSERVABLE, "")).lower() == "true",
+    )
+
+
+def _entry(workload: Mapping[str, Any], check: str) -> Mapping[str, Any]:
+    for e in (workload.get("status") or {}).get("admissionChecks") or ():
+        if e.get("name") == check:
+            return dict(e)
+    return {}
+
+
+def _waiting_workloads(
+    workloads: Sequence[Mapping[str, Any]], checks: Mapping[str, Params]
+) -> list[tuple[Mapping[str, Any], str]]:
+    """(workload, our check it waits on), in queue order: higher priority first, then older."""
+    out = []
+    for w in workloads:
+        if not _is_true(w, "QuotaReserved") or _is_true(w, "Admitted"):
+            continue
+        if _is_true(w, "Finished") or (w.get("spec") or {}).get("active") is False:
+            continue
+        for check in checks:
+            if _entry(w, check).get("state") in (PENDING, READY):
+                out.append((w, check))
+                break
+
+    def order(item: tuple[Mapping[str, Any], str]) -> tuple[int, str, str]:
+        w = item[0]
+        created = str((w.get("metadata") or {}).get("creationTimestamp", ""))
+        return (-int((w.get("spec") or {}).get("priority") or 0), created, _key(w))
+
+    return sorted(out, key=order)
+
+
+def _admitted_unbound(
+    cluster: KueueCluster,
+    workloads: Sequence[Mapping[str, Any]],
+    checks: Mapping[str, Params],
+    pool: Pool,
+    selector: str,
+) -> list[Waiting]:
+    """Workloads admitted after our check was Ready whose Job's pods are not all bound yet
+    (made, scheduled: seconds after the admission): as Ready ones, holding the devices of the
+    pods still to be bound, so that no later workload is marked Ready on them."""
+    admitted = [
+        w
+        for w in workloads
+        if _is_true(w, "Admitted")
+        and not _is_true(w, "Finished")
+        and any(_entry(w, c).get("state") == READY for c in checks)
+        and _job_of(w)
+    ]
+    if not admitted:
+        return []
+    nodes = cluster.list_nodes(selector)
+    free = {s.node for s in pool.supplies}
+    out = []
+    for w in admitted:
+        meta = w.get("metadata") or {}
+        pods = cluster.list_pods(
+            namespace=str(meta.get("namespace", "")),
+            label_selector=f"batch.kubernetes.io/job-name={_job_of(w)}",
+        )
+        done = sum(1 for p in pods if p.node or p.finished)
+        # as not yet admitted, for the demand its pod sets make
+        status = {**(w.get("status") or {})}
+        status["conditions"] = [c for c in _conditions(w) if c.get("type") != "Admitted"]
+        got = kueue_demand.workload_demand([{**w, "status": status}])
+        wants = []
+        for ps in got.pod_sets:
+            allowed = frozenset(
+                n.name
+                for n in nodes
+                if n.name in free and not ps.constraints.refusal(n.name, n.labels, n.taints)
+            )
+            wants += [Want(pod, ps.ask.kind, ps.ask.count, allowed) for pod in ps.pods()]
+        if len(wants) > done:
+            out.append(Waiting(_key(w), tuple(wants[done:]), ready=True))
+    return out
+
+
+def _job_of(workload: Mapping[str, Any]) -> str:
+    """The Job that owns ``workload`` ("" for none)."""
+    for o in (workload.get("metadata") or {}).get("ownerReferences") or ():
+        if o.get("kind") == "Job":
+            return str(o.get("name", ""))
+    return ""
+
+
+def _relabelled(workload: Mapping[str, Any]) -> dict[str, Target]:
+    notes = (workload.get("metadata") or {}).get("annotations") or {}
+    try:
+        got = json.loads(notes.get(RELABELS, "") or "{}")
+        return {
+            str(n): Target(str(t["layout"]), {str(k): int(v) for k, v in t["resources"].items()})
+            for n, t in got.items()
+        }
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def _waiting(w: Mapping[str, Any], check: str, params: Params, pool: Pool) -> Waiting:
+    key = _key(w)
+    wants = tuple(x for x in pool.wants if x.gang == f"workload:{key}")
+    return Waiting(key, wants, params, _relabelled(w), ready=_entry(w, check).get("state") == READY)
+
+
+def _apply(
+    cluster: KueueCluster,
+    s: Settings,
+    w: Mapping[str, Any],
+    check: str,
+    d: Decision,
+    pool: Pool,
+    t: datetime,
+) -> None:
+    entry = _entry(w, check)
+    odd = pool.not_understood.get(f"workload {d.workload}")
+    if odd:
+        d = Decision(d.workload, Verdict.WAIT, f"not understood: {odd}")
+    if d.verdict is Verdict.READY and entry.get("state") == READY:
+        return
+    if d.verdict is Verdict.RELABEL:
+        w = _relabel(cluster, s, w, d, pool)
+    elif d.verdict is not Verdict.WAIT and _relabelled(w):
+        w = _annotate(cluster, w, None)
+    state = PENDING if d.verdict in (Verdict.RELABEL, Verdict.WAIT) else d.verdict.value
+    if state == entry.get("state") and d.message == entry.get("message"):
+        return
+    _set_state(cluster, w, entry, state, d.message, t)
+    _event(cluster, w, d)
+
+
+def _relabel(
+    cluster: KueueCluster, s: Settings, w: Mapping[str, Any], d: Decision, pool: Pool
+) -> Mapping[str, Any]:
+    """The nodes named on the workload, then relabelled each while its labels are as read;
+    a node someone else relabelled meanwhile is taken off the annotation again."""
+    w = _annotate(cluster, w, d.relabels)
+    lost = []
+    for node, target in sorted(d.relabels.items()):
+        try:
+            cluster.patch_node(
+                node, labels={s.config_label: target.layout}, expect_labels=pool.seen[node]
+            )
+            log.info("admission_check.relabel", workload=d.workload, node=node, to=target.layout)
+        except LabelsChanged:
+            lost.append(node)
+    if lost:
+        kept = {n: t for n, t in d.relabels.items() if n not in lost}
+        w = _annotate(cluster, w, kept or None)
+    return w
+
+
+def _annotate(
+    cluster: KueueCluster, w: Mapping[str, Any], relabels: Mapping[str, Target] | None
+) -> Mapping[str, Any]:
+    value = (
+        json.dumps(
+            {n: {"layout": t.layout, "resources": dict(t.resources)} for n, t in relabels.items()},
+            sort_keys=True,
+        )
+        if relabels
+        else None
+    )
+    meta = w.get("metadata") or {}
+    return cluster.patch_kueue(
+        "workloads",
+        str(meta.get("name", "")),
+        {"metadata": {"annotations": {RELABELS: value}}},
+        namespace=str(meta.get("namespace", "")),
+    )
+
+
+def _set_state(
+    cluster: KueueCluster,
+    w: Mapping[str, Any],
+    entry: Mapping[str, Any],
+    state: str,
+    message: str,
+    t: datetime,
+) -> None:
+    """The check's entry at ``state`` with ``message`` (the others as they are), written only
+    while the workload is as ``w`` (its resourceVersion)."""
+    since = entry.get("lastTransitionTime") if entry.get("state") == state else None
+    mine = {**entry, "state": state, "message": message[:32768], "lastTransitionTime": since}
+    mine["lastTransitionTime"] = mine["lastTransitionTime"] or _stamp(t)
+    entries = [
+        mine if e.get("name") == entry.get("name") else e
+        for e in (w.get("status") or {}).get("admissionChecks") or ()
+    ]
+    meta = w.get("metadata") or {}
+    cluster.patch_kueue(
+        "workloads",
+        str(meta.get("name", "")),
+        {
+            "metadata": {"resourceVersion": meta.get("resourceVersion")},
+            "status": {"admissionChecks": entries},
+        },
+        namespace=str(meta.get("namespace", "")),
+        status=True,
+    )
+
+
+def _event(cluster: KueueCluster, w: Mapping[str, Any], d: Decision) -> None:
+    meta = w.get("metadata") or {}
+    reason = {
+        Verdict.READY: "MIGLayoutReady",
+        Verdict.RELABEL: "MIGLayoutRelabel",
+        Verdict.WAIT: "MIGLayoutWaiting",
+        Verdict.RETRY: "MIGLayoutRetry",
+        Verdict.REJECTED: "MIGLayoutRejected",
+    }[d.verdict]
+    ref = ObjectRef(
+        "Workload",
+        str(meta.get("namespace", "")),
+        str(meta.get("name", "")),
+        str(meta.get("uid", "")),
+        API_VERSION,
+    )
+    warning = d.verdict in (Verdict.RETRY, Verdict.REJECTED)
+    try:
+        cluster.emit_object_event(ref, reason=reason, message=d.message, warning=warning)
+    except KubeError as exc:  # the state is written; an Event lost says nothing less
+        log.warning("admission_check.event_failed", workload=d.workload, error=str(exc))

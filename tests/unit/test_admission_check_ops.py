@@ -1,0 +1,274 @@
+"""We test these aspects of the AdmissionCheck controller's rounds (mig_agent.ops.admission_check)
+on FakeCluster with Kueue's objects shaped as v0.17 writes them:
+
+* our AdmissionChecks (by controllerName) are marked Active, another controller's are not;
+* a workload waiting on the check whose pods need a relabel: the first round names the node
+  on the workload's annotation and relabels it, the entry stays Pending with the message; a
+  round while the node changes (and one that finds the old ``success`` with the old devices)
+  changes nothing; once the agent's success publishes the new devices, a round (a fresh call:
+  all state is on the objects, as after a restart) marks it Ready, drops the annotation and
+  sends an Event;
+* a workload no approved layout serves stays Pending, its message saying why, once;
+* a relabel that failed makes the entry Retry; the check's annotations allow evictions, or
+  make an unservable workload Rejected;
+* a workload admitted after the check was Ready, its Job's pods not bound yet, keeps its
+  devices from the next workload.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mig_agent.config.profiles import load_catalog
+from mig_agent.config.settings import Settings
+from mig_agent.core.gpu_models import MODELS
+from mig_agent.core.planner import plan
+from mig_agent.core.snapshot import compact
+from mig_agent.kube.cluster import ObjectRef
+from mig_agent.node.apply import execute
+from mig_agent.ops.admission_check import RELABELS, run_round
+from tests.unit.fake_cluster import FakeCluster
+from tests.unit.fake_gpus import FakeGpus
+
+MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
+S = Settings()
+CHECK, CONTROLLER = "mig-layout", "mig-agent.dev/mig-layout"
+CONFIG = """
+version: v1
+mig-configs:
+  all-1g.10gb:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+  all-3g:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+"""
+
+
+def _merge(into: dict[str, Any], patch: Mapping[str, Any]) -> None:
+    for k, v in patch.items():
+        if v is None:
+            into.pop(k, None)
+        elif isinstance(v, Mapping) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = copy.deepcopy(v)
+
+
+@dataclass
+class KueueFake(FakeCluster):
+    """FakeCluster with Kueue's writes: merge patches of its objects, Events about them."""
+
+    object_events: list[tuple[str, str, str, bool]] = field(default_factory=list)
+    writes: int = 0
+
+    def patch_kueue(
+        self,
+        plural: str,
+        name: str,
+        body: Mapping[str, Any],
+        *,
+        namespace: str = "",
+        status: bool = False,
+    ) -> dict[str, Any]:
+        for obj in self.kueue.get(plural, []):
+            meta = obj["metadata"]
+            if meta["name"] == name and meta.get("namespace", "") == namespace:
+                body = dict(body)
+                rv = (body.get("metadata") or {}).get("resourceVersion")
+                assert rv is None or rv == meta.get("resourceVersion"), "409"
+                _merge(obj, {k: v for k, v in body.items() if k == "status" or not status})
+                meta["resourceVersion"] = str(int(meta.get("resourceVersion", "0")) + 1)
+                self.writes += 1
+                return copy.deepcopy(obj)
+        raise AssertionError(f"no {plural} {namespace}/{name}")
+
+    def emit_object_event(
+        self, obj: ObjectRef, *, reason: str, message: str, warning: bool = False
+    ) -> None:
+        self.object_events.append((obj.name, reason, message, warning))
+
+
+def _gpu_state(catalog: Any, layout: str) -> str:
+    gpus = FakeGpus([MODELS["H100-80GB"]])
+    execute(plan(catalog.get(layout), gpus.observe(), gpus.models()), gpus)
+    return compact(gpus.observe(), gpus.models())
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Any:
+    (tmp_path / "layouts.yaml").write_text(CONFIG)
+    return load_catalog([tmp_path / "layouts.yaml"])
+
+
+def _at(c: FakeCluster, catalog: Any, node: str, layout: str, state: str = "success") -> None:
+    labels = {**c.nodes[node].labels, S.config_label: layout, S.state_label: state}
+    c.nodes[node] = dataclasses.replace(
+        c.nodes[node],
+        labels=labels,
+        annotations={S.gpu_state_annotation: _gpu_state(catalog, layout)},
+    )
+
+
+def _workload(name: str, pods: int, resource: str, state: str = "Pending") -> dict[str, Any]:
+    container = {
+        "name": "c",
+        "image": "x",
+        "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}},
+    }
+    return {
+        "apiVersion": "kueue.x-k8s.io/v1beta2",
+        "kind": "Workload",
+        "metadata": {"namespace": "team", "name": name, "resourceVersion": "1", "uid": name},
+        "spec": {
+            "queueName": "lq",
+            "podSets": [
+                {"name": "main", "count": pods, "template": {"spec": {"containers": [container]}}}
+            ],
+        },
+        "status": {
+            "conditions": [
+                {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
+                {"type": "Admitted", "status": "False", "reason": "NoChecks"},
+            ],
+            "admissionChecks": [
+                {"name": CHECK, "state": state, "message": "", "lastTransitionTime": "t0"}
+            ],
+        },
+    }
+
+
+def _pool(catalog: Any, *workloads: dict[str, Any]) -> KueueFake:
+    c = KueueFake()
+    c.add_node("gpu-a", {}, {MIG_1G: "7"})
+    _at(c, catalog, "gpu-a", "all-1g.10gb")
+    c.kueue["admissionchecks"] = [
+        {"metadata": {"name": CHECK}, "spec": {"controllerName": CONTROLLER}},
+        {"metadata": {"name": "other"}, "spec": {"controllerName": "example.com/x"}},
+    ]
+    c.kueue["workloads"] = list(workloads)
+    return c
+
+
+def _entry(c: KueueFake, name: str) -> dict[str, Any]:
+    [w] = [w for w in c.kueue["workloads"] if w["metadata"]["name"] == name]
+    return dict(w["status"]["admissionChecks"][0])
+
+
+def _notes(c: KueueFake, name: str) -> dict[str, str]:
+    [w] = [w for w in c.kueue["workloads"] if w["metadata"]["name"] == name]
+    return dict(w["metadata"].get("annotations") or {})
+
+
+def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catalog: Any) -> None:
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    r = run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert r.activated == (CHECK,)
+    ours, other = c.kueue["admissionchecks"]
+    assert ours["status"]["conditions"][0]["type"] == "Active"
+    assert "status" not in other
+    assert c.nodes["gpu-a"].labels[S.config_label] == "all-3g"
+    assert json.loads(_notes(c, "train")[RELABELS]) == {
+        "gpu-a": {"layout": "all-3g", "resources": {MIG_3G: 2}}
+    }
+    entry = _entry(c, "train")
+    assert entry["state"] == "Pending" and entry["message"] == "relabelling gpu-a to all-3g for it"
+    assert [e[1] for e in c.object_events] == ["MIGLayoutRelabel"]
+
+    # the old success, the old devices still published (the agent has not begun): waits
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait"
+    assert _entry(c, "train")["message"] == "waiting for gpu-a (to all-3g) to reach success"
+    c.nodes["gpu-a"] = dataclasses.replace(
+        c.nodes["gpu-a"], labels={**c.nodes["gpu-a"].labels, S.state_label: "pending"}
+    )
+    writes = c.writes
+    run_round(c, catalog, S, controller_name=CONTROLLER)  # changing: waits, writes nothing
+    assert c.writes == writes
+
+    _at(c, catalog, "gpu-a", "all-3g")  # the agent's success, the new devices published
+    r = run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert [d.verdict.value for d in r.decisions] == ["Ready"]
+    assert _entry(c, "train")["state"] == "Ready"
+    assert RELABELS not in _notes(c, "train")
+    assert c.object_events[-1][1] == "MIGLayoutReady"
+    writes = c.writes
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert c.writes == writes
+
+
+def test_a_workload_no_layout_serves_waits_saying_why_once(catalog: Any) -> None:
+    c = _pool(catalog, _workload("huge", 3, "nvidia.com/mig-7g.80gb"))
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    entry = _entry(c, "huge")
+    assert entry["state"] == "Pending"
+    assert entry["message"] == (
+        "3 pod(s) asking mig-7g.80gb: no approved layout can serve all of its pods"
+    )
+    assert c.nodes["gpu-a"].labels[S.config_label] == "all-1g.10gb"
+    events = len(c.object_events)
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert len(c.object_events) == events
+
+
+def test_a_failed_relabel_makes_the_check_retry(catalog: Any) -> None:
+    w = _workload("train", 2, MIG_3G)
+    w["metadata"]["annotations"] = {
+        RELABELS: json.dumps({"gpu-a": {"layout": "all-3g", "resources": {MIG_3G: 2}}})
+    }
+    c = _pool(catalog, w)
+    _at(c, catalog, "gpu-a", "all-3g", state="failed")
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert _entry(c, "train")["state"] == "Retry"
+    assert RELABELS not in _notes(c, "train")
+    assert c.object_events[-1][1:] == (
+        "MIGLayoutRetry",
+        "the relabel for it failed (gpu-a: its last change failed (state failed))",
+        True,
+    )
+
+
+def test_an_admitted_workload_whose_pods_are_not_bound_yet_keeps_its_devices(
+    catalog: Any,
+) -> None:
+    first = _workload("first", 2, MIG_3G, state="Ready")
+    first["metadata"]["ownerReferences"] = [{"kind": "Job", "name": "first"}]
+    first["status"]["conditions"][1] = {"type": "Admitted", "status": "True"}
+    c = _pool(catalog, first, _workload("second", 1, MIG_3G))
+    _at(c, catalog, "gpu-a", "all-3g")  # two 3g.40gb, both for first's pods to come
+    r = run_round(c, catalog, S, controller_name=CONTROLLER)
+    [d] = r.decisions
+    assert (d.workload, d.verdict.value) == ("team/second", "Wait"), d
+    assert _entry(c, "second")["state"] == "Pending"
+    c.kueue["workloads"] = [_workload("second", 1, MIG_3G)]  # first gone: its devices free
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Ready"
+
+
+def test_the_checks_annotations_are_its_parameters(catalog: Any) -> None:
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    c.add_pod("team", "busy", "gpu-a", gpu={MIG_1G: 1})
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait" and "does not allow evictions" in d.message
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {"mig-agent.dev/allow-evict": "true"}
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Relabel", d
+    assert c.nodes["gpu-a"].labels[S.config_label] == "all-3g"
+    huge = _workload("huge", 3, "nvidia.com/mig-7g.80gb")
+    c = _pool(catalog, huge)
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {
+        "mig-agent.dev/reject-unservable": "true"
+    }
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    assert _entry(c, "huge")["state"] == "Rejected"
+    assert c.object_events[-1][1] == "MIGLayoutRejected" and c.object_events[-1][3]
