@@ -25,6 +25,13 @@ from tests.unit.model_world import Armed
 from tests.unit.test_guard_model import GuardModel
 
 
+def _start(**kw: bool) -> tuple[str, dict[str, object]]:
+    """The model's first step: no operands, PodResources, reboot command or pending modes,
+    the plugin found by the agent's selector, but for ``kw``."""
+    args = dict(operands=False, podresources=False, reboot=False, pending=False, found=True)
+    return ("start", {**args, **kw})
+
+
 def _replay(steps: list[tuple[str, dict[str, object]]]) -> None:
     state = GuardModel()
     try:
@@ -38,16 +45,7 @@ def _replay(steps: list[tuple[str, dict[str, object]]]) -> None:
 def test_a_kill_before_the_reboot_command_ran_gets_the_reboot() -> None:
     _replay(
         [
-            (
-                "start",
-                {
-                    "operands": False,
-                    "podresources": False,
-                    "reboot": True,
-                    "pending": True,
-                    "found": True,
-                },
-            ),
+            _start(reboot=True, pending=True),
             (
                 "relabel",
                 {
@@ -62,16 +60,7 @@ def test_a_kill_before_the_reboot_command_ran_gets_the_reboot() -> None:
 def test_a_digest_the_gpus_left_vouches_for_nothing_once_they_come_back() -> None:
     _replay(
         [
-            (
-                "start",
-                {
-                    "operands": True,
-                    "podresources": True,
-                    "reboot": False,
-                    "pending": False,
-                    "found": False,
-                },
-            ),
+            _start(operands=True, podresources=True, found=False),
             ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
             ("plugin_behaves", {"mode": "stale"}),
             ("relabel", {"fault": None, "layout": "all-disabled"}),
@@ -82,16 +71,7 @@ def test_a_digest_the_gpus_left_vouches_for_nothing_once_they_come_back() -> Non
 def test_a_relabel_after_the_success_write_is_news_for_the_next_pass() -> None:
     _replay(
         [
-            (
-                "start",
-                {
-                    "operands": False,
-                    "podresources": False,
-                    "reboot": False,
-                    "pending": False,
-                    "found": True,
-                },
-            ),
+            _start(),
             (
                 "relabel",
                 {
@@ -106,16 +86,7 @@ def test_a_relabel_after_the_success_write_is_news_for_the_next_pass() -> None:
 def test_a_pass_that_failed_at_the_gpus_after_its_drain_opens_no_window() -> None:
     _replay(
         [
-            (
-                "start",
-                {
-                    "operands": False,
-                    "podresources": False,
-                    "reboot": False,
-                    "pending": True,
-                    "found": True,
-                },
-            ),
+            _start(pending=True),
             ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
             (
                 "pod_arrives",
@@ -134,16 +105,7 @@ def test_a_pass_that_failed_at_the_gpus_after_its_drain_opens_no_window() -> Non
 def test_a_stuck_pod_beside_a_layout_that_keeps_its_gpu_is_no_reason_to_stay_cordoned() -> None:
     _replay(
         [
-            (
-                "start",
-                {
-                    "operands": False,
-                    "podresources": False,
-                    "reboot": False,
-                    "pending": False,
-                    "found": True,
-                },
-            ),
+            _start(),
             (
                 "pod_arrives",
                 {"leaving": "stuck", "owner": "ReplicaSet", "pick": 0, "script": (Answer.GRANTED,)},
