@@ -28,12 +28,21 @@ from .conftest import (
 )
 
 
+def _pinned_release() -> str:
+    """The Kubernetes release scripts/k8s-binaries pins (the one place it is named)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "k8s-binaries"
+    for line in script.read_text().splitlines():
+        if line.startswith("K8S_VERSION="):
+            return line.split("=", 1)[1].split()[0]
+    raise AssertionError(f"no K8S_VERSION in {script}")
+
+
 def test_the_node_runs_a_real_kubelet_on_containerd(
     kubelet_node: real_node.RealNode, core: client.CoreV1Api
 ) -> None:
     info = core.read_node(REAL_NODE).status.node_info
     assert info.container_runtime_version.startswith("containerd://1."), info
-    assert info.kubelet_version == "v1.34.3", info
+    assert info.kubelet_version == _pinned_release(), info
     assert "kwok.x-k8s.io/node" not in (core.read_node(REAL_NODE).metadata.annotations or {})
 
 
