@@ -679,24 +679,44 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
     def emit_event(
         self, node: NodeView, *, reason: str, message: str, warning: bool = False
     ) -> None:
+        event = self._event(
+            client.V1ObjectReference(kind="Node", name=node.name, uid=node.uid, api_version="v1"),
+            client.V1ObjectMeta(generate_name=f"{node.name}.{self._component}."),
+            reason=reason,
+            message=message,
+            warning=warning,
+            host=node.name,
+            instance=f"{self._component}-{node.name}"[:128],
+        )
+        with _kube("create event", node=node.name):
+            self._call(self._core.create_namespaced_event, "default", event)
+
+    def _event(
+        self,
+        involved: client.V1ObjectReference,
+        metadata: client.V1ObjectMeta,
+        *,
+        reason: str,
+        message: str,
+        warning: bool,
+        host: str | None,
+        instance: str,
+    ) -> client.CoreV1Event:
+        """An Event from this client's component, once, now (its message cut at 1024)."""
         now = datetime.now(UTC)
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{node.name}.{self._component}."),
-            involved_object=client.V1ObjectReference(
-                kind="Node", name=node.name, uid=node.uid, api_version="v1"
-            ),
+        return client.CoreV1Event(
+            metadata=metadata,
+            involved_object=involved,
             reason=reason,
             message=message[:1024],
             type="Warning" if warning else "Normal",
-            source=client.V1EventSource(component=self._component, host=node.name),
+            source=client.V1EventSource(component=self._component, host=host),
             first_timestamp=now,
             last_timestamp=now,
             count=1,
             reporting_component=self._component,
-            reporting_instance=f"{self._component}-{node.name}"[:128],
+            reporting_instance=instance,
         )
-        with _kube("create event", node=node.name):
-            self._call(self._core.create_namespaced_event, "default", event)
 
     # verify's pods --------------------------------------------------------------------------
 
@@ -847,25 +867,20 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
         self, obj: ObjectRef, *, reason: str, message: str, warning: bool = False
     ) -> None:
         """An Event about ``obj`` (in its namespace), from this client's component."""
-        now = datetime.now(UTC)
-        event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{obj.name}.", namespace=obj.namespace),
-            involved_object=client.V1ObjectReference(
+        event = self._event(
+            client.V1ObjectReference(
                 kind=obj.kind,
                 name=obj.name,
                 namespace=obj.namespace,
                 uid=obj.uid,
                 api_version=obj.api_version,
             ),
+            client.V1ObjectMeta(generate_name=f"{obj.name}.", namespace=obj.namespace),
             reason=reason,
-            message=message[:1024],
-            type="Warning" if warning else "Normal",
-            source=client.V1EventSource(component=self._component),
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-            reporting_component=self._component,
-            reporting_instance=self._component,
+            message=message,
+            warning=warning,
+            host=None,
+            instance=self._component,
         )
         with _kube("create event", object=f"{obj.kind} {obj.namespace}/{obj.name}"):
             self._call(self._core.create_namespaced_event, obj.namespace, event)
