@@ -39,6 +39,7 @@ from mig_agent.kube.client import KubernetesCluster
 from mig_agent.node.apply import execute
 from mig_agent.ops import advise as ops_advise
 from tests.unit.fake_gpus import FakeGpus
+from tests.unit.test_kueue_demand import CONFIG  # the two approved layouts
 
 if TYPE_CHECKING:
     from tests.conftest import GpuNodeFactory
@@ -46,18 +47,6 @@ if TYPE_CHECKING:
 MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
 KUEUE = f"/apis/{kueue_sim.API_VERSION}"
 S = Settings()
-CONFIG = """
-version: v1
-mig-configs:
-  all-1g.10gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-  all-3g:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-"""
 
 
 @pytest.fixture(scope="module")

@@ -37,22 +37,11 @@ from mig_agent.node.apply import execute
 from mig_agent.ops.admission_check import RELABELS, run_round
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.fake_gpus import FakeGpus
+from tests.unit.test_kueue_demand import CONFIG  # the two approved layouts
 
 MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
 S = Settings()
 CHECK, CONTROLLER = "mig-layout", "mig-agent.dev/mig-layout"
-CONFIG = """
-version: v1
-mig-configs:
-  all-1g.10gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-  all-3g:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-"""
 
 
 def _merge(into: dict[str, Any], patch: Mapping[str, Any]) -> None:

@@ -266,6 +266,7 @@ def test_the_boundary_lists_the_newest_version_served(
     assert fake.asked == asked
 
 
+# the approved layouts of the Kueue tests (test_admission_check_ops and tests/cluster import them)
 CONFIG = """
 version: v1
 mig-configs:
