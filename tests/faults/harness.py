@@ -234,6 +234,11 @@ API_FAULTS = {
     "watch-silent": Fault("watch-silent"),
 }
 API_FAULT_SECONDS = {"api-503-15s": 15.0}
+# Points that one request of the agent's marks, as the proxy sees it. An API fault for such a
+# point is added before the pass, armed by that request, and lands on the first it matches after
+# it: added at the log line instead, it missed what the agent asked meanwhile (the drain's pod
+# watch, opened at once and ended by the pod's going, so the watch-expired trial answered none).
+ARMING_REQUESTS = {"drain.pod_evicted": "create pods/eviction"}
 # The node watch's timeout in trials with a proxy: a dead watch is noticed at its read timeout
 WATCH_TIMEOUT_S = 20
 # etcd and the API server stopped and started again (Cluster.restart), under every agent's feet
@@ -756,6 +761,19 @@ def inject(node: FaultNode, fault: str) -> None:
         raise ValueError(fault)
 
 
+def arm_before_the_pass(node: FaultNode, fault: str, point: Point) -> bool:
+    """Whether `fault` was added to the proxy now, to land right after the request that marks
+    `point` (ARMING_REQUESTS); else it is injected when the agent logs the point."""
+    after = ARMING_REQUESTS.get(point.name)
+    if after is None or point.nth != 1 or fault not in API_FAULTS or fault in API_FAULT_SECONDS:
+        return False
+    if API_FAULTS[fault].kind in ("watch-end", "watch-silent"):  # they act on the open watches
+        return False
+    assert node.proxy is not None
+    node.proxy.add(dataclasses.replace(API_FAULTS[fault], after=after))
+    return True
+
+
 def inject_node_fault(node: FaultNode, fault: str) -> None:
     path = node.procs.sim_state
     if fault == "nvml-error":  # the next mutating NVML call fails
@@ -889,6 +907,7 @@ def run_trial(
                 node.log_tail(),
                 sc.name,
             )
+        armed = arm_before_the_pass(node, fault, point)
         node.patch_labels({CONFIG: sc.target})
         seen = 0
         deadline = time.monotonic() + 60
@@ -898,7 +917,8 @@ def run_trial(
                 if point.matches(line):
                     seen += 1
                     if seen == point.nth:
-                        inject(node, fault)
+                        if not armed:
+                            inject(node, fault)
                         reached = True
                         break
                 if line.get("event") == "reconcile.finished":

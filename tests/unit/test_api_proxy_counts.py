@@ -77,3 +77,43 @@ def test_every_request_is_counted_the_faulted_ones_too(tmp_path: Path) -> None:
         assert proxy.hits == Counter({"status-503": 4})  # the fault's own count is unchanged
     finally:
         proxy.stop()
+
+
+def test_a_fault_armed_by_a_request_answers_only_the_requests_after_it(tmp_path: Path) -> None:
+    """A fault with `after` lands on the first matching request once the client has asked one
+    of that kind since the fault was added (the fault matrix's "right after the first
+    eviction"): not on those before it, nor on the arming request itself, and not on a request
+    of that kind asked before the adding."""
+    keys = pki.generate(tmp_path / "pki")
+    proxy = ApiFaultProxy(
+        "https://127.0.0.1:9", cert=keys.serving_cert, key=keys.serving_key, ca=keys.ca_cert
+    )
+    ctx = ssl.create_default_context(cafile=str(keys.ca_cert))
+
+    def call(method: str, path: str) -> int:
+        req = urllib.request.Request(
+            proxy.url + path, method=method, data=b"{}" if method == "POST" else None
+        )
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    evict = "/api/v1/namespaces/a/pods/p/eviction"
+    try:
+        proxy.add(Fault("status", status=503))  # what no armed fault answers
+        assert call("POST", evict) == 503  # asked before the armed fault was added
+        proxy.clear()
+        armed = proxy.add(
+            Fault("status", status=500, method="POST", after="create pods/eviction", times=1)
+        )
+        proxy.add(Fault("status", status=503))
+        assert armed.after_base == 1
+        assert call("POST", "/api/v1/namespaces/a/pods") == 503  # not armed yet
+        assert call("POST", evict) == 503  # the arming request is not its own fault's
+        assert call("POST", "/api/v1/namespaces/a/pods") == 500  # the first after it
+        assert call("POST", "/api/v1/namespaces/a/pods") == 503  # its one time spent
+        assert proxy.hits == Counter({"status-503": 4, "status-500": 1})
+    finally:
+        proxy.stop()

@@ -17,7 +17,10 @@ API server over a connection of its own, and, on command, answers instead of it:
   no longer holds: 200, then one ``ERROR`` event (a Status, 410 Expired) and the stream's end.
 
 A fault matches requests by method, path (a regular expression) and whether they are watches; it
-applies ``times`` times (None: until cleared) and/or for ``seconds``. `hits` counts the requests
+applies ``times`` times (None: until cleared) and/or for ``seconds``; one with ``after`` (a
+request kind) only once the client has asked such a request since the fault was added, so that
+a fault lands right after a request of the client's (its first eviction, say) however soon the
+client asks the next. `hits` counts the requests
 each fault answered; `requests` counts every request, and `counts` every request by verb and
 resource as the API server's audit names them (`request_kind`: "get nodes", "watch nodes",
 "patch nodes", "create pods/eviction", ...), answered by a fault or forwarded: put the proxy
@@ -71,6 +74,8 @@ class Fault:
     watch: bool | None = None  # True: watches only; False: no watches; None: both
     times: int | None = None  # None: until cleared (or `seconds` pass)
     until: float | None = None  # time.monotonic() deadline
+    after: str = ""  # a request_kind(): armed once one is asked after the adding ("" at once)
+    after_base: int = 0  # counts[after] when the fault was added (set by ApiFaultProxy.add)
 
     def matches(self, method: str, path: str, is_watch: bool) -> bool:
         if self.until is not None and time.monotonic() > self.until:
@@ -131,6 +136,7 @@ class ApiFaultProxy:
                     w.silent = True
                 self.hits["watch-silent"] += len(self._watches)
                 return fault
+            fault.after_base = self.counts[fault.after] if fault.after else 0
             self._faults.append(fault)
         return fault
 
@@ -200,15 +206,19 @@ class ApiFaultProxy:
             self._untrack(raw)
 
     def _match(self, method: str, path: str, is_watch: bool) -> Fault | None:
+        kind = request_kind(method, path, is_watch)
         with self._lock:
             self.requests += 1
-            self.counts[request_kind(method, path, is_watch)] += 1
-            for f in self._faults:
-                if f.matches(method, path, is_watch):
-                    if f.times is not None:
-                        f.times -= 1
-                    self.hits[f.kind if f.kind != "status" else f"status-{f.status}"] += 1
-                    return f
+            try:
+                for f in self._faults:
+                    armed = not f.after or self.counts[f.after] > f.after_base
+                    if armed and f.matches(method, path, is_watch):
+                        if f.times is not None:
+                            f.times -= 1
+                        self.hits[f.kind if f.kind != "status" else f"status-{f.status}"] += 1
+                        return f
+            finally:  # counted after the look: the arming request is not its own fault's
+                self.counts[kind] += 1
         return None
 
     def _handle(self, conn: socket.socket, raw: socket.socket, head: bytes, body: bytes) -> bool:
