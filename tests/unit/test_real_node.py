@@ -259,8 +259,12 @@ def test_a_superseded_pass_is_followed_at_once_without_a_watch() -> None:
 # -- 4. refused reports ------------------------------------------------------------------------
 
 
-def test_a_refused_condition_is_logged_once_per_cause() -> None:
+def test_a_refused_condition_is_logged_once_per_cause(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: suppressed without a line: an RBAC refusal of the agent's reports was invisible."""
+    # a logger of its own: the module's may have been cached by a main() run in this process
+    # (logs.configure_logging caches on first use), past capture_logs' reach
+    monkeypatch.setattr(reporting, "log", structlog.get_logger(reporting.__name__))
+    monkeypatch.setattr(reporting, "unreported", reporting._Once())
 
     class Refusing(FakeCluster):
         def set_node_condition(self, name: str, condition: NodeCondition) -> None:
