@@ -29,6 +29,7 @@ from string import Template
 
 from mig_agent.agent.phases.validators import APPS as VALIDATOR_APPS
 from mig_agent.config.settings import Settings
+from mig_agent.core import device_taints
 from mig_agent.core.errors import MigAgentError
 from mig_agent.core.labels import PAUSED, State
 
@@ -293,6 +294,13 @@ def _values(s: Settings) -> dict[str, str]:
         "event_reason_text": ", ".join(EVENT_REASONS),
         "plugin_namespace": cel(s.device_plugin_namespace)[1:-1],
         "plugin_selector": s.device_plugin_selector,
+        "taint_driver": device_taints.DRIVER,
+        "taint_label": device_taints.MANAGED_BY,
+        # a key with / and . is reached by CEL's optional index
+        "taint_label_cel": f"[?'{device_taints.MANAGED_BY}']",
+        "taint_manager": device_taints.MANAGER,
+        "taint_key": cel(s.taint_key)[1:-1],
+        "taint_effect": device_taints.EFFECT,
         "label_fields": cel_list("f:" + k for k in (s.state_label, *s.operand_labels)),
         "annotation_fields": cel_list("f:" + k for k in our_annotations(s)),
         "condition_field": '\'k:{"type":"' + cel(s.condition_type)[1:-1] + "\"}'",

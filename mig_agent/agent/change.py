@@ -97,6 +97,7 @@ class Change:
     pods: list[PodView] | None = None
     slices: list[dict[str, Any]] | None = None
     interrupted: bool = False  # a pass before this one left its marks: it is finished now
+    tainted: bool = False  # held back by its changing GPUs' device taints, not a cordon
 
     def node_pods(self, cluster: Cluster, node_name: str) -> list[PodView]:
         """Every pod of the node, as the pass listed them (listed now if it did not)."""

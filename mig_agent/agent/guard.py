@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 
@@ -21,7 +22,7 @@ from mig_agent.agent.advertisers import advertiser as advertisers
 from mig_agent.agent.advertisers import dra
 from mig_agent.agent.change import Change, Tools
 from mig_agent.config.settings import Settings
-from mig_agent.core import guard, labels
+from mig_agent.core import device_taints, guard, labels
 from mig_agent.core.errors import MigAgentError
 from mig_agent.core.guard import Owed, Record, Verdict
 from mig_agent.core.observed import NodeState
@@ -49,27 +50,81 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
     Left normally, the advertiser has proven the GPUs: ``settle``. Left by an exception, the
     pass's exit settles (mig_agent.agent.reconcile)."""
     s, node = t.settings, change.node
+    tainted = _devices_to_taint(t, change)
+    cordon = tainted is None and not node.unschedulable
     annotations: dict[str, str | None] = {}
-    if not node.unschedulable:
+    if cordon:
         annotations[s.cordon_annotation] = "true"
     pause = labels.pause_patch(node.labels, s.operand_labels)
     operands = labels.paused_during_change(node.labels, s.operand_labels)
     if operands:
         annotations[s.paused_annotation] = ",".join(operands)
     owed = _owed_at_the_cordon(s, node, change)
+    change.tainted = tainted is not None
+    if tainted is not None:  # the record first: a kill before the rules leaves it owed
+        base = owed or marks.record(s, node)
+        base = base or Record(layout=change.desired, gpus=digest(change.observed))
+        owed = replace(base, tainted=tainted)
     if owed is not None:
         annotations[s.guard_annotation] = owed.to_json()
     if annotations or pause:
-        cluster = t.cluster
-        cluster.patch_node(
+        t.cluster.patch_node(
             s.node_name,
             labels=pause,
             annotations=annotations,
-            unschedulable=True if not node.unschedulable else None,
+            unschedulable=True if cordon else None,
         )
-        log.info("node.paused", cordoned=not node.unschedulable, operands=operands)
+        devices = _taint(t, tainted, change.slices) if tainted else 0
+        log.info("node.paused", cordoned=cordon, tainted=devices, operands=operands)
     yield operands
     settle(t, change.desired, succeeded=True, dra_node=change.dra)
+
+
+def _devices_to_taint(t: Tools, change: Change) -> tuple[str, ...] | None:
+    """The GPUs (UUIDs) whose devices to taint instead of a cordon, with those an earlier pass
+    tainted; None for the cordon: not a DRA node, taints off or not served, the node cordoned
+    by the agent already, a record that owes a cordon or is unreadable, or nothing of the GPUs
+    that change listed (nothing to hold back but a listing to come: the cordon holds that)."""
+    s, node = t.settings, change.node
+    if not (change.dra and s.device_taints) or s.cordon_annotation in node.annotations:
+        return None
+    record = marks.record(s, node)
+    if s.guard_annotation in node.annotations and (
+        record is None or not (record.empty or record.tainted)
+    ):
+        return None
+    if not t.cluster.device_taints_served():
+        return None
+    changing = {change.observed.gpu(i).info.uuid for i in change.plan.changed_gpus}
+    slices = change.slices
+    if slices is None:
+        slices = change.slices = t.cluster.list_resource_slices(s.node_name)
+    if not device_taints.devices_of_gpus(slices, s.node_name, changing):
+        return None
+    return tuple(sorted({*changing, *(record.tainted if record else ())}))
+
+
+def _taint(t: Tools, gpus: tuple[str, ...], slices: list[dict[str, Any]] | None = None) -> int:
+    """A rule for each device the node's slices list now for these GPUs that has none yet (a
+    device listed since the last taint, under a name of its own, is taken out too): how many
+    devices are tainted."""
+    node = t.settings.node_name
+    if slices is None:
+        slices = t.cluster.list_resource_slices(node)
+    devices = device_taints.devices_of_gpus(slices, node, gpus)
+    have = device_taints.rules_of_node(t.cluster.list_device_taints(), node)
+    for device in devices:
+        if device not in have:
+            t.cluster.create_device_taint(device_taints.rule(node, device, t.settings.taint_key))
+    return len(set(devices) | set(have))
+
+
+def _untaint(t: Tools) -> int:
+    """Every rule of the agent's for the node's devices deleted: how many there were."""
+    have = device_taints.rules_of_node(t.cluster.list_device_taints(), t.settings.node_name)
+    for name in have.values():
+        t.cluster.delete_device_taint(name)
+    return len(have)
 
 
 def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record | None:
@@ -123,8 +178,9 @@ def settle(
     if record is None and owed == Owed() and not _marks(s, node):
         return Settled(Verdict(True, None))
     record = guard.merged(record or Record(layout=desired or ""), desired, owed)
+    tainted = record.tainted
     if succeeded:
-        record = Record(layout=record.layout)
+        record = Record(layout=record.layout, tainted=tainted)
     now = _gpus_now(t) if record.gpus else ""
     note, proven = "", succeeded
     if record.gpus and now != record.gpus and not proven and readvertise:
@@ -141,8 +197,23 @@ def settle(
             advertiser=_name(dra_node),
         ),
     )
+    if tainted:
+        _taints(t, verdict)
     _write(t, node, verdict)
     return Settled(verdict, note)
+
+
+def _taints(t: Tools, verdict: Verdict) -> None:
+    """The device taints as the verdict wants them, before the node's record says so (a
+    failure here leaves the record, and the next settle tries again): lifted, or kept (made
+    again where someone deleted one while owed)."""
+    if verdict.schedulable:
+        lifted = _untaint(t)
+        log.info("devices.untainted", rules=lifted)
+        return
+    assert verdict.record is not None  # a reason keeps a debt
+    devices = _taint(t, verdict.record.tainted)
+    log.warning("devices.taint_kept", reason=verdict.why, devices=devices)
 
 
 def _record(s: Settings, node: NodeView, desired: str | None) -> Record | None:
@@ -232,8 +303,8 @@ def _cordon(
     """The cordon as the verdict wants it: None (as it is), False (lifted), True (set)."""
     ours = s.cordon_annotation in node.annotations
     if not verdict.schedulable:
-        if node.unschedulable:
-            return None
+        if node.unschedulable or (verdict.record and verdict.record.tainted and not ours):
+            return None  # cordoned, or held back by its devices' taints instead
         annotations[s.cordon_annotation] = "true"  # lifted by hand while owed: set again
         log.warning("node.cordoned_again", reason=verdict.why)
         return True

@@ -116,6 +116,19 @@ class ObserveOnlyCluster(Cluster):
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         return self._inner.list_pod_disruption_budgets()
 
+    def device_taints_served(self) -> bool:
+        return self._inner.device_taints_served()
+
+    def list_device_taints(self) -> list[dict[str, Any]]:
+        return self._inner.list_device_taints()
+
+    def create_device_taint(self, rule: Mapping[str, Any]) -> None:
+        name = (rule.get("metadata") or {}).get("name", "")
+        raise self._refuse(f"create devicetaintrule {name}")
+
+    def delete_device_taint(self, name: str) -> None:
+        raise self._refuse(f"delete devicetaintrule {name}")
+
 
 def publish(cluster: Cluster, s: Settings, node: NodeView, report: ObserveReport) -> bool:
     """Say ``report`` on the node: its annotation, and an Event when it differs from what the

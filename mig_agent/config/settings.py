@@ -61,6 +61,10 @@ class Settings:
     are claimed through ResourceClaims (drained by claim, republished by restarting that
     plugin). On by default: on a DRA node an agent that did not look would destroy claimed
     devices under running pods."""
+    device_taints: bool = True
+    """On a DRA node whose API server has DeviceTaintRules (Kubernetes 1.37 on), take only the
+    devices of the GPUs that change out of scheduling (a NoSchedule taint on each) instead of
+    cordoning the node: the other GPUs take new claims during the change. Off: the cordon."""
     dra_plugin_namespace: str = "gpu-operator"
     dra_plugin_selector: str = "app=nvidia-dra-driver-kubelet-plugin"
     """Namespace and label selector of the DRA kubelet plugin pod, as the GPU Operator's
@@ -206,6 +210,12 @@ class Settings:
     def observe_annotation(self) -> str:
         """What the agent in observe mode would do for the layout label (JSON)."""
         return f"{self.annotation_prefix}/observed-plan"
+
+    @property
+    def taint_key(self) -> str:
+        """The key of the device taints the agent writes on a DRA node (what a toleration of
+        a change would name)."""
+        return f"{self.annotation_prefix}/mig-change"
 
     @property
     def guard_annotation(self) -> str:

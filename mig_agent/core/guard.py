@@ -31,6 +31,10 @@ class Record:
     # what the drain given up on last failed on (a budget, a pod stuck terminating): the later
     # passes' refusals name it, not only the pods
     given_up_why: str = ""
+    # on a DRA node changed under device taints: the GPUs (UUIDs) whose devices are tainted
+    # instead of a cordon (how the node is held back, not what it is owed: the taints go
+    # with the last debt)
+    tainted: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -56,6 +60,8 @@ class Record:
             data["why"] = why
         if given_up_why:
             data["givenUpWhy"] = given_up_why
+        if self.tainted:
+            data["tainted"] = list(self.tainted)
         return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
@@ -82,6 +88,7 @@ def parse(text: str) -> Record:
         given_up=_names(data, "givenUp"),
         why=_text(data, "why"),
         given_up_why=_text(data, "givenUpWhy"),
+        tainted=_names(data, "tainted", "GPU UUIDs"),
     )
 
 
@@ -92,10 +99,10 @@ def _text(data: dict[str, object], key: str) -> str:
     return value
 
 
-def _names(data: dict[str, object], key: str) -> tuple[str, ...]:
+def _names(data: dict[str, object], key: str, what: str = "pod names") -> tuple[str, ...]:
     value = data.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise BadRecord(f"{key} is not a list of pod names")
+        raise BadRecord(f"{key} is not a list of {what}")
     return tuple(value)
 
 
@@ -116,7 +123,7 @@ def merged(record: Record, desired: str | None, owed: Owed) -> Record:
     still run stay whatever the label says: only the advertiser's proof, and the pods' going,
     clear them."""
     if record.layout != desired:  # pods evicted for it may still run on GPUs the next changes
-        record = Record(layout=desired or "", gpus=record.gpus, evicted=record.evicted)
+        record = Record(desired or "", record.gpus, record.evicted, tainted=record.tainted)
     since = record.drain_since
     if since is None and owed.drain_failed_at is not None:
         since = owed.drain_failed_at
@@ -158,28 +165,35 @@ def decide(record: Record, facts: Facts) -> Verdict:
     evicted = tuple(p for p in record.evicted if p in facts.present)
     given_up = tuple(p for p in record.given_up if p in facts.present)
     since = None if given_up else record.drain_since
+    held = held_back(record)
     reasons = []
     if gpus:
         reasons.append(
-            f"the node stays cordoned until {facts.advertiser} advertises the GPUs as they are "
-            "now (they changed since it last listed them)"
+            f"{held} until {facts.advertiser} advertises the GPUs as they are now (they "
+            "changed since it last listed them)"
         )
     if evicted:
         reasons.append(
-            "the node stays cordoned while pods it evicted still run on GPUs that change: "
-            + ", ".join(evicted)
+            f"{held} while pods it evicted still run on GPUs that change: " + ", ".join(evicted)
         )
     if since is not None and facts.now - since < facts.give_up_s:
         reasons.append(
             f"the drain is retried for up to {facts.give_up_s:g} s (drain_give_up_s) from its "
-            "first failed try: the node stays cordoned between tries"
+            f"first failed try: {held} between tries"
         )
     else:
         since = None
     why = "; ".join(reasons)
     cause = record.given_up_why if given_up else ""
-    kept = Record(record.layout, gpus, evicted, since, given_up, why, cause)
+    kept = Record(record.layout, gpus, evicted, since, given_up, why, cause, record.tainted)
     return Verdict(not reasons, None if kept.empty else kept, why, given_up)
+
+
+def held_back(record: Record) -> str:
+    """How the node is held back from new work, as a reason says it."""
+    if record.tainted:
+        return "the devices of the GPUs that change stay tainted"
+    return "the node stays cordoned"
 
 
 def drain_failing_for(record: Record, desired: str, now: float) -> float:

@@ -28,6 +28,7 @@ import urllib3
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from mig_agent.core import device_taints
 from mig_agent.core.errors import (
     ConfigError,
     EvictionBlocked,
@@ -102,6 +103,7 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
             "list_pod_disruption_budget_for_all_namespaces",
             "list_cluster_custom_object",
             "read_namespaced_lease",
+            "get_api_resources",
         ),
         Repeat.SAFE,
     ),
@@ -115,6 +117,10 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
     "patch_namespaced_custom_object": Repeat.SAFE,
     "patch_namespaced_custom_object_status": Repeat.SAFE,
     "patch_cluster_custom_object_status": Repeat.SAFE,
+    # a repeat meets the rule made (409, taken for made when it is the agent's for the same
+    # device) or finds it gone (404, done)
+    "create_cluster_custom_object": Repeat.SAFE,
+    "delete_cluster_custom_object": Repeat.SAFE,
     # with the UID precondition: the repeat finds the pod going, or gone (404)
     "delete_namespaced_pod": Repeat.SAFE,
     # a repeat finds the pod terminating, which the API evicts again without a budget's say,
@@ -237,6 +243,7 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
+        self._taints_served: bool | None = None  # asked once: an upgrade restarts the agent
         # per (node, condition type), the condition this client last wrote: the next write of
         # that type needs no read first (only the agent writes its own condition type)
         self._written: dict[tuple[str, str], NodeCondition] = {}
@@ -820,6 +827,65 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
         with _kube("list poddisruptionbudgets"):
             items = self._call(self._policy.list_pod_disruption_budget_for_all_namespaces)["items"]
         return [_pdb(p) for p in items]
+
+    # device taints (resource.k8s.io/v1 DeviceTaintRule) ------------------------------------
+
+    def device_taints_served(self) -> bool:
+        if self._taints_served is None:
+            with _kube("discover resource.k8s.io/v1"):
+                found = self._call_unless_absent(self._resource.get_api_resources)
+            names = {r.get("name") for r in (found or {}).get("resources") or []}
+            self._taints_served = device_taints.PLURAL in names
+        return self._taints_served
+
+    def list_device_taints(self) -> list[dict[str, Any]]:
+        group, version = device_taints.GROUP_VERSION
+        selector = f"{device_taints.MANAGED_BY}={device_taints.MANAGER}"
+        with _kube("list devicetaintrules"):
+            got = self._call(
+                self._custom.list_cluster_custom_object,
+                group,
+                version,
+                device_taints.PLURAL,
+                label_selector=selector,
+            )
+        return list(got["items"])
+
+    def create_device_taint(self, rule: Mapping[str, Any]) -> None:
+        group, version = device_taints.GROUP_VERSION
+        name = (rule.get("metadata") or {}).get("name", "")
+        with _kube("create devicetaintrule", name=name):
+            try:
+                self._call(
+                    self._custom.create_cluster_custom_object,
+                    group,
+                    version,
+                    device_taints.PLURAL,
+                    dict(rule),
+                )
+            except ApiException as exc:
+                if exc.status != 409 or not self._same_rule(rule):
+                    raise
+
+    def _same_rule(self, rule: Mapping[str, Any]) -> bool:
+        """Whether the rule of ``rule``'s name is the agent's, for the same device."""
+        want = (rule.get("spec") or {}).get("deviceSelector")
+        return any(
+            (r.get("metadata") or {}).get("name") == (rule.get("metadata") or {}).get("name")
+            and (r.get("spec") or {}).get("deviceSelector") == want
+            for r in self.list_device_taints()
+        )
+
+    def delete_device_taint(self, name: str) -> None:
+        group, version = device_taints.GROUP_VERSION
+        with _kube("delete devicetaintrule", name=name):
+            self._call_unless_absent(
+                self._custom.delete_cluster_custom_object,
+                group,
+                version,
+                device_taints.PLURAL,
+                name,
+            )
 
     def list_kueue(self, plural: str) -> list[dict[str, Any]]:
         for version in KUEUE_VERSIONS:

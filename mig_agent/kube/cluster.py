@@ -250,6 +250,24 @@ class Cluster(Protocol):
         """Every PodDisruptionBudget of the cluster."""
         ...
 
+    def device_taints_served(self) -> bool:
+        """Whether the API server serves DeviceTaintRules in resource.k8s.io/v1 (Kubernetes
+        1.37 on; asked once per client)."""
+        ...
+
+    def list_device_taints(self) -> list[dict[str, Any]]:
+        """The DeviceTaintRules the agent made (its label), as the API returns them."""
+        ...
+
+    def create_device_taint(self, rule: Mapping[str, Any]) -> None:
+        """Create the rule; one of that name the agent made, for the same device, is taken
+        for it (a repeat after a lost answer)."""
+        ...
+
+    def delete_device_taint(self, name: str) -> None:
+        """Delete the rule (gone already: done)."""
+        ...
+
     def list_kueue(self, plural: str) -> list[dict[str, Any]]:
         """Kueue's objects of ``plural`` (``workloads``, ``resourceflavors``) in every
         namespace, as the API returns them: in the first of KUEUE_VERSIONS served; [] where

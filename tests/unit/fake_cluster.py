@@ -49,6 +49,9 @@ class FakeCluster(Cluster):
     pdbs: list[PdbView] = field(default_factory=list)
     # Kueue's objects by plural (workloads, resourceflavors), as the API returns them
     kueue: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # DeviceTaintRules by name (served where taints_served, as on Kubernetes 1.37)
+    taint_rules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    taints_served: bool = False
     # the requests the agent would make of the API server, by method (a watch: one request)
     requests: Counter[str] = field(default_factory=Counter)
 
@@ -273,6 +276,24 @@ class FakeCluster(Cluster):
     def list_kueue(self, plural: str) -> list[dict[str, Any]]:
         self._check("list_kueue")
         return list(self.kueue.get(plural, []))
+
+    def device_taints_served(self) -> bool:
+        self._check("device_taints_served")
+        return self.taints_served
+
+    def list_device_taints(self) -> list[dict[str, Any]]:
+        self._check("list_device_taints")
+        return [dict(r) for r in self.taint_rules.values()]
+
+    def create_device_taint(self, rule: Mapping[str, Any]) -> None:
+        self._check("create_device_taint")
+        self.taint_rules[rule["metadata"]["name"]] = dict(rule)
+        self._changed()
+
+    def delete_device_taint(self, name: str) -> None:
+        self._check("delete_device_taint")
+        self.taint_rules.pop(name, None)
+        self._changed()
 
 
 def _merge(old: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:

@@ -267,7 +267,12 @@ def test_every_binding_names_the_agent_and_a_role_of_this_manifest(docs: list[Do
 # ---- admission policy ----------------------------------------------------------------------------
 
 
-POLICIES = ("mig-agent-own-node", "mig-agent-own-device-plugin", "mig-agent-own-events")
+POLICIES = (
+    "mig-agent-own-node",
+    "mig-agent-own-device-plugin",
+    "mig-agent-own-events",
+    "mig-agent-own-device-taints",
+)
 
 
 @pytest.mark.parametrize("name", POLICIES)

@@ -156,7 +156,9 @@ class DrainPhase:
             may_stay=self.holders.may_stay(change.plan, holds),
             claimed=claimed(change, holds),
             on_blocked=self._blocked,
-            on_waiting=self._waiting,
+            on_waiting=lambda slowest, left, up_to_s: self._waiting(
+                slowest, left, up_to_s, change.tainted
+            ),
             still_wanted=lambda: self.still_wanted(change.desired),
             pods=pods,
             seen=seen,
@@ -214,14 +216,20 @@ class DrainPhase:
         )
         reporting.event_on_node(self.tools.cluster, s, "MIGDrainBlocked", message, warning=True)
 
-    def _waiting(self, slowest: PodView, left: int, up_to_s: float) -> None:
+    def _waiting(self, slowest: PodView, left: int, up_to_s: float, tainted: bool) -> None:
         """Evicted pods take their time (a checkpoint, a long grace period): say what the drain
         waits for, so that a long drain does not look like a hung agent."""
         s = self.tools.settings
         message = (
             f"waiting for {left} evicted GPU pod(s) to stop; the slowest, {slowest.ref}, has a "
             f"grace period of {slowest.grace_period_s:g} s: the drain waits up to "
-            f"{up_to_s:.0f} s, and the node stays cordoned while they run"
+            f"{up_to_s:.0f} s, and "
+            + (
+                "the devices of the GPUs that change stay tainted"
+                if tainted
+                else "the node stays cordoned"
+            )
+            + " while they run"
         )
         reporting.condition(
             self.tools.cluster,

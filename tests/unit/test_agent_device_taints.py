@@ -1,0 +1,159 @@
+"""We test the device taints of a change on a DRA node (DeviceTaintRule, Kubernetes 1.37), with
+in-memory fakes of our own Cluster and GpuBackend interfaces; the real API server and scheduler
+are in tests/e2e/test_device_taints.py:
+
+* where the API server serves DeviceTaintRules, a change of one GPU taints that GPU's devices
+  while its GPU calls run and never cordons the node; the rules go with `success`;
+* where it does not (Kubernetes 1.34), or the setting is off, the node is cordoned as before;
+* a plugin that never comes back after the GPUs changed keeps the taints, says so and does not
+  cordon; the next pass that sees the slice right lifts them;
+* a rule deleted by hand while the node is owed is made again, and devices the plugin lists
+  since the taint under names of their own are tainted too;
+* a rule the agent could not make fails the pass before any GPU is touched, and nothing stays.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mig_agent.agent import Agent, Outcome
+from mig_agent.core import device_taints
+from mig_agent.core.errors import KubeError
+from tests.unit.fake_cluster import FakeCluster
+
+from .fake_gpus import FakeGpus
+from .test_agent import NODE, STATE, assert_clean
+from .test_agent_dra import REASON, _with_layout, label, make_dra
+
+GUARD = "mig-agent.dev/guard"
+
+
+class Taints(FakeCluster):
+    """Serves DeviceTaintRules; can refuse to create them."""
+
+    refuse_create: bool = False
+
+    def create_device_taint(self, rule: Any) -> None:
+        if self.refuse_create:
+            raise KubeError("create devicetaintrule: 403 forbidden (fake)", status=403)
+        super().create_device_taint(rule)
+
+
+def tainted(cluster: FakeCluster) -> set[str]:
+    return set(device_taints.rules_of_node(cluster.taint_rules.values(), NODE))
+
+
+def devices_of(cluster: FakeCluster, gpu: int) -> set[str]:
+    return {
+        d["name"]
+        for piece in cluster.slices
+        for d in piece["spec"]["devices"]
+        if d["name"] == f"gpu-{gpu}" or d["name"].startswith(f"gpu-{gpu}-")
+    }
+
+
+def watched(agent: Agent, cluster: FakeCluster, gpus: FakeGpus) -> list[tuple[bool, set[str]]]:
+    """(cordoned, tainted devices) at each GPU call the agent makes from now."""
+    seen: list[tuple[bool, set[str]]] = []
+    mutate = gpus._mutate
+
+    def spy(gpu: int, op: str) -> None:
+        seen.append((cluster.nodes[NODE].unschedulable, tainted(cluster)))
+        mutate(gpu, op)
+
+    gpus._mutate = spy  # type: ignore[method-assign]
+    return seen
+
+
+def on_all_1g(**plugin: Any) -> tuple[Agent, Taints, FakeGpus, Any]:
+    agent, cluster, gpus, dra = make_dra(cluster=Taints(taints_served=True), **plugin)
+    label(cluster, "all-1g.10gb")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert not cluster.taint_rules  # from whole GPUs: both change, both tainted, then lifted
+    _with_layout(agent, "gpu1-changes", {0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
+    return agent, cluster, gpus, dra
+
+
+def test_a_change_of_one_gpu_taints_its_devices_and_never_cordons() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    gpu1 = devices_of(cluster, 1)
+    assert len(gpu1) == 7
+    seen = watched(agent, cluster, gpus)
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert seen and all(s == (False, gpu1) for s in seen), seen
+    assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert not cluster.taint_rules and GUARD not in cluster.nodes[NODE].annotations
+    assert_clean(cluster)
+
+
+def test_without_device_taints_served_the_node_is_cordoned_as_before() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    cluster.taints_served = False
+    seen = watched(agent, cluster, gpus)
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert seen and all(s == (True, set()) for s in seen), seen
+    assert_clean(cluster)
+
+
+def test_with_the_setting_off_the_node_is_cordoned() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    agent.settings = agent.settings.replace(device_taints=False)
+    seen = watched(agent, cluster, gpus)
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert seen and all(s == (True, set()) for s in seen), seen
+    assert not cluster.taint_rules
+    assert_clean(cluster)
+
+
+def test_a_plugin_that_never_comes_back_keeps_the_taints_and_says_so() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    gpu1 = devices_of(cluster, 1)
+    dra.comes_back = False
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    node = cluster.nodes[NODE]
+    reason = node.annotations[REASON]
+    assert "the devices of the GPUs that change stay tainted until NVIDIA's DRA plugin" in reason
+    assert not node.unschedulable and tainted(cluster) == gpu1
+    assert json.loads(node.annotations[GUARD])["tainted"] == [gpus.observe().gpus[1].info.uuid]
+    dra.comes_back = True  # the plugin returns, listing the GPUs as they are: lifted
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert cluster.nodes[NODE].labels[STATE] == "success" and not cluster.taint_rules
+    assert_clean(cluster)
+
+
+def test_a_rule_deleted_while_owed_is_made_again_with_newly_listed_devices() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    dra.comes_back = False
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    cluster.taint_rules.clear()  # by hand, while the slice is stale
+    # a listing since, of another name on the changing GPU (a plugin that came back wrong)
+    cluster.slices[0]["spec"]["devices"].append(
+        {
+            "name": "gpu-1-mig-3g40gb-9-0",
+            "attributes": {
+                "type": {"string": "mig"},
+                "parentUUID": {"string": gpus.observe().gpus[1].info.uuid},
+            },
+        }
+    )
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert tainted(cluster) == devices_of(cluster, 1) and "gpu-1-mig-3g40gb-9-0" in tainted(cluster)
+    assert not cluster.nodes[NODE].unschedulable
+
+
+def test_a_rule_refused_fails_the_pass_before_any_gpu_call_and_leaves_nothing() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    cluster.refuse_create = True
+    gpus.calls.clear()
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.FAILED
+    assert sum(gpus.calls.values()) == 0
+    assert "devicetaintrule" in cluster.nodes[NODE].annotations[REASON]
+    assert not cluster.taint_rules and GUARD not in cluster.nodes[NODE].annotations
+    assert_clean(cluster)
