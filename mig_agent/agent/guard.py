@@ -23,7 +23,7 @@ from mig_agent.agent.advertisers import dra
 from mig_agent.agent.change import Change, Tools
 from mig_agent.config.settings import Settings
 from mig_agent.core import device_taints, guard, labels
-from mig_agent.core.errors import MigAgentError
+from mig_agent.core.errors import KubeForbidden, MigAgentError
 from mig_agent.core.guard import Owed, Record, Verdict
 from mig_agent.core.observed import NodeState
 from mig_agent.kube.cluster import NodeView, PodRef
@@ -93,7 +93,7 @@ def _devices_to_taint(t: Tools, change: Change) -> tuple[str, ...] | None:
         record is None or not (record.empty or record.tainted)
     ):
         return None
-    if not t.cluster.device_taints_served():
+    if not t.cluster.device_taints_served() or not _may_taint(t):
         return None
     changing = {change.observed.gpu(i).info.uuid for i in change.plan.changed_gpus}
     slices = change.slices
@@ -102,6 +102,17 @@ def _devices_to_taint(t: Tools, change: Change) -> tuple[str, ...] | None:
     if not device_taints.devices_of_gpus(slices, s.node_name, changing):
         return None
     return tuple(sorted({*changing, *(record.tainted if record else ())}))
+
+
+def _may_taint(t: Tools) -> bool:
+    """Whether the agent may list its device taints: an install whose RBAC predates them (no
+    devicetaintrules) gets the cordon, said once a pass, rather than a failed change."""
+    try:
+        t.cluster.list_device_taints()
+    except KubeForbidden as exc:
+        log.warning("devices.taints_forbidden", error=str(exc), fallback="cordon")
+        return False
+    return True
 
 
 def _taint(t: Tools, gpus: tuple[str, ...], slices: list[dict[str, Any]] | None = None) -> int:

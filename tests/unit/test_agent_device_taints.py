@@ -9,6 +9,7 @@ are in tests/e2e/test_device_taints.py:
   cordon; the next pass that sees the slice right lifts them;
 * a rule deleted by hand while the node is owed is made again, and devices the plugin lists
   since the taint under names of their own are tainted too;
+* an install whose RBAC has no devicetaintrules gets the cordon, not a failed change;
 * a rule the agent could not make fails the pass before any GPU is touched, and nothing stays.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from mig_agent.agent import Agent, Outcome
 from mig_agent.core import device_taints
-from mig_agent.core.errors import KubeError
+from mig_agent.core.errors import KubeError, KubeForbidden
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
@@ -33,6 +34,12 @@ class Taints(FakeCluster):
     """Serves DeviceTaintRules; can refuse to create them."""
 
     refuse_create: bool = False
+    refuse_list: bool = False
+
+    def list_device_taints(self) -> list[dict[str, Any]]:
+        if self.refuse_list:
+            raise KubeForbidden("list devicetaintrules: 403 forbidden (fake)", status=403)
+        return super().list_device_taints()
 
     def create_device_taint(self, rule: Any) -> None:
         if self.refuse_create:
@@ -156,4 +163,15 @@ def test_a_rule_refused_fails_the_pass_before_any_gpu_call_and_leaves_nothing() 
     assert sum(gpus.calls.values()) == 0
     assert "devicetaintrule" in cluster.nodes[NODE].annotations[REASON]
     assert not cluster.taint_rules and GUARD not in cluster.nodes[NODE].annotations
+    assert_clean(cluster)
+
+
+def test_without_the_right_to_list_taints_the_node_is_cordoned_and_the_change_made() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    cluster.refuse_list = True
+    seen = watched(agent, cluster, gpus)
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert seen and all(s == (True, set()) for s in seen), seen
+    assert cluster.nodes[NODE].labels[STATE] == "success"
     assert_clean(cluster)

@@ -119,8 +119,8 @@ def install(cluster: Cluster) -> None:
 
 # What the chart adds where NVIDIA's DRA driver is installed (dra.enabled auto finds its
 # DeviceClass; daemonset.yaml, rendered without a cluster, leaves DRA off): the agents here run
-# with DRA on (the setting's default), so they may read slices and claims, and the admission
-# policy lets them delete the DRA plugin's pod
+# with DRA on (the setting's default), so they may read slices and claims and write their device
+# taints, and the admission policy lets them delete the DRA plugin's pod
 DRA_READS: Final = [
     {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -136,6 +136,11 @@ DRA_READS: Final = [
                 "apiGroups": ["resource.k8s.io"],
                 "resources": ["resourceclaims"],
                 "verbs": ["list"],
+            },
+            {  # on Kubernetes 1.37: the devices of changing GPUs tainted instead of a cordon
+                "apiGroups": ["resource.k8s.io"],
+                "resources": ["devicetaintrules"],
+                "verbs": ["list", "create", "delete"],
             },
         ],
     },
