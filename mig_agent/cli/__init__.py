@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 
 from mig_agent import __version__
-from mig_agent.cli import admission_command, node, ops_commands, run
+from mig_agent.cli import admission_command, device_classes_command, node, ops_commands, run
 from mig_agent.cli.common import default_config, dispatch
 
 __all__ = ["build_parser", "default_config", "main"]
@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.register(sub)
     ops_commands.register(sub)
     admission_command.register(sub)
+    device_classes_command.register(sub)
     return parser
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mig_agent.core import dra_devices
 from mig_agent.core.advertised import Devices, advertised_resources, planned_devices, plugin_devices
@@ -155,3 +155,24 @@ def _kind(device: str | None, strategy: str) -> str:
     if device is None:
         return "nvidia.com/gpu"
     return resource_name(device, strategy=strategy) or device
+
+
+def renamed(supply: Supply, names: Mapping[str, str]) -> Supply:
+    """``supply`` with its device kinds renamed by ``names`` (``dra:1g.10gb`` -> the extended
+    resource a DeviceClass serves those devices as, ``nvidia.com/mig-1g.10gb``): one kind for
+    the devices that pods asking either way compete for. A DRA node's supply only."""
+    if not names:
+        return supply
+
+    def kinds(counts: Mapping[str, int]) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for kind, n in counts.items():
+            out[names.get(kind, kind)] += n
+        return dict(sorted(out.items()))
+
+    options = tuple(
+        replace(o, free=kinds(o.free), resources=kinds(o.resources)) for o in supply.options
+    )
+    return replace(
+        supply, free=kinds(supply.free), options=options, resources=kinds(supply.resources)
+    )

@@ -130,6 +130,12 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
     "create_namespaced_pod": Repeat.NAMED,
     # by generateName: a repeat after a lost answer would be a second Event
     "create_namespaced_event": Repeat.ONCE,
+    # DeviceClasses (mig-agent dra-classes): a create or a replace (its resourceVersion) sent
+    # again after a lost answer meets a 409, so neither is; the command's next run reads anew
+    "list_device_class": Repeat.SAFE,
+    "create_device_class": Repeat.ONCE,
+    "replace_device_class": Repeat.ONCE,
+    "delete_device_class": Repeat.SAFE,  # a repeat finds it gone (404)
 }
 
 
@@ -823,6 +829,28 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
                 got = self._call(self._resource.list_resource_claim_for_all_namespaces)
         return list(got["items"])
 
+    def list_device_classes(self) -> list[dict[str, Any]]:
+        with _kube("list deviceclasses"):
+            return list(self._call(self._resource.list_device_class)["items"])
+
+    def create_device_class(self, manifest: Mapping[str, Any]) -> None:
+        name = (manifest.get("metadata") or {}).get("name", "")
+        with _kube("create deviceclass", name=name):
+            self._call(self._resource.create_device_class, dict(manifest))
+
+    def replace_device_class(self, manifest: Mapping[str, Any]) -> None:
+        name = str((manifest.get("metadata") or {}).get("name", ""))
+        with _kube("replace deviceclass", name=name):
+            self._call(self._resource.replace_device_class, name, dict(manifest))
+
+    def delete_device_class(self, name: str) -> None:
+        try:
+            with _kube("delete deviceclass", name=name):
+                self._call(self._resource.delete_device_class, name)
+        except KubeError as exc:
+            if exc.context.get("status") != 404:
+                raise
+
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         with _kube("list poddisruptionbudgets"):
             items = self._call(self._policy.list_pod_disruption_budget_for_all_namespaces)["items"]
@@ -1184,8 +1212,9 @@ def _pod(p: Mapping[str, Any]) -> PodView:
 
 
 def _claim_names(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[str, ...]:
-    """The pod's ResourceClaims by name: named ones, and those made from its templates (the
-    pod's status names them once made)."""
+    """The pod's ResourceClaims by name: named ones, those made from its templates (the
+    pod's status names them once made), and the one the scheduler made for its extended
+    resources that a DeviceClass serves (Kubernetes 1.37, KEP-5004)."""
     made = {
         c.get("name", ""): c.get("resourceClaimName")
         for c in status.get("resourceClaimStatuses") or []
@@ -1195,6 +1224,9 @@ def _claim_names(spec: Mapping[str, Any], status: Mapping[str, Any]) -> tuple[st
         name = c.get("resourceClaimName") or made.get(c.get("name", ""))
         if name:
             out.append(str(name))
+    extended = (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+    if extended:
+        out.append(str(extended))
     return tuple(out)
 
 

@@ -246,6 +246,10 @@ class Cluster(Protocol):
         the API returns them."""
         ...
 
+    def list_device_classes(self) -> list[dict[str, Any]]:
+        """Every DeviceClass of the cluster (resource.k8s.io/v1), as the API returns them."""
+        ...
+
     def list_pod_disruption_budgets(self) -> list[PdbView]:
         """Every PodDisruptionBudget of the cluster."""
         ...
@@ -324,4 +328,18 @@ class PodRunner(Protocol):
 
     def pod_events(self, ref: PodRef) -> list[dict[str, Any]]:
         """The Events about the pod (core/v1), as the API returns them."""
+        ...
+
+
+class DeviceClassWriter(Protocol):
+    """What ``mig-agent dra-classes`` writes: DeviceClasses (resource.k8s.io/v1), whole objects
+    as the API takes them. Errors as Cluster's; a replace of a class changed since it was read
+    (its ``metadata.resourceVersion``) is refused (KubeError, status 409)."""
+
+    def create_device_class(self, manifest: Mapping[str, Any]) -> None: ...
+
+    def replace_device_class(self, manifest: Mapping[str, Any]) -> None: ...
+
+    def delete_device_class(self, name: str) -> None:
+        """Delete it; one already gone is no error."""
         ...

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mig_agent.config.settings import Settings
-from mig_agent.core import demand, dra_devices, kueue_demand
+from mig_agent.core import demand, device_classes, dra_devices, kueue_demand
 from mig_agent.core.advertised import node_mig_strategy
 from mig_agent.core.advise import Option, Supply
 from mig_agent.core.advise_assign import Want
-from mig_agent.core.advise_options import DRA, Holder, Memo, node_supply
+from mig_agent.core.advise_options import DRA, Holder, Memo, node_supply, renamed
 from mig_agent.core.errors import ConfigError, KubeError
 from mig_agent.core.generated_layouts import with_generated
 from mig_agent.core.gpu_models import GpuModel
@@ -72,6 +72,7 @@ def read_pool(
     pool = Pool()
     dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
     claims = _claims_by_name(dra)
+    names = _served_kinds(cluster, dra)
     pods = cluster.list_pods()
     running: dict[str, list[PodView]] = {}
     for p in pods:
@@ -96,7 +97,7 @@ def read_pool(
         if busy:
             pool.left_alone[node.name] = busy
             continue
-        supply = _supply(node, catalog, s, dra, claims, running.get(node.name, []), memo)
+        supply = _supply(node, catalog, s, dra, claims, running.get(node.name, []), memo, names)
         if isinstance(supply, str):
             pool.left_alone[node.name] = supply
             continue
@@ -105,10 +106,11 @@ def read_pool(
         pool.supplies.append(supply)
         pool.seen[node.name] = {k: node.labels.get(k) for k in (s.config_label, s.state_label)}
     free = {sp.node: sp.free for sp in pool.supplies}
+    dra_nodes = frozenset(n.name for n in nodes if _is_dra(n, dra))
     for p in pods:
         if p.node or p.phase != "Pending" or p.terminating:
             continue
-        _add_want(pool, p, nodes, free, claims)
+        _add_want(pool, p, nodes, free, claims, (names, dra_nodes))
     _add_workloads(pool, cluster, nodes, free)
     return pool
 
@@ -189,7 +191,7 @@ def read_node(
     # bound is enough: a pod the scheduler placed holds its device before it runs
     running = tuple(p for p in cluster.list_pods(node=name) if not p.finished)
     claims = _claims_by_name(dra)
-    supply = _supply(node, catalog, s, dra, claims, running, {})
+    supply = _supply(node, catalog, s, dra, claims, running, {}, _served_kinds(cluster, dra))
     if isinstance(supply, str):
         return supply
     return NodeNow(node, supply, running)
@@ -243,12 +245,13 @@ def _supply(
     claims: Mapping[tuple[str, str], Mapping[str, Any]],
     running: Sequence[PodView],
     memo: Memo,
+    names: Mapping[str, str],
 ) -> Supply | str:
     try:
         state, models = from_json(json.loads(node.annotations[s.gpu_state_annotation]))
     except ValueError as exc:
         return f"unreadable GPU state ({exc})"
-    is_dra = not node.gpu_resources() and dra_devices.publishes(dra.slices, node.name)
+    is_dra = _is_dra(node, dra)
     try:
         strategy = (
             DRA
@@ -258,7 +261,7 @@ def _supply(
     except ConfigError as exc:
         return str(exc)
     holders = _holders(node.name, running, claims, dra, is_dra)
-    return node_supply(
+    supply = node_supply(
         node.name,
         node.labels.get(s.config_label),
         catalog.layouts.values(),
@@ -268,6 +271,27 @@ def _supply(
         holders=holders,
         memo=memo,
     )
+    return renamed(supply, names) if is_dra else supply
+
+
+def _is_dra(node: NodeView, dra: DraView) -> bool:
+    return not node.gpu_resources() and dra_devices.publishes(dra.slices, node.name)
+
+
+def _served_kinds(cluster: Cluster, dra: DraView) -> dict[str, str]:
+    """DRA device kind -> the extended resource a DeviceClass serves it as (``dra:1g.10gb`` ->
+    ``nvidia.com/mig-1g.10gb``): pods asking that resource are served by DRA nodes too (the
+    scheduler makes their claims). None without DRA nodes, or where classes may not be read."""
+    if not dra.slices:
+        return {}
+    try:
+        classes = cluster.list_device_classes()
+    except KubeError as exc:
+        if exc.context.get("status") in (403, 404):
+            return {}
+        raise
+    served = device_classes.served_profiles(classes)
+    return {demand.dra_kind(profile): resource for resource, profile in served.items()}
 
 
 def _holders(
@@ -365,7 +389,11 @@ def _add_want(
     nodes: Sequence[NodeView],
     free: Mapping[str, Mapping[str, int]],
     claims: Mapping[tuple[str, str], Mapping[str, Any]],
+    served: tuple[Mapping[str, str], frozenset[str]] = ({}, frozenset()),
 ) -> None:
+    """The pod as a want, unless a node can take it today. ``served``: the DRA kinds renamed to
+    the extended resources classes serve them as, and the DRA nodes, the only ones where a
+    claim's device, so renamed, is to be had."""
     name = str(pod.ref)
     ask: demand.Ask | str | None
     if pod.gpu_requests:
@@ -385,6 +413,10 @@ def _add_want(
         return
     allowed = [n.name for n in nodes if not pod.constraints.refusal(n.name, n.labels, n.taints)]
     pool.allowed[name] = allowed
+    names, dra_nodes = served
+    if ask.kind in names:  # asked by claim: a DRA node's device, under the resource's name
+        ask = demand.Ask(names[ask.kind], ask.count)
+        allowed = [n for n in allowed if n in dra_nodes]
     if any(free.get(n, {}).get(ask.kind, 0) >= ask.count for n in allowed):
         return  # a node can take it today: the scheduler's to place
     active = frozenset(n for n in allowed if n in free)

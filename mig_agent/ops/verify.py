@@ -9,8 +9,11 @@ Per node, in order (a failed check stops the node's later ones, which would only
    those devices;
 3. ``pod <resource>``: per advertised resource kind a tiny pod (verify_pods), pinned to the node,
    given one device; its ``nvidia-smi -L`` must show exactly one device of that kind, one the
-   node's GPU state lists. The pods are deleted afterwards by their run's label, whatever
-   happened (an error, Ctrl-C, SIGTERM; a pod whose create's answer was lost too).
+   node's GPU state lists. On a DRA node, per MIG profile its slice lists whose extended
+   resource a DeviceClass serves (``mig-agent dra-classes``): the same pod, asking that resource
+   as a pod written for the device plugin does, placed by the scheduler (which makes its
+   claim). The pods are deleted afterwards by their run's label, whatever happened (an error,
+   Ctrl-C, SIGTERM; a pod whose create's answer was lost too).
 
 Time and output are injected; the Kubernetes side is the Cluster and PodRunner interfaces.
 """
@@ -24,12 +27,12 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Final, Protocol
 
 from mig_agent.config.settings import Settings
-from mig_agent.core import dra_devices
+from mig_agent.core import device_classes, dra_devices
 from mig_agent.core.advertised import (
     expected_resources,
     format_resources,
@@ -91,6 +94,7 @@ class _Gpus:
     models: dict[int, GpuModel]
     has_uuids: bool
     strategy: str
+    dra: bool = False  # a DRA node: its pods placed by the scheduler through DeviceClasses
 
 
 def verify(
@@ -135,7 +139,7 @@ def verify_node(
         node = cluster.get_node(name)
         check, gpus = _gpu_state(node, settings, clock)
         if add(check) and gpus is not None:
-            check, resources = _allocatable(cluster, node, gpus, settings)
+            check, resources, gpus = _allocatable(cluster, node, gpus, settings)
             if add(check) and resources:
                 for c in _pods(cluster, name, resources, gpus, pods, clock, out):
                     add(c)
@@ -207,29 +211,39 @@ def _age(node: NodeView, s: Settings, clock: Clock) -> str:
 
 def _allocatable(
     cluster: VerifyCluster, node: NodeView, gpus: _Gpus, s: Settings
-) -> tuple[Check, dict[str, int]]:
+) -> tuple[Check, dict[str, int], _Gpus]:
+    """The check, the resources to make a pod of each, and the GPUs as their pods judge them
+    (a DRA node's: as the mixed strategy's resources, which its DeviceClasses serve)."""
     name = "allocatable"
     expected = expected_resources(gpus.node, gpus.models, gpus.strategy)
     has = node.gpu_resources()
     if not has and s.dra:
         slices = dra_view_of(cluster).slices
         if dra_devices.publishes(slices, node.name):
-            return _slice_check(slices, node.name, gpus), {}
+            check, served = _slice_check(cluster, slices, node.name, gpus)
+            return check, served, replace(gpus, strategy="mixed", dra=True)
     problem = allocatable_problem(expected, has)
     how = f"the {gpus.strategy} MIG strategy"
     if problem:
-        return Check(
-            name,
-            False,
-            f"{problem} (under {how})",
-            "the device plugin's pod on the node (its log, its MIG strategy, its config), "
-            "the node's capacity (unhealthy devices)",
-        ), has
-    return Check(name, True, f"{format_resources(has)}, as the GPUs make under {how}"), has
+        return (
+            Check(
+                name,
+                False,
+                f"{problem} (under {how})",
+                "the device plugin's pod on the node (its log, its MIG strategy, its config), "
+                "the node's capacity (unhealthy devices)",
+            ),
+            has,
+            gpus,
+        )
+    return Check(name, True, f"{format_resources(has)}, as the GPUs make under {how}"), has, gpus
 
 
-def _slice_check(slices: Sequence[Mapping[str, Any]], node: str, gpus: _Gpus) -> Check:
-    """A DRA node: its ResourceSlice lists the devices its GPUs make."""
+def _slice_check(
+    cluster: VerifyCluster, slices: Sequence[Mapping[str, Any]], node: str, gpus: _Gpus
+) -> tuple[Check, dict[str, int]]:
+    """A DRA node: its ResourceSlice lists the devices its GPUs make; and the extended
+    resources DeviceClasses serve its MIG devices as (a pod of each is made)."""
     want = dra_devices.expected_devices(plugin_devices(gpus.node, gpus.models))
     published = dra_devices.published_devices(slices, node)
     problem = dra_devices.difference(want, published)
@@ -239,9 +253,36 @@ def _slice_check(slices: Sequence[Mapping[str, Any]], node: str, gpus: _Gpus) ->
             False,
             f"the node's ResourceSlice differs from its GPUs: {problem}",
             "NVIDIA's DRA kubelet plugin on the node (its pod, its log)",
-        )
+        ), {}
     listed = format_resources(dra_devices.named(published))
-    return Check("resourceslice", True, f"{listed}; no pod made (by ResourceClaim: not yet)")
+    by_profile = {p: r for r, p in _served_profiles(cluster).items()}
+    served = {
+        by_profile[kind[1]]: n
+        for kind, n in published.items()
+        if kind[0] == "mig" and kind[1] in by_profile
+    }
+    if not served:
+        return Check(
+            "resourceslice",
+            True,
+            f"{listed}; no pod made (no DeviceClass serves these devices as an extended "
+            "resource: mig-agent dra-classes)",
+        ), {}
+    through = ", ".join(sorted(served))
+    return Check("resourceslice", True, f"{listed}; a pod each through DeviceClasses: {through}"), (
+        served
+    )
+
+
+def _served_profiles(cluster: VerifyCluster) -> dict[str, str]:
+    """Extended resource -> MIG profile, as the cluster's DeviceClasses serve them; none where
+    they may not be read (a pod of each is then not made)."""
+    try:
+        return device_classes.served_profiles(cluster.list_device_classes())
+    except MigAgentError as exc:
+        if exc.context.get("status") in (403, 404):
+            return {}
+        raise
 
 
 def _pods(
@@ -259,7 +300,7 @@ def _pods(
     made: dict[str, PodRef] = {}
     with _sigterm_interrupts():
         try:
-            refused = _make_pods(cluster, node, resources, spec, run, made)
+            refused = _make_pods(cluster, node, resources, spec, run, made, scheduled=gpus.dra)
             judged = {**refused, **_judge_pods(cluster, made, gpus, spec, clock)}
             return [judged[r] for r in sorted(resources)]
         finally:
@@ -273,11 +314,14 @@ def _make_pods(
     spec: PodSpec,
     run: str,
     made: dict[str, PodRef],
+    *,
+    scheduled: bool = False,
 ) -> dict[str, Check]:
     """Make the run's pods, into ``made`` as each is made; the checks of those refused."""
     refused: dict[str, Check] = {}
     for resource in sorted(resources):
-        body = manifest(pod_name(node, resource, run), node, resource, spec, run)
+        name = pod_name(node, resource, run)
+        body = manifest(name, node, resource, spec, run, scheduled=scheduled)
         try:
             made[resource] = cluster.create_pod(spec.namespace, body)
         except MigAgentError as exc:  # noqa: PERF203 - each pod gets its try

@@ -33,6 +33,12 @@ _STUCK: Final = frozenset(
 )
 _HINTS: Final = (
     (
+        ("FailedScheduling",),
+        "the scheduler found no device for the pod on the node: the DeviceClass serving its "
+        "resource (mig-agent dra-classes), the node's ResourceSlice, the claims holding its "
+        "devices",
+    ),
+    (
         ("UnexpectedAdmissionError", "OutOf", "Allocate"),
         "the kubelet could not give the pod the device: the device plugin's pod log on the "
         "node and the kubelet's log (the plugin's Allocate, its health); the pods that hold "
@@ -88,9 +94,13 @@ def pod_name(node: str, resource: str, suffix: str) -> str:
     return f"{LABEL_VALUE}-{short.strip('-')}"[:50].rstrip("-") + f"-{suffix}"
 
 
-def manifest(name: str, node: str, resource: str, spec: PodSpec, run: str) -> dict[str, Any]:
+def manifest(
+    name: str, node: str, resource: str, spec: PodSpec, run: str, *, scheduled: bool = False
+) -> dict[str, Any]:
     """A pod of the run ``run`` pinned to ``node`` (nodeName: no scheduler, a cordoned node
-    too; every taint tolerated) given one ``resource``, listing its devices."""
+    too; every taint tolerated) given one ``resource``, listing its devices. ``scheduled``: held
+    to ``node`` by node affinity instead, for the scheduler to place: a resource a DeviceClass
+    serves is allocated by it (it makes the pod's claim), never by the kubelet."""
     pod_spec: dict[str, Any] = {
         "nodeName": node,
         "restartPolicy": "Never",
@@ -107,6 +117,14 @@ def manifest(name: str, node: str, resource: str, spec: PodSpec, run: str) -> di
             }
         ],
     }
+    if scheduled:
+        del pod_spec["nodeName"]
+        term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+        pod_spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        }
     if spec.runtime_class:
         pod_spec["runtimeClassName"] = spec.runtime_class
     return {

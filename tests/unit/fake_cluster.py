@@ -7,6 +7,7 @@ behaviour is tested against a real API server (tests/cluster, tests/e2e).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections import Counter
@@ -14,7 +15,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mig_agent.core.errors import EvictionBlocked, KubeUnavailable, LabelsChanged, PodReplaced
+from mig_agent.core.errors import (
+    EvictionBlocked,
+    KubeError,
+    KubeUnavailable,
+    LabelsChanged,
+    PodReplaced,
+)
 from mig_agent.core.scheduling import parse_selector
 from mig_agent.kube.cluster import (
     AGENT_MANAGER,
@@ -54,6 +61,9 @@ class FakeCluster(Cluster):
     taints_served: bool = False
     # the requests the agent would make of the API server, by method (a watch: one request)
     requests: Counter[str] = field(default_factory=Counter)
+    # DeviceClasses by name, as the API returns them (resourceVersion and creationTimestamp
+    # set by create and replace)
+    device_classes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add_node(
         self,
@@ -294,6 +304,35 @@ class FakeCluster(Cluster):
         self._check("delete_device_taint")
         self.taint_rules.pop(name, None)
         self._changed()
+
+    def list_device_classes(self) -> list[dict[str, Any]]:
+        self._check("list_device_classes")
+        return [copy.deepcopy(c) for _, c in sorted(self.device_classes.items())]
+
+    def create_device_class(self, manifest: Mapping[str, Any]) -> None:
+        self._check("create_device_class")
+        name = manifest["metadata"]["name"]
+        if name in self.device_classes:
+            raise KubeError(f"create deviceclass: 409 {name} already exists", status=409)
+        made = copy.deepcopy(dict(manifest))
+        made["metadata"]["resourceVersion"] = str(next(_uids))
+        made["metadata"]["creationTimestamp"] = f"2026-12-04T10:00:{len(self.device_classes):02}Z"
+        self.device_classes[name] = made
+
+    def replace_device_class(self, manifest: Mapping[str, Any]) -> None:
+        self._check("replace_device_class")
+        meta = manifest["metadata"]
+        have = self.device_classes.get(meta["name"])
+        if have is None or have["metadata"]["resourceVersion"] != meta.get("resourceVersion"):
+            raise KubeError(f"replace deviceclass: 409 {meta['name']} changed", status=409)
+        made = copy.deepcopy(dict(manifest))
+        made["metadata"]["resourceVersion"] = str(next(_uids))
+        made["metadata"]["creationTimestamp"] = have["metadata"].get("creationTimestamp")
+        self.device_classes[meta["name"]] = made
+
+    def delete_device_class(self, name: str) -> None:
+        self._check("delete_device_class")
+        self.device_classes.pop(name, None)
 
 
 def _merge(old: Mapping[str, str], patch: Mapping[str, str | None]) -> dict[str, str]:
