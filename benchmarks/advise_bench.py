@@ -33,7 +33,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -160,7 +160,8 @@ def simulate(pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None)
         while todo and todo[0].arrive <= t:
             pending.append(todo.pop(0))
         if every and t % every == 0 and pending:
-            _advise_and_apply(nodes, layouts, pending, t, fig)
+            wants = [Want(p.name, p.kind, 1, frozenset(by_name)) for p in pending]
+            advise_and_apply(nodes, layouts, wants, t, fig)
         for p in list(pending):
             for n in nodes:
                 if n.busy_until <= t and n.capacity[p.kind] > n.running[p.kind]:
@@ -178,36 +179,54 @@ def simulate(pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None)
     return fig
 
 
-def _advise_and_apply(
-    nodes: Sequence[Node], layouts: dict[str, Layout], pending: Sequence[Pod], t: int, fig: Figures
-) -> None:
-    every = frozenset(n.name for n in nodes)
-    wants = [Want(p.name, p.kind, 1, every) for p in pending]
-    t0 = time.perf_counter()
-    supplies = [
-        _no_eviction(
-            node_supply(
-                n.name,
-                n.layout,
-                layouts.values(),
-                n.gpus.observe(),
-                n.gpus.models(),
-                strategy="mixed",
-                holders=[Holder(pod, {kind: 1}) for pod, kind in sorted(n.holders.items())],
-            )
+def node_supplies(
+    nodes: Sequence[Node], layouts: dict[str, Layout], t: int, memo: Memo | None = None
+) -> list[Supply]:
+    """What advise reads of the nodes not changing at minute ``t``: their options, every one
+    (those that evict too), their running pods holding devices."""
+    return [
+        node_supply(
+            n.name,
+            n.layout,
+            layouts.values(),
+            n.gpus.observe(),
+            n.gpus.models(),
+            strategy="mixed",
+            holders=[Holder(pod, {kind: 1}) for pod, kind in sorted(n.holders.items())],
+            memo=memo,
         )
         for n in nodes
         if n.busy_until <= t
     ]
+
+
+def advise_and_apply(
+    nodes: Sequence[Node],
+    layouts: dict[str, Layout],
+    wants: Sequence[Want],
+    t: int,
+    fig: Figures,
+    memo: Memo | None = None,
+) -> None:
+    """advise without --allow-evict for ``wants`` at minute ``t``, its relabels applied."""
+    t0 = time.perf_counter()
+    supplies = [_no_eviction(s) for s in node_supplies(nodes, layouts, t, memo)]
     advice = advise(wants, supplies)
     fig.advise_max_s = max(fig.advise_max_s, time.perf_counter() - t0)
-    by_name = {n.name: n for n in nodes}
-    for p in advice.proposals:
-        assert not p.option.evicts  # advise without --allow-evict evicts nobody
-        node = by_name[p.node]
-        fig.gpus_changed += node.set_layout(layouts[p.option.layout])
-        fig.relabels += 1
-        node.busy_until = t + 2
+    assert not any(p.option.evicts for p in advice.proposals)  # no --allow-evict: nobody
+    relabel(nodes, layouts, {p.node: p.option.layout for p in advice.proposals}, t, fig)
+
+
+def relabel(
+    nodes: Sequence[Node], layouts: dict[str, Layout], to: dict[str, str], t: int, fig: Figures
+) -> None:
+    """Each node of ``to`` relabelled to its layout at minute ``t``: it takes no pod for two
+    minutes (the agent's pass)."""
+    for node in nodes:
+        if node.name in to:
+            fig.gpus_changed += node.set_layout(layouts[to[node.name]])
+            fig.relabels += 1
+            node.busy_until = t + 2
 
 
 def _no_eviction(supply: Supply) -> Supply:
@@ -219,29 +238,16 @@ def best_fixed(pods: Sequence[Pod], minutes: int, nodes_n: int) -> tuple[Figures
     """The best fixed assignment of approved layouts to the (alike) nodes, by exhaustive search
     over every multiset of layouts: with fixed layouts each profile queues for its own devices,
     so a multiset's pending pod-minutes are the sum of one queue per profile."""
-    kinds = sorted({p.kind for p in pods})
-    offers: dict[tuple[int, ...], str] = {}  # what a node offers of the kinds asked -> a layout
-    for la in approved():
-        n = Node("x", "", FakeGpus([H100] * 8))
-        n.set_layout(la)
-        offers.setdefault(tuple(n.capacity[k] for k in kinds), la.name)
-    # pending pod-minutes only fall as devices are added: a layout offering no more of any
-    # kind than another is never the better choice
-    useful = [
-        v
-        for v in offers
-        if not any(w != v and all(a >= b for a, b in zip(w, v, strict=True)) for w in offers)
-    ]
     by_kind: dict[str, list[Pod]] = {}
     for p in pods:
         by_kind.setdefault(p.kind, []).append(p)
 
     @cache
-    def wait(kind: str, servers: int) -> tuple[int, int]:
-        """(pending pod-minutes, minutes with a pod waiting) of one profile's FIFO queue."""
+    def wait(kind: str, servers: int) -> int:
+        """Pending pod-minutes of one profile's FIFO queue."""
         queue = sorted(by_kind.get(kind, []), key=lambda p: p.arrive)
         ends: list[int] = []
-        waiting_min = pending_min = 0
+        pending_min = 0
         waiting: list[Pod] = []
         i = 0
         for t in range(minutes):
@@ -252,19 +258,56 @@ def best_fixed(pods: Sequence[Pod], minutes: int, nodes_n: int) -> tuple[Figures
             while waiting and len(ends) < servers:
                 ends.append(t + waiting.pop(0).duration)
             pending_min += len(waiting)
-            waiting_min += bool(waiting)
-        return pending_min, waiting_min
+        return pending_min
 
-    best: tuple[int, tuple[tuple[int, ...], ...]] | None = None
-    for combo in itertools.combinations_with_replacement(useful, nodes_n):
+    score, mix = best_multiset(sorted(by_kind), nodes_n, wait)
+    return Figures(pending_pod_min=score), mix
+
+
+def offers(kinds: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """What a node offers of ``kinds`` at each approved layout, by layout name."""
+    out: dict[str, tuple[int, ...]] = {}
+    for la in approved():
+        n = Node("x", "", FakeGpus([H100] * 8))
+        n.set_layout(la)
+        out[la.name] = tuple(n.capacity[k] for k in kinds)
+    return out
+
+
+def best_multiset(
+    kinds: Sequence[str],
+    nodes_n: int,
+    pending: Callable[[str, int], int],
+    also: Sequence[Sequence[str]] = (),
+) -> tuple[int, str]:
+    """The least pending pod-minutes over every multiset of ``nodes_n`` approved layouts (and
+    the multisets of layout names ``also``), ``pending(kind, devices)`` scoring each profile's
+    queue; and which layouts it took, in words."""
+    named = offers(kinds)
+    by_offer: dict[tuple[int, ...], str] = {}  # the first layout offering each
+    for name, v in named.items():
+        by_offer.setdefault(v, name)
+    # pending pod-minutes only fall as devices are added: a layout offering no more of any
+    # kind than another is never the better choice
+    useful = [
+        v
+        for v in by_offer
+        if not any(w != v and all(a >= b for a, b in zip(w, v, strict=True)) for w in by_offer)
+    ]
+    combos = itertools.chain(
+        itertools.combinations_with_replacement(useful, nodes_n),
+        ([named[name] for name in combo] for combo in also),
+    )
+    best: tuple[int, Sequence[tuple[int, ...]]] | None = None
+    for combo in combos:
         total = [sum(v[i] for v in combo) for i in range(len(kinds))]
-        score = sum(wait(k, total[i])[0] for i, k in enumerate(kinds))
+        score = sum(pending(k, total[i]) for i, k in enumerate(kinds))
         if best is None or score < best[0]:
             best = (score, combo)
     assert best is not None
-    names = Counter(offers[v] for v in best[1])
+    names = Counter(by_offer[v] for v in best[1])
     mix = ", ".join(f"{c}x{n}" for n, c in sorted(names.items()))
-    return Figures(pending_pod_min=best[0]), f"{len(useful)} layouts, best {mix}"
+    return best[0], f"{len(useful)} layouts, best {mix}"
 
 
 def pool_supplies(nodes_n: int, layouts: Sequence[Layout]) -> tuple[list[Supply], float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -68,8 +68,12 @@ def assign_proven(
     best_big: dict[str, str] | None = None
     left = steps
     nodes = [sorted(w.nodes) for w in big]
+    free = {n: Counter(c) for n, c in capacity.items()}
+    placed: dict[str, str] = {}
 
-    def go(i: int, free: dict[str, Counter[str]], placed: dict[str, str]) -> None:
+    def go(i: int) -> Iterator[int]:
+        """The search from the ``i``-th big pod on, ``free`` and ``placed`` as the pods before
+        it left them: yields each next ``i`` to search from, its state set."""
         nonlocal best, best_big, left
         if left <= 0:
             return
@@ -88,15 +92,23 @@ def assign_proven(
             if n in free and free[n][w.kind] >= w.count:
                 free[n][w.kind] -= w.count
                 placed[w.pod] = n
-                go(i + 1, free, placed)
+                yield i + 1
                 del placed[w.pod]
                 free[n][w.kind] += w.count
         if not w.gang:
-            go(i + 1, free, placed)
+            yield i + 1
         elif i in gang_end:  # its first pod: the gang left out
-            go(gang_end[i], free, placed)
+            yield gang_end[i]
 
-    go(0, {n: Counter(c) for n, c in capacity.items()}, {})
+    # depth first with a stack, not recursion: the search goes one level deeper per big pod,
+    # and a pool's pending pods outnumber Python's recursion limit
+    stack = [go(0)]
+    while stack:
+        deeper = next(stack[-1], None)
+        if deeper is None:
+            stack.pop()
+        else:
+            stack.append(go(deeper))
     if best_big is None:
         return seed, left > 0
     return _placed_then_units(wants, capacity, best_big), left > 0

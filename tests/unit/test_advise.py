@@ -12,6 +12,9 @@
 * nothing is proposed when nothing is pending, or when no option offers what is asked;
 * evictions only where no eviction-free option serves as many; ties go the same way every time;
 * large pools take the greedy path and still serve what the flow bound allows on easy pools;
+  the placement search goes one level deeper per pod of several devices or of a gang, and more
+  such pods than Python's recursion limit are placed (they raised RecursionError: the pods of
+  the 1,000 gangs of benchmarks/kueue_bench.py's large pool);
 * gangs (pods served all or none) and PodDisruptionBudgets shared across proposals (the chosen
   options evict, in sum, no more of a budget's pods than it allows): the search finds what a
   brute force of its own finds (every subset of gangs served, every option per node within the
@@ -27,12 +30,13 @@ import random
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mig_agent.core import advise as adv
 from mig_agent.core.advise import Advice, Option, Supply, advise
-from mig_agent.core.advise_assign import Want, assign
+from mig_agent.core.advise_assign import Want, assign, assign_proven
 
 KINDS = ("a", "b", "c")
 BRUTE_POOLS = 400
@@ -268,6 +272,28 @@ def test_a_large_easy_pool_is_served_in_full_by_the_greedy_path() -> None:
     _check_valid(wants, supplies, advice)
     assert not advice.optimal  # beyond the exact search
     assert advice.served == 600
+
+
+@pytest.mark.parametrize("gangs", [False, True], ids=["two-devices", "gangs-of-two"])
+def test_more_searched_pods_than_the_recursion_limit_are_placed(gangs: bool) -> None:
+    # 1,100 pods searched (each asking two devices, or in 550 gangs of two), more than the
+    # 1,000 devices of 500 nodes: the first path the search takes is 1,100 levels deep
+    names = [f"n{i:03}" for i in range(500)]
+    every = frozenset(names)
+    if gangs:
+        wants = [
+            Want(f"ns/g{i}-{j}", "a", 1, every, gang=f"ns/g{i}") for i in range(550) for j in (0, 1)
+        ]
+    else:
+        wants = [Want(f"ns/p{i}", "a", 2, every) for i in range(1100)]
+    placed, _ = assign_proven(wants, {n: {"a": 2} for n in names})
+    by_pod = {w.pod: w for w in wants}
+    used = Counter[str]()
+    for pod, node in placed.items():
+        used[node] += by_pod[pod].count
+    assert len(placed) == (1000 if gangs else 500) and max(used.values()) <= 2
+    if gangs:  # whole gangs only
+        assert set(Counter(by_pod[p].gang for p in placed).values()) == {2}
 
 
 def test_two_pods_of_one_device_beat_one_of_two_issue_43() -> None:
