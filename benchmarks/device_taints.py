@@ -6,7 +6,8 @@ GPUs out of scheduling) and once with them off (the node cordoned).
 Figures per mode, from the label's change to ``success``: the change's wall time; device-minutes
 and GPU-minutes out of scheduling (each look every 0.1 s: every device the slice lists while the
 node is cordoned, else the tainted ones; a GPU counts while any device of it is held back); and
-the Pending time of a pod made as the label changes whose claim asks a device of an unchanged GPU.
+the Pending time of a pod whose claim asks a device of an unchanged GPU, made once the change holds
+the node back (cordoned, or the first devices tainted).
 One pod on a changing GPU is evicted in each run. Each mutating NVML call of the simulator takes
 ``--latency`` seconds (default 0.25: a change of 2 GPUs from 14 to 4 instances makes 36 calls).
 
@@ -142,11 +143,16 @@ def one_run(cluster: Cluster, node: str, mode: str, latency: float, n: int) -> R
     simstate.set_latency(agents.sim_state_path(cluster, node), latency)
     start = time.monotonic()
     relabel(cluster, node, "two-change")
-    pod = f"{mode}-{n}-unchanged"
-    claimed_pod(cluster, pod, gpus[0].uuid)
     device_s = gpu_s = 0.0
-    pending_s: float | None = None
     last = start
+    while (held := held_back(cluster, node, parents))[0] == 0:  # the change holds the node back
+        time.sleep(0.05)
+    now = time.monotonic()
+    device_s, gpu_s, last = held[0] * (now - last), held[1] * (now - last), now
+    pod = f"{mode}-{n}-unchanged"  # new work for an unchanged GPU, once the change is under way
+    claimed_pod(cluster, pod, gpus[0].uuid)
+    made = time.monotonic()
+    pending_s: float | None = None
     while state(cluster, node) not in ("success", "failed"):
         devices, held_gpus = held_back(cluster, node, parents)
         now = time.monotonic()
@@ -156,13 +162,13 @@ def one_run(cluster: Cluster, node: str, mode: str, latency: float, n: int) -> R
             now,
         )
         if pending_s is None and running(cluster, pod):
-            pending_s = now - start
+            pending_s = now - made
         time.sleep(0.1)
     wall = time.monotonic() - start
     assert state(cluster, node) == "success", f"{mode}: the change failed"
     if pending_s is None:
         wait(f"{pod} running", lambda: running(cluster, pod))
-        pending_s = time.monotonic() - start
+        pending_s = time.monotonic() - made
     simstate.set_latency(agents.sim_state_path(cluster, node), 0.0)
     cluster.api.request("DELETE", f"/api/v1/namespaces/{NS}/pods?labelSelector=app%3Dbench")
     return Run(mode, wall, device_s / 60, gpu_s / 60, pending_s)

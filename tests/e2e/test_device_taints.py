@@ -26,19 +26,8 @@ from mig_agent.core import device_taints
 
 from .conftest import REASON, STATE, AgentNode, NodeFactory, wait_running
 from .test_agent import wait_unschedulable
-from .test_dra import allocated_device, claim, claiming_pod, until
+from .test_dra import DRA_HALF, allocated_device, claim, claiming_pod, until
 
-HALF = """
-version: v1
-mig-configs:
-  dra-half:
-    - devices: [0]
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-    - devices: [1]
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-"""
 LATENCY_S = 0.5  # each mutating NVML call: GPU 1's change (18 calls) takes about 9 s
 
 
@@ -52,7 +41,7 @@ def on_all_1g(
     agent_node: NodeFactory, extra_profiles: Callable[[str], Path], **settings: str
 ) -> tuple[AgentNode, list[Any]]:
     node = agent_node(
-        "2xH100-80GB", device_plugin="dra", profiles=extra_profiles(HALF), settings=settings
+        "2xH100-80GB", device_plugin="dra", profiles=extra_profiles(DRA_HALF), settings=settings
     )
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed", timeout=120) == "success", node.log_tail()

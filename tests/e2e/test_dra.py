@@ -39,6 +39,17 @@ from .test_agent import wait_unschedulable
 from .test_ops import mig_agent_cli
 
 RESOURCE = "/apis/resource.k8s.io/v1"
+# a layout of a 2-GPU node that changes GPU 1 only (from all-1g.10gb)
+DRA_HALF = """version: v1
+mig-configs:
+  dra-half:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+    - devices: [1]
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+"""
 
 
 @pytest.fixture
@@ -190,19 +201,7 @@ def test_only_the_pod_whose_claimed_device_goes_is_evicted(
     core: client.CoreV1Api,
     extra_profiles: Callable[[str], Path],
 ) -> None:
-    profiles = extra_profiles(
-        """
-version: v1
-mig-configs:
-  dra-half:
-    - devices: [0]
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-    - devices: [1]
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-"""
-    )
+    profiles = extra_profiles(DRA_HALF)
     node = agent_node("2xH100-80GB", device_plugin="dra", profiles=profiles)
     node.label("all-1g.10gb")
     assert node.wait_state("success", "failed", timeout=120) == "success", node.log_tail()

@@ -21,18 +21,9 @@ import pytest
 from migsim.cluster import Cluster, agents, dra_plugin
 
 from .conftest import CONFIG, STATE
+from .test_dra import DRA_HALF
 
 OLD = os.environ.get("MIG_AGENT_OLD_K8S_BIN", "")
-HALF = """version: v1
-mig-configs:
-  dra-half:
-    - devices: [0]
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-    - devices: [1]
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-"""
 
 pytestmark = pytest.mark.skipif(not OLD, reason="with MIG_AGENT_OLD_K8S_BIN=<folder> only")
 
@@ -62,7 +53,7 @@ def test_on_an_older_release_a_dra_node_is_cordoned_for_a_change(
     profiles.mkdir()
     for f in agents.PROFILES.glob("*.yaml"):
         (profiles / f.name).write_text(f.read_text())
-    (profiles / "half.yaml").write_text(HALF)
+    (profiles / "half.yaml").write_text(DRA_HALF)
     old_cluster.add_gpu_node("old-dra", "2xH100-80GB")
     agents.start_node(old_cluster, "old-dra", device_plugin="dra", profiles=profiles)
     try:
