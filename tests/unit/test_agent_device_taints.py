@@ -10,6 +10,8 @@ are in tests/e2e/test_device_taints.py:
 * a rule deleted by hand while the node is owed is made again, and devices the plugin lists
   since the taint under names of their own are tainted too;
 * an install whose RBAC has no devicetaintrules gets the cordon, not a failed change;
+* an agent killed mid-change leaves the taints, and what they are for, to the next one, which
+  keeps them while the slice is stale and lifts them once it is proven;
 * a rule the agent could not make fails the pass before any GPU is touched, and nothing stays.
 """
 
@@ -18,13 +20,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from mig_agent.agent import Agent, Outcome
+from mig_agent.config.profiles import load_catalog
 from mig_agent.core import device_taints
 from mig_agent.core.errors import KubeError, KubeForbidden
+from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
-from .test_agent import NODE, STATE, assert_clean
+from .test_agent import NODE, STATE, FakeTime, assert_clean
 from .test_agent_dra import REASON, _with_layout, label, make_dra
 
 GUARD = "mig-agent.dev/guard"
@@ -174,4 +180,47 @@ def test_without_the_right_to_list_taints_the_node_is_cordoned_and_the_change_ma
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert seen and all(s == (True, set()) for s in seen), seen
     assert cluster.nodes[NODE].labels[STATE] == "success"
+    assert_clean(cluster)
+
+
+def successor_of(agent: Agent, cluster: FakeCluster, gpus: FakeGpus) -> Agent:
+    """A new agent (a restarted pod) over the same node and GPUs."""
+    t = FakeTime()
+    clock = Clock(t.now, t.sleep, t.wait, t.now)
+    new = Agent(agent.settings, cluster, gpus, lambda p: load_catalog([p]), clock=clock)
+    new.reload_config()
+    _with_layout(new, "gpu1-changes", {0: {"1g.10gb": 7}, 1: {"3g.40gb": 2}})
+    return new
+
+
+class Killed(BaseException):
+    """The agent's process ends here: nothing after it runs (no settle, no report)."""
+
+
+def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    gpu1 = devices_of(cluster, 1)
+    mutate, calls = gpus._mutate, 0
+
+    def killed_after_some(gpu: int, op: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise Killed
+        mutate(gpu, op)
+
+    gpus._mutate = killed_after_some  # type: ignore[method-assign]
+    label(cluster, "gpu1-changes")
+    with pytest.raises(Killed):
+        agent.reconcile_once()
+    assert tainted(cluster) == gpu1 and not cluster.nodes[NODE].unschedulable
+    gpus._mutate = mutate  # type: ignore[method-assign]
+    dra.comes_back = False  # the next agent finishes the GPUs; the plugin never republishes
+    successor = successor_of(agent, cluster, gpus)
+    assert successor.reconcile_once().outcome is Outcome.FAILED
+    assert tainted(cluster) == gpu1 and not cluster.nodes[NODE].unschedulable
+    assert "stay tainted until" in cluster.nodes[NODE].annotations[REASON]
+    dra.comes_back = True
+    assert successor.reconcile_once().outcome is Outcome.APPLIED
+    assert not cluster.taint_rules
     assert_clean(cluster)
