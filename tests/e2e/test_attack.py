@@ -10,7 +10,9 @@ one covers the rest:
 
 * pod deletion: only the device plugin's pod on A, and NVIDIA's DRA kubelet plugin's pod on A
   (policy mig-agent-own-device-plugin);
-* DRA: listing ResourceSlices and ResourceClaims, no more (no get, no writes);
+* DRA: listing ResourceSlices and ResourceClaims, no more (no get, no writes); DeviceTaintRules
+  of one device of A's pool, its own label and taint, NoSchedule (policy
+  mig-agent-own-device-taints);
 * Events: only about A, with the agent's reasons (policy mig-agent-own-events);
 * what RBAC refuses: secrets, logs, exec, node proxy, pod writes, other namespaces, tokens;
 * the residual rights (docs/security.md): evicting any pod on any node (no PDB: at once, grace
@@ -43,9 +45,11 @@ DRY = "?dryRun=All"
 TEAM_NS = "team-attack"
 DELETE_POLICY = "mig-agent-own-device-plugin"
 EVENT_POLICY = "mig-agent-own-events"
+TAINT_POLICY = "mig-agent-own-device-taints"
 PLUGIN_SELECTOR = "app%3Dnvidia-device-plugin-daemonset"
 DRA_APP = "nvidia-dra-driver-kubelet-plugin"
 RESOURCE = "/apis/resource.k8s.io/v1"
+TAINTS = f"{RESOURCE}/devicetaintrules{DRY}"
 SECRET_ENV = "not-for-the-agent"
 
 
@@ -185,6 +189,7 @@ def _wait_policies(t: Targets) -> None:
         "event-about-other-node",
         "delete-own-dra-plugin",
         "delete-other-nodes-dra-plugin",
+        "taint-other-nodes-device",
     ):
         attempt = ATTEMPTS[name]
         wait_until(
@@ -206,6 +211,25 @@ def _event(about: str = "{own}", reason: str = "MIGDraining", **extra: Any) -> d
         "type": "Normal",
         "source": {"component": "mig-agent", "host": "{own}"},
         **extra,
+    }
+
+
+def _taint(pool: str = "{own}", effect: str = "NoSchedule", device: str | None = "gpu-0") -> Any:
+    """A DeviceTaintRule as the agent writes one (mig_agent.core.device_taints.rule)."""
+    selector: dict[str, str] = {"driver": "gpu.nvidia.com", "pool": pool}
+    if device is not None:
+        selector["device"] = device
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceTaintRule",
+        "metadata": {
+            "name": f"mig-agent.gpu-0.{pool}",
+            "labels": {"app.kubernetes.io/managed-by": "mig-agent"},
+        },
+        "spec": {
+            "deviceSelector": selector,
+            "taint": {"key": "mig-agent.dev/mig-change", "value": "changing", "effect": effect},
+        },
     }
 
 
@@ -453,6 +477,40 @@ ATTEMPTS: dict[str, Attempt] = {
         "bound", "GET", "/api/v1/pods", expect=RESIDUAL, fragment=SECRET_ENV
     ),
     "list-nodes": Attempt("bound", "GET", "/api/v1/nodes", expect=RESIDUAL),
+    # device taints (Kubernetes 1.37): one device of its own node's pool, NoSchedule only
+    "taint-own-device": Attempt("bound", "POST", TAINTS, _taint(), expect=ALLOWED),
+    "taint-other-nodes-device": Attempt(
+        "bound",
+        "POST",
+        TAINTS,
+        _taint(pool="{other}"),
+        expect=TAINT_POLICY,
+        fragment="in the pool of the node it runs on ({own})",
+    ),
+    "taint-own-whole-pool": Attempt(
+        "bound",
+        "POST",
+        TAINTS,
+        _taint(device=None),
+        expect=TAINT_POLICY,
+        fragment="one device a rule",
+    ),
+    "taint-no-execute": Attempt(
+        "bound",
+        "POST",
+        TAINTS,
+        _taint(effect="NoExecute"),
+        expect=TAINT_POLICY,
+        fragment="effect NoSchedule",
+    ),
+    "taint-unbound": Attempt(
+        "unbound",
+        "POST",
+        TAINTS,
+        _taint(),
+        expect=TAINT_POLICY,
+        fragment="(its token names no node)",
+    ),
     # what RBAC refuses to any token of the account
     "list-secrets": Attempt("bound", "GET", "/api/v1/secrets"),
     "read-kube-system-configmaps": Attempt(
@@ -492,5 +550,5 @@ def test_attack(targets: Targets, attempt: Attempt) -> None:
 
 def test_table_covers_both_tokens_and_every_answer() -> None:
     kinds = {a.expect for a in ATTEMPTS.values()}
-    assert {ALLOWED, RESIDUAL, RBAC, DELETE_POLICY, EVENT_POLICY} <= kinds
+    assert {ALLOWED, RESIDUAL, RBAC, DELETE_POLICY, EVENT_POLICY, TAINT_POLICY} <= kinds
     assert {a.token for a in ATTEMPTS.values()} == {"bound", "unbound"}
