@@ -9,7 +9,8 @@ checked:
 
 * the node ends in the state its layout label asks for (`success` with that layout in place on the
   GPUs; no label: no state), or `failed` with a reason that names the cause;
-* it is not left cordoned nor with operands paused (unless `rebooting`);
+* it is not left cordoned nor with operands paused (unless `rebooting`), nor, on a DRA node,
+  with device taints of the agent's (unless kept, and said, over a stale slice);
 * no stray GPU instance (one without a compute instance);
 * `success` only when the label names the layout that is applied;
 * the agent's process is up (restarted by its supervisor when it was killed).
@@ -53,7 +54,7 @@ from migsim.nvml import open_node
 from migsim.nvml import state as simstate
 
 from mig_agent.config.profiles import load_catalog
-from mig_agent.core import dra_devices, planner
+from mig_agent.core import device_taints, dra_devices, planner
 from mig_agent.core.advertised import expected_resources, plugin_devices
 from mig_agent.core.errors import MigAgentError
 
@@ -564,6 +565,27 @@ class FaultNode:
             dra_plugin.resource_slices(self.cluster, self.name), self.name
         )
         return dra_devices.difference(want, have)
+
+    def taint_rules(self) -> dict[str, str]:
+        """On a DRA node, the agent's DeviceTaintRules of its pool: device -> rule name."""
+        if self.scenario.device_plugin != "dra":
+            return {}
+        rules = self.cluster.api.get(f"{RESOURCE}/{device_taints.PLURAL}")["items"]
+        return device_taints.rules_of_node(rules, self.name)
+
+    def untainted_gone(self) -> list[str]:
+        """On a DRA node, the devices its slice lists that NVML no longer holds and no taint
+        of the agent's takes out of scheduling."""
+        backend = open_node(self.procs.sim_state)
+        try:
+            held = dra_devices.held_uuids(backend.observe())
+        finally:
+            backend.close()
+        tainted = set(self.taint_rules())
+        listed = dra_plugin.devices(self.cluster, self.name)
+        return sorted(
+            n for n, d in listed.items() if d.get("uuid") not in held and n not in tainted
+        )
 
     @property
     def stay_pod(self) -> str:
@@ -1108,12 +1130,17 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
     problems = []
     listing = node.listing_problem()
     cordoned = bool(n.get("spec", {}).get("unschedulable"))
-    # the one cordon a failure keeps on purpose: the node lists devices the GPUs no longer hold
-    kept = bool(listing) and state == "failed" and STAYS_CORDONED in annotations.get(REASON, "")
+    # the one cordon (or, on a DRA node of Kubernetes 1.37, the device taints) a failure keeps
+    # on purpose: the node lists devices the GPUs no longer hold
+    why = annotations.get(REASON, "")
+    kept = bool(listing) and state == "failed" and (STAYS_CORDONED in why or STAYS_TAINTED in why)
     if cordoned and state != "rebooting" and not kept:
         problems.append("left cordoned")
-    if not cordoned and listing:
+    if not cordoned and listing and (node.scenario.device_plugin != "dra" or node.untainted_gone()):
         problems.append(f"schedulable over devices that are gone: {listing}")
+    taints = node.taint_rules()
+    if taints and not kept:
+        problems.append(f"device taints left: {sorted(taints)}")
     paused = sorted(k for k, v in labels.items() if v == PAUSED)
     if paused and state != "rebooting":
         problems.append(f"operands left paused: {paused}")
@@ -1163,6 +1190,7 @@ def settle_and_check(node: FaultNode, fault: str, timeout: float) -> tuple[str, 
 
 REBOOT_GUARD = "mig-agent.dev/reboot-attempted"
 STAYS_CORDONED = "the node stays cordoned until"
+STAYS_TAINTED = "the devices of the GPUs that change stay tainted until"
 GPU_PREFIXES = ("nvidia.com/gpu", "nvidia.com/mig-")
 
 
