@@ -20,15 +20,17 @@ runs in this module).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from datetime import UTC, datetime
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from migsim.cluster import Cluster, wait_until
 from migsim.cluster import kueue as kueue_sim
-from migsim.cluster.api import ApiError
+from migsim.cluster.kueue_demo import Queue
+from migsim.cluster.kueue_demo import condition as _condition
+from migsim.cluster.kueue_demo import suspended as _suspended
+from migsim.cluster.kueue_demo import workload as _workload
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
     from tests.conftest import GpuNodeFactory
 
 MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
-KUEUE = f"/apis/{kueue_sim.API_VERSION}"
 S = Settings()
 
 
@@ -57,104 +58,6 @@ def kueue(cluster: Cluster) -> Iterator[kueue_sim.Kueue]:
         yield running
     finally:
         running.stop()
-
-
-class Queue:
-    """A ResourceFlavor, a ClusterQueue (quota per resource, admission checks) and a LocalQueue
-    in ``namespace``, all named after it; the cluster-wide ones deleted by ``delete``."""
-
-    def __init__(self, cluster: Cluster, namespace: str) -> None:
-        self.cluster, self.namespace, self.name = cluster, namespace, namespace
-        self.made: list[str] = []
-
-    def create(self, quota: Mapping[str, int], checks: tuple[str, ...] = ()) -> None:
-        self._post("/resourceflavors", {"metadata": {"name": self.name}, "spec": {}})
-        resources = [{"name": r, "nominalQuota": n} for r, n in quota.items()]
-        spec: dict[str, Any] = {
-            "namespaceSelector": {},
-            "resourceGroups": [
-                {
-                    "coveredResources": list(quota),
-                    "flavors": [{"name": self.name, "resources": resources}],
-                }
-            ],
-        }
-        if checks:
-            spec["admissionChecksStrategy"] = {"admissionChecks": [{"name": c} for c in checks]}
-        self._post("/clusterqueues", {"metadata": {"name": self.name}, "spec": spec})
-        self._post(
-            f"/namespaces/{self.namespace}/localqueues",
-            {"metadata": {"name": "lq"}, "spec": {"clusterQueue": self.name}},
-        )
-
-    def check(self, name: str, controller: str) -> None:
-        """An AdmissionCheck of ``controller``, marked Active as its controller would: Kueue
-        keeps a ClusterQueue naming an inactive check inactive, reserving no quota. Nothing
-        else of the check is served: its workloads stay Pending on it."""
-        self._post(
-            "/admissionchecks", {"metadata": {"name": name}, "spec": {"controllerName": controller}}
-        )
-        active = {
-            "type": "Active",
-            "status": "True",
-            "reason": "Active",
-            "message": "marked by the test",
-            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        }
-        self.cluster.api.request(
-            "PATCH",
-            f"{KUEUE}/admissionchecks/{name}/status",
-            {"status": {"conditions": [active]}},
-            content_type="application/merge-patch+json",
-        )
-
-    def _post(self, path: str, body: dict[str, Any]) -> None:
-        kind = path.rsplit("/", 1)[1]
-        self.cluster.api.request(
-            "POST",
-            KUEUE + path,
-            {"apiVersion": kueue_sim.API_VERSION, **body, "kind": _KINDS[kind]},
-        )
-        if not path.startswith("/namespaces/"):
-            self.made.append(f"{KUEUE}{path}/{body['metadata']['name']}")
-
-    def delete(self) -> None:
-        """The namespace's Jobs and Workloads, then the queues, flavor and checks, each gone
-        before the next: while Kueue still runs to take its finalizers off them. A Workload
-        left behind would be demand to every later advise on this cluster."""
-        api, ns = self.cluster.api, self.namespace
-        api.request("DELETE", f"/apis/batch/v1/namespaces/{ns}/jobs?propagationPolicy=Background")
-        api.request("DELETE", f"{KUEUE}/namespaces/{ns}/workloads")
-        wait_until(
-            lambda: not api.get(f"{KUEUE}/namespaces/{ns}/workloads")["items"],
-            timeout=60,
-            what=f"the Workloads of {ns} deleted",
-        )
-        for path in reversed(self.made):
-            try:
-                api.request("DELETE", path)
-            except ApiError as e:
-                if e.status != 404:
-                    raise
-            wait_until(lambda p=path: _gone(api, p), timeout=60, what=f"{path} deleted")
-
-
-def _gone(api: Any, path: str) -> bool:
-    try:
-        api.get(path)
-    except ApiError as e:
-        if e.status == 404:
-            return True
-        raise
-    return False
-
-
-_KINDS = {
-    "resourceflavors": "ResourceFlavor",
-    "clusterqueues": "ClusterQueue",
-    "localqueues": "LocalQueue",
-    "admissionchecks": "AdmissionCheck",
-}
 
 
 @pytest.fixture
@@ -185,27 +88,6 @@ def _job(cluster: Cluster, namespace: str, name: str, pods: int, resource: str) 
         },
     }
     cluster.api.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body)
-
-
-def _workload(cluster: Cluster, namespace: str, job: str) -> dict[str, Any] | None:
-    """The Workload Kueue made for ``job`` (owned by it), or None while there is none."""
-    items = cluster.api.get(f"{KUEUE}/namespaces/{namespace}/workloads")["items"]
-    for w in items:
-        if any(o.get("name") == job for o in w["metadata"].get("ownerReferences") or ()):
-            return dict(w)
-    return None
-
-
-def _condition(workload: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any]:
-    for c in ((workload or {}).get("status") or {}).get("conditions") or ():
-        if c["type"] == kind:
-            return dict(c)
-    return {}
-
-
-def _suspended(cluster: Cluster, namespace: str, job: str) -> bool:
-    got = cluster.api.get(f"/apis/batch/v1/namespaces/{namespace}/jobs/{job}")
-    return bool(got["spec"].get("suspend"))
 
 
 def test_a_queued_job_is_admitted_and_unsuspended_and_its_pods_made(

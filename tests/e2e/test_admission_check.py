@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,15 +36,16 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes import config as kube_config
-from migsim.cluster import Cluster, wait_until
+from migsim.cluster import Cluster, kueue_demo, wait_until
 from migsim.cluster import kueue as kueue_sim
+from migsim.cluster.kueue_demo import LAYOUTS, Queue, check_entry, condition, suspended, workload
+from migsim.cluster.kueue_demo import job as _job
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.ops.admission_check import run_round
-from tests.cluster.test_kueue import KUEUE, Queue, _condition, _suspended, _workload
-from tests.conftest import SIMULATED_IMAGE, GpuPodFactory, SaKubeconfig
+from tests.conftest import GpuPodFactory, SaKubeconfig
 
 from .conftest import AgentNode, NodeFactory, wait_running
 from .test_helm import CHART, Doc, helm, run, template
@@ -58,19 +58,6 @@ MIG_1G, MIG_3G, MIG_7G = (
     "nvidia.com/mig-7g.80gb",
 )
 S = Settings()
-# the approved layouts: as the packaged profiles make them on an H100
-LAYOUTS = """
-version: v1
-mig-configs:
-  all-1g.10gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-  all-3g.40gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -202,40 +189,12 @@ def _wait_policy_denies(kubeconfig: Path, node: str) -> None:
         api.api_client.close()
 
 
-def _job(cluster: Cluster, namespace: str, name: str, pods: int, resource: str) -> None:
-    """A Job of ``pods`` pods asking one ``resource`` each, queued as Kueue's webhook would
-    (the image the nodes' runtime has: no registry is reached)."""
-    container = {
-        "name": "work",
-        "image": SIMULATED_IMAGE,
-        "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}},
-    }
-    body = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "labels": {kueue_sim.QUEUE_LABEL: "lq"}},
-        "spec": {
-            "suspend": True,
-            "parallelism": pods,
-            "completions": pods,
-            "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
-        },
-    }
-    cluster.api.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body)
-
-
 def _pods(core: client.CoreV1Api, namespace: str, job: str) -> list[Any]:
     return list(
         core.list_namespaced_pod(
             namespace, label_selector=f"batch.kubernetes.io/job-name={job}"
         ).items
     )
-
-
-def _check_entry(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
-    w = _workload(cluster, namespace, job)
-    entries = ((w or {}).get("status") or {}).get("admissionChecks") or [{}]
-    return dict(entries[0])
 
 
 def _ran_on(core: client.CoreV1Api, namespace: str, job: str) -> list[str]:
@@ -250,24 +209,11 @@ def _ran_on(core: client.CoreV1Api, namespace: str, job: str) -> list[str]:
 def _cli(tmp_path: Path, kubeconfig: Path, controller: str, pool: str, me: str) -> str:
     """One round of ``mig-agent admission-check --once`` as replica ``me``; its stdout."""
     namespace = pool.partition("=")[2]
+    argv = kueue_demo.admission_check_argv(
+        controller, pool, tmp_path / "layouts.yaml", kubeconfig, "--once"
+    )
     res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mig_agent",
-            "admission-check",
-            "--once",
-            "--controller-name",
-            controller,
-            "-l",
-            pool,
-            "-f",
-            str(tmp_path / "layouts.yaml"),
-            "--kubeconfig",
-            str(kubeconfig),
-            "--lease",
-            f"{namespace}/controller",
-        ],
+        [*argv, "--lease", f"{namespace}/controller"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -296,18 +242,7 @@ def _check(
 ) -> tuple[str, str]:
     """An AdmissionCheck of a controller name of the test's own, and the queue naming it."""
     check, controller = f"{namespace}-mig", f"mig-agent.dev/{namespace}"
-    installed.api.request(
-        "POST",
-        f"{KUEUE}/admissionchecks",
-        {
-            "apiVersion": kueue_sim.API_VERSION,
-            "kind": "AdmissionCheck",
-            "metadata": {"name": check},
-            "spec": {"controllerName": controller},
-        },
-    )
-    queue.made.append(f"{KUEUE}/admissionchecks/{check}")
-    queue.create(quota, checks=(check,))
+    kueue_demo.layout_check(installed, queue, check, controller, quota)
     return check, controller
 
 
@@ -342,8 +277,8 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
 
     def admitted() -> bool:
         one_round()
-        w = _workload(installed, namespace, "train")
-        return _condition(w, "Admitted").get("status") == "True"
+        w = workload(installed, namespace, "train")
+        return condition(w, "Admitted").get("status") == "True"
 
     try:
         wait_until(
@@ -361,9 +296,9 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     labels = node.labels()
     assert (labels[S.config_label], labels[S.state_label]) == ("all-3g.40gb", "success")
     assert any("relabelling" in line and node.name in line for line in rounds), rounds
-    assert _check_entry(installed, namespace, "train")["state"] == "Ready"
+    assert check_entry(installed, namespace, "train")["state"] == "Ready"
     assert wait_until(
-        lambda: not _suspended(installed, namespace, "train"), timeout=60, what="train unsuspended"
+        lambda: not suspended(installed, namespace, "train"), timeout=60, what="train unsuspended"
     )
     on = wait_until(
         lambda: _ran_on(core, namespace, "train"), timeout=120, what="train's two pods to run"
@@ -372,13 +307,13 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     assert node.gpu_resources() == {MIG_3G: 2}
     assert '"drain.evict' not in node.log_tail(2000) and "evicted" not in node.log_tail(2000)
 
-    huge = _check_entry(installed, namespace, "huge")
+    huge = check_entry(installed, namespace, "huge")
     assert huge["state"] == "Pending", huge
     assert huge["message"] == (
         "1 pod(s) asking mig-7g.80gb: no approved layout can serve all of its pods"
     ), huge
-    assert _suspended(installed, namespace, "huge")
-    w = _workload(installed, namespace, "huge")
+    assert suspended(installed, namespace, "huge")
+    w = workload(installed, namespace, "huge")
     assert w is not None
     events = core.list_namespaced_event(
         namespace, field_selector=f"involvedObject.name={w['metadata']['name']}"
@@ -412,18 +347,18 @@ def test_a_workload_that_needs_an_eviction_is_not_served_without_the_permission(
 
         def says_why() -> bool:
             run_round(kube, catalog, S, controller_name=controller, selector=pool)
-            return _check_entry(installed, namespace, "train").get("message") == want
+            return check_entry(installed, namespace, "train").get("message") == want
 
         wait_until(
             says_why,
             timeout=120,
             interval=1.0,
-            what=f"train's check to say why: {_check_entry(installed, namespace, 'train')}",
+            what=f"train's check to say why: {check_entry(installed, namespace, 'train')}",
         )
     finally:
         kube.close()
-    assert _check_entry(installed, namespace, "train")["state"] == "Pending"
-    assert _suspended(installed, namespace, "train")
+    assert check_entry(installed, namespace, "train")["state"] == "Pending"
+    assert suspended(installed, namespace, "train")
     assert node.labels()[S.config_label] == "all-1g.10gb"
     now = core.read_namespaced_pod("busy", namespace)
     assert (now.metadata.uid, now.status.phase) == (busy.metadata.uid, "Running")

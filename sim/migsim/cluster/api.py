@@ -11,6 +11,7 @@ import json
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,21 @@ class Api:
 
     def get(self, path: str, *, timeout: float = 10.0) -> Any:
         return self.request("GET", path, timeout=timeout)
+
+    def watch(self, path: str, *, timeout: float) -> Iterator[dict[str, Any]]:
+        """The events of a watch of the list `path` (``{"type": ..., "object": ...}``), each as
+        the API server sends it, until it ends the watch after `timeout` seconds."""
+        sep = "&" if "?" in path else "?"
+        url = f"{self.server}{path}{sep}watch=1&timeoutSeconds={max(1, int(timeout))}"
+        req = urllib.request.Request(url)
+        req.add_header("Authorization", f"Bearer {self._token}")
+        try:
+            with urllib.request.urlopen(req, context=self._tls, timeout=timeout + 10) as resp:
+                for line in resp:
+                    if line.strip():
+                        yield dict(json.loads(line))
+        except urllib.error.HTTPError as e:
+            raise ApiError("GET", path, e.code, e.read().decode(errors="replace")) from None
 
     def ok(self, path: str, *, timeout: float = 2.0) -> bool:
         """Whether GET `path` (a health endpoint) answers 200; any failure is just "not yet"."""
