@@ -236,6 +236,7 @@ CHART_VALUES = (
     "condition_type",
     "plugin_namespace",
     "plugin_selector",
+    "taint_key",
     "label_fields",
     "annotation_fields",
     "condition_field",

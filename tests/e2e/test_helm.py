@@ -107,7 +107,7 @@ def test_template_defaults(helm: str) -> None:
         *(
             (k, f"mig-agent-own-{n}")
             for k in POLICY_KINDS
-            for n in ("node", "device-plugin", "events")
+            for n in ("node", "device-plugin", "events", "device-taints")
         ),
     }
     spec = pod_spec(docs)
@@ -328,7 +328,7 @@ def test_policies_are_those_of_deploy_policies(helm: str, settings: Settings) ->
     # DRA on, as the settings have it (the chart's auto renders it off without a cluster)
     chart = by_name(template(helm, *as_values(settings), "--set", "dra.enabled=true"))
     ours = by_name([d for d in yaml.safe_load_all(policies.render(settings)) if d])
-    assert len(chart) == 6 and chart.keys() == ours.keys()
+    assert len(chart) == 8 and chart.keys() == ours.keys()
     for key, doc in chart.items():
         assert doc == ours[key], key
     if settings != Settings():
@@ -525,7 +525,7 @@ def dra_rights(docs: list[Doc]) -> tuple[set[str], str]:
     return granted, env(docs)["MIG_AGENT_DRA"]
 
 
-DRA_RIGHTS = {"resourceslices", "resourceclaims"}
+DRA_RIGHTS = {"resourceslices", "resourceclaims", "devicetaintrules"}
 NVIDIA_DRIVER = "device.driver == 'gpu.nvidia.com'"
 
 

@@ -101,6 +101,7 @@ false
   "condition_type" $cond
   "plugin_namespace" (include "mig-agent.cel" $v.devicePlugin.namespace | trimPrefix "'" | trimSuffix "'")
   "plugin_selector" $v.devicePlugin.selector
+  "taint_key" (include "mig-agent.cel" (printf "%s/mig-change" $v.annotationPrefix) | trimPrefix "'" | trimSuffix "'")
   "label_fields" (include "mig-agent.celList" $labelFields)
   "annotation_fields" (include "mig-agent.celList" $annFields)
   "condition_field" (printf "'k:{\"type\":\"%s\"}'" $cond)
