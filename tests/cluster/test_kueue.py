@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from migsim.cluster import Cluster, wait_until
 from migsim.cluster import kueue as kueue_sim
-from migsim.cluster.kueue_demo import Queue
+from migsim.cluster.kueue_demo import Queue, job
 from migsim.cluster.kueue_demo import condition as _condition
 from migsim.cluster.kueue_demo import suspended as _suspended
 from migsim.cluster.kueue_demo import workload as _workload
@@ -69,32 +69,11 @@ def queue(cluster: Cluster, namespace: str, kueue: kueue_sim.Kueue) -> Iterator[
         q.delete()
 
 
-def _job(cluster: Cluster, namespace: str, name: str, pods: int, resource: str) -> None:
-    """A Job of ``pods`` pods asking one ``resource`` each, queued as Kueue's webhook would."""
-    container = {
-        "name": "work",
-        "image": "busybox",
-        "resources": {"requests": {resource: "1"}, "limits": {resource: "1"}},
-    }
-    body = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "labels": {kueue_sim.QUEUE_LABEL: "lq"}},
-        "spec": {
-            "suspend": True,
-            "parallelism": pods,
-            "completions": pods,
-            "template": {"spec": {"restartPolicy": "Never", "containers": [container]}},
-        },
-    }
-    cluster.api.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body)
-
-
 def test_a_queued_job_is_admitted_and_unsuspended_and_its_pods_made(
     cluster: Cluster, namespace: str, queue: Queue
 ) -> None:
     queue.create({MIG_1G: 2})
-    _job(cluster, namespace, "fits", 2, MIG_1G)
+    job(cluster, namespace, "fits", 2, MIG_1G, image="busybox")
     wait_until(
         lambda: (
             _condition(_workload(cluster, namespace, "fits"), "Admitted").get("status") == "True"
@@ -119,7 +98,7 @@ def test_a_job_beyond_the_quota_stays_suspended_waiting_for_quota(
     cluster: Cluster, namespace: str, queue: Queue
 ) -> None:
     queue.create({MIG_1G: 2})
-    _job(cluster, namespace, "too-big", 3, MIG_1G)
+    job(cluster, namespace, "too-big", 3, MIG_1G, image="busybox")
     reserved = wait_until(
         lambda: _condition(_workload(cluster, namespace, "too-big"), "QuotaReserved"),
         timeout=60,
@@ -166,8 +145,8 @@ def test_advise_reads_a_workload_waiting_on_its_check_and_proposes_the_relabel(
     node = gpu_node_factory("1xH100-80GB")
     label = ("kueue-test", namespace)
     _published_node(cluster, catalog, node, label)
-    _job(cluster, namespace, "train", 2, MIG_3G)
-    _job(cluster, namespace, "too-big", 3, MIG_1G)
+    job(cluster, namespace, "train", 2, MIG_3G, image="busybox")
+    job(cluster, namespace, "too-big", 3, MIG_1G, image="busybox")
 
     def waits_on_check() -> bool:
         w = _workload(cluster, namespace, "train")
