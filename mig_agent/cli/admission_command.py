@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from mig_agent.cli.common import EXIT_OK, add_config_args, load_configs
+from mig_agent.cli.verify_options import add_pod_options, verifier
 from mig_agent.config.settings import Settings
 from mig_agent.core.errors import ConfigError, KubeUnavailable
 from mig_agent.ops.admission_check import CONTROLLER_NAME, Round, run_round
@@ -25,7 +26,8 @@ DESCRIPTION = (
     "Active; for each Workload that reserved quota and waits on one, mark it Ready once its "
     "pods fit the free MIG devices, else relabel the nodes (approved layouts only, the "
     "least-disruptive relabels serving it whole, no eviction unless the check's annotation "
-    "mig-agent.dev/allow-evict says so) and wait for their success; say why in the check's "
+    "mig-agent.dev/allow-evict says so) and wait for their success (and verify's checks of "
+    "them, where the check's annotation mig-agent.dev/verify says so); say why in the check's "
     "message when no approved layout serves it."
 )
 
@@ -62,6 +64,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--kubeconfig", default=None, help="kubeconfig (default: $KUBECONFIG)")
     add_config_args(p, layout=False)
+    add_pod_options(p)  # verify's pods, for checks annotated mig-agent.dev/verify: "true"
     p.set_defaults(func=cmd_admission_check)
 
 
@@ -93,6 +96,7 @@ def cmd_admission_check(
     catalog = load_configs(args)
     settings = Settings.from_env()
     cluster = KubernetesCluster.connect(args.kubeconfig or "", component="mig-agent-admission")
+    verify = verifier(cluster, args, settings, lambda line: print(line, flush=True))
     me = os.environ.get("POD_NAME") or socket.gethostname()
     try:
         while True:
@@ -112,6 +116,7 @@ def cmd_admission_check(
                         settings,
                         controller_name=args.controller_name,
                         selector=args.selector,
+                        verify=verify,
                     )
                 )
             except KubeUnavailable as exc:

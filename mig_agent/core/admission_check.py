@@ -47,6 +47,7 @@ class Params:
     allow_evict: bool = False
     max_nodes: int | None = None  # nodes changing at once, over all workloads; None: any
     reject_unservable: bool = False  # Rejected (not Pending) when no layout can serve it
+    verify: bool = False  # verify's checks of the nodes relabelled for it before Ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,8 @@ class Decision:
     workload: str
     verdict: Verdict
     message: str
-    relabels: Mapping[str, Target] = field(default_factory=dict)  # RELABEL, WAIT: its nodes
+    # RELABEL, WAIT: its nodes; RETRY: those kept named on it (verify failed there)
+    relabels: Mapping[str, Target] = field(default_factory=dict)
     placed: Mapping[str, str] = field(default_factory=dict)  # READY: pod -> node
 
 

@@ -23,6 +23,12 @@ Left out, and counted, with the reason:
 
 DRA claims by profile in pod set templates (ResourceClaimTemplates) are not read yet.
 
+When the check marks a workload Ready, ``pod_set_updates`` pins each pod set whose pods were all
+placed on one node to that node (Kueue's ``podSetUpdates``, a ``kubernetes.io/hostname`` node
+selector Kueue adds to the pods when it admits the workload): its pods then take the devices
+promised to them, not those promised to the next workload. A pod set spread over several nodes
+cannot be pinned by one node selector, and is not; nor one whose template names a host itself.
+
 Pure module: no I/O.
 """
 
@@ -36,6 +42,7 @@ from mig_agent.core import demand
 from mig_agent.core.scheduling import PodConstraints, constraints_of
 
 QUOTA_RESERVED: Final = "QuotaReserved"
+HOSTNAME: Final = "kubernetes.io/hostname"
 ADMITTED: Final = "Admitted"
 FINISHED: Final = "Finished"
 
@@ -199,3 +206,52 @@ def _pod_sets(
 def _name(workload: Mapping[str, Any]) -> str:
     meta = workload.get("metadata") or {}
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def pod_set_of(pod: str) -> str:
+    """The pod set of one of ``PodSetDemand.pods``' names (``ns/workload[pod-set/i]``)."""
+    return pod.rpartition("[")[2].rpartition("/")[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """Kueue's ``podSetUpdates`` for a Ready workload, and the pod sets not pinned (-> why)."""
+
+    updates: tuple[Mapping[str, Any], ...] = ()
+    not_pinned: Mapping[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """The pins for the check's message ("" for none)."""
+        parts = [
+            f"pod set {u['name']} pinned to {u['nodeSelector'][HOSTNAME]}" for u in self.updates
+        ]
+        parts += [f"pod set {ps} not pinned: {why}" for ps, why in self.not_pinned.items()]
+        return "; ".join(parts)
+
+
+def pod_set_updates(
+    workload: Mapping[str, Any], placed: Mapping[str, str], hostnames: Mapping[str, str]
+) -> Pins:
+    """The pins of a Ready workload (see the module): ``placed`` pod -> node, as the check
+    placed its pods; ``hostnames`` node -> its ``kubernetes.io/hostname`` label."""
+    by_set: dict[str, set[str]] = {}
+    for pod, node in placed.items():
+        by_set.setdefault(pod_set_of(pod), set()).add(node)
+    templates = {
+        str(ps.get("name", "")): ps.get("template") or {}
+        for ps in (workload.get("spec") or {}).get("podSets") or ()
+    }
+    updates: list[Mapping[str, Any]] = []
+    odd: dict[str, str] = {}
+    for name, nodes in sorted(by_set.items()):
+        selector = ((templates.get(name) or {}).get("spec") or {}).get("nodeSelector") or {}
+        host = hostnames.get(next(iter(nodes)), "")
+        if len(nodes) > 1:
+            odd[name] = f"its pods go to {len(nodes)} nodes ({', '.join(sorted(nodes))})"
+        elif HOSTNAME in selector:
+            odd[name] = f"its template selects {HOSTNAME}={selector[HOSTNAME]} itself"
+        elif not host:
+            odd[name] = f"{next(iter(nodes))} has no {HOSTNAME} label"
+        else:
+            updates.append({"name": name, "nodeSelector": {HOSTNAME: host}})
+    return Pins(tuple(updates), odd)

@@ -4,7 +4,8 @@
 1. marks each of our AdmissionChecks Active (``status.conditions``: Kueue keeps a ClusterQueue
    that names an inactive check inactive), reading its parameters from its annotations
    (``mig-agent.dev/allow-evict: "true"``, ``mig-agent.dev/max-nodes: "N"``,
-   ``mig-agent.dev/reject-unservable: "true"``; ``spec.parameters`` is not read);
+   ``mig-agent.dev/reject-unservable: "true"``, ``mig-agent.dev/verify: "true"``;
+   ``spec.parameters`` is not read);
 2. reads the Workloads that reserved quota and whose ``status.admissionChecks[]`` entry of one
    of our checks is Pending (or Ready, not yet admitted: their devices stay promised), and the
    pool as ``advise`` reads it (mig_agent.ops.advise_read); a workload admitted after our check
@@ -14,7 +15,12 @@
    layout label, conditional on its labels as read; Ready, Retry and Rejected set the entry's
    state (status subresource, with the resourceVersion read: a workload changed meanwhile is
    left for the next round); a wait sets the entry's message. Each change of state or message
-   gets an Event on the Workload.
+   gets an Event on the Workload. Ready carries ``podSetUpdates`` pinning each pod set whose
+   pods were placed on one node to it (mig_agent.core.kueue_demand.pod_set_updates). Where the
+   check asks ``verify``, the nodes relabelled for a workload pass verify's checks (its tiny pods
+   on the new devices) before it is Ready; a node that fails them makes it Retry, naming the
+   check that failed. The round waits for those pods (seconds each; minutes at most, the pods'
+   timeout).
 
 All its state is on the objects (the annotation, the entry, the nodes' labels): a restarted
 controller carries on where the last one stopped.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -38,6 +44,7 @@ from mig_agent.core.errors import KubeError, LabelsChanged
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import KUEUE_GROUP, KUEUE_VERSIONS, KueueCluster, ObjectRef
 from mig_agent.ops.advise_read import Pool, read_pool
+from mig_agent.ops.verify import NodeVerdict
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +53,7 @@ RELABELS: Final = "mig-agent.dev/admission-relabels"
 ALLOW_EVICT: Final = "mig-agent.dev/allow-evict"
 MAX_NODES: Final = "mig-agent.dev/max-nodes"
 REJECT_UNSERVABLE: Final = "mig-agent.dev/reject-unservable"
+VERIFY: Final = "mig-agent.dev/verify"
 PENDING, READY = "Pending", "Ready"
 API_VERSION: Final = f"{KUEUE_GROUP}/{KUEUE_VERSIONS[0]}"
 
@@ -68,8 +76,10 @@ def run_round(
     controller_name: str = CONTROLLER_NAME,
     selector: str = "",
     now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    verify: Callable[[str], NodeVerdict] | None = None,
 ) -> Round:
-    """One round of the controller (see the module), over the GPU nodes ``selector`` picks."""
+    """One round of the controller (see the module), over the GPU nodes ``selector`` picks;
+    ``verify``: verify's checks of one node, for the checks that ask them."""
     checks = [
         c
         for c in cluster.list_kueue("admissionchecks")
@@ -87,6 +97,10 @@ def run_round(
     decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
     decisions = decisions[: len(waiting)]
     skipped: dict[str, str] = {}
+    decisions = [
+        _verified(d, w, params[check], verify)
+        for (w, check), d in zip(objects, decisions, strict=True)
+    ]
     for (w, check), d in zip(objects, decisions, strict=True):
         try:
             _apply(cluster, settings, w, check, d, pool, now())
@@ -143,6 +157,7 @@ def _params(check: Mapping[str, Any]) -> Params:
         allow_evict=str(notes.get(ALLOW_EVICT, "")).lower() == "true",
         max_nodes=int(max_nodes) if max_nodes.isdigit() and int(max_nodes) > 0 else None,
         reject_unservable=str(notes.get(REJECT_UNSERVABLE, "")).lower() == "true",
+        verify=str(notes.get(VERIFY, "")).lower() == "true",
     )
 
 
@@ -223,6 +238,36 @@ def _admitted_unbound(
     return out
 
 
+def _verified(
+    d: Decision,
+    w: Mapping[str, Any],
+    params: Params,
+    verify: Callable[[str], NodeVerdict] | None,
+) -> Decision:
+    """``d``, or Retry where the check asks verify and a node relabelled for ``w`` fails it
+    (verify's checks run once: on the round that finds the relabels done)."""
+    nodes = sorted(_relabelled(w))
+    if d.verdict is not Verdict.READY or not params.verify or not nodes:
+        return d
+    if verify is None:
+        return Decision(
+            d.workload,
+            Verdict.WAIT,
+            f"its check asks for verify ({VERIFY}), which this controller was started without",
+        )
+    for node in nodes:
+        failed = verify(node).failed
+        if failed is not None:
+            log.warning("admission_check.verify_failed", workload=d.workload, node=node)
+            return Decision(
+                d.workload,
+                Verdict.RETRY,
+                f"{node} failed verify after its relabel: {failed.name}: {failed.detail}",
+                _relabelled(w),  # kept on the workload: verified again when it comes back
+            )
+    return replace(d, message=f"{d.message}; verified {', '.join(nodes)}")
+
+
 def _job_of(workload: Mapping[str, Any]) -> str:
     """The Job that owns ``workload`` ("" for none)."""
     for o in (workload.get("metadata") or {}).get("ownerReferences") or ():
@@ -266,12 +311,17 @@ def _apply(
         return
     if d.verdict is Verdict.RELABEL:
         w = _relabel(cluster, s, w, d, pool)
-    elif d.verdict is not Verdict.WAIT and _relabelled(w):
+    elif d.verdict is not Verdict.WAIT and _relabelled(w) and not d.relabels:
         w = _annotate(cluster, w, None)
     state = PENDING if d.verdict in (Verdict.RELABEL, Verdict.WAIT) else d.verdict.value
+    updates: tuple[Mapping[str, Any], ...] = ()
+    if d.verdict is Verdict.READY and d.placed:
+        pins = kueue_demand.pod_set_updates(w, d.placed, pool.hostnames)
+        updates = pins.updates
+        d = replace(d, message="; ".join(filter(None, (d.message, pins.describe()))))
     if state == entry.get("state") and d.message == entry.get("message"):
         return
-    _set_state(cluster, w, entry, state, d.message, t)
+    _set_state(cluster, w, entry, (state, d.message, updates), t)
     _event(cluster, w, d)
 
 
@@ -320,15 +370,19 @@ def _set_state(
     cluster: KueueCluster,
     w: Mapping[str, Any],
     entry: Mapping[str, Any],
-    state: str,
-    message: str,
+    written: tuple[str, str, Sequence[Mapping[str, Any]]],
     t: datetime,
 ) -> None:
-    """The check's entry at ``state`` with ``message`` (the others as they are), written only
+    """The check's entry at ``written``'s state, message and podSetUpdates (none but for
+    Ready: Kueue applies them when it admits), the other entries as they are, written only
     while the workload is as ``w`` (its resourceVersion)."""
+    state, message, updates = written
     since = entry.get("lastTransitionTime") if entry.get("state") == state else None
     mine = {**entry, "state": state, "message": message[:32768], "lastTransitionTime": since}
     mine["lastTransitionTime"] = mine["lastTransitionTime"] or _stamp(t)
+    mine.pop("podSetUpdates", None)
+    if updates:
+        mine["podSetUpdates"] = [dict(u) for u in updates]
     entries = [
         mine if e.get("name") == entry.get("name") else e
         for e in (w.get("status") or {}).get("admissionChecks") or ()

@@ -55,6 +55,7 @@ class Pool:
     workloads: list[str] = field(default_factory=list)
     workloads_for_quota: dict[str, str] = field(default_factory=dict)
     workload_pods: set[str] = field(default_factory=set)
+    hostnames: dict[str, str] = field(default_factory=dict)  # node -> kubernetes.io/hostname
 
 
 def read_pool(
@@ -105,6 +106,7 @@ def read_pool(
         pool.evicting_only[node.name] = evicting
         pool.supplies.append(supply)
         pool.seen[node.name] = {k: node.labels.get(k) for k in (s.config_label, s.state_label)}
+        pool.hostnames[node.name] = node.labels.get(kueue_demand.HOSTNAME, "")
     free = {sp.node: sp.free for sp in pool.supplies}
     dra_nodes = frozenset(n.name for n in nodes if _is_dra(n, dra))
     for p in pods:

@@ -8,13 +8,16 @@ on the objects):
   asking one 3g.40gb each: the controller marks the check Active, relabels the node to
   all-3g.40gb, the agent reaches success, the controller marks the check Ready, Kueue admits the
   workload and unsuspends the Job, and both pods run on the node (the only one with 3g.40gb
-  devices, two since the relabel: the scheduler placed them on the new devices); nothing
+  devices, two since the relabel: the scheduler placed them on the new devices), pinned there
+  by the check's podSetUpdates (a hostname node selector Kueue put on the pods); nothing
   was evicted (no pod of the test was deleted, the agent evicted none);
 * a Job asking mig-7g.80gb, which no approved layout offers, keeps waiting (suspended, its
   check Pending) with a message that says so, and an Event on its Workload;
 * a Job whose devices only a relabel evicting a running pod can give (a pod holds one of the
   node's 1g.10gb devices) keeps waiting, the check saying evictions are not allowed; the node
   keeps its layout and the pod runs on;
+* a check asking verify (mig-agent.dev/verify) whose relabelled node fails verify's pod
+  check makes the workload Retry, naming the check, and it is not admitted;
 * the controller runs under the chart's rights (its ServiceAccount, ClusterRole and node
   admission policy, applied to the cluster): enough for all of it, and no node label but the
   layout's may be set by it; the chart renders the controller only when enabled.
@@ -45,6 +48,8 @@ from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.ops.admission_check import run_round
+from mig_agent.ops.verify import NodeVerdict, verify_node
+from mig_agent.ops.verify_pods import PodSpec
 from tests.conftest import GpuPodFactory, SaKubeconfig
 
 from .conftest import AgentNode, NodeFactory, wait_running
@@ -79,8 +84,10 @@ def queue(installed: Cluster, namespace: str, kueue: kueue_sim.Kueue) -> Iterato
         q.delete()
 
 
-def _chart(helm: str, release: str, namespace: str) -> list[Doc]:
-    """The controller's objects as the chart renders them with admissionCheck.enabled."""
+def _chart(helm: str, release: str, namespace: str, *sets: str) -> list[Doc]:
+    """The controller's objects as the chart renders them with admissionCheck.enabled (and
+    ``sets``, each a ``--set`` value)."""
+    extra = [a for s in sets for a in ("--set", s)]
     out = run(
         helm,
         "template",
@@ -90,6 +97,7 @@ def _chart(helm: str, release: str, namespace: str) -> list[Doc]:
         namespace,
         "--set",
         "admissionCheck.enabled=true",
+        *extra,
     ).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     return [d for d in docs if d["metadata"]["name"].startswith(f"{release}-admission-check")]
@@ -117,7 +125,7 @@ def controller_rights(
     controller on the session's cluster (release named after the test's namespace); the
     kubeconfig acting as that account. The cluster-wide objects are deleted after."""
     release = "r" + hashlib.sha256(namespace.encode()).hexdigest()[:12]
-    docs = _chart(helm, release, namespace)
+    docs = _chart(helm, release, namespace, "admissionCheck.verify.enabled=true")
     made: list[str] = []
     try:
         for d in docs:
@@ -152,6 +160,10 @@ def test_the_chart_renders_the_controller_only_when_enabled(helm: str) -> None:
         "--controller-name=mig-agent.dev/mig-layout",
         "--interval=10",
         "--lease=mig-agent/mig-agent-admission-check",
+        "--pod-namespace=mig-agent",
+        "--image=nvcr.io/nvidia/cuda:12.8.1-base-ubuntu24.04",
+        "--runtime-class=nvidia",
+        "--pod-timeout=180",
     ]
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     verbs = {v for r in role["rules"] for v in r["verbs"]}
@@ -167,6 +179,31 @@ def test_the_chart_renders_the_controller_only_when_enabled(helm: str) -> None:
     resources = {res for r in role["rules"] for res in r["resources"]}
     assert not resources & {"secrets", "pods/eviction", "nodes/status"}
     assert [r["resources"] for r in role["rules"] if "create" in r["verbs"]] == [["events"]]
+    # verify's pods: a Role in one namespace, only with verify enabled
+    docs = _chart(
+        helm,
+        "mig-agent",
+        "mig-agent",
+        "admissionCheck.verify.enabled=true",
+        "admissionCheck.verify.podNamespace=gpu-checks",
+    )
+    verifying = {
+        d["kind"]: d for d in docs if d["metadata"]["name"] == "mig-agent-admission-check-verify"
+    }
+    assert set(verifying) == {"Role", "RoleBinding"}
+    pods, binding = verifying["Role"], verifying["RoleBinding"]
+    assert pods["metadata"]["namespace"] == binding["metadata"]["namespace"] == "gpu-checks"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "mig-agent-admission-check", "namespace": "mig-agent"}
+    ]
+    assert pods["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "delete"]},
+        {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
+    ]
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert "--pod-namespace=gpu-checks" in container["args"]
 
 
 def _wait_policy_denies(kubeconfig: Path, node: str) -> None:
@@ -304,6 +341,13 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
         lambda: _ran_on(core, namespace, "train"), timeout=120, what="train's two pods to run"
     )
     assert on == [node.name, node.name]
+    # pinned where its devices were made: Kueue put the check's node selector on the pods
+    ready = check_entry(installed, namespace, "train")
+    pin = {"kubernetes.io/hostname": node.name}
+    assert ready["podSetUpdates"] == [{"name": "main", "nodeSelector": pin}], ready
+    assert all(
+        (p.spec.node_selector or {}).items() >= pin.items() for p in _pods(core, namespace, "train")
+    )
     assert node.gpu_resources() == {MIG_3G: 2}
     assert '"drain.evict' not in node.log_tail(2000) and "evicted" not in node.log_tail(2000)
 
@@ -362,3 +406,69 @@ def test_a_workload_that_needs_an_eviction_is_not_served_without_the_permission(
     assert node.labels()[S.config_label] == "all-1g.10gb"
     now = core.read_namespaced_pod("busy", namespace)
     assert (now.metadata.uid, now.status.phase) == (busy.metadata.uid, "Running")
+
+
+def test_a_check_asking_verify_retries_a_workload_whose_new_node_fails_it(
+    installed: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    queue: Queue,
+    agent_node: NodeFactory,
+    tmp_path: Path,
+    controller_rights: Path,
+) -> None:
+    """verify's tiny pod never ends on this node (kwok runs no container: it stays Running),
+    so the relabelled node fails verify's pod check: the check says Retry naming it, with an
+    Event, the workload is not admitted and its Job stays suspended, and verify's pods are
+    deleted. Run under the chart's rights, verify's Role included."""
+    catalog, node, pool = _pool_of_one(tmp_path, agent_node, core, namespace)
+    check, controller = _check(installed, queue, namespace, {MIG_3G: 2})
+    installed.api.request(
+        "PATCH",
+        f"/apis/kueue.x-k8s.io/v1beta2/admissionchecks/{check}",
+        {"metadata": {"annotations": {"mig-agent.dev/verify": "true"}}},
+        content_type="application/merge-patch+json",
+    )
+    kube = KubernetesCluster.connect(str(controller_rights))
+    lines: list[str] = []
+    spec = PodSpec(image="busybox", runtime_class="", namespace=namespace, timeout_s=5)
+
+    def verify(name: str) -> NodeVerdict:
+        return verify_node(kube, name, pods=spec, settings=S, out=lines.append)
+
+    retried: list[str] = []
+
+    def retry() -> bool:
+        r = run_round(kube, catalog, S, controller_name=controller, selector=pool, verify=verify)
+        retried.extend(d.message for d in r.decisions if d.verdict.value == "Retry")
+        return bool(retried)
+
+    try:
+        run_round(kube, catalog, S, controller_name=controller, selector=pool)  # Active
+        _job(installed, namespace, "train", 2, MIG_3G)
+        wait_until(retry, timeout=240, interval=1.0, what=f"a Retry; verify said: {lines}")
+    finally:
+        kube.close()
+    assert node.labels()[S.config_label] == "all-3g.40gb"
+    assert retried[0] == (
+        f"{node.name} failed verify after its relabel: pod {MIG_3G}: not ended after 5 s: "
+        "the pod is Running"
+    ), retried
+    w = workload(installed, namespace, "train")
+    assert w is not None
+    events = core.list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={w['metadata']['name']}"
+    ).items
+    assert any(e.reason == "MIGLayoutRetry" and e.message == retried[0] for e in events)
+    assert condition(w, "Admitted").get("status") != "True"
+    assert suspended(installed, namespace, "train")
+
+    def verify_pods() -> list[Any]:
+        return [
+            p
+            for p in core.list_namespaced_pod(namespace).items
+            if p.metadata.name.startswith("mig-agent-verify")
+        ]
+
+    assert all(p.metadata.deletion_timestamp for p in verify_pods())  # deleted by verify
+    wait_until(lambda: not verify_pods(), timeout=60, what="verify's pods gone")

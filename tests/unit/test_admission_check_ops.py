@@ -8,6 +8,8 @@ on FakeCluster with Kueue's objects shaped as v0.17 writes them:
   changes nothing; once the agent's success publishes the new devices, a round (a fresh call:
   all state is on the objects, as after a restart) marks it Ready, drops the annotation and
   sends an Event;
+  and pins its pod set to the node (podSetUpdates: its hostname as node selector);
+  Ready taken back to Pending drops the pins;
 * a workload no approved layout serves stays Pending, its message saying why, once;
 * a relabel that failed makes the entry Retry; the check's annotations allow evictions, or
   make an unservable workload Rejected;
@@ -139,7 +141,7 @@ def _workload(name: str, pods: int, resource: str, state: str = "Pending") -> di
 
 def _pool(catalog: Any, *workloads: dict[str, Any]) -> KueueFake:
     c = KueueFake()
-    c.add_node("gpu-a", {}, {MIG_1G: "7"})
+    c.add_node("gpu-a", {"kubernetes.io/hostname": "host-a"}, {MIG_1G: "7"})
     _at(c, catalog, "gpu-a", "all-1g.10gb")
     c.kueue["admissionchecks"] = [
         {"metadata": {"name": CHECK}, "spec": {"controllerName": CONTROLLER}},
@@ -189,6 +191,13 @@ def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catal
     r = run_round(c, catalog, S, controller_name=CONTROLLER)
     assert [d.verdict.value for d in r.decisions] == ["Ready"]
     assert _entry(c, "train")["state"] == "Ready"
+    # both pods on gpu-a: pinned there, so that they take the devices made for them
+    assert _entry(c, "train")["podSetUpdates"] == [
+        {"name": "main", "nodeSelector": {"kubernetes.io/hostname": "host-a"}}
+    ]
+    assert _entry(c, "train")["message"] == (
+        "its 2 pod(s) fit on gpu-a; pod set main pinned to host-a"
+    )
     assert RELABELS not in _notes(c, "train")
     assert c.object_events[-1][1] == "MIGLayoutReady"
     writes = c.writes
@@ -261,3 +270,90 @@ def test_the_checks_annotations_are_its_parameters(catalog: Any) -> None:
     run_round(c, catalog, S, controller_name=CONTROLLER)
     assert _entry(c, "huge")["state"] == "Rejected"
     assert c.object_events[-1][1] == "MIGLayoutRejected" and c.object_events[-1][3]
+
+
+def test_pins_go_with_ready_and_only_with_it(catalog: Any) -> None:
+    c = _pool(catalog, _workload("small", 1, MIG_1G))
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Ready"
+    assert [u["name"] for u in _entry(c, "small")["podSetUpdates"]] == ["main"]
+    # Kueue takes the check back to Pending (its workload evicted): the pins go with Ready
+    [w] = c.kueue["workloads"]
+    w["status"]["admissionChecks"][0]["state"] = "Pending"
+    c.add_pod("team", "busy", "gpu-a", gpu={MIG_1G: 7})  # no device left meanwhile
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait", d
+    assert _entry(c, "small")["state"] == "Pending"
+    assert "podSetUpdates" not in _entry(c, "small")
+
+
+def _verdict(node: str, ok: bool) -> Any:
+    from mig_agent.ops.verify import Check, NodeVerdict
+
+    detail = "1 device of nvidia.com/mig-3g.40gb" if ok else "the pod saw no MIG device"
+    return NodeVerdict(node, (Check("pod nvidia.com/mig-3g.40gb", ok, detail),))
+
+
+def test_a_check_asking_verify_verifies_the_relabelled_nodes_before_ready(catalog: Any) -> None:
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {"mig-agent.dev/verify": "true"}
+    asked: list[str] = []
+    results = [False, True]
+
+    def verify(node: str) -> Any:
+        asked.append(node)
+        return _verdict(node, results[len(asked) - 1])
+
+    run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify)  # the relabel
+    assert asked == []
+    _at(c, catalog, "gpu-a", "all-3g")
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify).decisions
+    assert asked == ["gpu-a"]
+    assert d.verdict.value == "Retry"
+    assert _entry(c, "train")["message"] == (
+        "gpu-a failed verify after its relabel: pod nvidia.com/mig-3g.40gb: "
+        "the pod saw no MIG device"
+    )
+    assert c.object_events[-1][1] == "MIGLayoutRetry"
+    assert "gpu-a" in json.loads(_notes(c, "train")[RELABELS])  # verified again next time
+
+    [w] = c.kueue["workloads"]  # Kueue queues it again: the check Pending once more
+    w["status"]["admissionChecks"][0]["state"] = "Pending"
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify).decisions
+    assert asked == ["gpu-a", "gpu-a"]
+    assert d.verdict.value == "Ready"
+    assert _entry(c, "train")["message"] == (
+        "its 2 pod(s) fit on gpu-a; verified gpu-a; pod set main pinned to host-a"
+    )
+    assert RELABELS not in _notes(c, "train")
+
+
+def test_verify_is_not_run_unless_the_check_asks_or_without_a_relabel(catalog: Any) -> None:
+    asked: list[str] = []
+
+    def verify(node: str) -> Any:
+        asked.append(node)
+        return _verdict(node, False)
+
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify)
+    _at(c, catalog, "gpu-a", "all-3g")
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify).decisions
+    assert d.verdict.value == "Ready" and asked == []
+    c = _pool(catalog, _workload("small", 1, MIG_1G))  # fits now: nothing was relabelled
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {"mig-agent.dev/verify": "true"}
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify).decisions
+    assert d.verdict.value == "Ready" and asked == []
+
+
+def test_a_check_asking_verify_of_a_controller_without_it_waits_saying_so(catalog: Any) -> None:
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {"mig-agent.dev/verify": "true"}
+    run_round(c, catalog, S, controller_name=CONTROLLER)
+    _at(c, catalog, "gpu-a", "all-3g")
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait"
+    assert _entry(c, "train")["message"] == (
+        "its check asks for verify (mig-agent.dev/verify), which this controller was started "
+        "without"
+    )
