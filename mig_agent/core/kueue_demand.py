@@ -208,6 +208,12 @@ def _name(workload: Mapping[str, Any]) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
+def not_waiting(workload: Mapping[str, Any]) -> str:
+    """Why ``workload`` is no longer demand: admitted, finished, deactivated, or held by quota
+    ("" while it still waits on its admission checks)."""
+    return _skip(workload) or _quota_wait(workload)
+
+
 def pod_set_of(pod: str) -> str:
     """The pod set of one of ``PodSetDemand.pods``' names (``ns/workload[pod-set/i]``)."""
     return pod.rpartition("[")[2].rpartition("/")[0]

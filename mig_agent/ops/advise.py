@@ -8,7 +8,8 @@ read, no eviction the proposal did not show (none without --allow-evict), every 
 still waiting (the same pod: matched by UID) and still fitting; the patch itself is written only
 while the labels hold. A node that fails any of it is skipped with the reason, and the summary
 says what was done and what was not. The pods of a Kueue workload's demand do not exist before
-Kueue admits it: they are neither looked at again nor followed.
+Kueue admits it: their workload is read again instead (the same one, by UID, still waiting on
+its admission checks), and they are not followed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from mig_agent.core.errors import ConfigError
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import Cluster, PodRef
 from mig_agent.node.waits import Clock
-from mig_agent.ops.advise_read import Pool, read_node, read_pool, within_budgets
+from mig_agent.ops.advise_read import (
+    Pool,
+    read_node,
+    read_pool,
+    within_budgets,
+    workloads_not_waiting,
+)
 from mig_agent.ops.rollout import Precondition, repartition
 from mig_agent.ops.values import (
     _GOOD,
@@ -358,11 +365,19 @@ def _look_again(
 
 
 def _not_waiting(cluster: Cluster, report: Report, pods: Sequence[str]) -> list[str]:
-    """Of ``pods``, those that no longer wait unscheduled (the same pod: by UID), with why."""
+    """Of ``pods``, those that no longer wait unscheduled (the same pod: by UID), with why; a
+    Kueue workload's pods (none exists before Kueue admits it) by their workload, read again."""
     out: list[str] = []
+    workloads = {
+        report.wants[pod].gang.removeprefix("workload:"): report.uids.get(pod, "")
+        for pod in pods
+        if pod in report.workload_pods
+    }
+    if workloads:
+        out += workloads_not_waiting(cluster, workloads)
     for pod in pods:
         if pod in report.workload_pods:
-            continue  # a workload's pod, not made before Kueue admits it
+            continue
         namespace, name = pod.split("/", 1)
         view = cluster.get_pod(PodRef(namespace, name, report.uids.get(pod, "")))
         if view is None:

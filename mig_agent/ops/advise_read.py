@@ -134,12 +134,14 @@ def _add_workloads(
     pool.workloads = got.workloads
     pool.workloads_for_quota = dict(got.waiting_for_quota)
     pool.not_understood.update({f"workload {w}": why for w, why in got.not_understood.items()})
+    uid_of = {_workload_key(w): str((w.get("metadata") or {}).get("uid", "")) for w in workloads}
     for ps in got.pod_sets:
         allowed = [n.name for n in nodes if not ps.constraints.refusal(n.name, n.labels, n.taints)]
         active = frozenset(n for n in allowed if n in free)
         for pod in ps.pods():
             pool.allowed[pod] = allowed
             pool.workload_pods.add(pod)
+            pool.uids[pod] = uid_of.get(ps.workload, "")  # its workload's: no pod exists yet
             pool.wants.append(
                 Want(
                     pod,
@@ -150,6 +152,25 @@ def _add_workloads(
                     f"workload:{ps.workload}",
                 )
             )
+
+
+def _workload_key(workload: Mapping[str, Any]) -> str:
+    meta = workload.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def workloads_not_waiting(cluster: Cluster, keys: Mapping[str, str]) -> list[str]:
+    """Of the workloads ``keys`` names (namespace/name -> UID as read), those that no longer
+    wait on their admission checks, with why: gone, made again, admitted, held by quota."""
+    now = {_workload_key(w): w for w in _tolerant_kueue(cluster, "workloads")}
+    out = []
+    for key, uid in sorted(keys.items()):
+        w = now.get(key)
+        if w is None or str((w.get("metadata") or {}).get("uid", "")) != uid:
+            out.append(f"workload {key} is gone (deleted, or made again under another UID)")
+        elif why := kueue_demand.not_waiting(w):
+            out.append(f"workload {key} no longer waits on its admission checks ({why})")
+    return out
 
 
 def _tolerant_kueue(cluster: Cluster, plural: str) -> list[dict[str, Any]]:
