@@ -16,7 +16,8 @@ ServiceAccount, under the ClusterRole and admission policy the chart renders for
 * ``advise`` counts a pod asking nvidia.com/mig-1g.10gb as demand on a DRA node with whole GPUs:
   unserved while no class serves the name, a relabel of that node proposed once one does, which
   ``--apply`` makes, the pod then running there;
-* the chart renders the publisher (its Job a Helm hook) only with dra.deviceClasses.
+* the chart renders the publisher (its Job a Helm hook, and one removing the classes at
+  uninstall) only with dra.deviceClasses.
 
 Classes are cluster-wide: each test deletes every class of ours it leaves (the fixture).
 """
@@ -349,8 +350,13 @@ def test_the_chart_renders_the_publisher_only_when_asked(
         ("ValidatingAdmissionPolicy", "mig-agent-dra-classes-own-classes"),
         ("ValidatingAdmissionPolicyBinding", "mig-agent-dra-classes-own-classes"),
         ("Job", "mig-agent-dra-classes"),
+        ("Job", "mig-agent-dra-classes-remove"),
     }
-    by_kind = {d["kind"]: d for d in docs}
+    by_kind = {d["kind"]: d for d in docs if not d["metadata"]["name"].endswith("-remove")}
+    (remove,) = [d for d in docs if d["metadata"]["name"].endswith("-remove")]
+    assert remove["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    (container,) = remove["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["dra-classes", "--remove", "--apply"]
     assert by_kind["ClusterRole"]["rules"] == [
         {
             "apiGroups": ["resource.k8s.io"],

@@ -4,7 +4,8 @@ started by the real kubelet from the image built from the Containerfile, under t
 kubelet, reaching the API server through the `kubernetes` Service. It repartitions the node's GPUs
 through NVML, restarts NVIDIA's plugin pod and reports `success` once the real kubelet advertises
 the layout; deleted (SIGTERM from the kubelet), its DaemonSet's next pod finds the node done and
-changes nothing.
+changes nothing. With dra.deviceClasses on an upgrade, the chart's hook Job runs on the real
+node and publishes the DeviceClasses; the uninstall's removes them.
 
 On a cluster of its own: the session's may hold daemonset.yaml's objects, which Helm would refuse
 to take over."""
@@ -12,13 +13,18 @@ to take over."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.request
 from typing import Any
 
 import pytest
 from migsim.cluster import Cluster, images, real_node
+from migsim.cluster.seed_checks import CHART
 from migsim.cluster.waiting import wait_until
+
+from mig_agent.config.profiles import load_catalog
+from mig_agent.core import device_classes
 
 from .conftest import (
     CONFIG,
@@ -142,3 +148,36 @@ def test_a_rollout_of_the_agent_mid_drain_is_resumed_by_its_next_pod(chart: Clus
     assert node["status"]["allocatable"]["nvidia.com/mig-3g.40gb"] == "4"
     assert not node["spec"].get("unschedulable"), node["spec"]
     assert "mig-agent.dev/cordoned" not in node["metadata"]["annotations"]
+
+
+def _our_classes(c: Cluster) -> dict[str, str]:
+    """mig-agent's DeviceClasses (by its label): name -> the extended resource each serves."""
+    got = kube(c, "get", "deviceclasses", "-l", "app.kubernetes.io/managed-by=mig-agent")
+    return {d["metadata"]["name"]: d["spec"].get("extendedResourceName", "") for d in got["items"]}
+
+
+def _helm(node_cluster: NodeCluster, *args: str) -> None:
+    argv = [node_cluster.helm, "--kubeconfig", str(node_cluster.cluster.kubeconfig), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_device_class_jobs_run_on_the_real_node_at_upgrade_and_uninstall(
+    node_cluster: NodeCluster, chart: Cluster
+) -> None:
+    """dra.deviceClasses=true on an upgrade: Helm waits for its hook Job, which the real
+    kubelet runs from the chart's image under the chart's securityContext and ServiceAccount,
+    publishing one class per MIG profile of the packaged layouts; the uninstall's pre-delete
+    Job removes every one. Last in the module: it uninstalls the chart."""
+    c = chart
+    assert _our_classes(c) == {}
+    _helm(
+        node_cluster,
+        *("upgrade", "mig-agent", str(CHART), "-n", "mig-agent", "--reuse-values"),
+        *("--set", "dra.deviceClasses=true", "--timeout", "200s"),
+    )
+    want = device_classes.wanted(load_catalog([CHART / "files" / "profiles"]))
+    assert _our_classes(c) == {n: cls["spec"]["extendedResourceName"] for n, cls in want.items()}
+    assert len(want) > 10
+    _helm(node_cluster, "uninstall", "mig-agent", "-n", "mig-agent", "--timeout", "200s")
+    assert _our_classes(c) == {}
