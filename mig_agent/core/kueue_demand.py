@@ -28,6 +28,9 @@ placed on one node to that node (Kueue's ``podSetUpdates``, a ``kubernetes.io/ho
 selector Kueue adds to the pods when it admits the workload): its pods then take the devices
 promised to them, not those promised to the next workload. A pod set spread over several nodes
 cannot be pinned by one node selector, and is not; nor one whose template names a host itself.
+Every pod set the check placed also gets the label ``mig-agent.dev/admission-workload: <the
+workload's UID>``: the check finds the pods of an admitted workload by it (``pods_selector``),
+whichever kind of job (Job, JobSet, RayJob, plain pods...) makes them.
 
 Pure module: no I/O.
 """
@@ -43,6 +46,9 @@ from mig_agent.core.scheduling import PodConstraints, constraints_of
 
 QUOTA_RESERVED: Final = "QuotaReserved"
 HOSTNAME: Final = "kubernetes.io/hostname"
+# on the pods of a workload the check marked Ready (through podSetUpdates): its UID, by which
+# the check finds them, whatever kind of job made them
+WORKLOAD_LABEL: Final = "mig-agent.dev/admission-workload"
 ADMITTED: Final = "Admitted"
 FINISHED: Final = "Finished"
 
@@ -229,7 +235,9 @@ class Pins:
     def describe(self) -> str:
         """The pins for the check's message ("" for none)."""
         parts = [
-            f"pod set {u['name']} pinned to {u['nodeSelector'][HOSTNAME]}" for u in self.updates
+            f"pod set {u['name']} pinned to {u['nodeSelector'][HOSTNAME]}"
+            for u in self.updates
+            if "nodeSelector" in u
         ]
         parts += [f"pod set {ps} not pinned: {why}" for ps, why in self.not_pinned.items()]
         return "; ".join(parts)
@@ -247,6 +255,8 @@ def pod_set_updates(
         str(ps.get("name", "")): ps.get("template") or {}
         for ps in (workload.get("spec") or {}).get("podSets") or ()
     }
+    uid = str((workload.get("metadata") or {}).get("uid", ""))
+    labels = {WORKLOAD_LABEL: uid} if uid else {}
     updates: list[Mapping[str, Any]] = []
     odd: dict[str, str] = {}
     for name, nodes in sorted(by_set.items()):
@@ -258,6 +268,19 @@ def pod_set_updates(
             odd[name] = f"its template selects {HOSTNAME}={selector[HOSTNAME]} itself"
         elif not host:
             odd[name] = f"{next(iter(nodes))} has no {HOSTNAME} label"
-        else:
-            updates.append({"name": name, "nodeSelector": {HOSTNAME: host}})
+        update: dict[str, Any] = {"name": name, "labels": labels} if labels else {"name": name}
+        if name not in odd:
+            update["nodeSelector"] = {HOSTNAME: host}
+        if len(update) > 1:
+            updates.append(update)
     return Pins(tuple(updates), odd)
+
+
+def pods_selector(entry: Mapping[str, Any]) -> str:
+    """The label selector of the pods of a workload the check marked Ready (the label its
+    ``podSetUpdates`` put on them), or "" where they carry none (marked Ready before)."""
+    for update in entry.get("podSetUpdates") or ():
+        uid = (update.get("labels") or {}).get(WORKLOAD_LABEL)
+        if uid:
+            return f"{WORKLOAD_LABEL}={uid}"
+    return ""

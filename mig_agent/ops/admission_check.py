@@ -9,7 +9,8 @@
 2. reads the Workloads that reserved quota and whose ``status.admissionChecks[]`` entry of one
    of our checks is Pending (or Ready, not yet admitted: their devices stay promised), and the
    pool as ``advise`` reads it (mig_agent.ops.advise_read); a workload admitted after our check
-   was Ready whose Job's pods are not all bound yet holds the devices of those still to be;
+   was Ready whose pods (by the label its podSetUpdates gave them) are not all bound yet holds
+   the devices of those still to be;
 3. decides (mig_agent.core.admission_check) and writes: a relabel names its nodes in the
    Workload's annotation ``mig-agent.dev/admission-relabels`` first, then patches each node's
    layout label, conditional on its labels as read; Ready, Retry and Rejected set the entry's
@@ -198,28 +199,24 @@ def _admitted_unbound(
     pool: Pool,
     selector: str,
 ) -> list[Waiting]:
-    """Workloads admitted after our check was Ready whose Job's pods are not all bound yet
-    (made, scheduled: seconds after the admission): as Ready ones, holding the devices of the
-    pods still to be bound, so that no later workload is marked Ready on them."""
+    """Workloads admitted after our check was Ready whose pods are not all bound yet (made,
+    scheduled: seconds after the admission): as Ready ones, holding the devices of the pods
+    still to be bound, so that no later workload is marked Ready on them."""
     admitted = [
-        w
+        (w, found)
         for w in workloads
         if _is_true(w, "Admitted")
         and not _is_true(w, "Finished")
-        and any(_entry(w, c).get("state") == READY for c in checks)
-        and _job_of(w)
+        and (found := _pods_of(w, checks))
     ]
     if not admitted:
         return []
     nodes = cluster.list_nodes(selector)
     free = {s.node for s in pool.supplies}
     out = []
-    for w in admitted:
+    for w, found in admitted:
         meta = w.get("metadata") or {}
-        pods = cluster.list_pods(
-            namespace=str(meta.get("namespace", "")),
-            label_selector=f"batch.kubernetes.io/job-name={_job_of(w)}",
-        )
+        pods = cluster.list_pods(namespace=str(meta.get("namespace", "")), label_selector=found)
         done = sum(1 for p in pods if p.node or p.finished)
         # as not yet admitted, for the demand its pod sets make
         status = {**(w.get("status") or {})}
@@ -266,6 +263,21 @@ def _verified(
                 _relabelled(w),  # kept on the workload: verified again when it comes back
             )
     return replace(d, message=f"{d.message}; verified {', '.join(nodes)}")
+
+
+def _pods_of(workload: Mapping[str, Any], checks: Mapping[str, Params]) -> str:
+    """The label selector of the pods of ``workload`` where one of our checks marked it Ready:
+    the label that check's podSetUpdates put on them, else (marked Ready before the check set
+    labels) its Job's; "" for none."""
+    for check in checks:
+        entry = _entry(workload, check)
+        if entry.get("state") == READY:
+            found = kueue_demand.pods_selector(entry)
+            if found:
+                return found
+            job = _job_of(workload)
+            return f"batch.kubernetes.io/job-name={job}" if job else ""
+    return ""
 
 
 def _job_of(workload: Mapping[str, Any]) -> str:

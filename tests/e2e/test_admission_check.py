@@ -9,7 +9,8 @@ on the objects):
   all-3g.40gb, the agent reaches success, the controller marks the check Ready, Kueue admits the
   workload and unsuspends the Job, and both pods run on the node (the only one with 3g.40gb
   devices, two since the relabel: the scheduler placed them on the new devices), pinned there
-  by the check's podSetUpdates (a hostname node selector Kueue put on the pods); nothing
+  by the check's podSetUpdates (a hostname node selector and the workload's label, which
+  Kueue put on the pods); nothing
   was evicted (no pod of the test was deleted, the agent evicted none);
 * a Job asking mig-7g.80gb, which no approved layout offers, keeps waiting (suspended, its
   check Pending) with a message that says so, and an Event on its Workload;
@@ -344,10 +345,13 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     # pinned where its devices were made: Kueue put the check's node selector on the pods
     ready = check_entry(installed, namespace, "train")
     pin = {"kubernetes.io/hostname": node.name}
-    assert ready["podSetUpdates"] == [{"name": "main", "nodeSelector": pin}], ready
-    assert all(
-        (p.spec.node_selector or {}).items() >= pin.items() for p in _pods(core, namespace, "train")
-    )
+    train = workload(installed, namespace, "train")
+    assert train is not None
+    label = {"mig-agent.dev/admission-workload": train["metadata"]["uid"]}
+    assert ready["podSetUpdates"] == [{"name": "main", "labels": label, "nodeSelector": pin}]
+    pods = _pods(core, namespace, "train")
+    assert all((p.spec.node_selector or {}).items() >= pin.items() for p in pods)
+    assert all((p.metadata.labels or {}).items() >= label.items() for p in pods)
     assert node.gpu_resources() == {MIG_3G: 2}
     assert '"drain.evict' not in node.log_tail(2000) and "evicted" not in node.log_tail(2000)
 

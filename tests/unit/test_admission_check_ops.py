@@ -193,7 +193,11 @@ def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catal
     assert _entry(c, "train")["state"] == "Ready"
     # both pods on gpu-a: pinned there, so that they take the devices made for them
     assert _entry(c, "train")["podSetUpdates"] == [
-        {"name": "main", "nodeSelector": {"kubernetes.io/hostname": "host-a"}}
+        {
+            "name": "main",
+            "labels": {"mig-agent.dev/admission-workload": "train"},  # its UID
+            "nodeSelector": {"kubernetes.io/hostname": "host-a"},
+        }
     ]
     assert _entry(c, "train")["message"] == (
         "its 2 pod(s) fit on gpu-a; pod set main pinned to host-a"
@@ -285,6 +289,30 @@ def test_pins_go_with_ready_and_only_with_it(catalog: Any) -> None:
     assert d.verdict.value == "Wait", d
     assert _entry(c, "small")["state"] == "Pending"
     assert "podSetUpdates" not in _entry(c, "small")
+
+
+def test_an_admitted_workload_of_any_kind_holds_its_devices_until_its_pods_are_bound(
+    catalog: Any,
+) -> None:
+    """A JobSet's workload (no Job owns it): its pods found by the label the check's
+    podSetUpdates gave them."""
+    first = _workload("first", 2, MIG_3G, state="Ready")
+    first["metadata"]["ownerReferences"] = [{"kind": "JobSet", "name": "first"}]
+    first["status"]["conditions"][1] = {"type": "Admitted", "status": "True"}
+    label = {"mig-agent.dev/admission-workload": "first"}
+    first["status"]["admissionChecks"][0]["podSetUpdates"] = [{"name": "main", "labels": label}]
+    c = _pool(catalog, first, _workload("second", 1, MIG_3G))
+    _at(c, catalog, "gpu-a", "all-3g")  # two 3g.40gb, both for first's pods to come
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert (d.workload, d.verdict.value) == ("team/second", "Wait"), d
+    for i in range(2):  # first's pods made and bound: they hold the devices themselves now
+        c.add_pod("team", f"first-{i}", "gpu-a", gpu={MIG_3G: 1}, labels=label)
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Wait", d
+    [done] = [ref for ref in c.pods if ref.name == "first-1"]
+    c.pods[done] = dataclasses.replace(c.pods[done], phase="Succeeded")  # its device free
+    [d] = run_round(c, catalog, S, controller_name=CONTROLLER).decisions
+    assert d.verdict.value == "Ready", d
 
 
 def _verdict(node: str, ok: bool) -> Any:

@@ -6,6 +6,8 @@
 * a pod set spread over several nodes, one whose template selects a host itself (Kueue would
   refuse a second value for the key), and one on a node without the label are not pinned,
   each saying why;
+* every pod set placed gets the workload's UID as a label, pinned or not, by which the check
+  finds its pods once admitted;
 * the pod set of a want's name is read back whatever the workload's name holds.
 """
 
@@ -14,18 +16,26 @@ from __future__ import annotations
 from typing import Any
 
 from mig_agent.core.demand import Ask
-from mig_agent.core.kueue_demand import HOSTNAME, PodSetDemand, pod_set_of, pod_set_updates
+from mig_agent.core.kueue_demand import (
+    HOSTNAME,
+    WORKLOAD_LABEL,
+    PodSetDemand,
+    pod_set_of,
+    pod_set_updates,
+    pods_selector,
+)
 from mig_agent.core.scheduling import constraints_of
 
 
-def _workload(*pod_sets: tuple[str, dict[str, str]]) -> dict[str, Any]:
+def _workload(*pod_sets: tuple[str, dict[str, str]], uid: str = "") -> dict[str, Any]:
     return {
+        "metadata": {"uid": uid},
         "spec": {
             "podSets": [
                 {"name": n, "count": 2, "template": {"spec": {"nodeSelector": sel}}}
                 for n, sel in pod_sets
             ]
-        }
+        },
     }
 
 
@@ -57,7 +67,7 @@ def test_pod_sets_that_cannot_be_pinned_say_why() -> None:
         "team/t[odd/0]": "bare",
     }
     pins = pod_set_updates(w, placed, HOSTS)
-    assert pins.updates == ()
+    assert pins.updates == ()  # a workload without a UID (never so in the API): no label
     assert pins.not_pinned == {
         "fixed": f"its template selects {HOSTNAME}=host-a itself",
         "odd": f"bare has no {HOSTNAME} label",
@@ -70,3 +80,20 @@ def test_the_pod_set_of_a_wants_name() -> None:
         "team/a[b]/c", "main", 2, Ask("nvidia.com/mig-1g.10gb", 1), constraints_of({})
     )
     assert [pod_set_of(p) for p in ps.pods()] == ["main", "main"]
+
+
+def test_every_placed_pod_set_gets_the_workloads_label_pinned_or_not() -> None:
+    w = _workload(("workers", {}), ("spread", {}), uid="uid-1")
+    placed = {
+        "team/t[workers/0]": "gpu-a",
+        "team/t[spread/0]": "gpu-a",
+        "team/t[spread/1]": "gpu-b",
+    }
+    label = {WORKLOAD_LABEL: "uid-1"}
+    entry = {"podSetUpdates": list(pod_set_updates(w, placed, HOSTS).updates)}
+    assert entry["podSetUpdates"] == [
+        {"name": "spread", "labels": label},
+        {"name": "workers", "labels": label, "nodeSelector": {HOSTNAME: "host-a"}},
+    ]
+    assert pods_selector(entry) == f"{WORKLOAD_LABEL}=uid-1"
+    assert pods_selector({}) == ""
