@@ -150,11 +150,13 @@ def _with_flavors(
 @dataclass(frozen=True, slots=True)
 class _Objects:
     """What pod sets name: ResourceFlavors by name, ResourceClaimTemplates and ResourceClaims
-    by (namespace, name)."""
+    by (namespace, name); ``by_claim``: whether the caller read those (else claims are not
+    looked at, as before they were read)."""
 
     flavors: Mapping[str, Mapping[str, Any]]
     templates: Objects
     claims: Objects
+    by_claim: bool
 
 
 # what a pod asks and, where a shared claim asks it for the pod set, the claim ("": each pod)
@@ -194,7 +196,8 @@ def _claims_ask(namespace: str, spec: Mapping[str, Any], objects: _Objects) -> _
 def _ask(namespace: str, template: Mapping[str, Any], objects: _Objects) -> _Asked | str | None:
     """What a pod of ``template`` asks, by resources or by claims; why that is not understood;
     None: no GPU device."""
-    by_claims = _claims_ask(namespace, template.get("spec") or {}, objects)
+    spec = template.get("spec") or {}
+    by_claims = _claims_ask(namespace, spec, objects) if objects.by_claim else None
     requests = _requests(template)
     if isinstance(by_claims, str) or not requests:
         return by_claims
@@ -261,8 +264,10 @@ def workload_demand(
 ) -> WorkloadDemand:
     """The GPU demand of the Workloads that wait on admission checks (see the module);
     ``flavors`` are the ResourceFlavors by name, ``templates`` and ``claims`` the
-    ResourceClaimTemplates and ResourceClaims by (namespace, name)."""
-    objects = _Objects(flavors or {}, templates or {}, claims or {})
+    ResourceClaimTemplates and ResourceClaims by (namespace, name): with neither given, pod
+    sets' claims are not read (a pod set asking by claim only is no demand)."""
+    by_claim = templates is not None or claims is not None
+    objects = _Objects(flavors or {}, templates or {}, claims or {}, by_claim)
     out: list[PodSetDemand] = []
     quota: dict[str, str] = {}
     odd: dict[str, str] = {}

@@ -269,9 +269,17 @@ def test_a_template_or_claim_not_found_is_not_understood_naming_it() -> None:
         "team/lost": "pod set 'main': ResourceClaimTemplate team/gone not found"
     }
     w = _by_claim("lost", 2, {"name": "gpus", "resourceClaimName": "gone"})
-    assert workload_demand([w]).not_understood == {
+    assert workload_demand([w], claims={}).not_understood == {
         "team/lost": "pod set 'main': ResourceClaim team/gone not found"
     }
+
+
+def test_without_templates_or_claims_given_claims_are_not_read() -> None:
+    # admission_check's admitted workloads: a pod set by resource still asks what it asked
+    entry = {"name": "gpus", "resourceClaimTemplateName": "gone"}
+    assert workload_demand([_by_claim("by-claim", 2, entry)]) == workload_demand([])
+    (ps,) = workload_demand([_by_claim("both", 2, entry, requests={MIG_1G: 1})]).pod_sets
+    assert (ps.count, ps.ask.kind) == (2, MIG_1G)
 
 
 def test_claims_of_several_kinds_or_claims_and_resources_are_not_understood() -> None:
