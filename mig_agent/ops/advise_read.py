@@ -1,7 +1,8 @@
 """What ``advise`` reads of the cluster: the pending pods no node can take today for want of GPU
 devices, and Kueue's workloads that wait on admission checks (demand), and the GPU nodes with
 what each approved layout would do there (supply). One look at nodes, pods, ResourceSlices,
-ResourceClaims, PodDisruptionBudgets and Kueue's Workloads and ResourceFlavors; no patch.
+ResourceClaims, PodDisruptionBudgets and Kueue's Workloads and ResourceFlavors (and the
+ResourceClaimTemplates a workload's pod set names); no patch.
 ``read_node`` looks again at one node, for ``advise --apply`` just before its relabel.
 """
 
