@@ -105,6 +105,9 @@ class ObserveOnlyCluster(Cluster):
     def list_resource_claims(self, namespace: str = "") -> list[dict[str, Any]]:
         return self._inner.list_resource_claims(namespace)
 
+    def list_resource_claim_templates(self, namespace: str = "") -> list[dict[str, Any]]:
+        return self._inner.list_resource_claim_templates(namespace)
+
     def list_device_classes(self) -> list[dict[str, Any]]:
         return self._inner.list_device_classes()
 

@@ -1,14 +1,36 @@
 """Kueue's queued work as GPU demand for ``advise``: the Workloads (``kueue.x-k8s.io``, v1beta2
 or v1beta1: the fields read here are the same in both, Kueue v0.17's CRDs) that reserved quota
 but are not admitted yet, i.e. wait on their admission checks, and whose pod sets ask for MIG
-devices (``nvidia.com/mig-*``) or whole GPUs (``nvidia.com/gpu``).
+devices (``nvidia.com/mig-*``) or whole GPUs (``nvidia.com/gpu``), or for devices of NVIDIA's
+DRA driver by ResourceClaim (``dra:<profile>``, ``dra:gpu``, read by
+mig_agent.core.demand.from_claims as a pending pod's claims are).
 
 A suspended Job has no pods until Kueue admits its Workload, so this demand is nowhere else:
 each pod set is ``count`` pods (the count its quota was reserved for, where the admission says
 so: a partial admission reserves fewer), each asking what the pod template's containers ask,
 placed by the template's nodeSelector, node affinity and tolerations, and those of the
-ResourceFlavor its GPU resource was assigned (Kueue adds them to the pods when it admits).
+ResourceFlavors assigned to the pod set (Kueue adds them all to its pods when it admits).
 All pods of a workload are one gang: Kueue admits a workload whole.
+
+A pod set's ResourceClaims (its template's ``spec.resourceClaims``, in the workload's
+namespace):
+
+- ``resourceClaimTemplateName``: each pod gets its own claim made from the template, so each of
+  the ``count`` pods asks what the ResourceClaimTemplate's ``spec.spec`` requests ask;
+- ``resourceClaimName``: one claim that all the pod set's pods share, its devices allocated
+  once, on one node, where its pods then all run: unallocated, it is one ask for the pod set
+  (``namespace/workload[pod-set/claim:<name>]``); allocated, it asks nothing more. A pod set
+  with both a shared claim and per-pod ones is not understood: the per-pod devices would have
+  to be on the shared claim's node, which the search cannot say.
+
+What Kueue v0.17 itself does with them: nothing unless its ``DynamicResourceAllocation``
+feature gate (alpha, off by default) is on. Then a workload naming a ``resourceClaimName`` is
+inadmissible, and a template's requests count as quota by DeviceClass, mapped to a logical
+resource by the configuration's ``resources.deviceClassMappings`` (per pod, times the pods);
+CEL selectors, ``firstAvailable``, ``allocationMode: All``, constraints and device config make
+the workload inadmissible. So with the gate on, a claim by profile (a CEL selector) never
+reserves quota and only whole-GPU (``gpu.nvidia.com``) claims become demand here; with it off,
+claims take no quota and Kueue reserves what the containers ask.
 
 Left out, and counted, with the reason:
 
@@ -18,10 +40,10 @@ Left out, and counted, with the reason:
 - admitted workloads: their Jobs run pods, and pods that are Pending count as pods already
   (counting the workload too would count them twice);
 - finished or deactivated workloads;
-- pod sets that ask for no GPU device are not demand; a workload whose GPU ask is not
-  understood (several device kinds in one pod) is left out naming why.
-
-DRA claims by profile in pod set templates (ResourceClaimTemplates) are not read yet.
+- pod sets that ask for no GPU device are not demand (a claim of another driver's class asks
+  none); a workload whose GPU ask is not understood (several device kinds in one pod, by
+  resource and by claim too; a claim request from_claims does not understand; a
+  ResourceClaimTemplate or shared ResourceClaim not found) is left out naming why.
 
 When the check marks a workload Ready, ``pod_set_updates`` pins each pod set whose pods were all
 placed on one node to that node (Kueue's ``podSetUpdates``, a ``kubernetes.io/hostname`` node
@@ -52,6 +74,9 @@ WORKLOAD_LABEL: Final = "mig-agent.dev/admission-workload"
 ADMITTED: Final = "Admitted"
 FINISHED: Final = "Finished"
 
+# resource.k8s.io/v1 objects by (namespace, name): ResourceClaimTemplates, ResourceClaims
+Objects = Mapping[tuple[str, str], Mapping[str, Any]]
+
 
 @dataclass(frozen=True, slots=True)
 class PodSetDemand:
@@ -62,9 +87,13 @@ class PodSetDemand:
     count: int
     ask: demand.Ask
     constraints: PodConstraints
+    shared_claim: str = ""  # the pod set's shared ResourceClaim that ``ask`` stands for
 
     def pods(self) -> list[str]:
-        """A name per pod, for advise's tables: ``namespace/workload[pod-set/i]``."""
+        """A name per pod, for advise's tables: ``namespace/workload[pod-set/i]``; for a shared
+        claim, its one ask: ``namespace/workload[pod-set/claim:<name>]``."""
+        if self.shared_claim:
+            return [f"{self.workload}[{self.pod_set}/claim:{self.shared_claim}]"]
         return [f"{self.workload}[{self.pod_set}/{i}]" for i in range(self.count)]
 
 
@@ -112,37 +141,108 @@ def _assignments(workload: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return {str(a.get("name", "")): a for a in admission.get("podSetAssignments") or ()}
 
 
-def _with_flavor(spec: Mapping[str, Any], flavor: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """The pod spec with the flavor's node labels and tolerations added, as Kueue does."""
-    if not flavor:
+def _with_flavors(
+    spec: Mapping[str, Any], flavors: Sequence[Mapping[str, Any]]
+) -> Mapping[str, Any]:
+    """The pod spec with the flavors' node labels and tolerations added, as Kueue does."""
+    if not flavors:
         return spec
-    fspec = flavor.get("spec") or {}
+    labels: dict[str, Any] = {}
+    tolerations = list(spec.get("tolerations") or ())
+    for flavor in flavors:
+        fspec = flavor.get("spec") or {}
+        labels.update(fspec.get("nodeLabels") or {})
+        tolerations += fspec.get("tolerations") or ()
     return {
         **spec,
-        "nodeSelector": {**(fspec.get("nodeLabels") or {}), **(spec.get("nodeSelector") or {})},
-        "tolerations": [*(spec.get("tolerations") or ()), *(fspec.get("tolerations") or ())],
+        "nodeSelector": {**labels, **(spec.get("nodeSelector") or {})},
+        "tolerations": tolerations,
     }
 
 
-def _pod_set(
-    name: str,
-    pod_set: Mapping[str, Any],
-    assignment: Mapping[str, Any],
-    flavors: Mapping[str, Mapping[str, Any]],
-) -> PodSetDemand | str | None:
-    """One pod set's demand, why it is not understood, or None when it asks for no GPU."""
-    template = pod_set.get("template") or {}
+@dataclass(frozen=True, slots=True)
+class _Objects:
+    """What pod sets name: ResourceFlavors by name, ResourceClaimTemplates and ResourceClaims
+    by (namespace, name); ``by_claim``: whether the caller read those (else claims are not
+    looked at, as before they were read)."""
+
+    flavors: Mapping[str, Mapping[str, Any]]
+    templates: Objects
+    claims: Objects
+    by_claim: bool
+
+
+# what a pod asks and, where a shared claim asks it for the pod set, the claim ("": each pod)
+_Asked = tuple[demand.Ask, str]
+
+
+def _claims_ask(namespace: str, spec: Mapping[str, Any], objects: _Objects) -> _Asked | str | None:
+    """What the pod spec's ResourceClaims ask of NVIDIA's DRA driver, why that is not
+    understood, or None: nothing."""
+    per_pod: list[Mapping[str, Any]] = []
+    shared: dict[str, Mapping[str, Any]] = {}
+    for entry in spec.get("resourceClaims") or ():
+        if template_name := entry.get("resourceClaimTemplateName"):
+            template = objects.templates.get((namespace, str(template_name)))
+            if template is None:
+                return f"ResourceClaimTemplate {namespace}/{template_name} not found"
+            # the claim a pod gets from it, named for the messages
+            name = f"{entry.get('name', '')} (template {template_name})"
+            spec_of = (template.get("spec") or {}).get("spec") or {}
+            per_pod.append({"metadata": {"name": name}, "spec": spec_of})
+        elif claim_name := entry.get("resourceClaimName"):
+            claim = objects.claims.get((namespace, str(claim_name)))
+            if claim is None:
+                return f"ResourceClaim {namespace}/{claim_name} not found"
+            shared[str(claim_name)] = claim
+    each, once = demand.from_claims(per_pod), demand.from_claims(shared.values())
+    if isinstance(each, str) or isinstance(once, str):
+        return each if isinstance(each, str) else str(once)
+    if each is not None and once is not None:
+        return "asks for devices per pod and a shared claim at once, which is not understood"
+    if once is not None:
+        asking = [n for n, c in shared.items() if demand.from_claims([c]) is not None]
+        return once, ",".join(asking)
+    return None if each is None else (each, "")
+
+
+def _ask(namespace: str, template: Mapping[str, Any], objects: _Objects) -> _Asked | str | None:
+    """What a pod of ``template`` asks, by resources or by claims; why that is not understood;
+    None: no GPU device."""
+    spec = template.get("spec") or {}
+    by_claims = _claims_ask(namespace, spec, objects) if objects.by_claim else None
     requests = _requests(template)
-    if not requests:
-        return None
+    if isinstance(by_claims, str) or not requests:
+        return by_claims
     ask = demand.from_requests(requests)
     if isinstance(ask, str):
-        return f"pod set {pod_set.get('name', '')!r} {ask}"
-    flavor_name = (assignment.get("flavors") or {}).get(ask.kind)
-    flavor = flavors.get(str(flavor_name)) if flavor_name else None
-    spec = _with_flavor(template.get("spec") or {}, flavor)
-    count = assignment.get("count", pod_set.get("count", 1))
-    return PodSetDemand(name, str(pod_set.get("name", "")), int(count), ask, constraints_of(spec))
+        return ask
+    if by_claims is not None:
+        return f"asks for several GPU device kinds at once ({ask.kind}, {by_claims[0].kind})"
+    return ask, ""
+
+
+def _pod_set(
+    workload: str,
+    pod_set: Mapping[str, Any],
+    assignment: Mapping[str, Any],
+    objects: _Objects,
+) -> PodSetDemand | str | None:
+    """One pod set's demand, why it is not understood, or None when it asks for no GPU."""
+    name = str(pod_set.get("name", ""))
+    template = pod_set.get("template") or {}
+    got = _ask(workload.split("/", 1)[0], template, objects)
+    if got is None:
+        return None
+    if isinstance(got, str):
+        return f"pod set {name!r}: {got}"
+    ask, shared = got
+    assigned = dict.fromkeys(str(f) for f in (assignment.get("flavors") or {}).values())
+    flavors = [objects.flavors[f] for f in assigned if f in objects.flavors]
+    spec = _with_flavors(template.get("spec") or {}, flavors)
+    pods = int(assignment.get("count", pod_set.get("count", 1)))
+    count = min(pods, 1) if shared else pods  # a shared claim's devices: once for them all
+    return PodSetDemand(workload, name, count, ask, constraints_of(spec), shared)
 
 
 def _skip(workload: Mapping[str, Any]) -> str | None:
@@ -171,10 +271,16 @@ def _quota_wait(workload: Mapping[str, Any]) -> str:
 def workload_demand(
     workloads: Iterable[Mapping[str, Any]],
     flavors: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    templates: Objects | None = None,
+    claims: Objects | None = None,
 ) -> WorkloadDemand:
     """The GPU demand of the Workloads that wait on admission checks (see the module);
-    ``flavors`` are the ResourceFlavors by name."""
-    flavors = flavors or {}
+    ``flavors`` are the ResourceFlavors by name, ``templates`` and ``claims`` the
+    ResourceClaimTemplates and ResourceClaims by (namespace, name): with neither given, pod
+    sets' claims are not read (a pod set asking by claim only is no demand)."""
+    by_claim = templates is not None or claims is not None
+    objects = _Objects(flavors or {}, templates or {}, claims or {}, by_claim)
     out: list[PodSetDemand] = []
     quota: dict[str, str] = {}
     odd: dict[str, str] = {}
@@ -182,7 +288,7 @@ def workload_demand(
         name = _name(w)
         if _skip(w) is not None:
             continue
-        found = _pod_sets(name, w, flavors)
+        found = _pod_sets(name, w, objects)
         if isinstance(found, str):
             odd[name] = found
         elif found:
@@ -195,13 +301,13 @@ def workload_demand(
 
 
 def _pod_sets(
-    name: str, workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]
+    name: str, workload: Mapping[str, Any], objects: _Objects
 ) -> Sequence[PodSetDemand] | str:
     """The GPU pod sets of ``workload``, or why one of them is not understood."""
     assignments = _assignments(workload)
     found: list[PodSetDemand] = []
     for ps in (workload.get("spec") or {}).get("podSets") or ():
-        got = _pod_set(name, ps, assignments.get(str(ps.get("name", ""))) or {}, flavors)
+        got = _pod_set(name, ps, assignments.get(str(ps.get("name", ""))) or {}, objects)
         if isinstance(got, str):
             return got
         if got is not None and got.count > 0:

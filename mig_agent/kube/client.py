@@ -99,6 +99,8 @@ _REPEAT: Final[Mapping[str, Repeat]] = {
             "list_resource_slice",
             "list_namespaced_resource_claim",
             "list_resource_claim_for_all_namespaces",
+            "list_namespaced_resource_claim_template",
+            "list_resource_claim_template_for_all_namespaces",
             "list_namespaced_pod_disruption_budget",
             "list_pod_disruption_budget_for_all_namespaces",
             "list_cluster_custom_object",
@@ -827,6 +829,14 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
                 got = self._call(self._resource.list_namespaced_resource_claim, namespace)
             else:
                 got = self._call(self._resource.list_resource_claim_for_all_namespaces)
+        return list(got["items"])
+
+    def list_resource_claim_templates(self, namespace: str = "") -> list[dict[str, Any]]:
+        with _kube("list resourceclaimtemplates", namespace=namespace):
+            if namespace:
+                got = self._call(self._resource.list_namespaced_resource_claim_template, namespace)
+            else:
+                got = self._call(self._resource.list_resource_claim_template_for_all_namespaces)
         return list(got["items"])
 
     def list_device_classes(self) -> list[dict[str, Any]]:

@@ -246,6 +246,11 @@ class Cluster(Protocol):
         the API returns them."""
         ...
 
+    def list_resource_claim_templates(self, namespace: str = "") -> list[dict[str, Any]]:
+        """The ResourceClaimTemplates of ``namespace`` ("": of every namespace;
+        resource.k8s.io/v1), as the API returns them."""
+        ...
+
     def list_device_classes(self) -> list[dict[str, Any]]:
         """Every DeviceClass of the cluster (resource.k8s.io/v1), as the API returns them."""
         ...

@@ -40,7 +40,6 @@ import structlog
 from mig_agent.config.settings import Settings
 from mig_agent.core import kueue_demand
 from mig_agent.core.admission_check import Decision, Params, Target, Verdict, Waiting, decide
-from mig_agent.core.advise_assign import Want
 from mig_agent.core.errors import KubeError, LabelsChanged
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import KUEUE_GROUP, KUEUE_VERSIONS, KueueCluster, ObjectRef
@@ -92,9 +91,14 @@ def run_round(
     objects = _waiting_workloads(workloads, params)
     if not objects:
         return Round(activated)
-    pool = read_pool(cluster, catalog, settings, selector=selector, allow_evict=True)
+    admitted = _admitted_unbound(workloads, params)
+    as_waiting = {_key(w): _as_waiting(w) for w, _ in admitted}
+    read = [as_waiting.get(_key(w), w) for w in workloads]
+    pool = read_pool(
+        cluster, catalog, settings, selector=selector, allow_evict=True, workloads=read
+    )
     waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
-    held = _admitted_unbound(cluster, workloads, params, pool, selector)
+    held = _held(cluster, admitted, pool)
     decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
     decisions = decisions[: len(waiting)]
     skipped: dict[str, str] = {}
@@ -193,43 +197,39 @@ def _waiting_workloads(
 
 
 def _admitted_unbound(
-    cluster: KueueCluster,
-    workloads: Sequence[Mapping[str, Any]],
-    checks: Mapping[str, Params],
-    pool: Pool,
-    selector: str,
-) -> list[Waiting]:
-    """Workloads admitted after our check was Ready whose pods are not all bound yet (made,
-    scheduled: seconds after the admission): as Ready ones, holding the devices of the pods
-    still to be bound, so that no later workload is marked Ready on them."""
-    admitted = [
+    workloads: Sequence[Mapping[str, Any]], checks: Mapping[str, Params]
+) -> list[tuple[Mapping[str, Any], str]]:
+    """The workloads admitted after one of our checks was Ready and not finished, each with
+    the label selector of its pods."""
+    return [
         (w, found)
         for w in workloads
         if _is_true(w, "Admitted")
         and not _is_true(w, "Finished")
         and (found := _pods_of(w, checks))
     ]
-    if not admitted:
-        return []
-    nodes = cluster.list_nodes(selector)
-    free = {s.node for s in pool.supplies}
+
+
+def _as_waiting(workload: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``workload`` as not yet admitted: read as demand, its pod sets' as they wait."""
+    status = {**(workload.get("status") or {})}
+    status["conditions"] = [c for c in _conditions(workload) if c.get("type") != "Admitted"]
+    return {**workload, "status": status}
+
+
+def _held(
+    cluster: KueueCluster, admitted: Sequence[tuple[Mapping[str, Any], str]], pool: Pool
+) -> list[Waiting]:
+    """The admitted workloads whose pods are not all bound yet (made, scheduled: seconds after
+    the admission), as Ready ones holding the devices of the pods still to be bound, so that
+    no later workload is marked Ready on them. Their wants are those read for them as demand
+    (asks by claim included, renamed on DRA nodes as a waiting workload's are)."""
     out = []
     for w, found in admitted:
         meta = w.get("metadata") or {}
         pods = cluster.list_pods(namespace=str(meta.get("namespace", "")), label_selector=found)
         done = sum(1 for p in pods if p.node or p.finished)
-        # as not yet admitted, for the demand its pod sets make
-        status = {**(w.get("status") or {})}
-        status["conditions"] = [c for c in _conditions(w) if c.get("type") != "Admitted"]
-        got = kueue_demand.workload_demand([{**w, "status": status}])
-        wants = []
-        for ps in got.pod_sets:
-            allowed = frozenset(
-                n.name
-                for n in nodes
-                if n.name in free and not ps.constraints.refusal(n.name, n.labels, n.taints)
-            )
-            wants += [Want(pod, ps.ask.kind, ps.ask.count, allowed) for pod in ps.pods()]
+        wants = [x for x in pool.wants if x.gang == f"workload:{_key(w)}"]
         if len(wants) > done:
             out.append(Waiting(_key(w), tuple(wants[done:]), ready=True))
     return out

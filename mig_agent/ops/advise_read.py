@@ -1,7 +1,8 @@
 """What ``advise`` reads of the cluster: the pending pods no node can take today for want of GPU
 devices, and Kueue's workloads that wait on admission checks (demand), and the GPU nodes with
 what each approved layout would do there (supply). One look at nodes, pods, ResourceSlices,
-ResourceClaims, PodDisruptionBudgets and Kueue's Workloads and ResourceFlavors; no patch.
+ResourceClaims, PodDisruptionBudgets and Kueue's Workloads and ResourceFlavors (and the
+ResourceClaimTemplates a workload's pod set names); no patch.
 ``read_node`` looks again at one node, for ``advise --apply`` just before its relabel.
 """
 
@@ -27,7 +28,7 @@ from mig_agent.core.labels import State
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.core.snapshot import from_json
 from mig_agent.kube.cluster import Cluster, NodeView, PdbView, PodView
-from mig_agent.ops.dra_view import DraView
+from mig_agent.ops.dra_view import DraView, tolerant
 from mig_agent.ops.dra_view import read as dra_view_of
 
 
@@ -66,9 +67,11 @@ def read_pool(
     selector: str = "",
     allow_evict: bool = False,
     generated: bool = False,
+    workloads: Sequence[Mapping[str, Any]] | None = None,
 ) -> Pool:
     """Demand and supply of the GPU nodes ``selector`` picks; with ``generated``, the layouts
-    generated for GPU models the catalog does not cover are candidates too."""
+    generated for GPU models the catalog does not cover are candidates too; ``workloads``:
+    Kueue's Workloads to read as demand (None: as listed now)."""
     s = settings
     pool = Pool()
     dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
@@ -113,44 +116,48 @@ def read_pool(
         if p.node or p.phase != "Pending" or p.terminating:
             continue
         _add_want(pool, p, nodes, free, claims, (names, dra_nodes))
-    _add_workloads(pool, cluster, nodes, free)
+    if workloads is None:
+        workloads = _tolerant_kueue(cluster, "workloads")
+    _add_workloads(pool, cluster, (nodes, workloads), free, claims, (names, dra_nodes))
     return pool
 
 
 def _add_workloads(
-    pool: Pool, cluster: Cluster, nodes: Sequence[NodeView], free: Mapping[str, Mapping[str, int]]
+    pool: Pool,
+    cluster: Cluster,
+    read: tuple[Sequence[NodeView], Sequence[Mapping[str, Any]]],
+    free: Mapping[str, Mapping[str, int]],
+    claims: Mapping[tuple[str, str], Mapping[str, Any]],
+    served: tuple[Mapping[str, str], frozenset[str]],
 ) -> None:
     """Kueue's workloads that wait on admission checks (mig_agent.core.kueue_demand): each pod
-    of a pod set one want, the workload's pods one gang. Nothing where Kueue is not installed
-    or its workloads may not be read."""
-    workloads = _tolerant_kueue(cluster, "workloads")
+    of a pod set one want, the workload's pods one gang; asks by claim renamed and kept to DRA
+    nodes as a pending pod's are (``served``: see _add_want). Nothing where Kueue is not
+    installed or its workloads may not be read. ``read``: the GPU nodes and the Workloads."""
+    nodes, workloads = read
     if not workloads:
         return
     flavors = {
         str((f.get("metadata") or {}).get("name", "")): f
         for f in _tolerant_kueue(cluster, "resourceflavors")
     }
-    got = kueue_demand.workload_demand(workloads, flavors)
+    templates, claims = _claimed(cluster, workloads, claims)
+    got = kueue_demand.workload_demand(workloads, flavors, templates=templates, claims=claims)
     pool.workloads = got.workloads
     pool.workloads_for_quota = dict(got.waiting_for_quota)
     pool.not_understood.update({f"workload {w}": why for w, why in got.not_understood.items()})
     uid_of = {_workload_key(w): str((w.get("metadata") or {}).get("uid", "")) for w in workloads}
     for ps in got.pod_sets:
         allowed = [n.name for n in nodes if not ps.constraints.refusal(n.name, n.labels, n.taints)]
-        active = frozenset(n for n in allowed if n in free)
+        ask, on = _on_dra(ps.ask, allowed, served)
+        active = frozenset(n for n in on if n in free)
         for pod in ps.pods():
             pool.allowed[pod] = allowed
             pool.workload_pods.add(pod)
             pool.uids[pod] = uid_of.get(ps.workload, "")  # its workload's: no pod exists yet
+            gang = f"workload:{ps.workload}"
             pool.wants.append(
-                Want(
-                    pod,
-                    ps.ask.kind,
-                    ps.ask.count,
-                    active,
-                    ps.constraints.describe(),
-                    f"workload:{ps.workload}",
-                )
+                Want(pod, ask.kind, ask.count, active, ps.constraints.describe(), gang)
             )
 
 
@@ -171,6 +178,28 @@ def workloads_not_waiting(cluster: Cluster, keys: Mapping[str, str]) -> list[str
         elif why := kueue_demand.not_waiting(w):
             out.append(f"workload {key} no longer waits on its admission checks ({why})")
     return out
+
+
+def _claimed(
+    cluster: Cluster,
+    workloads: Sequence[Mapping[str, Any]],
+    claims: Mapping[tuple[str, str], Mapping[str, Any]],
+) -> tuple[kueue_demand.Objects, kueue_demand.Objects]:
+    """The ResourceClaimTemplates and ResourceClaims (those read already where DRA nodes are,
+    else listed) by (namespace, name), listed only where a pod set names one; none where they
+    may not be read (such a pod set is then not understood, naming what was not found)."""
+    entries = [
+        e
+        for w in workloads
+        for ps in (w.get("spec") or {}).get("podSets") or ()
+        for e in (((ps.get("template") or {}).get("spec") or {}).get("resourceClaims") or ())
+    ]
+    templates: kueue_demand.Objects = {}
+    if any(e.get("resourceClaimTemplateName") for e in entries):
+        templates = _by_key(tolerant(cluster.list_resource_claim_templates))
+    if not claims and any(e.get("resourceClaimName") for e in entries):
+        claims = _by_key(tolerant(cluster.list_resource_claims))
+    return templates, claims
 
 
 def _tolerant_kueue(cluster: Cluster, plural: str) -> list[dict[str, Any]]:
@@ -227,9 +256,14 @@ def within_budgets(cluster: Cluster, option: Option, running: Sequence[PodView])
 
 
 def _claims_by_name(dra: DraView) -> dict[tuple[str, str], Mapping[str, Any]]:
+    return _by_key(dra.claims)
+
+
+def _by_key(objects: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """Namespaced objects by (namespace, name)."""
     return {
         (c.get("metadata", {}).get("namespace", ""), c.get("metadata", {}).get("name", "")): c
-        for c in dra.claims
+        for c in objects
     }
 
 
@@ -436,12 +470,20 @@ def _add_want(
         return
     allowed = [n.name for n in nodes if not pod.constraints.refusal(n.name, n.labels, n.taints)]
     pool.allowed[name] = allowed
-    names, dra_nodes = served
-    if ask.kind in names:  # asked by claim: a DRA node's device, under the resource's name
-        ask = demand.Ask(names[ask.kind], ask.count)
-        allowed = [n for n in allowed if n in dra_nodes]
+    ask, allowed = _on_dra(ask, allowed, served)
     if any(free.get(n, {}).get(ask.kind, 0) >= ask.count for n in allowed):
         return  # a node can take it today: the scheduler's to place
     active = frozenset(n for n in allowed if n in free)
     gang = demand.gang_of(pod.ref.namespace, pod.labels)
     pool.wants.append(Want(name, ask.kind, ask.count, active, pod.constraints.describe(), gang))
+
+
+def _on_dra(
+    ask: demand.Ask, allowed: list[str], served: tuple[Mapping[str, str], frozenset[str]]
+) -> tuple[demand.Ask, list[str]]:
+    """An ask by claim renamed to the resource a DeviceClass serves it as (so is a DRA node's
+    supply), and the nodes allowed kept to DRA nodes: only there is such a device to be had."""
+    names, dra_nodes = served
+    if ask.kind not in names:
+        return ask, allowed
+    return demand.Ask(names[ask.kind], ask.count), [n for n in allowed if n in dra_nodes]

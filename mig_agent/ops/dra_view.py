@@ -28,15 +28,17 @@ class DraView:
 
 
 def read(cluster: Cluster, *, claims: bool = False) -> DraView:
-    slices = _tolerant(cluster.list_resource_slices)
+    slices = tolerant(cluster.list_resource_slices)
     # no slice of the driver: no DRA node, and no claim of one to read
     wanted = claims and any(
         (s.get("spec") or {}).get("driver") == dra_devices.DRIVER for s in slices
     )
-    return DraView(slices, _tolerant(cluster.list_resource_claims) if wanted else [])
+    return DraView(slices, tolerant(cluster.list_resource_claims) if wanted else [])
 
 
-def _tolerant(listing: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def tolerant(listing: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """What ``listing`` lists; nothing where the API does not serve it or the caller may not
+    read it (403, 404)."""
     try:
         return listing()
     except KubeError as exc:

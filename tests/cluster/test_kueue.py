@@ -10,7 +10,12 @@ migsim.cluster.kueue; Kubernetes' Job controller), and ``advise`` reading its qu
   which the test sets as its controller would): its Workload reserves quota and waits on the
   check; ``advise`` reads it as demand (two pods asking 3g.40gb each) and proposes the relabel
   of the node at all-1g.10gb to all-3g, which serves both; a Job beyond the quota, read at the
-  same time, is counted as left out for quota.
+  same time, is counted as left out for quota;
+* a Job whose pods each get a claim from a ResourceClaimTemplate (DeviceClass mig.nvidia.com,
+  profile 3g.40gb), waiting on that check: Kueue (its DRA gate off) reserves quota and keeps
+  the pod set's resourceClaims in the Workload; ``advise`` reads the template and proposes the
+  relabel of a DRA node (its devices in a ResourceSlice written here, as the driver would) to
+  all-3g.
 
 No webhook of Kueue's is registered (see migsim.cluster.kueue): the tests create their Jobs
 suspended, with the queue label, as Kueue's Job webhook would have made them. The node advise
@@ -34,6 +39,7 @@ from migsim.cluster.kueue_demo import workload as _workload
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
+from mig_agent.core import dra_devices
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.planner import plan
 from mig_agent.core.snapshot import compact
@@ -195,3 +201,112 @@ def test_advise_reads_a_workload_waiting_on_its_check_and_proposes_the_relabel(
     n = len(report.workloads_for_quota)
     assert f"left out: {n} workload(s) wait for quota, not devices" in lines
     assert any(line.startswith(f"  {held}: Pending: ") for line in lines), lines
+
+
+RESOURCE = "/apis/resource.k8s.io/v1"
+PROFILE_3G = 'device.attributes["gpu.nvidia.com"].profile == "3g.40gb"'
+
+
+def _dra_node(cluster: Cluster, catalog: Any, node: str, selector: tuple[str, str]) -> None:
+    """``node`` (no GPU resource) at all-1g.10gb, its GPU state published and its seven 1g.10gb
+    devices in a ResourceSlice of NVIDIA's DRA driver, as its agent and the driver would."""
+    cluster.add_cpu_node(node)
+    _published_node(cluster, catalog, node, selector)
+    devices = [
+        {
+            "name": f"gpu-0-mig-1g10gb-19-{i}",
+            "attributes": {"type": {"string": "mig"}, "profile": {"string": "1g.10gb"}},
+        }
+        for i in range(7)
+    ]
+    spec = {
+        "driver": dra_devices.DRIVER,
+        "nodeName": node,
+        "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+        "devices": devices,
+    }
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice"}
+    body |= {"metadata": {"name": f"{node}-gpu"}, "spec": spec}
+    cluster.api.request("POST", f"{RESOURCE}/resourceslices", body)
+
+
+def _claims_job(cluster: Cluster, namespace: str, name: str, pods: int, template: str) -> None:
+    """A Job of ``pods`` pods, each with its own claim made from ``template``, queued to
+    ``lq`` as Kueue's webhook would (suspended, the queue label)."""
+    spec = {
+        "restartPolicy": "Never",
+        "containers": [
+            {"name": "work", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}
+        ],
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+    }
+    body = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": {kueue_sim.QUEUE_LABEL: "lq"}},
+        "spec": {
+            "suspend": True,
+            "parallelism": pods,
+            "completions": pods,
+            "template": {"spec": spec},
+        },
+    }
+    cluster.api.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body)
+
+
+def test_advise_reads_a_workload_asking_by_claim_template_on_a_dra_node(
+    cluster: Cluster, namespace: str, queue: Queue, tmp_path: Path
+) -> None:
+    check = f"{namespace}-layout"
+    queue.check(check, "example.com/nobody-serves-this")
+    # Kueue's DRA gate is off: the claims take no quota, and pods asking nothing else reserve
+    queue.create({MIG_3G: 2}, checks=(check,))
+    (tmp_path / "layouts.yaml").write_text(CONFIG)
+    catalog = load_catalog([tmp_path / "layouts.yaml"])
+    node, label = f"dra-{namespace}"[:63], ("kueue-test", namespace)
+    request = {
+        "name": "mig",
+        "exactly": {
+            "deviceClassName": "mig.nvidia.com",
+            "selectors": [{"cel": {"expression": PROFILE_3G}}],
+        },
+    }
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "one-3g"},
+        "spec": {"spec": {"devices": {"requests": [request]}}},
+    }
+    cluster.api.request(
+        "POST", f"{RESOURCE}/namespaces/{namespace}/resourceclaimtemplates", template
+    )
+    try:
+        _dra_node(cluster, catalog, node, label)
+        _claims_job(cluster, namespace, "train", 2, "one-3g")
+        wait_until(
+            lambda: (
+                _condition(_workload(cluster, namespace, "train"), "QuotaReserved").get("status")
+                == "True"
+            ),
+            timeout=60,
+            what="train's Workload to reserve quota and wait on its check",
+        )
+        train = _workload(cluster, namespace, "train")
+        assert train is not None
+        [pod_set] = train["spec"]["podSets"]
+        assert pod_set["template"]["spec"]["resourceClaims"] == [
+            {"name": "gpu", "resourceClaimTemplateName": "one-3g"}
+        ]
+        kube = KubernetesCluster.connect(str(cluster.kubeconfig))
+        try:
+            report = ops_advise.run(kube, catalog, settings=S, selector="=".join(label))
+        finally:
+            kube.close()
+    finally:
+        cluster.api.request("DELETE", f"{RESOURCE}/resourceslices/{node}-gpu")
+        cluster.delete_node(node)
+    name = f"{namespace}/{train['metadata']['name']}"
+    assert [w for w in report.workloads if w.startswith(f"{namespace}/")] == [name]
+    [proposal] = report.proposals
+    assert (proposal.node, proposal.option.layout) == (node, "all-3g")
+    assert sorted(proposal.serves) == [f"{name}[main/0]", f"{name}[main/1]"]

@@ -50,9 +50,10 @@ class FakeCluster(Cluster):
     # pods that, once evicted, only start terminating (a grace period, a checkpoint): the
     # test takes them away when it likes
     linger: set[PodRef] = field(default_factory=set)
-    # DRA: the ResourceSlices and ResourceClaims as the API returns them
+    # DRA: the ResourceSlices, ResourceClaims and ResourceClaimTemplates as the API returns them
     slices: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
+    claim_templates: list[dict[str, Any]] = field(default_factory=list)
     pdbs: list[PdbView] = field(default_factory=list)
     # Kueue's objects by plural (workloads, resourceflavors), as the API returns them
     kueue: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -277,6 +278,14 @@ class FakeCluster(Cluster):
             c
             for c in self.claims
             if namespace in ("", (c.get("metadata") or {}).get("namespace", ""))
+        ]
+
+    def list_resource_claim_templates(self, namespace: str = "") -> list[dict[str, Any]]:
+        self._check("list_resource_claim_templates")
+        return [
+            t
+            for t in self.claim_templates
+            if namespace in ("", (t.get("metadata") or {}).get("namespace", ""))
         ]
 
     def list_pod_disruption_budgets(self) -> list[PdbView]:

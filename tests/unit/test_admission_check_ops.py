@@ -37,6 +37,8 @@ from mig_agent.core.snapshot import compact
 from mig_agent.kube.cluster import ObjectRef
 from mig_agent.node.apply import execute
 from mig_agent.ops.admission_check import RELABELS, run_round
+from tests.unit import test_advise_ops as advise_ops_tests
+from tests.unit import test_kueue_demand as kueue_tests
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.fake_gpus import FakeGpus
 from tests.unit.test_kueue_demand import CONFIG  # the two approved layouts
@@ -385,3 +387,36 @@ def test_a_check_asking_verify_of_a_controller_without_it_waits_saying_so(catalo
         "its check asks for verify (mig-agent.dev/verify), which this controller was started "
         "without"
     )
+
+
+def _claiming(name: str, pods: int, state: str = "Pending") -> dict[str, Any]:
+    """``_workload`` whose pods ask one 1g.10gb each by a ResourceClaimTemplate instead."""
+    w = _workload(name, pods, MIG_1G, state)
+    spec = w["spec"]["podSets"][0]["template"]["spec"]
+    spec["containers"][0]["resources"] = {}
+    spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "one-1g"}]
+    return w
+
+
+def test_an_admitted_workload_asking_by_claim_holds_its_dra_devices(catalog: Any) -> None:
+    """On a DRA node (14 1g.10gb in its slice), a workload admitted after Ready whose 14 pods
+    ask by claim template and are not bound yet keeps them all from the next one."""
+    dra = advise_ops_tests._pool(catalog, "dra-b", dra=True)
+    c = _pool(catalog)
+    c.nodes = dra.nodes
+    c.slices = dra.slices
+    c.claim_templates.append(kueue_tests._template("one-1g", kueue_tests._mig("1g.10gb")))
+    first = _claiming("first", 14, state="Ready")
+    first["status"]["conditions"][1] = {"type": "Admitted", "status": "True"}
+    label = {"mig-agent.dev/admission-workload": "first"}
+    first["status"]["admissionChecks"][0]["podSetUpdates"] = [{"name": "main", "labels": label}]
+    c.kueue["workloads"] = [first, _claiming("second", 1)]
+    [d] = run_round(
+        c, catalog, dataclasses.replace(S, dra=True), controller_name=CONTROLLER
+    ).decisions
+    assert (d.workload, d.verdict.value) == ("team/second", "Wait"), d
+    c.kueue["workloads"] = [_claiming("second", 1)]  # first gone: its devices free
+    [d] = run_round(
+        c, catalog, dataclasses.replace(S, dra=True), controller_name=CONTROLLER
+    ).decisions
+    assert d.verdict.value == "Ready", d

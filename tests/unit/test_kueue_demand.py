@@ -9,11 +9,18 @@ writes them (kueue.x-k8s.io/v1beta2), and through ``advise`` on FakeCluster:
   demand, and a pod asking two device kinds is not understood;
 * property: every GPU workload ends in exactly one of demand, left out for quota, not
   understood, or skipped, and the pods of the demand are the reserved pod sets' counts;
+* a pod set asking by ResourceClaimTemplate is ``count`` pods each asking what the template's
+  requests ask (DeviceClass mig.nvidia.com by profile selector, either way round; gpu.nvidia.com);
+  one naming a shared ResourceClaim asks its devices once for the pod set, nothing once it is
+  allocated; a template or claim not found, a pod set asking by resource and by claim, or by
+  claims of two kinds, is not understood, naming why; a class not NVIDIA's is no demand;
 * the kube boundary lists v1beta2, falls back to v1beta1 where that is not served, and reads
   nothing where Kueue is not installed;
 * advise proposes the relabel that gives a waiting workload's gang its devices, says so in
   text and JSON, and counts the workloads left out for quota; ``--apply`` relabels for it
-  without looking for its pods (none exists before Kueue admits it).
+  without looking for its pods (none exists before Kueue admits it); a workload asking by claim
+  template gets the relabel of a DRA node, its ask renamed to the extended resource a
+  DeviceClass serves and kept to DRA nodes, as a pending pod's claim is.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from kubernetes.client.exceptions import ApiException
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
+from mig_agent.core import device_classes
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.kueue_demand import workload_demand
+from mig_agent.core.layout import MigProfile
 from mig_agent.core.planner import plan
 from mig_agent.core.scheduling import Taint
 from mig_agent.core.snapshot import compact
@@ -40,6 +49,8 @@ from mig_agent.kube.client import KubernetesCluster
 from mig_agent.node.apply import execute
 from mig_agent.node.waits import Clock
 from mig_agent.ops import advise as ops_advise
+from mig_agent.ops.advise_read import read_pool
+from tests.unit import test_advise_ops as advise_ops_tests
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.fake_gpus import FakeGpus
 
@@ -172,6 +183,178 @@ def test_a_pod_asking_two_device_kinds_is_not_understood() -> None:
     w = _workload("odd", ("main", 1, {MIG_1G: 1, MIG_3G: 1}), conditions=RESERVED)
     got = workload_demand([w])
     assert got.pod_sets == () and "several GPU device kinds" in got.not_understood["team/odd"]
+
+
+# DRA: pod sets asking by ResourceClaim, as resource.k8s.io/v1 writes templates and claims
+PROFILE = 'device.attributes["gpu.nvidia.com"].profile == "{}"'
+
+
+def _mig(profile: str, count: int = 1, expression: str = PROFILE) -> dict[str, Any]:
+    return {
+        "name": "mig",
+        "exactly": {
+            "deviceClassName": "mig.nvidia.com",
+            "count": count,
+            "selectors": [{"cel": {"expression": expression.format(profile)}}],
+        },
+    }
+
+
+def _template(name: str, *requests: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"namespace": "team", "name": name},
+        "spec": {"spec": {"devices": {"requests": list(requests)}}},
+    }
+
+
+def _shared(name: str, *requests: dict[str, Any], allocated: bool = False) -> dict[str, Any]:
+    claim: dict[str, Any] = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "team", "name": name},
+        "spec": {"devices": {"requests": list(requests)}},
+    }
+    if allocated:
+        claim["status"] = {"allocation": {"devices": {"results": []}}}
+    return claim
+
+
+def _by_claim(
+    name: str, count: int, *claims: dict[str, str], requests: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """A reserved workload of one pod set ``main`` whose pods name ``claims``
+    (spec.resourceClaims entries), besides the container's ``requests``."""
+    w = _workload(name, ("main", count, requests or {}), conditions=RESERVED)
+    w["spec"]["podSets"][0]["template"]["spec"]["resourceClaims"] = list(claims)
+    return w
+
+
+def _keyed(*objects: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objects}
+
+
+def test_a_claim_template_asks_per_pod_times_the_count() -> None:
+    t = _template("two-3g", _mig("3g.40gb", 2))
+    w = _by_claim("train", 3, {"name": "gpus", "resourceClaimTemplateName": "two-3g"})
+    got = workload_demand([w], templates=_keyed(t))
+    assert got.not_understood == {}
+    (ps,) = got.pod_sets
+    assert (ps.count, ps.ask.kind, ps.ask.count) == (3, "dra:3g.40gb", 2)
+    assert ps.pods() == [f"team/train[main/{i}]" for i in range(3)]
+    whole = _template("gpu", {"name": "g", "exactly": {"deviceClassName": "gpu.nvidia.com"}})
+    w = _by_claim("whole", 2, {"name": "g", "resourceClaimTemplateName": "gpu"})
+    (ps,) = workload_demand([w], templates=_keyed(whole)).pod_sets
+    assert (ps.count, ps.ask.kind, ps.ask.count) == (2, "dra:gpu", 1)
+
+
+def test_a_shared_claim_asks_once_for_the_pod_set_and_nothing_once_allocated() -> None:
+    entry = {"name": "shared", "resourceClaimName": "pool-1g"}
+    w = _by_claim("serve", 4, entry)
+    got = workload_demand([w], claims=_keyed(_shared("pool-1g", _mig("1g.10gb", 2))))
+    (ps,) = got.pod_sets
+    assert (ps.count, ps.ask.kind, ps.ask.count) == (1, "dra:1g.10gb", 2)
+    assert ps.pods() == ["team/serve[main/claim:pool-1g]"]
+    allocated = _keyed(_shared("pool-1g", _mig("1g.10gb", 2), allocated=True))
+    got = workload_demand([w], claims=allocated)
+    assert got == type(got)()  # asks nothing more: no demand, nothing odd
+
+
+def test_a_template_or_claim_not_found_is_not_understood_naming_it() -> None:
+    w = _by_claim("lost", 2, {"name": "gpus", "resourceClaimTemplateName": "gone"})
+    got = workload_demand([w], templates={})
+    assert got.pod_sets == ()
+    assert got.not_understood == {
+        "team/lost": "pod set 'main': ResourceClaimTemplate team/gone not found"
+    }
+    w = _by_claim("lost", 2, {"name": "gpus", "resourceClaimName": "gone"})
+    assert workload_demand([w], claims={}).not_understood == {
+        "team/lost": "pod set 'main': ResourceClaim team/gone not found"
+    }
+
+
+def test_without_templates_or_claims_given_claims_are_not_read() -> None:
+    # admission_check's admitted workloads: a pod set by resource still asks what it asked
+    entry = {"name": "gpus", "resourceClaimTemplateName": "gone"}
+    assert workload_demand([_by_claim("by-claim", 2, entry)]) == workload_demand([])
+    (ps,) = workload_demand([_by_claim("both", 2, entry, requests={MIG_1G: 1})]).pod_sets
+    assert (ps.count, ps.ask.kind) == (2, MIG_1G)
+
+
+def test_claims_of_several_kinds_or_claims_and_resources_are_not_understood() -> None:
+    t1, t3 = _template("one-1g", _mig("1g.10gb")), _template("one-3g", _mig("3g.40gb"))
+    templates = _keyed(t1, t3)
+    a = {"name": "a", "resourceClaimTemplateName": "one-1g"}
+    b = {"name": "b", "resourceClaimTemplateName": "one-3g"}
+    got = workload_demand([_by_claim("two", 1, a, b)], templates=templates)
+    assert (
+        "several GPU device kinds at once (dra:1g.10gb, dra:3g.40gb)"
+        in got.not_understood["team/two"]
+    )
+    both = _by_claim("both", 1, b, requests={MIG_1G: 1})
+    got = workload_demand([both], templates=templates)
+    assert got.pod_sets == ()
+    assert (
+        f"several GPU device kinds at once ({MIG_1G}, dra:3g.40gb)"
+        in got.not_understood["team/both"]
+    )
+    shared = {"name": "s", "resourceClaimName": "pool-3g"}
+    claims = _keyed(_shared("pool-3g", _mig("3g.40gb")))
+    got = workload_demand([_by_claim("mixed", 2, b, shared)], templates=templates, claims=claims)
+    assert "per pod and a shared claim at once" in got.not_understood["team/mixed"]
+
+
+def test_a_class_not_nvidias_is_no_demand() -> None:
+    fpga = _template("fpga", {"name": "f", "exactly": {"deviceClassName": "fpga.example.com"}})
+    entry = {"name": "f", "resourceClaimTemplateName": "fpga"}
+    got = workload_demand([_by_claim("fpga", 2, entry)], templates=_keyed(fpga))
+    assert got == type(got)()
+    # beside a MIG resource: the resource is the demand
+    w = _by_claim("fpga-and-mig", 2, entry, requests={MIG_1G: 1})
+    (ps,) = workload_demand([w], templates=_keyed(fpga)).pod_sets
+    assert (ps.count, ps.ask.kind, ps.ask.count) == (2, MIG_1G, 1)
+
+
+@pytest.mark.parametrize(
+    ("request_", "want"),
+    [
+        (_mig("3g.40gb", expression="'{}' == device.attributes['gpu.nvidia.com'].profile"), ""),
+        (
+            _mig("3g.40gb", expression='device.attributes["gpu.nvidia.com"].profile != "{}"'),
+            "pod set 'main': claim gpus (template t), request 'mig': selector "
+            '\'device.attributes["gpu.nvidia.com"].profile != "3g.40gb"\' is not understood '
+            "(only profile == '<name>')",
+        ),
+        (
+            {"name": "mig", "firstAvailable": [{"name": "a"}]},
+            "pod set 'main': claim gpus (template t), request 'mig': a prioritized list "
+            "(firstAvailable) is not understood",
+        ),
+    ],
+)
+def test_the_profile_selector_of_a_template(request_: dict[str, Any], want: str) -> None:
+    w = _by_claim("sel", 1, {"name": "gpus", "resourceClaimTemplateName": "t"})
+    got = workload_demand([w], templates=_keyed(_template("t", request_)))
+    if want:
+        assert got.not_understood == {"team/sel": want}
+    else:
+        assert [(p.ask.kind, p.ask.count) for p in got.pod_sets] == [("dra:3g.40gb", 1)]
+
+
+def test_a_claim_pod_set_takes_every_flavor_assigned_to_it() -> None:
+    # with Kueue's DRA gate on, a claim's quota is a logical resource (deviceClassMappings), by
+    # a name advise does not know: the pod set's flavors are all Kueue adds to its pods
+    w = _by_claim("pinned", 2, {"name": "gpus", "resourceClaimTemplateName": "t"})
+    w["status"]["admission"] = {
+        "clusterQueue": "cq",
+        "podSetAssignments": [{"name": "main", "count": 2, "flavors": {"mig-3g": "h100"}}],
+    }
+    flavor = {"metadata": {"name": "h100"}, "spec": {"nodeLabels": {"pool": "h100"}}}
+    got = workload_demand([w], {"h100": flavor}, templates=_keyed(_template("t", _mig("3g.40gb"))))
+    (ps,) = got.pod_sets
+    assert ps.constraints.refusal("n", {"pool": "h100"}, []) == ""
+    assert ps.constraints.refusal("n", {}, []) != ""
 
 
 _states = st.sampled_from(["reserved", "quota", "fresh", "admitted", "finished", "off"])
@@ -353,3 +536,44 @@ def test_apply_relabels_for_a_workload_and_follows_none_of_its_pods(catalog: Any
     applied = ops_advise.apply(c, catalog, report, clock=clock, out=lines.append, poll_s=0.1)
     assert c.nodes["gpu-a"].labels[S.config_label] == "all-3g"
     assert applied.pods == () and applied.exit_code == 0, lines
+
+
+def _dra_pool(catalog: Any) -> FakeCluster:
+    """A device-plugin node at all-3g (3g.40gb free today) and a DRA node at all-1g.10gb, its
+    devices in a ResourceSlice, with DeviceClasses serving 1g.10gb and 3g.40gb as resources."""
+    c = _pool(catalog, "plugin-a")
+    c.nodes["plugin-a"] = dataclasses.replace(
+        c.nodes["plugin-a"],
+        labels={**c.nodes["plugin-a"].labels, S.config_label: "all-3g"},
+        annotations={S.gpu_state_annotation: advise_ops_tests._state(catalog, "all-3g")[0]},
+    )
+    dra = advise_ops_tests._pool(catalog, "dra-b", dra=True)
+    c.nodes.update(dra.nodes)
+    c.slices = dra.slices
+    for p in ("1g.10gb", "3g.40gb"):
+        made = device_classes.device_class(MigProfile.parse(p))
+        c.device_classes[made["metadata"]["name"]] = made
+    return c
+
+
+def test_advise_relabels_a_dra_node_for_a_workload_asking_by_claim_template(catalog: Any) -> None:
+    c = _dra_pool(catalog)
+    c.claim_templates.append(_template("one-3g", _mig("3g.40gb")))
+    entry = {"name": "gpus", "resourceClaimTemplateName": "one-3g"}
+    c.kueue["workloads"] = [_by_claim("train", 3, entry)]
+    report = ops_advise.run(c, catalog, settings=S)
+    assert report.workloads == ("team/train",) and report.unserved == ()
+    # the 3g.40gb of the plugin node are no claim's: the DRA node is relabelled, one gang
+    [proposal] = report.proposals
+    assert (proposal.node, proposal.option.layout) == ("dra-b", "all-3g")
+    assert sorted(proposal.serves) == [f"team/train[main/{i}]" for i in range(3)]
+    assert "dra:3g.40gb" not in proposal.option.resources  # renamed, as the supply is
+    wants = read_pool(c, catalog, S).wants
+    assert {(w.kind, w.nodes) for w in wants} == {(MIG_3G, frozenset({"dra-b"}))}
+
+    c.claim_templates.clear()
+    report = ops_advise.run(c, catalog, settings=S)
+    assert report.proposals == ()
+    assert dict(report.unserved) == {
+        "workload team/train": "pod set 'main': ResourceClaimTemplate team/one-3g not found"
+    }
