@@ -1,7 +1,8 @@
 """What a pending pod asks of the GPUs, as a device kind and a count: from its requests of
 NVIDIA's extended resources (``nvidia.com/mig-<profile>``, mixed strategy; ``nvidia.com/gpu``),
 or from its ResourceClaims on a DRA cluster (DeviceClass ``mig.nvidia.com`` with a CEL
-selector on the ``profile`` attribute, or ``gpu.nvidia.com`` for whole GPUs). What it cannot
+selector on the ``profile`` attribute, a class that picks one profile itself, or
+``gpu.nvidia.com`` for whole GPUs). What it cannot
 read is said, never guessed.
 
 Kinds are the extended resource's name, or ``dra:<profile>`` / ``dra:gpu`` for DRA devices.
@@ -72,16 +73,21 @@ def from_requests(requests: Mapping[str, int]) -> Ask | str:
     return Ask(kinds[0], asked[kinds[0]])
 
 
-def from_claims(claims: Iterable[Mapping[str, Any]]) -> Ask | str | None:
+def from_claims(
+    claims: Iterable[Mapping[str, Any]], classes: Mapping[str, str] | None = None
+) -> Ask | str | None:
     """The devices a pod's ResourceClaims ask of NVIDIA's DRA driver (None: nothing of it), or
-    what is not understood. Claims already allocated ask nothing more."""
+    what is not understood. Claims already allocated ask nothing more. ``classes``: the
+    cluster's DeviceClasses that pick NVIDIA's MIG devices of one profile (name -> profile:
+    ``mig-agent dra-classes``' per-profile classes, or written alike), which a request may
+    name instead of ``mig.nvidia.com`` and a profile selector."""
     asks: list[Ask] = []
     for claim in claims:
         if (claim.get("status") or {}).get("allocation"):
             continue
         name = (claim.get("metadata") or {}).get("name", "")
         for request in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []:
-            got = _request(request)
+            got = _request(request, classes or {})
             if isinstance(got, str):
                 return f"claim {name}, request {request.get('name', '')!r}: {got}"
             if got is not None:
@@ -94,19 +100,20 @@ def from_claims(claims: Iterable[Mapping[str, Any]]) -> Ask | str | None:
     return Ask(asks[0].kind, sum(a.count for a in asks))
 
 
-def _request(request: Mapping[str, Any]) -> Ask | str | None:
+def _request(request: Mapping[str, Any], classes: Mapping[str, str]) -> Ask | str | None:
     exactly = request.get("exactly")
     if exactly is None:
         if request.get("firstAvailable"):
             return "a prioritized list (firstAvailable) is not understood"
         return None
     device_class = exactly.get("deviceClassName", "")
-    if device_class not in (MIG_CLASS, GPU_CLASS):
+    if device_class not in (MIG_CLASS, GPU_CLASS, *classes):
         return None  # not a device of NVIDIA's GPU driver
     if exactly.get("allocationMode", "ExactCount") != "ExactCount":
         return f"allocation mode {exactly.get('allocationMode')} is not understood"
     count = int(exactly.get("count") or 1)
-    profiles: set[str] = set()
+    # a per-profile class picks its profile itself
+    profiles: set[str] = {classes[device_class]} if device_class in classes else set()
     for selector in exactly.get("selectors") or []:
         expression = str((selector.get("cel") or {}).get("expression", ""))
         if match := _DRIVER_EQUALS.match(expression):

@@ -210,6 +210,18 @@ def served_profiles(classes: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return out
 
 
+def class_profiles(classes: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """DeviceClass name -> the MIG profile of NVIDIA's DRA driver it picks, for the classes
+    whose selectors pick exactly that driver's devices of one profile (ours among them): a
+    claim naming one asks a device of that profile."""
+    out = {}
+    for cls in classes:
+        profile = _profile_selected(cls)
+        if profile:
+            out[str((cls.get("metadata") or {}).get("name", ""))] = profile
+    return out
+
+
 def _newest_first(classes: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """By creation, newest first, then by name (a sort is stable, reversed too); RFC 3339 times
     of one format compare as strings."""

@@ -170,6 +170,7 @@ class _Objects:
     templates: Objects
     claims: Objects
     by_claim: bool
+    classes: Mapping[str, str] = field(default_factory=dict)  # see demand.from_claims
 
 
 # what a pod asks and, where a shared claim asks it for the pod set, the claim ("": each pod)
@@ -195,13 +196,16 @@ def _claims_ask(namespace: str, spec: Mapping[str, Any], objects: _Objects) -> _
             if claim is None:
                 return f"ResourceClaim {namespace}/{claim_name} not found"
             shared[str(claim_name)] = claim
-    each, once = demand.from_claims(per_pod), demand.from_claims(shared.values())
+    each = demand.from_claims(per_pod, objects.classes)
+    once = demand.from_claims(shared.values(), objects.classes)
     if isinstance(each, str) or isinstance(once, str):
         return each if isinstance(each, str) else str(once)
     if each is not None and once is not None:
         return "asks for devices per pod and a shared claim at once, which is not understood"
     if once is not None:
-        asking = [n for n, c in shared.items() if demand.from_claims([c]) is not None]
+        asking = [
+            n for n, c in shared.items() if demand.from_claims([c], objects.classes) is not None
+        ]
         return once, ",".join(asking)
     return None if each is None else (each, "")
 
@@ -274,13 +278,15 @@ def workload_demand(
     *,
     templates: Objects | None = None,
     claims: Objects | None = None,
+    classes: Mapping[str, str] | None = None,
 ) -> WorkloadDemand:
     """The GPU demand of the Workloads that wait on admission checks (see the module);
     ``flavors`` are the ResourceFlavors by name, ``templates`` and ``claims`` the
     ResourceClaimTemplates and ResourceClaims by (namespace, name): with neither given, pod
-    sets' claims are not read (a pod set asking by claim only is no demand)."""
+    sets' claims are not read (a pod set asking by claim only is no demand); ``classes``: the
+    DeviceClasses that pick one MIG profile (demand.from_claims)."""
     by_claim = templates is not None or claims is not None
-    objects = _Objects(flavors or {}, templates or {}, claims or {}, by_claim)
+    objects = _Objects(flavors or {}, templates or {}, claims or {}, by_claim, classes or {})
     out: list[PodSetDemand] = []
     quota: dict[str, str] = {}
     odd: dict[str, str] = {}

@@ -32,6 +32,18 @@ from mig_agent.ops.dra_view import DraView, tolerant
 from mig_agent.ops.dra_view import read as dra_view_of
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the cluster's DeviceClasses say: DRA kind -> the extended resource a class serves
+    it as (``dra:1g.10gb`` -> ``nvidia.com/mig-1g.10gb``), the DRA nodes (the only ones where
+    such a device is to be had), and class name -> the one MIG profile it picks (a claim may
+    name such a class; demand.from_claims)."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    nodes: frozenset[str] = frozenset()
+    classes: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class Pool:
     """Demand and supply, and what advise must say about what it leaves out."""
@@ -76,7 +88,7 @@ def read_pool(
     pool = Pool()
     dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
     claims = _claims_by_name(dra)
-    names = _served_kinds(cluster, dra)
+    names, profiles = _classes(cluster, dra)
     pods = cluster.list_pods()
     running: dict[str, list[PodView]] = {}
     for p in pods:
@@ -111,14 +123,14 @@ def read_pool(
         pool.seen[node.name] = {k: node.labels.get(k) for k in (s.config_label, s.state_label)}
         pool.hostnames[node.name] = node.labels.get(kueue_demand.HOSTNAME, "")
     free = {sp.node: sp.free for sp in pool.supplies}
-    dra_nodes = frozenset(n.name for n in nodes if _is_dra(n, dra))
+    served = Served(names, frozenset(n.name for n in nodes if _is_dra(n, dra)), profiles)
     for p in pods:
         if p.node or p.phase != "Pending" or p.terminating:
             continue
-        _add_want(pool, p, nodes, free, claims, (names, dra_nodes))
+        _add_want(pool, p, nodes, free, claims, served)
     if workloads is None:
         workloads = _tolerant_kueue(cluster, "workloads")
-    _add_workloads(pool, cluster, (nodes, workloads), free, claims, (names, dra_nodes))
+    _add_workloads(pool, cluster, (nodes, workloads), free, claims, served)
     return pool
 
 
@@ -128,7 +140,7 @@ def _add_workloads(
     read: tuple[Sequence[NodeView], Sequence[Mapping[str, Any]]],
     free: Mapping[str, Mapping[str, int]],
     claims: Mapping[tuple[str, str], Mapping[str, Any]],
-    served: tuple[Mapping[str, str], frozenset[str]],
+    served: Served,
 ) -> None:
     """Kueue's workloads that wait on admission checks (mig_agent.core.kueue_demand): each pod
     of a pod set one want, the workload's pods one gang; asks by claim renamed and kept to DRA
@@ -142,7 +154,9 @@ def _add_workloads(
         for f in _tolerant_kueue(cluster, "resourceflavors")
     }
     templates, claims = _claimed(cluster, workloads, claims)
-    got = kueue_demand.workload_demand(workloads, flavors, templates=templates, claims=claims)
+    got = kueue_demand.workload_demand(
+        workloads, flavors, templates=templates, claims=claims, classes=served.classes
+    )
     pool.workloads = got.workloads
     pool.workloads_for_quota = dict(got.waiting_for_quota)
     pool.not_understood.update({f"workload {w}": why for w, why in got.not_understood.items()})
@@ -243,7 +257,7 @@ def read_node(
     # bound is enough: a pod the scheduler placed holds its device before it runs
     running = tuple(p for p in cluster.list_pods(node=name) if not p.finished)
     claims = _claims_by_name(dra)
-    supply = _supply(node, catalog, s, dra, claims, running, {}, _served_kinds(cluster, dra))
+    supply = _supply(node, catalog, s, dra, claims, running, {}, _classes(cluster, dra)[0])
     if isinstance(supply, str):
         return supply
     return NodeNow(node, supply, running)
@@ -335,20 +349,22 @@ def _is_dra(node: NodeView, dra: DraView) -> bool:
     return not node.gpu_resources() and dra_devices.publishes(dra.slices, node.name)
 
 
-def _served_kinds(cluster: Cluster, dra: DraView) -> dict[str, str]:
-    """DRA device kind -> the extended resource a DeviceClass serves it as (``dra:1g.10gb`` ->
-    ``nvidia.com/mig-1g.10gb``): pods asking that resource are served by DRA nodes too (the
-    scheduler makes their claims). None without DRA nodes, or where classes may not be read."""
+def _classes(cluster: Cluster, dra: DraView) -> tuple[dict[str, str], dict[str, str]]:
+    """From the DeviceClasses: DRA device kind -> the extended resource a class serves it as
+    (``dra:1g.10gb`` -> ``nvidia.com/mig-1g.10gb``: pods asking that resource are served by DRA
+    nodes too, the scheduler making their claims), and class name -> the one MIG profile it
+    picks. None without DRA nodes, or where classes may not be read."""
     if not dra.slices:
-        return {}
+        return {}, {}
     try:
         classes = cluster.list_device_classes()
     except KubeError as exc:
         if exc.context.get("status") in (403, 404):
-            return {}
+            return {}, {}
         raise
     served = device_classes.served_profiles(classes)
-    return {demand.dra_kind(profile): resource for resource, profile in served.items()}
+    names = {demand.dra_kind(profile): resource for resource, profile in served.items()}
+    return names, device_classes.class_profiles(classes)
 
 
 def _holders(
@@ -446,11 +462,10 @@ def _add_want(
     nodes: Sequence[NodeView],
     free: Mapping[str, Mapping[str, int]],
     claims: Mapping[tuple[str, str], Mapping[str, Any]],
-    served: tuple[Mapping[str, str], frozenset[str]] = ({}, frozenset()),
+    served: Served = Served(),
 ) -> None:
-    """The pod as a want, unless a node can take it today. ``served``: the DRA kinds renamed to
-    the extended resources classes serve them as, and the DRA nodes, the only ones where a
-    claim's device, so renamed, is to be had."""
+    """The pod as a want, unless a node can take it today. ``served``: what the DeviceClasses
+    say (asks by claim renamed, kept to DRA nodes; the classes a claim may name)."""
     name = str(pod.ref)
     ask: demand.Ask | str | None
     if pod.gpu_requests:
@@ -460,7 +475,7 @@ def _add_want(
         if any(c is None for c in found):
             ask = None  # its claims are not made yet, or not NVIDIA's: nothing to read
         else:
-            ask = demand.from_claims(c for c in found if c is not None)
+            ask = demand.from_claims((c for c in found if c is not None), served.classes)
     else:
         return
     if ask is None:
@@ -478,12 +493,10 @@ def _add_want(
     pool.wants.append(Want(name, ask.kind, ask.count, active, pod.constraints.describe(), gang))
 
 
-def _on_dra(
-    ask: demand.Ask, allowed: list[str], served: tuple[Mapping[str, str], frozenset[str]]
-) -> tuple[demand.Ask, list[str]]:
+def _on_dra(ask: demand.Ask, allowed: list[str], served: Served) -> tuple[demand.Ask, list[str]]:
     """An ask by claim renamed to the resource a DeviceClass serves it as (so is a DRA node's
     supply), and the nodes allowed kept to DRA nodes: only there is such a device to be had."""
-    names, dra_nodes = served
-    if ask.kind not in names:
+    if ask.kind not in served.names:
         return ask, allowed
-    return demand.Ask(names[ask.kind], ask.count), [n for n in allowed if n in dra_nodes]
+    kind = served.names[ask.kind]
+    return demand.Ask(kind, ask.count), [n for n in allowed if n in served.nodes]

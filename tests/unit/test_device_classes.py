@@ -14,7 +14,9 @@
   their profile, the newest class of a name as the scheduler takes it, a selector that picks
   something else read as nothing;
 * advise counts a pod asking ``nvidia.com/mig-<profile>`` as demand a DRA node serves once a
-  class serves it, and places a claim's pod on DRA nodes only;
+  class serves it, and places a claim's pod on DRA nodes only; a claim naming one of the
+  per-profile classes directly (no selector) asks that profile, for a pod and for a Kueue
+  workload's pod set alike, and a selector of another profile beside it is not understood;
 * verify makes, on a DRA node, a pod per resource a class serves, placed by the scheduler (node
   affinity, not nodeName), judged by what its nvidia-smi lists; with no class, none.
 """
@@ -30,12 +32,14 @@ import pytest
 
 from mig_agent.cli.common import default_config
 from mig_agent.config.profiles import load_catalog
+from mig_agent.core import demand
 from mig_agent.core import device_classes as dc
 from mig_agent.core.dra_devices import DRIVER
 from mig_agent.core.gpu_models import resource_name
 from mig_agent.core.layout import MigProfile
 from mig_agent.ops import advise as ops_advise
 from mig_agent.ops.device_classes import sync
+from tests.unit import test_kueue_demand as kueue_tests
 from tests.unit.fake_cluster import FakeCluster
 from tests.unit.test_advise_ops import MIG_1G, PROFILE_3G, S, _claim, _mig_request, _pool, _state
 from tests.unit.test_advise_ops import catalog as catalog  # the fixture
@@ -264,6 +268,38 @@ def test_a_claims_pod_renamed_to_the_resource_goes_to_dra_nodes_only(catalog: An
     c.pods[ref] = dataclasses.replace(c.pods[ref], phase="Pending")
     report = ops_advise.run(c, catalog)
     assert [(p.node, p.serves) for p in report.proposals] == [("dra-b", ("team/wants-3g",))]
+
+
+def test_a_claim_naming_a_per_profile_class_asks_its_profile(catalog: Any) -> None:
+    made = dc.device_class(MigProfile.parse("3g.40gb"))
+    theirs = {**made, "metadata": {"name": "any-mig"}, "spec": {"selectors": []}}
+    profiles = dc.class_profiles([made, theirs])
+    assert profiles == {"mig-3g.40gb": "3g.40gb"}  # a class picking no one profile: none
+    by_class = {"exactly": {"deviceClassName": "mig-3g.40gb", "count": 2}}
+    claim = _claim("c", by_class)
+    assert demand.from_claims([claim]) is None  # not read as NVIDIA's without the classes
+    assert demand.from_claims([claim], profiles) == demand.Ask("dra:3g.40gb", 2)
+    other = _mig_request('device.attributes["gpu.nvidia.com"].profile == "1g.10gb"')
+    other["exactly"]["deviceClassName"] = "mig-3g.40gb"
+    got = demand.from_claims([_claim("c", other)], profiles)
+    assert isinstance(got, str) and "several profiles at once (1g.10gb, 3g.40gb)" in got
+
+    c = _pool(catalog, "dra-b", dra=True)  # at all-1g.10gb
+    _published(c, "1g.10gb", "3g.40gb")
+    c.claims.append(_claim("wants-3g-claim", {"exactly": {"deviceClassName": "mig-3g.40gb"}}))
+    ref = c.add_pod("team", "wants-3g", "", claims=("wants-3g-claim",))
+    c.pods[ref] = dataclasses.replace(c.pods[ref], phase="Pending")
+    c.claim_templates.append(
+        kueue_tests._template(
+            "one-3g", {"name": "g", "exactly": {"deviceClassName": "mig-3g.40gb"}}
+        )
+    )
+    entry = {"name": "gpus", "resourceClaimTemplateName": "one-3g"}
+    c.kueue["workloads"] = [kueue_tests._by_claim("train", 1, entry)]
+    report = ops_advise.run(c, catalog)
+    [proposal] = report.proposals
+    assert proposal.node == "dra-b" and report.unserved == ()
+    assert sorted(proposal.serves) == ["team/train[main/0]", "team/wants-3g"]
 
 
 def test_verify_makes_a_scheduled_pod_per_resource_a_class_serves_on_a_dra_node() -> None:
