@@ -41,8 +41,10 @@ class Taints(FakeCluster):
 
     refuse_create: bool = False
     refuse_list: bool = False
+    lists: int = 0  # list requests made of DeviceTaintRules
 
     def list_device_taints(self) -> list[dict[str, Any]]:
+        self.lists += 1
         if self.refuse_list:
             raise KubeForbidden("list devicetaintrules: 403 forbidden (fake)", status=403)
         return super().list_device_taints()
@@ -99,6 +101,21 @@ def test_a_change_of_one_gpu_taints_its_devices_and_never_cordons() -> None:
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert not cluster.taint_rules and GUARD not in cluster.nodes[NODE].annotations
     assert_clean(cluster)
+
+
+def test_a_change_lists_the_rules_once_before_its_first_gpu_call() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    mutate, lists = gpus._mutate, []
+
+    def spy(gpu: int, op: str) -> None:
+        lists.append(cluster.lists)
+        mutate(gpu, op)
+
+    gpus._mutate = spy  # type: ignore[method-assign]
+    cluster.lists = 0
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert lists and lists[0] == 1, lists  # the permission probe's listing is the taint's
 
 
 def test_without_device_taints_served_the_node_is_cordoned_as_before() -> None:
