@@ -50,7 +50,8 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
     Left normally, the advertiser has proven the GPUs: ``settle``. Left by an exception, the
     pass's exit settles (mig_agent.agent.reconcile)."""
     s, node = t.settings, change.node
-    taints = _devices_to_taint(t, change)
+    record = marks.record(s, node)  # one parse for all that follows
+    taints = _devices_to_taint(t, change, record)
     cordon = taints is None and not node.unschedulable
     annotations: dict[str, str | None] = {}
     if cordon:
@@ -59,10 +60,10 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
     operands = labels.paused_during_change(node.labels, s.operand_labels)
     if operands:
         annotations[s.paused_annotation] = ",".join(operands)
-    owed = _owed_at_the_cordon(s, node, change)
+    owed = _owed_at_the_cordon(s, node, change, record)
     change.tainted = taints is not None
     if taints is not None:  # the record first: a kill before the rules leaves it owed
-        base = owed or marks.record(s, node)
+        base = owed or record
         base = base or Record(layout=change.desired, gpus=digest(change.observed))
         owed = replace(base, tainted=taints.gpus)
     if owed is not None:
@@ -88,15 +89,15 @@ class _Taints:
     rules: list[dict[str, Any]]  # the DeviceTaintRules as the permission probe listed them
 
 
-def _devices_to_taint(t: Tools, change: Change) -> _Taints | None:
+def _devices_to_taint(t: Tools, change: Change, record: Record | None) -> _Taints | None:
     """The GPUs (UUIDs) whose devices to taint instead of a cordon, with those an earlier pass
     tainted; None for the cordon: not a DRA node, taints off or not served, the node cordoned
-    by the agent already, a record that owes a cordon or is unreadable, or nothing of the GPUs
-    that change listed (nothing to hold back but a listing to come: the cordon holds that)."""
+    by the agent already, a record (the node's, as parsed) that owes a cordon or is unreadable,
+    or nothing of the GPUs that change listed (nothing to hold back but a listing to come: the
+    cordon holds that)."""
     s, node = t.settings, change.node
     if not (change.dra and s.device_taints) or s.cordon_annotation in node.annotations:
         return None
-    record = marks.record(s, node)
     if s.guard_annotation in node.annotations and (
         record is None or not (record.empty or record.tainted)
     ):
@@ -154,10 +155,13 @@ def _untaint(t: Tools) -> int:
     return len(have)
 
 
-def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record | None:
+def _owed_at_the_cordon(
+    s: Settings, node: NodeView, change: Change, record: Record | None
+) -> Record | None:
     """The record as the cordon leaves it: the GPUs' digest as the advertiser lists them now
-    added to what the node is owed already (a failed drain's window, pods evicted); None: left
-    as is (an annotation the agent never wrote: settle proves the GPUs again).
+    added to what the node is owed already (``record``, the node's as parsed: a failed drain's
+    window, pods evicted); None: left as is (an annotation the agent never wrote: settle proves
+    the GPUs again).
 
     An older digest that the GPUs no longer match vouches for nothing now: since the GPUs
     changed, the advertiser may have listed them (resumed by the last pass, or restarted on its
@@ -165,7 +169,6 @@ def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record |
     other one. Only a proof clears it then (UNKNOWN)."""
     if s.guard_annotation not in node.annotations:
         return Record(layout=change.desired, gpus=digest(change.observed))
-    record = marks.record(s, node)
     if record is None:
         return None
     if not record.gpus:

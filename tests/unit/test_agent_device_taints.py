@@ -13,18 +13,24 @@ are in tests/e2e/test_device_taints.py:
 * an agent killed mid-change leaves the taints, and what they are for, to the next one, which
   keeps them while the slice is stale and lifts them once it is proven;
 * a rule the agent could not make fails the pass before any GPU is touched, and nothing stays.
+* a change's start lists the rules once and reads the node's record (its annotation) once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from mig_agent.agent import Agent, Outcome
+from mig_agent.agent import guard as agent_guard
+from mig_agent.agent.change import Change, Tools
 from mig_agent.config.profiles import load_catalog
 from mig_agent.core import device_taints
+from mig_agent.core import guard as core_guard
 from mig_agent.core.errors import KubeError, KubeForbidden
 from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
@@ -214,9 +220,9 @@ class Killed(BaseException):
     """The agent's process ends here: nothing after it runs (no settle, no report)."""
 
 
-def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
+def killed_mid_change() -> tuple[Agent, Taints, FakeGpus, Any]:
+    """An agent killed at its fourth GPU call of a change of GPU 1: its taints and record left."""
     agent, cluster, gpus, dra = on_all_1g()
-    gpu1 = devices_of(cluster, 1)
     mutate, calls = gpus._mutate, 0
 
     def killed_after_some(gpu: int, op: str) -> None:
@@ -230,8 +236,14 @@ def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
     label(cluster, "gpu1-changes")
     with pytest.raises(Killed):
         agent.reconcile_once()
-    assert tainted(cluster) == gpu1 and not cluster.nodes[NODE].unschedulable
     gpus._mutate = mutate  # type: ignore[method-assign]
+    return agent, cluster, gpus, dra
+
+
+def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
+    agent, cluster, gpus, dra = killed_mid_change()
+    gpu1 = devices_of(cluster, 1)
+    assert tainted(cluster) == gpu1 and not cluster.nodes[NODE].unschedulable
     dra.comes_back = False  # the next agent finishes the GPUs; the plugin never republishes
     successor = successor_of(agent, cluster, gpus)
     assert successor.reconcile_once().outcome is Outcome.FAILED
@@ -241,3 +253,30 @@ def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
     assert successor.reconcile_once().outcome is Outcome.APPLIED
     assert not cluster.taint_rules
     assert_clean(cluster)
+
+
+def test_the_change_after_a_kill_reads_the_node_s_record_once_as_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent, cluster, gpus, dra = killed_mid_change()
+    assert GUARD in cluster.nodes[NODE].annotations
+    parses, parse = 0, core_guard.parse
+
+    def counted(text: str) -> core_guard.Record:
+        nonlocal parses
+        parses += 1
+        return parse(text)
+
+    starts, paused = [], agent_guard.paused
+
+    @contextlib.contextmanager
+    def spied(t: Tools, change: Change) -> Iterator[list[str]]:
+        before = parses
+        with paused(t, change) as operands:
+            starts.append(parses - before)
+            yield operands
+
+    monkeypatch.setattr(core_guard, "parse", counted)
+    monkeypatch.setattr(agent_guard, "paused", spied)
+    assert successor_of(agent, cluster, gpus).reconcile_once().outcome is Outcome.APPLIED
+    assert starts == [1]  # the taint's choice and the record it writes from one parse
