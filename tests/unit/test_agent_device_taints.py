@@ -12,7 +12,8 @@ are in tests/e2e/test_device_taints.py:
 * an install whose RBAC has no devicetaintrules gets the cordon, not a failed change;
 * an agent killed mid-change leaves the taints, and what they are for, to the next one, which
   keeps them while the slice is stale and lifts them once it is proven;
-* a rule the agent could not make fails the pass before any GPU is touched, and nothing stays.
+* a rule the agent could not make fails the pass before any GPU is touched, and nothing stays;
+* the drain's wait for a slow evicted pod says the devices stay tainted, not the node cordoned;
 * a change's start lists the rules once and reads the node's record (its annotation) once.
 """
 
@@ -32,12 +33,14 @@ from mig_agent.config.profiles import load_catalog
 from mig_agent.core import device_taints
 from mig_agent.core import guard as core_guard
 from mig_agent.core.errors import KubeError, KubeForbidden
+from mig_agent.kube.cluster import NodeCondition
 from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
 from .test_agent import NODE, STATE, FakeTime, assert_clean
-from .test_agent_dra import REASON, _with_layout, label, make_dra
+from .test_agent_dra import REASON, _claim, _device_on, _with_layout, label, make_dra
+from .test_real_node import lingering
 
 GUARD = "mig-agent.dev/guard"
 
@@ -122,6 +125,28 @@ def test_a_change_lists_the_rules_once_before_its_first_gpu_call() -> None:
     label(cluster, "gpu1-changes")
     assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert lists and lists[0] == 1, lists  # the permission probe's listing is the taint's
+
+
+def test_the_drain_s_wait_says_the_devices_stay_tainted() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    ref = cluster.add_pod("ml", "trainer", NODE, claims=("trainer",), grace_period_s=600)
+    cluster.claims = [_claim("ml", "trainer", _device_on(cluster, 1))]
+    lingering(agent, cluster, ref, gone_after_s=450.0)
+    conditions: list[NodeCondition] = []
+    set_condition = cluster.set_node_condition
+
+    def recorded(name: str, condition: NodeCondition) -> None:
+        conditions.append(condition)
+        set_condition(name, condition)
+
+    cluster.set_node_condition = recorded  # type: ignore[method-assign]
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    waiting = [c.message for c in conditions if c.reason == "DrainWaiting"]
+    assert len(waiting) == 1 and "ml/trainer" in waiting[0], waiting
+    assert waiting[0].endswith(
+        ", and the devices of the GPUs that change stay tainted while they run"
+    )
 
 
 def test_without_device_taints_served_the_node_is_cordoned_as_before() -> None:
