@@ -50,8 +50,9 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
     Left normally, the advertiser has proven the GPUs: ``settle``. Left by an exception, the
     pass's exit settles (mig_agent.agent.reconcile)."""
     s, node = t.settings, change.node
-    tainted = _devices_to_taint(t, change)
-    cordon = tainted is None and not node.unschedulable
+    record = marks.record(s, node)  # one parse for all that follows
+    taints = _devices_to_taint(t, change, record)
+    cordon = taints is None and not node.unschedulable
     annotations: dict[str, str | None] = {}
     if cordon:
         annotations[s.cordon_annotation] = "true"
@@ -59,12 +60,12 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
     operands = labels.paused_during_change(node.labels, s.operand_labels)
     if operands:
         annotations[s.paused_annotation] = ",".join(operands)
-    owed = _owed_at_the_cordon(s, node, change)
-    change.tainted = tainted is not None
-    if tainted is not None:  # the record first: a kill before the rules leaves it owed
-        base = owed or marks.record(s, node)
+    owed = _owed_at_the_cordon(s, node, change, record)
+    change.tainted = taints is not None
+    if taints is not None:  # the record first: a kill before the rules leaves it owed
+        base = owed or record
         base = base or Record(layout=change.desired, gpus=digest(change.observed))
-        owed = replace(base, tainted=tainted)
+        owed = replace(base, tainted=taints.gpus)
     if owed is not None:
         annotations[s.guard_annotation] = owed.to_json()
     if annotations or pause:
@@ -74,26 +75,35 @@ def paused(t: Tools, change: Change) -> Iterator[list[str]]:
             annotations=annotations,
             unschedulable=True if cordon else None,
         )
-        devices = _taint(t, tainted, change.slices) if tainted else 0
+        devices = _taint(t, taints.gpus, change.slices, taints.rules) if taints else 0
         log.info("node.paused", cordoned=cordon, tainted=devices, operands=operands)
     yield operands
     settle(t, change.desired, succeeded=True, dra_node=change.dra)
 
 
-def _devices_to_taint(t: Tools, change: Change) -> tuple[str, ...] | None:
+@dataclass(frozen=True)
+class _Taints:
+    """How a change holds its GPUs back instead of a cordon."""
+
+    gpus: tuple[str, ...]  # the GPUs (UUIDs) whose devices to taint
+    rules: list[dict[str, Any]]  # the DeviceTaintRules as the permission probe listed them
+
+
+def _devices_to_taint(t: Tools, change: Change, record: Record | None) -> _Taints | None:
     """The GPUs (UUIDs) whose devices to taint instead of a cordon, with those an earlier pass
     tainted; None for the cordon: not a DRA node, taints off or not served, the node cordoned
-    by the agent already, a record that owes a cordon or is unreadable, or nothing of the GPUs
-    that change listed (nothing to hold back but a listing to come: the cordon holds that)."""
+    by the agent already, a record (the node's, as parsed) that owes a cordon or is unreadable,
+    or nothing of the GPUs that change listed (nothing to hold back but a listing to come: the
+    cordon holds that)."""
     s, node = t.settings, change.node
     if not (change.dra and s.device_taints) or s.cordon_annotation in node.annotations:
         return None
-    record = marks.record(s, node)
     if s.guard_annotation in node.annotations and (
         record is None or not (record.empty or record.tainted)
     ):
         return None
-    if not t.cluster.device_taints_served() or not _may_taint(t):
+    rules = _listed_taints(t) if t.cluster.device_taints_served() else None
+    if rules is None:
         return None
     changing = {change.observed.gpu(i).info.uuid for i in change.plan.changed_gpus}
     slices = change.slices
@@ -101,29 +111,36 @@ def _devices_to_taint(t: Tools, change: Change) -> tuple[str, ...] | None:
         slices = change.slices = t.cluster.list_resource_slices(s.node_name)
     if not device_taints.devices_of_gpus(slices, s.node_name, changing):
         return None
-    return tuple(sorted({*changing, *(record.tainted if record else ())}))
+    return _Taints(tuple(sorted({*changing, *(record.tainted if record else ())})), rules)
 
 
-def _may_taint(t: Tools) -> bool:
-    """Whether the agent may list its device taints: an install whose RBAC predates them (no
+def _listed_taints(t: Tools) -> list[dict[str, Any]] | None:
+    """The DeviceTaintRules as listed now (handed on to ``_taint``: one request), or None
+    where the agent may not list them: an install whose RBAC predates them (no
     devicetaintrules) gets the cordon, said once a pass, rather than a failed change."""
     try:
-        t.cluster.list_device_taints()
+        return t.cluster.list_device_taints()
     except KubeForbidden as exc:
         log.warning("devices.taints_forbidden", error=str(exc), fallback="cordon")
-        return False
-    return True
+        return None
 
 
-def _taint(t: Tools, gpus: tuple[str, ...], slices: list[dict[str, Any]] | None = None) -> int:
+def _taint(
+    t: Tools,
+    gpus: tuple[str, ...],
+    slices: list[dict[str, Any]] | None = None,
+    rules: list[dict[str, Any]] | None = None,
+) -> int:
     """A rule for each device the node's slices list now for these GPUs that has none yet (a
     device listed since the last taint, under a name of its own, is taken out too): how many
-    devices are tainted."""
+    devices are tainted. ``slices`` and ``rules``: as the caller listed them, else listed."""
     node = t.settings.node_name
     if slices is None:
         slices = t.cluster.list_resource_slices(node)
+    if rules is None:
+        rules = t.cluster.list_device_taints()
     devices = device_taints.devices_of_gpus(slices, node, gpus)
-    have = device_taints.rules_of_node(t.cluster.list_device_taints(), node)
+    have = device_taints.rules_of_node(rules, node)
     for device in devices:
         if device not in have:
             t.cluster.create_device_taint(device_taints.rule(node, device, t.settings.taint_key))
@@ -138,10 +155,13 @@ def _untaint(t: Tools) -> int:
     return len(have)
 
 
-def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record | None:
+def _owed_at_the_cordon(
+    s: Settings, node: NodeView, change: Change, record: Record | None
+) -> Record | None:
     """The record as the cordon leaves it: the GPUs' digest as the advertiser lists them now
-    added to what the node is owed already (a failed drain's window, pods evicted); None: left
-    as is (an annotation the agent never wrote: settle proves the GPUs again).
+    added to what the node is owed already (``record``, the node's as parsed: a failed drain's
+    window, pods evicted); None: left as is (an annotation the agent never wrote: settle proves
+    the GPUs again).
 
     An older digest that the GPUs no longer match vouches for nothing now: since the GPUs
     changed, the advertiser may have listed them (resumed by the last pass, or restarted on its
@@ -149,7 +169,6 @@ def _owed_at_the_cordon(s: Settings, node: NodeView, change: Change) -> Record |
     other one. Only a proof clears it then (UNKNOWN)."""
     if s.guard_annotation not in node.annotations:
         return Record(layout=change.desired, gpus=digest(change.observed))
-    record = marks.record(s, node)
     if record is None:
         return None
     if not record.gpus:

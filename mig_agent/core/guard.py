@@ -165,7 +165,7 @@ def decide(record: Record, facts: Facts) -> Verdict:
     evicted = tuple(p for p in record.evicted if p in facts.present)
     given_up = tuple(p for p in record.given_up if p in facts.present)
     since = None if given_up else record.drain_since
-    held = held_back(record)
+    held = held_back(bool(record.tainted))
     reasons = []
     if gpus:
         reasons.append(
@@ -189,9 +189,10 @@ def decide(record: Record, facts: Facts) -> Verdict:
     return Verdict(not reasons, None if kept.empty else kept, why, given_up)
 
 
-def held_back(record: Record) -> str:
-    """How the node is held back from new work, as a reason says it."""
-    if record.tainted:
+def held_back(tainted: bool) -> str:
+    """How the node is held back from new work, as a reason or the drain's wait says it:
+    ``tainted``, by its changing GPUs' device taints (Record.tainted), else by the cordon."""
+    if tainted:
         return "the devices of the GPUs that change stay tainted"
     return "the node stays cordoned"
 

@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
-from mig_agent.core import planner
+from mig_agent.core import device_taints, planner
 from mig_agent.core.errors import MigAgentError
 from mig_agent.core.labels import PAUSED, State
 from mig_agent.core.observed import NodeState
@@ -19,6 +19,7 @@ from tests.unit.model_world import (
     NODE,
     SETTINGS,
     STATE,
+    DraPluginModel,
     World,
     by_resource,
     held_devices,
@@ -48,6 +49,9 @@ def _schedulable_over_gone_devices(w: World) -> Iterator[str]:
     node = w.cluster.nodes[NODE]
     if node.unschedulable:
         return
+    if isinstance(w.plugin, DraPluginModel):
+        yield from _untainted_over_changed_gpus(w, w.plugin)
+        return
     held = held_devices(w.gpus)
     for resource, uuids in sorted(w.plugin.advertised(node).items()):
         gone = sorted(u for u in uuids if u not in held)
@@ -62,6 +66,28 @@ def _schedulable_over_gone_devices(w: World) -> Iterator[str]:
             yield (
                 f"the node is schedulable with allocatable {resource}: {n} where NVML holds "
                 f"{have[resource]}"
+            )
+
+
+def _untainted_over_changed_gpus(w: World, plugin: DraPluginModel) -> Iterator[str]:
+    """On a DRA node, uncordoned: while a GPU is not as the slice lists it (the slice lists a
+    device of it that NVML no longer holds), every device the slice lists of it carries a
+    DeviceTaintRule of the agent's (the scheduler allocates from the slice). A listing that
+    lacks devices the GPU holds, all it lists there, is no such GPU: nothing gone is handed
+    out."""
+    ours = device_taints.rules_of_node(w.cluster.taint_rules.values(), NODE)
+    held = held_devices(w.gpus)
+    listed = plugin.listed()
+    for gpu in w.gpus.truth().gpus:
+        names = {n for n, (_, parent) in listed.items() if parent == gpu.info.uuid}
+        gone = sorted(n for n in names if listed[n][0] not in held)
+        bare = sorted(names - ours.keys())
+        if gone and bare:
+            yield (
+                f"the node is schedulable and the slice lists {len(gone)} device(s) of GPU "
+                f"{gpu.index} that NVML no longer holds ({', '.join(gone[:2])}), yet "
+                f"{len(bare)} of its listed devices carry no taint of the agent's "
+                f"({', '.join(bare[:2])})"
             )
 
 
@@ -189,6 +215,9 @@ def _success_is_true(w: World) -> Iterator[str]:
     layout = wrote[-1].layout  # as the label was at the write: a relabel after it is news
     if not in_place(w, layout):
         yield f"state success, but the GPUs do not hold layout {layout}"
+    if isinstance(w.plugin, DraPluginModel):
+        yield from _dra_success_is_true(w, w.plugin)
+        return
     # listed, healthy or not: a device an Xid made unhealthy is still the layout's (the
     # kubelet keeps a stopped plugin's listing in capacity, allocatable 0, for its grace period)
     held = by_resource(held_devices(w.gpus))
@@ -199,6 +228,24 @@ def _success_is_true(w: World) -> Iterator[str]:
             f"state success, but the plugin lists {_counts(listed)} (node capacity "
             f"{capacity}) where the GPUs hold {_counts(held)}"
         )
+    if node.unschedulable and CORDONED in node.annotations:
+        yield "state success with the agent's cordon still on the node"
+
+
+def _dra_success_is_true(w: World, plugin: DraPluginModel) -> Iterator[str]:
+    """``success`` on a DRA node: the slice lists exactly the devices the GPUs hold, no rule
+    of the agent's is left, and no cordon of its own."""
+    node = w.cluster.nodes[NODE]
+    listed = {uuid for uuid, _ in plugin.listed().values()}
+    held = set(held_devices(w.gpus))
+    if listed != held:
+        yield (
+            f"state success, but the slice lists {len(listed)} device(s) "
+            f"({len(listed - held)} NVML no longer holds) where the GPUs hold {len(held)}"
+        )
+    left = device_taints.rules_of_node(w.cluster.taint_rules.values(), NODE)
+    if left:
+        yield f"state success with {len(left)} DeviceTaintRule(s) of the agent's left"
     if node.unschedulable and CORDONED in node.annotations:
         yield "state success with the agent's cordon still on the node"
 

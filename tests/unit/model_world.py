@@ -1,6 +1,8 @@
 """The world the guard model (tests/unit/test_guard_model.py) drives the real agent through:
 the in-memory cluster and GPUs of tests/unit, the device plugin's DaemonSet and the kubelet's
-device manager, GPU pods that hold devices, and faults armed to strike in the middle of a pass.
+device manager, GPU pods that hold devices, and faults armed to strike in the middle of a pass;
+or, ``World(dra=True)``, a DRA node: NVIDIA's DRA plugin and the ResourceSlice it publishes,
+DeviceTaintRules served.
 
 Everything an invariant reads is held here, outside the agent: the node as the API server has
 it, the GPUs as NVML has them, the devices the plugin registered with the kubelet, which pod
@@ -21,10 +23,12 @@ from pathlib import Path
 from mig_agent.agent import Agent
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.config.settings import Settings
+from mig_agent.core.dra_devices import DRIVER as DRA_DRIVER
 from mig_agent.core.errors import GpuError
 from mig_agent.core.gpu_models import MODELS, resource_name
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.core.observed import NodeState
+from mig_agent.core.planner import observed_devices
 from mig_agent.kube.cluster import NodeCondition, NodeView, PodRef, PodsSeen
 from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
@@ -39,6 +43,7 @@ DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 GPU_MODEL = "H100-80GB"
 GPU_COUNT = 2
+DRA_NS, DRA_APP = "gpu-operator", "nvidia-dra-driver-kubelet-plugin"
 
 
 class Crash(BaseException):
@@ -302,6 +307,99 @@ class DevicePluginModel:
         return {r: u for r, u in self.registered.items() if alloc.get(r, 0) > 0}
 
 
+def slice_devices(gpus: FakeGpus) -> tuple[dict[str, object], ...]:
+    """The devices NVIDIA's DRA plugin started now would list in the node's ResourceSlice: a
+    whole GPU by its UUID, a MIG device by its own and its parent's. Read past the world's
+    hooks (no call of the agent's)."""
+    out: list[dict[str, object]] = []
+    for gpu in FakeGpus.observe(gpus).gpus:
+        uuid = {"string": gpu.info.uuid}
+        if not gpu.mig_current:
+            attrs = {"type": {"string": "gpu"}, "uuid": uuid}
+            out.append({"name": f"gpu-{gpu.index}", "attributes": attrs})
+            continue
+        names = sorted(observed_devices(gpus.models()[gpu.index], gpu).elements())
+        cis = [ci for gi in gpu.gpu_instances for ci in gi.compute_instances]
+        for n, (name, ci) in enumerate(zip(names, cis, strict=True)):
+            attrs = {
+                "type": {"string": "mig"},
+                "profile": {"string": name},
+                "uuid": {"string": ci.uuid},
+                "parentUUID": uuid,
+            }
+            # names by place, as tests/unit/test_agent_dra's plugin: a later layout reuses them
+            out.append({"name": f"gpu-{gpu.index}-mig-{n}", "attributes": attrs})
+    return tuple(out)
+
+
+@dataclass
+class DraPluginModel:
+    """NVIDIA's DRA kubelet plugin DaemonSet on a DRA node, and the node's ResourceSlice it
+    publishes (the scheduler allocates claims from it; the agent's DeviceTaintRules take its
+    devices out). Modes as DevicePluginModel's: honest, slow, partial (one device fewer),
+    crashing (never Ready, publishes nothing), stale (publishes what the previous pod read).
+    A slice stays as last published while no pod runs: the scheduler may still allocate from
+    it."""
+
+    mode: str = "honest"
+    delay_s: float = 0.0
+    found: bool = True  # its pods carry the agent's selector (always, on a DRA node)
+    pod: PodRef | None = None
+    ready_at: float | None = None
+    devices: tuple[dict[str, object], ...] = ()  # as the slice lists them now
+    last_read: tuple[dict[str, object], ...] | None = None
+    generation: int = 0
+    names: itertools.count = field(default_factory=itertools.count)  # type: ignore[type-arg]
+
+    def settle(self, w: World) -> None:
+        c = w.cluster
+        if self.pod is not None and self.pod not in c.pods:
+            self.pod, self.ready_at = None, None  # deleted: the agent's restart
+        if self.pod is None:
+            name = f"nvidia-dra-driver-kubelet-plugin-{next(self.names)}"
+            self.pod = c.add_pod(
+                DRA_NS, name, NODE, labels={"app": DRA_APP}, owner="DaemonSet", ready=False
+            )
+            delay = self.delay_s if self.mode == "slow" else 0.0
+            self.ready_at = None if self.mode == "crashing" else w.time.now() + delay
+        if self.pod is not None and self.ready_at is not None and w.time.now() >= self.ready_at:
+            self.ready_at = None
+            self._publish(w)
+
+    def _publish(self, w: World) -> None:
+        read = slice_devices(w.gpus)
+        if self.mode == "stale" and self.last_read is not None:
+            read = self.last_read
+        elif self.mode == "partial" and read:
+            read = read[:-1]
+        else:
+            self.last_read = read
+        self.devices, self.generation = read, self.generation + 1
+        pool = {"name": NODE, "generation": self.generation, "resourceSliceCount": 1}
+        spec = {"driver": DRA_DRIVER, "nodeName": NODE, "pool": pool, "devices": list(read)}
+        name = f"{NODE}-{DRA_DRIVER}-{self.generation}"
+        w.cluster.slices = [{"metadata": {"name": name}, "spec": spec}]
+        assert self.pod is not None
+        w.cluster.pods[self.pod] = replace(w.cluster.pods[self.pod], ready=True)
+
+    def crash(self, w: World) -> None:
+        """The running pod crashes and never comes back Ready; its slice stays."""
+        self.mode = "crashing"
+        if self.pod is not None:
+            w.cluster.pods[self.pod] = replace(w.cluster.pods[self.pod], ready=False)
+            self.ready_at = None
+
+    def listed(self) -> dict[str, tuple[str, str]]:
+        """The slice's devices: name -> (its UUID, its GPU's UUID)."""
+        out = {}
+        for d in self.devices:
+            attrs = d["attributes"]
+            assert isinstance(attrs, dict)
+            uuid = attrs["uuid"]["string"]
+            out[str(d["name"])] = (uuid, attrs.get("parentUUID", {"string": uuid})["string"])
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class Armed:
     """A fault that strikes inside the next pass: at the ``nth`` event of ``at`` (a GPU
@@ -361,14 +459,21 @@ class World:
         podresources: bool,
         reboot: bool,
         plugin_found: bool = True,
+        dra: bool = False,
     ) -> None:
+        """``dra``: a DRA node on Kubernetes 1.37 (NVIDIA's DRA plugin, DeviceTaintRules
+        served); no operands, no PodResources and, for now, no GPU pods there."""
+        self.dra = dra
+        operands, podresources = operands and not dra, podresources and not dra
         self.catalog, self.operands, self.podresources = catalog, operands, podresources
         self.reboot_command = "/sbin/reboot" if reboot else ""
         self.lock = threading.RLock()
         self.time = ModelTime(self)
         self.cluster = ModelCluster()
         self.gpus = ModelGpus(self)
-        self.plugin = DevicePluginModel(found=plugin_found)
+        self.plugin: DevicePluginModel | DraPluginModel = (
+            DraPluginModel() if dra else DevicePluginModel(found=plugin_found)
+        )
         self.answers = EvictionAnswers()
         self.pods: dict[PodRef, PodFacts] = {}
         self.armed: list[Armed] = []
@@ -396,6 +501,7 @@ class World:
         self.reboot_asked = False
         self.boots = 1  # the node's boot: the reboot guard tells a reboot by its id
         self.cluster.add_node(NODE, {DP_LABEL: "true"} if operands else {}, {})
+        self.cluster.taints_served = dra
         self.cluster.world = self
         self.cluster.on_change = lambda _c: self.on_change()
         self.plugin.settle(self)
@@ -623,8 +729,8 @@ class World:
         bind in flight, ``ignore_cordon``, lands all the same). ``late``: its process has not
         started yet (its container is starting)."""
         node = self.cluster.nodes[NODE]
-        if node.unschedulable and not ignore_cordon and owner != "DaemonSet":
-            return None
+        if self.dra or (node.unschedulable and not ignore_cordon and owner != "DaemonSet"):
+            return None  # the DRA world draws no pods (claims) yet
         used = {u for f in self.live_pods() for u in f.devices}
         free = sorted(
             (r, u) for r, us in self.plugin.advertised(node).items() for u in us if u not in used

@@ -12,26 +12,35 @@ are in tests/e2e/test_device_taints.py:
 * an install whose RBAC has no devicetaintrules gets the cordon, not a failed change;
 * an agent killed mid-change leaves the taints, and what they are for, to the next one, which
   keeps them while the slice is stale and lifts them once it is proven;
-* a rule the agent could not make fails the pass before any GPU is touched, and nothing stays.
+* a rule the agent could not make fails the pass before any GPU is touched, and nothing stays;
+* the drain's wait for a slow evicted pod says the devices stay tainted, not the node cordoned;
+* a change's start lists the rules once and reads the node's record (its annotation) once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from mig_agent.agent import Agent, Outcome
+from mig_agent.agent import guard as agent_guard
+from mig_agent.agent.change import Change, Tools
 from mig_agent.config.profiles import load_catalog
 from mig_agent.core import device_taints
+from mig_agent.core import guard as core_guard
 from mig_agent.core.errors import KubeError, KubeForbidden
+from mig_agent.kube.cluster import NodeCondition
 from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
 
 from .fake_gpus import FakeGpus
 from .test_agent import NODE, STATE, FakeTime, assert_clean
-from .test_agent_dra import REASON, _with_layout, label, make_dra
+from .test_agent_dra import REASON, _claim, _device_on, _with_layout, label, make_dra
+from .test_real_node import lingering
 
 GUARD = "mig-agent.dev/guard"
 
@@ -41,8 +50,10 @@ class Taints(FakeCluster):
 
     refuse_create: bool = False
     refuse_list: bool = False
+    lists: int = 0  # list requests made of DeviceTaintRules
 
     def list_device_taints(self) -> list[dict[str, Any]]:
+        self.lists += 1
         if self.refuse_list:
             raise KubeForbidden("list devicetaintrules: 403 forbidden (fake)", status=403)
         return super().list_device_taints()
@@ -99,6 +110,43 @@ def test_a_change_of_one_gpu_taints_its_devices_and_never_cordons() -> None:
     assert cluster.nodes[NODE].labels[STATE] == "success"
     assert not cluster.taint_rules and GUARD not in cluster.nodes[NODE].annotations
     assert_clean(cluster)
+
+
+def test_a_change_lists_the_rules_once_before_its_first_gpu_call() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    mutate, lists = gpus._mutate, []
+
+    def spy(gpu: int, op: str) -> None:
+        lists.append(cluster.lists)
+        mutate(gpu, op)
+
+    gpus._mutate = spy  # type: ignore[method-assign]
+    cluster.lists = 0
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    assert lists and lists[0] == 1, lists  # the permission probe's listing is the taint's
+
+
+def test_the_drain_s_wait_says_the_devices_stay_tainted() -> None:
+    agent, cluster, gpus, dra = on_all_1g()
+    ref = cluster.add_pod("ml", "trainer", NODE, claims=("trainer",), grace_period_s=600)
+    cluster.claims = [_claim("ml", "trainer", _device_on(cluster, 1))]
+    lingering(agent, cluster, ref, gone_after_s=450.0)
+    conditions: list[NodeCondition] = []
+    set_condition = cluster.set_node_condition
+
+    def recorded(name: str, condition: NodeCondition) -> None:
+        conditions.append(condition)
+        set_condition(name, condition)
+
+    cluster.set_node_condition = recorded  # type: ignore[method-assign]
+    label(cluster, "gpu1-changes")
+    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    waiting = [c.message for c in conditions if c.reason == "DrainWaiting"]
+    assert len(waiting) == 1 and "ml/trainer" in waiting[0], waiting
+    assert waiting[0].endswith(
+        ", and the devices of the GPUs that change stay tainted while they run"
+    )
 
 
 def test_without_device_taints_served_the_node_is_cordoned_as_before() -> None:
@@ -197,9 +245,9 @@ class Killed(BaseException):
     """The agent's process ends here: nothing after it runs (no settle, no report)."""
 
 
-def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
+def killed_mid_change() -> tuple[Agent, Taints, FakeGpus, Any]:
+    """An agent killed at its fourth GPU call of a change of GPU 1: its taints and record left."""
     agent, cluster, gpus, dra = on_all_1g()
-    gpu1 = devices_of(cluster, 1)
     mutate, calls = gpus._mutate, 0
 
     def killed_after_some(gpu: int, op: str) -> None:
@@ -213,8 +261,14 @@ def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
     label(cluster, "gpu1-changes")
     with pytest.raises(Killed):
         agent.reconcile_once()
-    assert tainted(cluster) == gpu1 and not cluster.nodes[NODE].unschedulable
     gpus._mutate = mutate  # type: ignore[method-assign]
+    return agent, cluster, gpus, dra
+
+
+def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
+    agent, cluster, gpus, dra = killed_mid_change()
+    gpu1 = devices_of(cluster, 1)
+    assert tainted(cluster) == gpu1 and not cluster.nodes[NODE].unschedulable
     dra.comes_back = False  # the next agent finishes the GPUs; the plugin never republishes
     successor = successor_of(agent, cluster, gpus)
     assert successor.reconcile_once().outcome is Outcome.FAILED
@@ -224,3 +278,30 @@ def test_an_agent_killed_mid_change_leaves_the_taints_to_the_next_one() -> None:
     assert successor.reconcile_once().outcome is Outcome.APPLIED
     assert not cluster.taint_rules
     assert_clean(cluster)
+
+
+def test_the_change_after_a_kill_reads_the_node_s_record_once_as_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent, cluster, gpus, dra = killed_mid_change()
+    assert GUARD in cluster.nodes[NODE].annotations
+    parses, parse = 0, core_guard.parse
+
+    def counted(text: str) -> core_guard.Record:
+        nonlocal parses
+        parses += 1
+        return parse(text)
+
+    starts, paused = [], agent_guard.paused
+
+    @contextlib.contextmanager
+    def spied(t: Tools, change: Change) -> Iterator[list[str]]:
+        before = parses
+        with paused(t, change) as operands:
+            starts.append(parses - before)
+            yield operands
+
+    monkeypatch.setattr(core_guard, "parse", counted)
+    monkeypatch.setattr(agent_guard, "paused", spied)
+    assert successor_of(agent, cluster, gpus).reconcile_once().outcome is Outcome.APPLIED
+    assert starts == [1]  # the taint's choice and the record it writes from one parse

@@ -22,10 +22,15 @@ left paused; no pod evicted off a GPU that stays; a give-up kept (no eviction as
 pods and the label stay). At the end the faults stop and six passes must end in ``success`` or
 in a ``failed`` whose reason names what the operator must fix.
 
+DraGuardModel runs the same over a DRA node on Kubernetes 1.37 (NVIDIA's DRA plugin publishing
+the node's ResourceSlice, DeviceTaintRules served: the guard taints the changing GPUs' devices
+instead of the cordon), without GPU pods yet.
+
 The default run holds a fixed, derandomized budget (CI_EXAMPLES examples of up to STEPS
-steps; ``MIG_AGENT_MODEL=0`` leaves it out); docs/reliability.md, "The node guard", says which
-of the guard's fixes, reverted, it finds within that budget, and which the sequences it found
-before (test_guard_model_cases) hold instead. More:
+steps, DRA_EXAMPLES in the DRA world; ``MIG_AGENT_MODEL=0`` leaves them out);
+docs/reliability.md, "The node guard", says which of the guard's fixes, reverted, it finds
+within that budget, and which the sequences it found before (test_guard_model_cases) hold
+instead. More:
 ``MIG_AGENT_MODEL_EXAMPLES=10000 pytest tests/unit/test_guard_model.py`` (still derandomized;
 ``MIG_AGENT_MODEL_RANDOM=1`` for fresh random sequences, ``MIG_AGENT_MODEL_STEPS`` for longer
 ones, ``MIG_AGENT_MODEL_SHRINK=0`` to report a failure unshrunk).
@@ -50,6 +55,7 @@ from tests.unit.model_invariants import after_pass, settled
 from tests.unit.model_world import PROFILES, Armed, World
 
 CI_EXAMPLES = 2000  # 22 s here; each reverted fix was found within it (docs/reliability.md)
+DRA_EXAMPLES = 500  # the DRA world (DraGuardModel): 14 s here; each of its reverted fixes found
 STEPS = 12
 SETTLE_PASSES = 6
 
@@ -160,6 +166,7 @@ class GuardModel(RuleBasedStateMachine):
 
     # -- the workloads ---------------------------------------------------------------------
 
+    @precondition(lambda self: not self.world.dra)  # the DRA world draws no pods yet
     @rule(
         pick=st.integers(0, 60),
         owner=st.sampled_from(["ReplicaSet", "ReplicaSet", "", "DaemonSet"]),
@@ -184,6 +191,7 @@ class GuardModel(RuleBasedStateMachine):
         selector = LabelSelector({"app": ref.name})
         w.cluster.pdbs += [PdbView(ref.namespace, n, selector, 0) for n in names]
 
+    @precondition(lambda self: not self.world.dra)
     @rule(pick=st.integers(0, 60))
     def pod_finishes(self, pick: int) -> None:
         self.world.finish_pod(pick)
@@ -193,10 +201,10 @@ class GuardModel(RuleBasedStateMachine):
     @rule(mode=st.sampled_from(["honest", "slow", "partial", "crashing", "stale"]))
     def plugin_behaves(self, mode: str) -> None:
         """How the plugin's next pods behave (crashing: the running one too). A stale
-        listing only where PodResources can tell it from the GPUs' devices: by counts alone
-        no agent could."""
+        listing only where PodResources or the slice's UUIDs can tell it from the GPUs'
+        devices: by counts alone no agent could."""
         w = self.world
-        if mode == "stale" and not w.podresources:
+        if mode == "stale" and not (w.podresources or w.dra):
             return
         if mode == "crashing":
             w.plugin.crash(w)
@@ -228,13 +236,32 @@ class GuardModel(RuleBasedStateMachine):
         assert not self.world.violations, "\n".join(self.world.violations)
 
 
-def _settings() -> settings:
+class DraGuardModel(GuardModel):
+    """The agent over one DRA node of two H100s on Kubernetes 1.37: NVIDIA's DRA plugin
+    publishes the node's ResourceSlice and DeviceTaintRules are served, so the guard holds the
+    node back by tainting the changing GPUs' devices, not by the cordon. The same faults, the
+    same invariants read for a slice (model_invariants: while a GPU is not as the slice lists
+    it, its listed devices carry the agent's taint or the node is cordoned; at ``success`` no
+    rule of the agent's is left); no GPU pods (claims) yet, so no drain."""
+
+    @initialize(reboot=st.booleans(), pending=st.booleans())
+    def start(self, reboot: bool, pending: bool) -> None:  # type: ignore[override]
+        """``reboot``: a reboot command is set; ``pending``: GPU 1's MIG mode changes stay
+        pending until a reboot."""
+        self.logs = capture_logs()
+        self.logs.__enter__()
+        self.world = World(CATALOG, operands=False, podresources=False, reboot=reboot, dra=True)
+        if pending:
+            self.world.gpus.pending.add(1)
+
+
+def _settings(examples: int) -> settings:
     # MIG_AGENT_MODEL_SHRINK=0: report the first failing sequence as found, unshrunk (a search
     # of many reverted fixes in a row; shrinking one takes minutes)
     shrink = os.environ.get("MIG_AGENT_MODEL_SHRINK") != "0"
     return settings(
         phases=list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate],
-        max_examples=int(os.environ.get("MIG_AGENT_MODEL_EXAMPLES", CI_EXAMPLES)),
+        max_examples=int(os.environ.get("MIG_AGENT_MODEL_EXAMPLES", examples)),
         stateful_step_count=int(os.environ.get("MIG_AGENT_MODEL_STEPS", STEPS)),
         derandomize=os.environ.get("MIG_AGENT_MODEL_RANDOM") != "1",
         deadline=None,
@@ -244,8 +271,11 @@ def _settings() -> settings:
     )
 
 
-GuardModel.TestCase.settings = _settings()
-# MIG_AGENT_MODEL=0 leaves it out (a quick local run); CI runs it
-test_guard_model = pytest.mark.skipif(
+GuardModel.TestCase.settings = _settings(CI_EXAMPLES)
+DraGuardModel.TestCase.settings = _settings(DRA_EXAMPLES)
+# MIG_AGENT_MODEL=0 leaves them out (a quick local run); CI runs them
+_off = pytest.mark.skipif(
     os.environ.get("MIG_AGENT_MODEL") == "0", reason="MIG_AGENT_MODEL=0 leaves the guard model out"
-)(GuardModel.TestCase)
+)
+test_guard_model = _off(GuardModel.TestCase)
+test_guard_model_dra = _off(DraGuardModel.TestCase)

@@ -445,6 +445,7 @@ def test_an_evicted_pod_gets_its_own_grace_period_and_the_wait_is_told() -> None
     waiting = [c for c in conditions if c.reason == "DrainWaiting"]
     assert len(waiting) == 1
     assert "ml/trainer" in waiting[0].message and "600 s" in waiting[0].message
+    assert waiting[0].message.endswith(", and the node stays cordoned while they run")
     assert [e for e in cluster.events if e[1] == "MIGDrainWaiting"]
 
 

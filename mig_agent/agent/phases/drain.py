@@ -223,13 +223,7 @@ class DrainPhase:
         message = (
             f"waiting for {left} evicted GPU pod(s) to stop; the slowest, {slowest.ref}, has a "
             f"grace period of {slowest.grace_period_s:g} s: the drain waits up to "
-            f"{up_to_s:.0f} s, and "
-            + (
-                "the devices of the GPUs that change stay tainted"
-                if tainted
-                else "the node stays cordoned"
-            )
-            + " while they run"
+            f"{up_to_s:.0f} s, and {guard.held_back(tainted)} while they run"
         )
         reporting.condition(
             self.tools.cluster,
