@@ -59,6 +59,7 @@ def assign_proven(
     wants: Sequence[Want], capacity: Capacity, steps: int = EXACT_STEPS
 ) -> tuple[dict[str, str], bool]:
     """``assign``'s answer, and whether it is proven to serve the most pods."""
+    capacity = _wanted(wants, capacity)
     seed = _first_fit(wants, capacity)
     big, gang_end = _searched(wants)
     if not big:
@@ -112,6 +113,28 @@ def assign_proven(
     if best_big is None:
         return seed, left > 0
     return _placed_then_units(wants, capacity, best_big), left > 0
+
+
+def _wanted(wants: Sequence[Want], capacity: Capacity) -> dict[str, dict[str, int]]:
+    """``capacity`` cut to what ``wants`` may use: the nodes some pod may go to that have a
+    free device of a kind asked, each with the kinds asked only (in ``capacity``'s order, so
+    the placements are those of the whole). A check decides one workload at a time over a
+    pool of thousands of nodes: copying every node's free devices cost most of its time."""
+    kinds = {w.kind for w in wants}
+    allowed = frozenset().union(*(w.nodes for w in wants))
+    out: dict[str, dict[str, int]] = {}
+    if len(kinds) == 1:  # most workloads: one kind, no inner loop
+        (kind,) = kinds
+        for node, free in capacity.items():
+            if node in allowed and (n := free.get(kind, 0)) > 0:
+                out[node] = {kind: n}
+        return out
+    for node, free in capacity.items():
+        if node in allowed:
+            mine = {k: n for k in kinds if (n := free.get(k, 0)) > 0}
+            if mine:
+                out[node] = mine
+    return out
 
 
 def _searched(wants: Sequence[Want]) -> tuple[list[Want], dict[int, int]]:
