@@ -1,10 +1,12 @@
 """What each approved layout would do on one node, for ``advise``: the devices it would
 offer, the GPUs that change, and the running pods that would lose their device.
 
-Holders are known by device kind only (a pod's requests, a claim's allocated devices): which of
-the node's devices of that kind a pod holds is the kubelet's to know. So a running pod counts as
+A pod of a device-plugin node is known by the kinds of device it holds only (its requests):
+which of the node's devices of that kind it holds is the kubelet's to know. So it counts as
 evicted when the plan destroys any device of a kind it holds (a GPU instance the planner keeps
-in place is not destroyed): no pod can lose its device to an option that evicts nobody. The
+in place is not destroyed): no pod can lose its device to an option that evicts nobody. On a
+DRA node its claims name its devices (their UUIDs, through the ResourceSlice), so it counts as
+evicted exactly when one of them does not outlive the plan (planner.staying_uuids). The
 devices a pod holds that stay are not free for pending pods.
 
 Pure module: no I/O. The device plugin's sharing (time-slicing, MPS) is not modelled.
@@ -24,17 +26,19 @@ from mig_agent.core.errors import PlanError
 from mig_agent.core.gpu_models import GpuModel, resource_name
 from mig_agent.core.layout import Layout
 from mig_agent.core.observed import NodeState
-from mig_agent.core.planner import Plan, plan
+from mig_agent.core.planner import Plan, plan, staying_uuids
 
 DRA: str = "dra"  # the "strategy" of a node whose GPUs NVIDIA's DRA driver publishes
 
 
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """A running pod on the node and the devices it holds, by kind."""
+    """A running pod on the node and the devices it holds, by kind, and by UUID where known
+    (a DRA node's claims; empty: not known)."""
 
     pod: str
     kinds: Mapping[str, int]
+    uuids: frozenset[str] = frozenset()
 
 
 def resources(devices: Devices, strategy: str) -> dict[str, int]:
@@ -80,8 +84,8 @@ def node_supply(
         effect = seen.effects[layout.name]
         if effect is None:
             continue
-        changed, after, lost = effect
-        evicts = tuple(sorted(h.pod for h in holders if lost & set(h.kinds)))
+        changed, after, lost, staying_ids = effect
+        evicts = tuple(sorted(h.pod for h in holders if _loses(h, lost, staying_ids)))
         staying: Counter[str] = Counter()
         for h in holders:
             if h.pod not in evicts:
@@ -92,7 +96,15 @@ def node_supply(
     return Supply(node, current, _positive(Counter(seen.now) - held), tuple(options), seen.now)
 
 
-Effect = tuple[tuple[int, ...], dict[str, int], frozenset[str]]
+# GPUs changed, devices offered after, kinds of the devices destroyed, UUIDs that stay
+Effect = tuple[tuple[int, ...], dict[str, int], frozenset[str], frozenset[str]]
+
+
+def _loses(h: Holder, lost: frozenset[str], staying: frozenset[str]) -> bool:
+    """Whether ``h`` loses a device: by UUID where its devices are known, else by kind."""
+    if h.uuids:
+        return not h.uuids <= staying
+    return bool(lost & set(h.kinds))
 
 
 @dataclass
@@ -109,8 +121,9 @@ Memo = dict[tuple[object, ...], _Seen]
 def _effect(
     layout: Layout, state: NodeState, models: Mapping[int, GpuModel], strategy: str
 ) -> Effect | None:
-    """(GPUs changed, devices offered after, kinds of the devices destroyed), or None where the
-    layout does not fit, changes nothing, or leaves the plugin offering nothing."""
+    """(GPUs changed, devices offered after, kinds of the devices destroyed, UUIDs that stay),
+    or None where the layout does not fit, changes nothing, or leaves the plugin offering
+    nothing."""
     try:
         the_plan = plan(layout, state, models, destroy_in_use=True)
     except PlanError:
@@ -124,6 +137,7 @@ def _effect(
         the_plan.changed_gpus,
         after,
         frozenset(_destroyed_kinds(the_plan, state, models, strategy)),
+        staying_uuids(the_plan, state),
     )
 
 

@@ -704,6 +704,23 @@ def ended_processes(the_plan: Plan, node: NodeState) -> tuple[EndedProcess, ...]
     return tuple(out)
 
 
+def staying_uuids(the_plan: Plan, node: NodeState) -> frozenset[str]:
+    """The device ids (GPU and MIG UUIDs) of ``node`` that outlive ``the_plan``: every device of
+    an unchanged GPU, and the compute instances of the GPU instances it keeps. A pod holding
+    only these keeps its devices through the change."""
+    changed = {g.gpu: g for g in the_plan.gpus if not g.is_empty}
+    staying: set[str] = set()
+    for gpu in node.gpus:
+        gp = changed.get(gpu.index)
+        if gp is None and not gpu.mig_current:
+            staying.add(gpu.info.uuid)
+        kept = None if gp is None else {d.gi_placement for d in gp.devices if d.kept}
+        for gi in gpu.gpu_instances:
+            if kept is None or gi.placement in kept:
+                staying.update(ci.uuid for ci in gi.compute_instances if ci.uuid)
+    return frozenset(staying)
+
+
 def describe_in_use(ended: Sequence[EndedProcess]) -> str:
     """ "GPU 0 (H100-80GB): 1g.10gb at 2:1 (GPU instance 9), ... must be destroyed but is in use
     by process(es) 7, 8", a GPU at a time, in the words of the planner's own refusals."""

@@ -377,6 +377,8 @@ def _holders(
     devices = {
         str(d.get("name", "")): d for d in dra_devices.node_devices(dra.slices, node) if is_dra
     }
+    # a DRA node's pods by the UUIDs of the devices their claims were allocated
+    uuids = dra_devices.claim_holders(dra.claims, dra.slices, node) if is_dra else {}
     out = []
     for p in sorted(running, key=lambda p: str(p.ref)):
         kinds: Counter[str] = Counter()
@@ -388,7 +390,8 @@ def _holders(
         else:
             kinds.update(p.gpu_requests)
         if kinds:
-            out.append(Holder(str(p.ref), dict(kinds)))
+            held = uuids.get((p.ref.namespace, p.ref.name), frozenset())
+            out.append(Holder(str(p.ref), dict(kinds), held))
     return out
 
 

@@ -82,19 +82,8 @@ class Holders:
         return True
 
     def staying_devices(self, the_plan: planner.Plan) -> frozenset[str]:
-        """Device ids (GPU and MIG UUIDs) that outlive ``the_plan``: every device of an unchanged
-        GPU and the compute instances of kept GPU instances."""
-        changed = {g.gpu: g for g in the_plan.gpus if not g.is_empty}
-        staying: set[str] = set()
-        for gpu in self.tools.gpus.observe().gpus:
-            gp = changed.get(gpu.index)
-            if gp is None and not gpu.mig_current:
-                staying.add(gpu.info.uuid)
-            kept = None if gp is None else {d.gi_placement for d in gp.devices if d.kept}
-            for gi in gpu.gpu_instances:
-                if kept is None or gi.placement in kept:
-                    staying.update(ci.uuid for ci in gi.compute_instances if ci.uuid)
-        return frozenset(staying)
+        """Device ids (GPU and MIG UUIDs) that outlive ``the_plan`` (planner.staying_uuids)."""
+        return planner.staying_uuids(the_plan, self.tools.gpus.observe())
 
     def may_stay(
         self, the_plan: planner.Plan, holds: Holds | None
