@@ -372,7 +372,15 @@ class Agent:
             )
             self.seen = (None, None)
         self.metrics.set_state("")
-        reporting.record_devices(self.cluster, self.settings, self.gpus, self.metrics, node)
+        reporting.record_devices(
+            self.cluster,
+            self.settings,
+            self.gpus,
+            self.metrics,
+            node,
+            pod_devices=self.pod_devices,
+            wall=self.clock.wall,
+        )
         return PassResult(Outcome.IDLE)
 
     def _reconcile(self, node: NodeView, desired: str) -> Outcome:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 
 import structlog
 
 from mig_agent.config.settings import Settings
 from mig_agent.core import planner, snapshot
+from mig_agent.core import pod_devices as pod_devices_core
 from mig_agent.core.errors import (
     MigAgentError,
 )
@@ -104,24 +106,58 @@ def phase(
     log.info("phase.finished", phase=phase, duration_s=round(clock.now() - start, 3))
 
 
+PodDevices = Callable[[], Mapping[tuple[str, str], frozenset[str]]]
+
+
 def record_devices(
     cluster: Cluster,
     s: Settings,
     gpus: GpuBackend,
     metrics: Metrics,
     node_view: NodeView | None = None,
+    *,
+    pod_devices: PodDevices | None = None,
+    wall: Callable[[], float] | None = None,
 ) -> None:
     """Update the device metrics and publish the GPU state on the node (for ``repartition
-    --dry-run`` and ``status``, which run far from NVML) when it changed."""
+    --dry-run``, ``status``, ``advise`` and the AdmissionCheck, which run far from NVML) when
+    it changed; with ``pod_devices`` (the kubelet's PodResources), which pod holds which
+    device beside it (mig_agent.core.pod_devices)."""
     with best_effort("gpu state"):
         node, models = gpus.observe(), gpus.models()
         metrics.set_devices(
             {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
         )
-        text = snapshot.compact(node, models)
+        held = _holders(cluster, s, pod_devices, wall) if pod_devices and wall else None
+        text = snapshot.compact(node, models, held)
         current = node_view or cluster.get_node(s.node_name)
         if current.annotations.get(s.gpu_state_annotation) != text:
             cluster.patch_node(s.node_name, annotations={s.gpu_state_annotation: text})
+
+
+def _holders(
+    cluster: Cluster, s: Settings, pod_devices: PodDevices, wall: Callable[[], float]
+) -> dict[str, frozenset[str]] | None:
+    """Pod UID -> the devices the kubelet gave it, for the pods it took before the read; None
+    where PodResources or the node's pods cannot be read (nobody is published: judged by
+    kind)."""
+    read_at = wall()  # before the read: a pod the kubelet took after it is left out
+    try:
+        listed = pod_devices()
+        pods = cluster.list_pods(node=s.node_name)
+    except MigAgentError as exc:
+        log.debug("gpu_state.holders_unknown", error=str(exc))
+        return None
+    facts = [(p.ref.namespace, p.ref.name, p.ref.uid, _seconds(p.started)) for p in pods]
+    return pod_devices_core.held_by_uid(listed, facts, read_at)
+
+
+def _seconds(stamp: str) -> float | None:
+    """An RFC 3339 time in epoch seconds; None for none."""
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def unhealthy_note(unhealthy: Mapping[str, int]) -> str:

@@ -179,10 +179,16 @@ def empty_node(models: list[GpuModel]) -> tuple[NodeState, dict[int, GpuModel]]:
     return NodeState(gpus), dict(enumerate(models))
 
 
-def compact(node: NodeState, models: Mapping[int, GpuModel]) -> str:
+def compact(
+    node: NodeState,
+    models: Mapping[int, GpuModel],
+    holders: Mapping[str, frozenset[str]] | None = None,
+) -> str:
     """A small, stable JSON of the GPUs (model, UUID, mode, instances, placements and MIG
     devices' UUIDs: what ``verify`` holds a pod's device to) for a node annotation;
-    ``from_json(json.loads(...))`` reads it back."""
+    ``from_json(json.loads(...))`` reads it back. ``holders``: pod UID -> the device ids it
+    holds (mig_agent.core.pod_devices), kept beside the GPUs where any; ``holders_of`` reads
+    them back."""
     gpus = []
     for g in to_json(node, models)["gpus"]:
         gpus.append(
@@ -211,4 +217,20 @@ def compact(node: NodeState, models: Mapping[int, GpuModel]) -> str:
                 ],
             }
         )
-    return json.dumps({"gpus": gpus}, separators=(",", ":"), sort_keys=True)
+    doc: dict[str, Any] = {"gpus": gpus}
+    if holders:
+        doc["holders"] = {uid: sorted(ids) for uid, ids in holders.items()}
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+
+def holders_of(raw: Mapping[str, Any]) -> dict[str, frozenset[str]]:
+    """The ``holders`` of a compact GPU state (pod UID -> device ids); none where it has none
+    or they are not as ``compact`` writes them (a pod not named is judged by kind)."""
+    got = raw.get("holders")
+    if not isinstance(got, dict):
+        return {}
+    return {
+        str(uid): frozenset(str(i) for i in ids)
+        for uid, ids in got.items()
+        if isinstance(ids, list) and all(isinstance(i, str) for i in ids)
+    }

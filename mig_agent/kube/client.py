@@ -1218,6 +1218,7 @@ def _pod(p: Mapping[str, Any]) -> PodView:
         ),
         constraints=constraints_of(spec),
         claims=_claim_names(spec, status),
+        started=str(status.get("startTime") or ""),
     )
 
 

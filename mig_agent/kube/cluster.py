@@ -131,6 +131,8 @@ class PodView:
     constraints: PodConstraints = NO_CONSTRAINTS
     # the names of its ResourceClaims (in its namespace; a template's once the claim is made)
     claims: tuple[str, ...] = ()
+    # status.startTime: when its kubelet took it, RFC 3339 ("" before)
+    started: str = ""
 
     @property
     def uses_gpu(self) -> bool:

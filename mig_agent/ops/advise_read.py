@@ -26,7 +26,7 @@ from mig_agent.core.generated_layouts import with_generated
 from mig_agent.core.gpu_models import GpuModel
 from mig_agent.core.labels import State
 from mig_agent.core.layout import LayoutCatalog
-from mig_agent.core.snapshot import from_json
+from mig_agent.core.snapshot import from_json, holders_of
 from mig_agent.kube.cluster import Cluster, NodeView, PdbView, PodView
 from mig_agent.ops.dra_view import DraView, tolerant
 from mig_agent.ops.dra_view import read as dra_view_of
@@ -319,7 +319,8 @@ def _supply(
     names: Mapping[str, str],
 ) -> Supply | str:
     try:
-        state, models = from_json(json.loads(node.annotations[s.gpu_state_annotation]))
+        raw = json.loads(node.annotations[s.gpu_state_annotation])
+        state, models = from_json(raw)
     except ValueError as exc:
         return f"unreadable GPU state ({exc})"
     is_dra = _is_dra(node, dra)
@@ -331,7 +332,7 @@ def _supply(
         )
     except ConfigError as exc:
         return str(exc)
-    holders = _holders(node.name, running, claims, dra, is_dra)
+    holders = _holders(node.name, running, claims, dra, is_dra, holders_of(raw))
     supply = node_supply(
         node.name,
         node.labels.get(s.config_label),
@@ -373,7 +374,11 @@ def _holders(
     claims: Mapping[tuple[str, str], Mapping[str, Any]],
     dra: DraView,
     is_dra: bool,
+    published: Mapping[str, frozenset[str]],
 ) -> list[Holder]:
+    """The node's running GPU pods, each with the devices it holds by kind and, where known, by
+    UUID: a DRA node's claims, and the kubelet's PodResources as the agent published them
+    (``published``: pod UID -> device ids)."""
     devices = {
         str(d.get("name", "")): d for d in dra_devices.node_devices(dra.slices, node) if is_dra
     }
@@ -391,6 +396,7 @@ def _holders(
             kinds.update(p.gpu_requests)
         if kinds:
             held = uuids.get((p.ref.namespace, p.ref.name), frozenset())
+            held |= published.get(p.ref.uid, frozenset())
             out.append(Holder(str(p.ref), dict(kinds), held))
     return out
 

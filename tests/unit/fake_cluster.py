@@ -98,9 +98,11 @@ class FakeCluster(Cluster):
         ready: bool = True,
         grace_period_s: float = 30.0,
         claims: tuple[str, ...] = (),
+        started: str = "",
     ) -> PodRef:
         """A running pod; ``owner`` is its controller's kind ("" for a bare pod; the default
-        stands for a Deployment's pods); ``claims``, the names of its ResourceClaims."""
+        stands for a Deployment's pods); ``claims``, the names of its ResourceClaims;
+        ``started``, its status.startTime."""
         ref = PodRef(namespace, name, f"pod-{next(_uids)}")
         self.pods[ref] = PodView(
             ref,
@@ -116,6 +118,7 @@ class FakeCluster(Cluster):
             controller=f"{owner}/{name}-owner" if owner else "",
             grace_period_s=grace_period_s,
             claims=claims,
+            started=started,
         )
         return ref
 
