@@ -75,6 +75,8 @@ class Memory:
     gpu_status: str = "GPUs not read yet"
     # the layout this agent ran the reboot command for (none: None): its one reboot
     rebooted_for: str | None = None
+    # the kubelet's PodResources listing once its holders were all published (None: not yet)
+    holders_listed: Mapping[tuple[str, str], frozenset[str]] | None = None
 
 
 @dataclass(slots=True)

@@ -46,6 +46,8 @@ class Agent(Protocol):
 
     def gpu_problem(self) -> str: ...
 
+    def refresh_holders(self) -> None: ...
+
 
 def watch_forever(agent: Agent, stop: threading.Event) -> None:
     """Wake the loop when someone else changes the layout or state label; reconnects."""
@@ -140,6 +142,7 @@ def run(agent: Agent, stop: threading.Event, *, config_poll_s: float = 5.0) -> N
             # on NVML (a reset holds it for minutes), yet a driver gone shows within seconds
             gpus_looked_at = agent.clock.now()
             agent.gpu_problem()
+            agent.refresh_holders()  # advise's view of who holds what, kept as pods come and go
         if agent.reload_config():
             agent.failures = 0
             agent.wake_event.set()

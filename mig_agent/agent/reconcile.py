@@ -206,6 +206,28 @@ class Agent:
             self.memory.gpu_status = ""
         return self.memory.gpu_status
 
+    def refresh_holders(self) -> None:
+        """Between passes: which pod holds which device published anew once the kubelet's
+        PodResources listing differs from the one last published in full (a pod came or went,
+        or one was too new to tell); the node's pods listed only then."""
+        if self.pod_devices is None:
+            return
+        try:
+            listed = self.pod_devices()
+        except MigAgentError as exc:
+            log.debug("gpu_state.holders_unknown", error=str(exc))
+            return
+        if listed == self.memory.holders_listed:
+            return
+        self.memory.holders_listed = reporting.record_devices(
+            self.cluster,
+            self.settings,
+            self.gpus,
+            self.metrics,
+            pod_devices=self.pod_devices,
+            wall=self.clock.wall,
+        )
+
     def report_gpu_problem(self) -> None:
         """On start: a node without NVML says so in the log and the node condition."""
         problem = self.gpu_problem()

@@ -106,7 +106,8 @@ def phase(
     log.info("phase.finished", phase=phase, duration_s=round(clock.now() - start, 3))
 
 
-PodDevices = Callable[[], Mapping[tuple[str, str], frozenset[str]]]
+Listed = Mapping[tuple[str, str], frozenset[str]]  # the kubelet's: (namespace, pod) -> ids
+PodDevices = Callable[[], Listed]
 
 
 def record_devices(
@@ -118,29 +119,33 @@ def record_devices(
     *,
     pod_devices: PodDevices | None = None,
     wall: Callable[[], float] | None = None,
-) -> None:
+) -> Listed | None:
     """Update the device metrics and publish the GPU state on the node (for ``repartition
     --dry-run``, ``status``, ``advise`` and the AdmissionCheck, which run far from NVML) when
     it changed; with ``pod_devices`` (the kubelet's PodResources), which pod holds which
-    device beside it (mig_agent.core.pod_devices)."""
+    device beside it (mig_agent.core.pod_devices). Returns the kubelet's listing once all it
+    can tell is published (None otherwise): until it changes, nothing new is to publish."""
+    settled = None
     with best_effort("gpu state"):
         node, models = gpus.observe(), gpus.models()
         metrics.set_devices(
             {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
         )
-        held = _holders(cluster, s, pod_devices, wall) if pod_devices and wall else None
-        text = snapshot.compact(node, models, held)
+        read = _holders(cluster, s, pod_devices, wall) if pod_devices and wall else None
+        text = snapshot.compact(node, models, read[0] if read else None)
         current = node_view or cluster.get_node(s.node_name)
         if current.annotations.get(s.gpu_state_annotation) != text:
             cluster.patch_node(s.node_name, annotations={s.gpu_state_annotation: text})
+        settled = read[1] if read else None
+    return settled
 
 
 def _holders(
     cluster: Cluster, s: Settings, pod_devices: PodDevices, wall: Callable[[], float]
-) -> dict[str, frozenset[str]] | None:
-    """Pod UID -> the devices the kubelet gave it, for the pods it took before the read; None
-    where PodResources or the node's pods cannot be read (nobody is published: judged by
-    kind)."""
+) -> tuple[dict[str, frozenset[str]], Listed | None] | None:
+    """Pod UID -> the devices the kubelet gave it, for the pods it took before the read, and
+    the listing read where no pod of it waits on its start to be told; None where PodResources
+    or the node's pods cannot be read (nobody is published: judged by kind)."""
     read_at = wall()  # before the read: a pod the kubelet took after it is left out
     try:
         listed = pod_devices()
@@ -149,7 +154,8 @@ def _holders(
         log.debug("gpu_state.holders_unknown", error=str(exc))
         return None
     facts = [(p.ref.namespace, p.ref.name, p.ref.uid, _seconds(p.started)) for p in pods]
-    return pod_devices_core.held_by_uid(listed, facts, read_at)
+    held = pod_devices_core.held_by_uid(listed, facts, read_at)
+    return held, None if pod_devices_core.unsettled(listed, facts, read_at) else listed
 
 
 def _seconds(stamp: str) -> float | None:

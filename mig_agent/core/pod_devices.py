@@ -26,6 +26,14 @@ UUID_PREFIXES: Final = ("GPU-", "MIG-")  # device ids a plan's staying devices a
 PodFacts = tuple[str, str, str, float | None]
 
 
+def _named_by_uuid(ids: frozenset[str]) -> bool:
+    return bool(ids) and all(i.startswith(UUID_PREFIXES) for i in ids)
+
+
+def _taken_before(started: float | None, read_at: float) -> bool:
+    return started is not None and started < read_at - MARGIN_S
+
+
 def held_by_uid(
     listed: Mapping[tuple[str, str], frozenset[str]],
     pods: Iterable[PodFacts],
@@ -37,8 +45,22 @@ def held_by_uid(
     out: dict[str, frozenset[str]] = {}
     for namespace, name, uid, started in pods:
         ids = listed.get((namespace, name))
-        if not ids or not all(i.startswith(UUID_PREFIXES) for i in ids):
-            continue
-        if uid and started is not None and started < read_at - MARGIN_S:
+        if ids and _named_by_uuid(ids) and uid and _taken_before(started, read_at):
             out[uid] = ids
     return out
+
+
+def unsettled(
+    listed: Mapping[tuple[str, str], frozenset[str]],
+    pods: Iterable[PodFacts],
+    read_at: float,
+) -> bool:
+    """Whether a pod ``held_by_uid`` left out only for its start (not yet taken, or too near
+    the read to tell from a namesake) may be published by a later read: listed by UUID, and
+    among the node's pods."""
+    return any(
+        uid
+        and _named_by_uuid(listed.get((namespace, name), frozenset()))
+        and not _taken_before(started, read_at)
+        for namespace, name, uid, started in pods
+    )

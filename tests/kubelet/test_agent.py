@@ -123,6 +123,26 @@ def gpu_index(node: real_node.RealNode, uuid: str) -> int:
     return int(index)
 
 
+def _holders_published(
+    node: real_node.RealNode, core: client.CoreV1Api, namespace: str, on_gpu: dict[int, str]
+) -> None:
+    """The agent publishes, beside its GPU state, which pod (by UID) holds which GPU, from the
+    real kubelet's PodResources and the pods' start times (what advise judges evictions by)."""
+    uuids = {g["index"]: g["uuid"] for g in json.loads(node.sim_state.read_text())["gpus"]}
+    want = {
+        core.read_namespaced_pod(name, namespace).metadata.uid: [uuids[index]]
+        for index, name in on_gpu.items()
+    }
+
+    def published() -> Any:
+        notes = core.read_node(REAL_NODE).metadata.annotations or {}
+        holders = json.loads(notes["mig-agent.dev/gpu-state"]).get("holders", {})
+        return holders if set(want) <= set(holders) else None
+
+    holders = wait_until(published, timeout=30, what="the agent to publish the pods' devices")
+    assert {uid: holders[uid] for uid in want} == want
+
+
 def test_a_repartition_drains_the_slow_pod_on_its_gpu_keeps_the_other_and_starts_a_waiting_one(
     agent: Proc,
     kubelet_node: real_node.RealNode,
@@ -147,6 +167,7 @@ def test_a_repartition_drains_the_slow_pod_on_its_gpu_keeps_the_other_and_starts
             time.sleep(0.2)
         on_gpu[gpu_index(kubelet_node, line.removeprefix("devices="))] = name
     assert sorted(on_gpu) == [0, 1], on_gpu
+    _holders_published(kubelet_node, core, namespace, on_gpu)
     waiting = busybox_pod("waits-for-a-slice", "echo devices=$NVIDIA_VISIBLE_DEVICES")
     waiting["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/mig-1g.10gb": 1}}
     del waiting["spec"]["nodeName"]  # the scheduler places it once the node has the resource

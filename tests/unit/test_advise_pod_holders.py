@@ -49,8 +49,13 @@ def test_only_pods_taken_before_the_read_with_uuid_devices_are_published() -> No
         ("team", "whole", "u-whole", 10.0),
         ("team", "none-listed", "u-none", 10.0),
     ]
-    got = pod_devices.held_by_uid(listed, pods, read_at=100.0 + pod_devices.MARGIN_S + 0.5)
+    read_at = 100.0 + pod_devices.MARGIN_S + 0.5
+    got = pod_devices.held_by_uid(listed, pods, read_at)
     assert got == {"u-old": frozenset({"MIG-a"}), "u-whole": frozenset({"GPU-d"})}
+    # "new" and "pending" may be told by a later read; the others never will be
+    assert pod_devices.unsettled(listed, pods, read_at)
+    told = [p for p in pods if p[2] not in ("u-new", "u-pending")]
+    assert not pod_devices.unsettled(listed, told, read_at)
 
 
 def test_holders_round_trip_through_the_gpu_state_and_none_leaves_it_as_before() -> None:
@@ -140,3 +145,33 @@ def test_a_pods_start_time_is_read_and_turned_to_epoch_seconds() -> None:
     assert pod.started == EPOCH_STAMP
     assert _seconds(pod.started) == EPOCH
     assert _seconds("") is None
+
+
+def test_between_passes_holders_are_published_as_the_kubelets_listing_changes() -> None:
+    agent, cluster, gpus = make()
+    agent.reconcile_once()
+    now = [EPOCH + 1]  # the pod started a second ago: too near to tell from a namesake
+    agent.clock = dataclasses.replace(agent.clock, wall=lambda: now[0])
+    whole = gpus.observe().gpu(0).info.uuid
+    listing = {("work", "whole"): frozenset({whole})}
+    agent.pod_devices = lambda: listing
+    ref = cluster.add_pod("work", "whole", NODE, gpu={"nvidia.com/gpu": 1}, started=EPOCH_STAMP)
+
+    def published() -> dict[str, frozenset[str]]:
+        return snapshot.holders_of(
+            json.loads(cluster.nodes[NODE].annotations[S.gpu_state_annotation])
+        )
+
+    agent.refresh_holders()
+    assert published() == {}
+    lists = cluster.requests["list_pods"]
+    now[0] = EPOCH + 10
+    agent.refresh_holders()  # the same listing, but one it could not tell in full: read again
+    assert published() == {ref.uid: frozenset({whole})}
+    assert cluster.requests["list_pods"] == lists + 1
+    agent.refresh_holders()  # nothing new: the node's pods are not listed
+    assert cluster.requests["list_pods"] == lists + 1
+    del cluster.pods[ref]
+    listing = {}
+    agent.refresh_holders()
+    assert published() == {}

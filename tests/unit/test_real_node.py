@@ -239,6 +239,9 @@ class ScriptedAgent:
     def gpu_problem(self) -> str:
         return ""
 
+    def refresh_holders(self) -> None:
+        pass
+
 
 def test_a_superseded_pass_is_followed_at_once_without_a_watch() -> None:
     """Before: retry_after_s=0.0 read as 'no retry' (0.0 or resync_s): a whole resync."""
