@@ -75,8 +75,8 @@ class Memory:
     gpu_status: str = "GPUs not read yet"
     # the layout this agent ran the reboot command for (none: None): its one reboot
     rebooted_for: str | None = None
-    # the kubelet's PodResources listing once its holders were all published (None: not yet)
-    holders_listed: Mapping[tuple[str, str], frozenset[str]] | None = None
+    # which pod holds which device, as last published, and the kubelet's listing it came from
+    held: reporting.HeldCache = field(default_factory=reporting.HeldCache)
 
 
 @dataclass(slots=True)

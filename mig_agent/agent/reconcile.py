@@ -217,15 +217,16 @@ class Agent:
         except MigAgentError as exc:
             log.debug("gpu_state.holders_unknown", error=str(exc))
             return
-        if listed == self.memory.holders_listed:
+        if listed == self.memory.held.listed:
             return
-        self.memory.holders_listed = reporting.record_devices(
+        reporting.record_devices(
             self.cluster,
             self.settings,
             self.gpus,
             self.metrics,
             pod_devices=self.pod_devices,
             wall=self.clock.wall,
+            cache=self.memory.held,
         )
 
     def report_gpu_problem(self) -> None:
@@ -402,6 +403,7 @@ class Agent:
             node,
             pod_devices=self.pod_devices,
             wall=self.clock.wall,
+            cache=self.memory.held,
         )
         return PassResult(Outcome.IDLE)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import structlog
@@ -110,6 +111,16 @@ Listed = Mapping[tuple[str, str], frozenset[str]]  # the kubelet's: (namespace, 
 PodDevices = Callable[[], Listed]
 
 
+@dataclass(slots=True)
+class HeldCache:
+    """The holders last published and the kubelet's listing they came from, once all it could
+    tell was (None: to read in full again): a pass or look reading the same listing lists no
+    pods (an idle agent asks the API server nothing)."""
+
+    listed: Listed | None = None
+    held: dict[str, frozenset[str]] = field(default_factory=dict)
+
+
 def record_devices(
     cluster: Cluster,
     s: Settings,
@@ -119,43 +130,51 @@ def record_devices(
     *,
     pod_devices: PodDevices | None = None,
     wall: Callable[[], float] | None = None,
-) -> Listed | None:
+    cache: HeldCache | None = None,
+) -> None:
     """Update the device metrics and publish the GPU state on the node (for ``repartition
     --dry-run``, ``status``, ``advise`` and the AdmissionCheck, which run far from NVML) when
     it changed; with ``pod_devices`` (the kubelet's PodResources), which pod holds which
-    device beside it (mig_agent.core.pod_devices). Returns the kubelet's listing once all it
-    can tell is published (None otherwise): until it changes, nothing new is to publish."""
-    settled = None
+    device beside it (mig_agent.core.pod_devices)."""
     with best_effort("gpu state"):
         node, models = gpus.observe(), gpus.models()
         metrics.set_devices(
             {g.index: planner.observed_devices(models[g.index], g) for g in node.gpus}
         )
-        read = _holders(cluster, s, pod_devices, wall) if pod_devices and wall else None
-        text = snapshot.compact(node, models, read[0] if read else None)
+        held = (
+            _holders(cluster, s, pod_devices, wall, cache or HeldCache())
+            if pod_devices and wall
+            else None
+        )
+        text = snapshot.compact(node, models, held)
         current = node_view or cluster.get_node(s.node_name)
         if current.annotations.get(s.gpu_state_annotation) != text:
             cluster.patch_node(s.node_name, annotations={s.gpu_state_annotation: text})
-        settled = read[1] if read else None
-    return settled
 
 
 def _holders(
-    cluster: Cluster, s: Settings, pod_devices: PodDevices, wall: Callable[[], float]
-) -> tuple[dict[str, frozenset[str]], Listed | None] | None:
-    """Pod UID -> the devices the kubelet gave it, for the pods it took before the read, and
-    the listing read where no pod of it waits on its start to be told; None where PodResources
-    or the node's pods cannot be read (nobody is published: judged by kind)."""
+    cluster: Cluster,
+    s: Settings,
+    pod_devices: PodDevices,
+    wall: Callable[[], float],
+    cache: HeldCache,
+) -> dict[str, frozenset[str]] | None:
+    """Pod UID -> the devices the kubelet gave it, for the pods it took before the read; None
+    where PodResources or the node's pods cannot be read (nobody is published: judged by
+    kind)."""
     read_at = wall()  # before the read: a pod the kubelet took after it is left out
     try:
         listed = pod_devices()
+        if listed == cache.listed:
+            return cache.held
         pods = cluster.list_pods(node=s.node_name)
     except MigAgentError as exc:
         log.debug("gpu_state.holders_unknown", error=str(exc))
         return None
     facts = [(p.ref.namespace, p.ref.name, p.ref.uid, _seconds(p.started)) for p in pods]
-    held = pod_devices_core.held_by_uid(listed, facts, read_at)
-    return held, None if pod_devices_core.unsettled(listed, facts, read_at) else listed
+    cache.held = pod_devices_core.held_by_uid(listed, facts, read_at)
+    cache.listed = None if pod_devices_core.unsettled(listed, facts, read_at) else listed
+    return cache.held
 
 
 def _seconds(stamp: str) -> float | None:

@@ -175,3 +175,18 @@ def test_between_passes_holders_are_published_as_the_kubelets_listing_changes() 
     listing = {}
     agent.refresh_holders()
     assert published() == {}
+
+
+def test_an_idle_pass_reading_the_same_listing_lists_no_pods() -> None:
+    agent, cluster, gpus = make()
+    agent.clock = dataclasses.replace(agent.clock, wall=lambda: EPOCH + 60)
+    whole = gpus.observe().gpu(0).info.uuid
+    agent.pod_devices = lambda: {("work", "whole"): frozenset({whole})}
+    ref = cluster.add_pod("work", "whole", NODE, gpu={"nvidia.com/gpu": 1}, started=EPOCH_STAMP)
+    agent.reconcile_once()
+    lists = cluster.requests["list_pods"]
+    agent.reconcile_once()  # a resync of an idle agent
+    agent.refresh_holders()
+    assert cluster.requests["list_pods"] == lists
+    raw = json.loads(cluster.nodes[NODE].annotations[S.gpu_state_annotation])
+    assert snapshot.holders_of(raw) == {ref.uid: frozenset({whole})}

@@ -67,6 +67,7 @@ class ApplyPhase:
                 change.node,
                 pod_devices=t.pod_devices,
                 wall=t.clock.wall,
+                cache=self.memory.held,
             )
 
     def post_apply(self, change: Change, hook_run: hooks.HookRunner) -> None:

@@ -61,7 +61,14 @@ class Finish:
         t = self.tools
         s, node = t.settings, change.node
         reporting.record_devices(
-            t.cluster, s, t.gpus, t.metrics, node, pod_devices=t.pod_devices, wall=t.clock.wall
+            t.cluster,
+            s,
+            t.gpus,
+            t.metrics,
+            node,
+            pod_devices=t.pod_devices,
+            wall=t.clock.wall,
+            cache=self.memory.held,
         )
         want = expected_resources(change.observed, change.models, change.strategy, change.sharing)
         changed_health = self.note_unhealthy(node, want)
@@ -85,7 +92,13 @@ class Finish:
         s = t.settings
         if change.plan.is_empty:  # no verify ran: publish the GPU state (it may have been forged)
             reporting.record_devices(
-                t.cluster, s, t.gpus, t.metrics, pod_devices=t.pod_devices, wall=t.clock.wall
+                t.cluster,
+                s,
+                t.gpus,
+                t.metrics,
+                pod_devices=t.pod_devices,
+                wall=t.clock.wall,
+                cache=self.memory.held,
             )
         try:  # the operator validates the new devices; the layout is applied either way
             validators.delete(t.cluster, s, validators.AFTER)
