@@ -7,8 +7,10 @@ the search takes on a large pool.
   finishing, the load shifting from small to large profiles over the run; one step a minute,
   each Pending pod placed first-fit, oldest first. Compared: the layouts left as they are;
   advise (no eviction) applied every few minutes, a relabelled node taking no pod for two
-  minutes; and the best fixed assignment of approved layouts to nodes by exhaustive search over
-  every multiset of layouts (the nodes are alike; with fixed layouts each profile is its own
+  minutes, once knowing running pods by kind only and once knowing which device each holds
+  (each pod given the first free device of its kind in GPU order, as the agents publish it);
+  and the best fixed assignment of approved layouts to nodes by exhaustive search over every
+  multiset of layouts (the nodes are alike; with fixed layouts each profile is its own
   queue, so each multiset is scored exactly; a layout offering no more of any profile asked
   than another is left out, as it can never do better). Figures: pending pod-minutes,
   device-minutes idle while some pod waits, pods evicted, relabels (GPUs changed).
@@ -120,11 +122,40 @@ class Node:
     capacity: Counter[str] = field(default_factory=Counter)
     running: Counter[str] = field(default_factory=Counter)
     holders: dict[str, str] = field(default_factory=dict)  # pod -> kind
+    devices: dict[str, str] = field(default_factory=dict)  # pod -> the device UUID it was given
     busy_until: int = 0
+
+    def give(self, pod: str, kind: str) -> None:
+        """``pod`` started here: the first free device of its kind, in GPU order, is its own."""
+        taken = set(self.devices.values())
+        self.devices[pod] = next(u for k, u in self.uuids() if k == kind and u not in taken)
+        self.running[kind] += 1
+        self.holders[pod] = kind
+
+    def take_back(self, pod: str) -> None:
+        self.running[self.holders.pop(pod)] -= 1
+        del self.devices[pod]
+
+    def uuids(self) -> list[tuple[str, str]]:
+        """(resource, UUID) of every MIG device, in GPU order."""
+        out = []
+        models = self.gpus.models()
+        for gpu in self.gpus.observe().gpus:
+            for gi in gpu.gpu_instances:
+                profile = models[gpu.index].gi_profile_by_id(gi.profile_id)
+                assert profile is not None
+                for ci in gi.compute_instances:
+                    ci_profile = profile.ci_profile_by_id(ci.profile_id)
+                    assert ci_profile is not None
+                    out.append((f"nvidia.com/mig-{profile.ci_name(ci_profile)}", ci.uuid))
+        return out
 
     def set_layout(self, layout: Layout) -> int:
         the_plan = plan(layout, self.gpus.observe(), self.gpus.models(), destroy_in_use=True)
         execute(the_plan, self.gpus)
+        present = {u for _, u in self.uuids()}
+        # advise ran without --allow-evict: every running pod's device outlives its proposal
+        assert set(self.devices.values()) <= present, "a relabel destroyed a pod's device"
         self.layout = layout.name
         devices = plugin_devices(self.gpus.observe(), self.gpus.models())
         self.capacity = Counter(resources(devices, "mixed"))
@@ -141,8 +172,12 @@ class Figures:
     advise_max_s: float = 0.0
 
 
-def simulate(pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None) -> Figures:
-    """Layouts as they are (``every`` None) or advise applied every ``every`` minutes."""
+def simulate(
+    pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None, *, known: bool = False
+) -> Figures:
+    """Layouts as they are (``every`` None) or advise applied every ``every`` minutes; with
+    ``known``, advise knows which device each running pod holds (the holders the agents
+    publish), else only their kinds."""
     layouts = {la.name: la for la in approved()}
     nodes = [Node(f"gpu-{i:02}", "", FakeGpus([H100] * 8)) for i in range(nodes_n)]
     for i, n in enumerate(nodes):
@@ -155,19 +190,17 @@ def simulate(pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None)
     for t in range(minutes):
         for p in [p for p in running if p.start + p.duration <= t]:
             running.remove(p)
-            by_name[p.node].running[p.kind] -= 1
-            del by_name[p.node].holders[p.name]
+            by_name[p.node].take_back(p.name)
         while todo and todo[0].arrive <= t:
             pending.append(todo.pop(0))
         if every and t % every == 0 and pending:
             wants = [Want(p.name, p.kind, 1, frozenset(by_name)) for p in pending]
-            advise_and_apply(nodes, layouts, wants, t, fig)
+            advise_and_apply(nodes, layouts, wants, t, fig, known=known)
         for p in list(pending):
             for n in nodes:
                 if n.busy_until <= t and n.capacity[p.kind] > n.running[p.kind]:
                     p.node, p.start = n.name, t
-                    n.running[p.kind] += 1
-                    n.holders[p.name] = p.kind
+                    n.give(p.name, p.kind)
                     pending.remove(p)
                     running.append(p)
                     break
@@ -180,10 +213,15 @@ def simulate(pods: Sequence[Pod], minutes: int, nodes_n: int, every: int | None)
 
 
 def node_supplies(
-    nodes: Sequence[Node], layouts: dict[str, Layout], t: int, memo: Memo | None = None
+    nodes: Sequence[Node],
+    layouts: dict[str, Layout],
+    t: int,
+    memo: Memo | None = None,
+    *,
+    known: bool = False,
 ) -> list[Supply]:
     """What advise reads of the nodes not changing at minute ``t``: their options, every one
-    (those that evict too), their running pods holding devices."""
+    (those that evict too), their running pods holding devices (by UUID too with ``known``)."""
     return [
         node_supply(
             n.name,
@@ -192,7 +230,10 @@ def node_supplies(
             n.gpus.observe(),
             n.gpus.models(),
             strategy="mixed",
-            holders=[Holder(pod, {kind: 1}) for pod, kind in sorted(n.holders.items())],
+            holders=[
+                Holder(pod, {kind: 1}, frozenset({n.devices[pod]}) if known else frozenset())
+                for pod, kind in sorted(n.holders.items())
+            ],
             memo=memo,
         )
         for n in nodes
@@ -207,10 +248,12 @@ def advise_and_apply(
     t: int,
     fig: Figures,
     memo: Memo | None = None,
+    *,
+    known: bool = False,
 ) -> None:
     """advise without --allow-evict for ``wants`` at minute ``t``, its relabels applied."""
     t0 = time.perf_counter()
-    supplies = [_no_eviction(s) for s in node_supplies(nodes, layouts, t, memo)]
+    supplies = [_no_eviction(s) for s in node_supplies(nodes, layouts, t, memo, known=known)]
     advice = advise(wants, supplies)
     fig.advise_max_s = max(fig.advise_max_s, time.perf_counter() - t0)
     assert not any(p.option.evicts for p in advice.proposals)  # no --allow-evict: nobody
@@ -449,11 +492,12 @@ def main() -> None:
     static = simulate(pods, minutes, nodes_n, None)
     print(f"| layouts as they are | {static.pending_pod_min} | {static.idle_dev_min} | 0 | 0 |")
     longest = 0.0
-    for every in (5, 15):
-        f = simulate(pods, minutes, nodes_n, every)
+    for every, known in itertools.product((5, 15), (False, True)):
+        f = simulate(pods, minutes, nodes_n, every, known=known)
         longest = max(longest, f.advise_max_s)
+        how = ", each pod's device known" if known else ""
         print(
-            f"| advise + apply every {every} min | {f.pending_pod_min} | {f.idle_dev_min} | "
+            f"| advise + apply every {every} min{how} | {f.pending_pod_min} | {f.idle_dev_min} | "
             f"{f.evicted} | {f.relabels} ({f.gpus_changed}) |"
         )
     best, layout_mix = best_fixed(pods, minutes, nodes_n)
