@@ -50,6 +50,7 @@ from mig_agent.core.advertised import plugin_devices  # noqa: E402
 from mig_agent.core.advise import Supply, advise  # noqa: E402
 from mig_agent.core.advise_assign import Want  # noqa: E402
 from mig_agent.core.advise_options import Holder, Memo, node_supply, resources  # noqa: E402
+from mig_agent.core.device_listing import published_devices  # noqa: E402
 from mig_agent.core.gpu_models import MODELS  # noqa: E402
 from mig_agent.core.layout import Layout  # noqa: E402
 from mig_agent.core.planner import plan  # noqa: E402
@@ -138,17 +139,8 @@ class Node:
 
     def uuids(self) -> list[tuple[str, str]]:
         """(resource, UUID) of every MIG device, in GPU order."""
-        out = []
-        models = self.gpus.models()
-        for gpu in self.gpus.observe().gpus:
-            for gi in gpu.gpu_instances:
-                profile = models[gpu.index].gi_profile_by_id(gi.profile_id)
-                assert profile is not None
-                for ci in gi.compute_instances:
-                    ci_profile = profile.ci_profile_by_id(ci.profile_id)
-                    assert ci_profile is not None
-                    out.append((f"nvidia.com/mig-{profile.ci_name(ci_profile)}", ci.uuid))
-        return out
+        published = published_devices(self.gpus.observe(), self.gpus.models())
+        return [(f"nvidia.com/mig-{d.profile}", u) for u, d in published.items() if d.profile]
 
     def set_layout(self, layout: Layout) -> int:
         the_plan = plan(layout, self.gpus.observe(), self.gpus.models(), destroy_in_use=True)

@@ -54,6 +54,20 @@ class Tools:
         ``reason`` on ``node``, a duration metric."""
         return reporting.phase(self.cluster, self.metrics, self.clock, node, name, reason, message)
 
+    def record_devices(self, held: reporting.HeldCache, node: NodeView | None = None) -> None:
+        """The device metrics and the GPU state published, with who holds which device where
+        PodResources tells (reporting.record_devices; ``held``: the agent's memory of it)."""
+        reporting.record_devices(
+            self.cluster,
+            self.settings,
+            self.gpus,
+            self.metrics,
+            node,
+            pod_devices=self.pod_devices,
+            wall=self.clock.wall,
+            cache=held,
+        )
+
 
 @dataclass(slots=True)
 class Memory:

@@ -219,15 +219,7 @@ class Agent:
             return
         if listed == self.memory.held.listed:
             return
-        reporting.record_devices(
-            self.cluster,
-            self.settings,
-            self.gpus,
-            self.metrics,
-            pod_devices=self.pod_devices,
-            wall=self.clock.wall,
-            cache=self.memory.held,
-        )
+        self.tools.record_devices(self.memory.held)
 
     def report_gpu_problem(self) -> None:
         """On start: a node without NVML says so in the log and the node condition."""
@@ -395,16 +387,7 @@ class Agent:
             )
             self.seen = (None, None)
         self.metrics.set_state("")
-        reporting.record_devices(
-            self.cluster,
-            self.settings,
-            self.gpus,
-            self.metrics,
-            node,
-            pod_devices=self.pod_devices,
-            wall=self.clock.wall,
-            cache=self.memory.held,
-        )
+        self.tools.record_devices(self.memory.held, node)
         return PassResult(Outcome.IDLE)
 
     def _reconcile(self, node: NodeView, desired: str) -> Outcome:

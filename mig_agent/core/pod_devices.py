@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 MARGIN_S: Final = 2.0
-UUID_PREFIXES: Final = ("GPU-", "MIG-")  # device ids a plan's staying devices are named by
+# how NVIDIA's plugin names devices by default (uuid strategy), as a plan's staying devices are
+UUID_PREFIXES: Final = ("GPU-", "MIG-")
 
 # (namespace, name, uid, status.startTime in epoch seconds: None before) of a pod on the node
 PodFacts = tuple[str, str, str, float | None]

@@ -59,16 +59,7 @@ class ApplyPhase:
         ):
             verify(change.layout, t.gpus.observe(), change.models)
             # the GPU state published as the pass last had the node: new devices, a new text
-            reporting.record_devices(
-                t.cluster,
-                t.settings,
-                t.gpus,
-                t.metrics,
-                change.node,
-                pod_devices=t.pod_devices,
-                wall=t.clock.wall,
-                cache=self.memory.held,
-            )
+            t.record_devices(self.memory.held, change.node)
 
     def post_apply(self, change: Change, hook_run: hooks.HookRunner) -> None:
         """The site's post-apply hooks, if any; their mark goes once they succeed."""

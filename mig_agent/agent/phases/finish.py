@@ -60,16 +60,7 @@ class Finish:
     def _in_place_said(self, change: Change) -> None:
         t = self.tools
         s, node = t.settings, change.node
-        reporting.record_devices(
-            t.cluster,
-            s,
-            t.gpus,
-            t.metrics,
-            node,
-            pod_devices=t.pod_devices,
-            wall=t.clock.wall,
-            cache=self.memory.held,
-        )
+        t.record_devices(self.memory.held, node)
         want = expected_resources(change.observed, change.models, change.strategy, change.sharing)
         changed_health = self.note_unhealthy(node, want)
         message = self._with_health(f"layout {change.desired} is applied; nothing to change")
@@ -91,15 +82,7 @@ class Finish:
         t = self.tools
         s = t.settings
         if change.plan.is_empty:  # no verify ran: publish the GPU state (it may have been forged)
-            reporting.record_devices(
-                t.cluster,
-                s,
-                t.gpus,
-                t.metrics,
-                pod_devices=t.pod_devices,
-                wall=t.clock.wall,
-                cache=self.memory.held,
-            )
+            t.record_devices(self.memory.held)
         try:  # the operator validates the new devices; the layout is applied either way
             validators.delete(t.cluster, s, validators.AFTER)
         except MigAgentError as exc:

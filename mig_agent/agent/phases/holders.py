@@ -17,12 +17,11 @@ from mig_agent.core import planner
 from mig_agent.core.errors import MigAgentError
 from mig_agent.core.labels import paused_during_change
 from mig_agent.core.plan_text import first_few
+from mig_agent.core.pod_devices import UUID_PREFIXES
 from mig_agent.kube.cluster import PodView
 from mig_agent.node.drain import drain_refusals, to_drain
 
 log = structlog.get_logger(__name__)
-
-_UUIDS = ("GPU-", "MIG-")  # how NVIDIA's plugin names devices by default (uuid strategy)
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class Holders:
         devices by ids that are no UUIDs: who holds which device is then unknown, and every GPU
         pod is drained. NVIDIA's plugin registers UUIDs whatever its DEVICE_ID_STRATEGY (that
         changes only what a container is given); another plugin may not."""
-        odd = sorted({i for ids in listed.values() for i in ids if not i.startswith(_UUIDS)})
+        odd = sorted({i for ids in listed.values() for i in ids if not i.startswith(UUID_PREFIXES)})
         if not odd:
             return False
         message = (
