@@ -237,7 +237,7 @@ class _Rollout:
                 )
         except LabelsChanged as exc:
             del self.active[p.node]
-            self._skip(p.node, f"{_changed(exc)} meanwhile, not overwritten")
+            self._skip(p.node, f"{_changed(exc, s)} meanwhile, not overwritten")
             return
         except MigAgentError as exc:
             self._finish(p.node, Result.FAILED, f"could not set the layout label: {exc}")
@@ -317,10 +317,12 @@ class _Rollout:
         self.out(f"{self._stamp()} in progress: {busy}; {len(self.results)} done, {rest}")
 
 
-def _changed(exc: LabelsChanged) -> str:
+def _changed(exc: LabelsChanged, s: Settings) -> str:
     labels = exc.context.get("labels")
     if not isinstance(labels, Mapping) or not labels:
         return "labels changed"
+    if s.config_label in labels:  # what someone changed; the state follows it as the agent goes
+        labels = {s.config_label: labels[s.config_label]}
     return "relabelled (" + ", ".join(f"{k}={v or '(none)'}" for k, v in labels.items()) + ")"
 
 

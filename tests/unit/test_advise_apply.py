@@ -159,6 +159,32 @@ def test_a_relabel_between_the_look_again_and_the_patch_is_not_overwritten(
     )
 
 
+class _RelabelledAndStarted(FakeCluster):
+    """As above, and the node's agent has taken up the new layout (state ``pending``) before
+    advise's patch reaches the server."""
+
+    def get_pod(self, ref: PodRef) -> Any:
+        if self.nodes["gpu-a"].labels.get(CONFIG_LABEL) == "all-1g.10gb":
+            self.patch_node("gpu-a", labels={CONFIG_LABEL: "all-3g", S.state_label: "pending"})
+        return super().get_pod(ref)
+
+
+def test_the_skip_names_the_relabel_not_the_agent_taking_it_up(catalog: Any) -> None:
+    """The reason is the same however far the node's agent got: the layout label is what
+    someone changed, the state label only follows it."""
+    pool = _pool(catalog, "gpu-a")
+    c = _RelabelledAndStarted(nodes=pool.nodes, pods=pool.pods)
+    c.patch_node("gpu-a", labels={S.state_label: "success"})
+    _ask_3g(c, "wants-3g")
+    report = ops_advise.run(c, catalog, settings=S)
+
+    applied, _ = _apply(c, catalog, report)
+    assert c.nodes["gpu-a"].labels[CONFIG_LABEL] == "all-3g"
+    assert _result(applied, "gpu-a").reason == (
+        f"relabelled ({CONFIG_LABEL}=all-3g) meanwhile, not overwritten"
+    )
+
+
 def test_a_served_pod_made_again_before_the_relabel_skips_it(catalog: Any) -> None:
     c = _pool(catalog, "gpu-a", "gpu-b")
     old = _ask_3g(c, "wants-3g")
