@@ -216,7 +216,12 @@ class Listing:
 
     listed: dict[str, int]  # devices per resource, healthy or not
     unhealthy: dict[str, int]  # of those, the ones the kubelet keeps out of allocatable
-    fresh: bool  # a plugin lists one of the expected resources healthy (or none is expected)
+    unoffered: tuple[str, ...]  # the expected resources none of whose devices is allocatable
+
+    @property
+    def fresh(self) -> bool:
+        """Every expected resource has a device allocatable: a plugin has registered each."""
+        return not self.unoffered
 
 
 def plugin_listing(
@@ -225,17 +230,19 @@ def plugin_listing(
     """The node's devices as the plugin lists them. Capacity counts every device, allocatable
     only the healthy ones: a layout is in place when capacity says so, whatever an Xid did to a
     device. A resource no plugin lists any more keeps its capacity with allocatable 0 for the
-    kubelet's stop grace period (5 min): such a resource counts only if the layout has it, and
-    then only once a plugin lists some expected resource healthy (``fresh``): until then the
-    counts may all be the stopped plugin's. Pure."""
+    kubelet's stop grace period (5 min), and NVIDIA's plugin registers each resource on its
+    own: after its restart, an expected resource with no device allocatable may still be the
+    stopped plugin's count (``unoffered``), while the others are the new one's. Pure."""
     listed = {
         r: n for r, n in capacity.items() if n > 0 and (allocatable.get(r, 0) > 0 or r in expected)
     }
     unhealthy = {
         r: n - allocatable.get(r, 0) for r, n in listed.items() if n > allocatable.get(r, 0)
     }
-    fresh = not expected or any(allocatable.get(r, 0) > 0 for r in expected)
-    return Listing(listed, unhealthy, fresh)
+    unoffered = tuple(
+        sorted(r for r, n in expected.items() if n > 0 and allocatable.get(r, 0) <= 0)
+    )
+    return Listing(listed, unhealthy, unoffered)
 
 
 def device_uuids(state: NodeState) -> frozenset[str]:

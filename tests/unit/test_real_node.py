@@ -146,7 +146,10 @@ def test_a_plugin_that_lists_nothing_allocatable_after_the_restart_fails_the_cha
     result = agent.reconcile_once()
     assert result.outcome is Outcome.FAILED
     reason = cluster.nodes[NODE].annotations["mig-agent.dev/reason"]
-    assert "none of them is allocatable" in reason and "{nvidia.com/mig-1g.10gb: 56}" in reason
+    assert (
+        f"no device of {MIG_1G} is allocatable" in reason
+        and "{nvidia.com/mig-1g.10gb: 56}" in reason
+    )
     # which of the two it is nobody can tell: the node takes no pod until they are allocatable
     assert cluster.nodes[NODE].unschedulable and "the node stays cordoned until" in reason
 

@@ -246,7 +246,7 @@ def wait_resources(
             )
             return want
         if clock.now() >= deadline:
-            raise _timeout(s, want, have, new_pod=new_pod, stale=stale)
+            raise _timeout(s, want, listed, new_pod=new_pod, stale=stale)
         if stale:
             # listed, but the kubelet's registration not the GPUs' devices yet: no change of
             # the node, and the kubelet's PodResources has no watch, so it is looked at again
@@ -262,12 +262,13 @@ def _new_ready(s: Settings, pods: list[PodView], old_plugins: set[str]) -> bool:
 def _timeout(
     s: Settings,
     want: dict[str, int],
-    have: dict[str, int],
+    listed: Listing,
     *,
     new_pod: bool,
     stale: Mapping[str, frozenset[str]],
 ) -> DevicePluginTimeout:
     """Why the wait for the layout's resources ran out."""
+    have, unoffered = listed.listed, listed.unoffered
     if not new_pod:
         return DevicePluginTimeout(
             f"no new device plugin pod ({s.device_plugin_namespace}, "
@@ -288,8 +289,8 @@ def _timeout(
         return DevicePluginTimeout(
             f"node resources do not match the layout after "
             f"{s.device_plugin_timeout_s:.0f} s: the node lists {format_resources(have)} "
-            "as expected, but none of them is allocatable: the device plugin has stopped, "
-            "or every device is unhealthy",
+            f"as expected, but no device of {', '.join(unoffered)} is allocatable: the device "
+            "plugin has not registered it since its restart, or every such device is unhealthy",
             expected=want,
             advertised=have,
         )
