@@ -173,14 +173,23 @@ def wait_ready_agent(c: Cluster, timeout: float = 120) -> Any:
 
 
 def wait_state(c: Cluster, timeout: float = 120) -> tuple[str, list[str]]:
+    n, seen = wait_settled(c, timeout)
+    return n["metadata"]["labels"][STATE], seen
+
+
+def wait_settled(c: Cluster, timeout: float = 120) -> tuple[Any, list[str]]:
+    """The node as read when its state first said `success` or `failed`, and the states seen:
+    one read, so that what a test asserts of it is what that state came with (a retry may
+    start the next pass a moment later)."""
     seen: list[str] = []
     deadline = time.monotonic() + timeout
     while True:
-        state = kube(c, "get", "node", real_node.NAME)["metadata"]["labels"].get(STATE, "")
+        n = kube(c, "get", "node", real_node.NAME)
+        state = n["metadata"]["labels"].get(STATE, "")
         if not seen or seen[-1] != state:
             seen.append(state)
         if state in ("success", "failed"):
-            return state, seen
+            return n, seen
         assert time.monotonic() < deadline, (seen, agent_log(c))
         time.sleep(0.3)
 
