@@ -111,13 +111,23 @@ class AgentNode:
 
     def wait_state(self, *states: str, timeout: float = 60.0, seen: list[str] | None = None) -> str:
         """Poll until the state label is one of ``states``; every state seen goes to ``seen``."""
+        n = self.wait_settled(*states, timeout=timeout, seen=seen)
+        return str((n.metadata.labels or {}).get(STATE, ""))
+
+    def wait_settled(
+        self, *states: str, timeout: float = 60.0, seen: list[str] | None = None
+    ) -> Any:
+        """As wait_state, but the node as read when its state was first one of ``states``: one
+        read, so what a test asserts of it is what that state came with (a retry may start the
+        next pass a moment later)."""
         deadline = time.monotonic() + timeout
         while True:
-            state = self.labels().get(STATE, "")
+            n = self.node()
+            state = (n.metadata.labels or {}).get(STATE, "")
             if seen is not None and (not seen or seen[-1] != state):
                 seen.append(state)
             if state in states:
-                return state
+                return n
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"{self.name}: state {state!r}, not {states} after "

@@ -25,7 +25,7 @@ from migsim.nvml import state as simstate
 from mig_agent.config.profiles import load_catalog
 from mig_agent.core import planner, snapshot
 
-from .conftest import REASON, AgentNode, NodeFactory, mig_counts, wait_running
+from .conftest import REASON, STATE, AgentNode, NodeFactory, mig_counts, wait_running
 
 DP_LABEL = "nvidia.com/gpu.deploy.device-plugin"
 
@@ -186,13 +186,14 @@ def test_pdb_blocks_then_agent_succeeds_on_its_own(
         time.sleep(0.1)
     simstate.reset_call_counts(node.sim_state)
     node.label("all-3g.40gb")
-    assert node.wait_state("failed", "success") == "failed", node.log_tail()
-    reason = node.node().metadata.annotations[REASON]
+    n = node.wait_settled("failed", "success")
+    assert n.metadata.labels[STATE] == "failed", node.log_tail()
+    reason = n.metadata.annotations[REASON]
     assert f"{namespace}/keep-guarded" in reason
     assert mig_counts(node.sim_state).total == 0
     # cordoned between tries: no pod lands on the node only to be evicted at the next
-    assert node.node().spec.unschedulable and "stays cordoned between tries" in reason, reason
-    assert node.labels()[DP_LABEL] == "true"  # operands resumed
+    assert n.spec.unschedulable and "stays cordoned between tries" in reason, reason
+    assert n.metadata.labels[DP_LABEL] == "true"  # operands resumed (the retry pauses them again)
     policy.patch_namespaced_pod_disruption_budget(
         "keep-guarded", namespace, {"spec": {"minAvailable": 0}}
     )
