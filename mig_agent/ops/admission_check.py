@@ -21,7 +21,7 @@
    check asks ``verify``, the nodes relabelled for a workload pass verify's checks (its tiny pods
    on the new devices) before it is Ready; a node that fails them makes it Retry, naming the
    check that failed. The round waits for those pods (seconds each; minutes at most, the pods'
-   timeout).
+   timeout), once it has written every other workload's decision.
 
 All its state is on the objects (the annotation, the entry, the nodes' labels): a restarted
 controller carries on where the last one stopped.
@@ -100,19 +100,20 @@ def run_round(
     waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
     held = _held(cluster, admitted, pool)
     decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
-    decisions = decisions[: len(waiting)]
+    decided = list(zip(objects, decisions[: len(waiting)], strict=True))
     skipped: dict[str, str] = {}
-    decisions = [
-        _verified(d, w, params[check], verify)
-        for (w, check), d in zip(objects, decisions, strict=True)
-    ]
-    for (w, check), d in zip(objects, decisions, strict=True):
+    # verify's pods take seconds to minutes: every other workload is written first
+    later = {i for i, ((w, check), d) in enumerate(decided) if _asks_verify(d, w, params[check])}
+    done: dict[int, Decision] = {}
+    for i in [*(i for i in range(len(decided)) if i not in later), *sorted(later)]:
+        (w, check), d = decided[i]
+        done[i] = _verified(d, w, params[check], verify) if i in later else d
         try:
-            _apply(cluster, settings, w, check, d, pool, now())
+            _apply(cluster, settings, w, check, done[i], pool, now())
         except KubeError as exc:
             skipped[d.workload] = str(exc)
             log.warning("admission_check.write_failed", workload=d.workload, error=str(exc))
-    return Round(activated, tuple(decisions), skipped)
+    return Round(activated, tuple(done[i] for i in range(len(decided))), skipped)
 
 
 def _name(obj: Mapping[str, Any]) -> str:
@@ -235,6 +236,12 @@ def _held(
     return out
 
 
+def _asks_verify(d: Decision, w: Mapping[str, Any], params: Params) -> bool:
+    """Whether ``d`` is Ready only once verify's checks pass: the check asks them and nodes
+    were relabelled for ``w``."""
+    return d.verdict is Verdict.READY and params.verify and bool(_relabelled(w))
+
+
 def _verified(
     d: Decision,
     w: Mapping[str, Any],
@@ -244,7 +251,7 @@ def _verified(
     """``d``, or Retry where the check asks verify and a node relabelled for ``w`` fails it
     (verify's checks run once: on the round that finds the relabels done)."""
     nodes = sorted(_relabelled(w))
-    if d.verdict is not Verdict.READY or not params.verify or not nodes:
+    if not _asks_verify(d, w, params):
         return d
     if verify is None:
         return Decision(

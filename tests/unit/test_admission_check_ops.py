@@ -358,6 +358,35 @@ def test_a_check_asking_verify_verifies_the_relabelled_nodes_before_ready(catalo
     assert RELABELS not in _notes(c, "train")
 
 
+def test_verify_waits_for_no_other_workloads_decision(catalog: Any) -> None:
+    """verify's pods take up to minutes: a workload that fits now is Ready before they run.
+    Before: the round verified in the workloads' order and wrote every decision after."""
+    c = _pool(catalog, _workload("train", 2, MIG_3G))
+    c.kueue["admissionchecks"][0]["metadata"]["annotations"] = {"mig-agent.dev/verify": "true"}
+    run_round(c, catalog, S, controller_name=CONTROLLER)  # train's relabel of gpu-a
+    _at(c, catalog, "gpu-a", "all-3g")
+    c.add_node("gpu-b", {"kubernetes.io/hostname": "host-b"}, {MIG_1G: "7"})
+    _at(c, catalog, "gpu-b", "all-1g.10gb")
+    # queued after train, so that the queue's order would write it last
+    small = _workload("small", 1, MIG_1G)
+    c.kueue["workloads"][0]["metadata"]["creationTimestamp"] = "2026-12-07T10:00:00Z"
+    small["metadata"]["creationTimestamp"] = "2026-12-07T10:05:00Z"
+    c.kueue["workloads"].append(small)
+    when_verified: list[str] = []
+
+    def verify(node: str) -> Any:
+        when_verified.append(_entry(c, "small")["state"])
+        return _verdict(node, True)
+
+    r = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify)
+    assert when_verified == ["Ready"]
+    assert [(d.workload, d.verdict.value) for d in r.decisions] == [
+        ("team/train", "Ready"),
+        ("team/small", "Ready"),
+    ]
+    assert _entry(c, "train")["state"] == "Ready"
+
+
 def test_verify_is_not_run_unless_the_check_asks_or_without_a_relabel(catalog: Any) -> None:
     asked: list[str] = []
 
