@@ -22,7 +22,11 @@ the search takes on a large pool.
   8xH100-80GB, mixed demand as above): pods served and disruption of the greedy answer (what
   larger pools get) against the exact one, and the time per decision of each.
 
-Run: python benchmarks/advise_bench.py [--quick]   (prints tables; no cluster needed)
+* by seed (``--seeds 1,2,7``): the pool's every-5-min rows, by kind and each pod's device known,
+  for each seed of the pod stream, and their sums.
+
+Run: python benchmarks/advise_bench.py [--quick] [--seeds 1,2,7]   (prints tables; no cluster
+needed)
 """
 
 from __future__ import annotations
@@ -465,12 +469,36 @@ def report_large(nodes_n: int, pods_n: int, pools: int) -> None:
     )
 
 
+def seed_table(seeds: Sequence[int], minutes: int, nodes_n: int, per_min: float) -> None:
+    """Pending pod-minutes of advise every 5 minutes on the pool, running pods known by kind
+    against each one's device known, for each seed of the pod stream: one seed's difference
+    between two policies is mostly that seed's."""
+    print(f"\n## advise every 5 min on {nodes_n} nodes over {minutes} min, by seed\n")
+    print("| seed | pods | pending pod-min, by kind | pending pod-min, each pod's device known |")
+    print("|---:|---:|---:|---:|")
+    total = Counter[bool]()
+    for seed in seeds:
+        pods = stream(seed, minutes, per_min)
+        row = {
+            k: simulate(pods, minutes, nodes_n, 5, known=k).pending_pod_min for k in (False, True)
+        }
+        total.update(row)
+        print(f"| {seed} | {len(pods):,} | {row[False]:,} | {row[True]:,} |")
+    print(f"| all | | {total[False]:,} | {total[True]:,} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="CI: a short run, a smaller large pool")
+    p.add_argument(
+        "--seeds", help="only the pool's every-5-min rows for these seeds of the pod stream: 1,2,7"
+    )
     args = p.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     minutes, nodes_n, per_min = (120, 6, 2.0) if args.quick else (480, 20, 8.0)
+    if args.seeds:
+        seed_table([int(x) for x in args.seeds.split(",")], minutes, nodes_n, per_min)
+        return
     pods = stream(7, minutes, per_min)
     print(
         f"\n## advise on a pool: {nodes_n} nodes of 8xH100-80GB, {len(pods)} pods over "
