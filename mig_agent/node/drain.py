@@ -128,11 +128,12 @@ def to_drain(
     pods: Iterable[PodView],
     may_stay: Callable[[PodView], bool] | None = None,
     *,
-    claimed: Collection[tuple[str, str]] = (),
+    claimed: Collection[tuple[str, str]],
 ) -> list[PodView]:
     """The GPU pods the drain evicts of ``pods``: those that have not finished, but the ones
     ``may_stay`` spares. ``claimed`` (namespace, name) are GPU pods too: they hold devices by
-    ResourceClaim, requesting no GPU resource."""
+    ResourceClaim, requesting no GPU resource (asked of every caller: left out, a DRA node's
+    pods would be no GPU pods)."""
     gpu = [
         p
         for p in pods
@@ -276,7 +277,9 @@ def drain_gpu_pods(
     rules = DrainRules(timeout_s, retry_s, poll_s, on_blocked, on_waiting, still_wanted)
 
     def successor(ref: PodRef) -> PodView | None:  # the pod now of a replaced one's name
-        fresh = to_drain(gpu_pods(cluster, node, exclude=exclude, claimed=claimed), may_stay)
+        fresh = to_drain(
+            gpu_pods(cluster, node, exclude=exclude, claimed=claimed), may_stay, claimed=claimed
+        )
         named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
         return next((p for p in named if p.ref.uid != ref.uid), None)
 

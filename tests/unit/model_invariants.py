@@ -118,13 +118,29 @@ def _schedulable_while_evicted_pods_go(w: World) -> Iterator[str]:
     changing = changing_gpus(w, layout) or set()
     held = held_devices(w.gpus)
     evicted = {ev.ref for _, ev in w.evictions}
+    open_gpus = _untainted_gpus(w) if isinstance(w.plugin, DraPluginModel) else None
     for facts in w.live_pods():
-        on = {held[u].gpu for u in facts.devices if u in held}
-        if facts.ref in evicted and w.cluster.pods[facts.ref].terminating and on & changing:
+        on = {held[u].gpu for u in facts.devices if u in held} & changing
+        if open_gpus is not None:  # a DRA node: held back by its devices' taints, per GPU
+            on &= open_gpus
+        if facts.ref in evicted and w.cluster.pods[facts.ref].terminating and on:
             yield (
                 f"the node is schedulable while pod {facts.ref}, evicted, still terminates on "
                 f"GPU(s) {sorted(on)} that layout {layout} changes"
             )
+
+
+def _untainted_gpus(w: World) -> set[int]:
+    """On a DRA node, the GPUs some device of which the slice lists with no DeviceTaintRule of
+    the agent's: the scheduler may allocate it."""
+    assert isinstance(w.plugin, DraPluginModel)
+    ours = device_taints.rules_of_node(w.cluster.taint_rules.values(), NODE)
+    index = {g.info.uuid: g.index for g in w.gpus.truth().gpus}
+    return {
+        index[parent]
+        for name, (_, parent) in w.plugin.listed().items()
+        if name not in ours and parent in index
+    }
 
 
 def after_pass(w: World) -> list[str]:
@@ -160,17 +176,25 @@ def _no_new_try_after_a_give_up(w: World) -> Iterator[str]:
 
 def _cordoned_between_a_drains_tries(w: World) -> Iterator[str]:
     """Between the tries of a failed drain, inside drain_give_up_s from the first, the node
-    stays cordoned: pods that land between tries would only be evicted at the next."""
+    stays cordoned (a DRA node: the devices of the GPUs that change stay tainted): pods that
+    land between tries would only be evicted at the next."""
     node = w.cluster.nodes[NODE]
     if w.drain_failing is None or node.unschedulable:
         return
     label, since = w.drain_failing
     give_up_s = float(SETTINGS["drain_give_up_s"])
-    if node.labels.get(CONFIG) == label and w.time.now() - since < give_up_s:
-        yield (
-            f"the node is schedulable {w.time.now() - since:.0f} s after a drain of {label} "
-            f"began to fail, inside drain_give_up_s ({give_up_s:g} s)"
-        )
+    if node.labels.get(CONFIG) != label or w.time.now() - since >= give_up_s:
+        return
+    where = ""
+    if isinstance(w.plugin, DraPluginModel):  # held back by the changing GPUs' taints
+        bare = (changing_gpus(w, label) or set()) & _untainted_gpus(w)
+        if not bare:
+            return
+        where = f" (devices of GPU(s) {sorted(bare)} untainted)"
+    yield (
+        f"the node is schedulable{where} {w.time.now() - since:.0f} s after a drain of "
+        f"{label} began to fail, inside drain_give_up_s ({give_up_s:g} s)"
+    )
 
 
 def _agent_cordon_stands(w: World) -> bool:
@@ -288,10 +312,10 @@ def _operands_resumed(w: World) -> Iterator[str]:
 
 
 def _evicted_only_from_changing_gpus(w: World) -> Iterator[str]:
-    """With PodResources telling who holds what, no pod evicted in the pass whose devices are
-    all on GPUs that the layout asked for (at the pass's start, or when it was evicted) leaves
-    as they are."""
-    if not w.podresources:
+    """With PodResources (or a DRA node's claims) telling who holds what, no pod evicted in the
+    pass whose devices are all on GPUs that the layout asked for (at the pass's start, or when
+    it was evicted) leaves as they are."""
+    if not (w.podresources or w.dra):  # a DRA node's claims tell it
         return
     for pass_no, ev in w.evictions:
         if pass_no != w.pass_no or not ev.devices:

@@ -23,6 +23,7 @@ from pathlib import Path
 from mig_agent.agent import Agent
 from mig_agent.agent.outcome import Outcome, PassResult
 from mig_agent.config.settings import Settings
+from mig_agent.core import device_taints
 from mig_agent.core.dra_devices import DRIVER as DRA_DRIVER
 from mig_agent.core.errors import GpuError
 from mig_agent.core.gpu_models import MODELS, resource_name
@@ -400,6 +401,19 @@ class DraPluginModel:
         return out
 
 
+def _claim(pod: PodRef, device: str) -> dict[str, object]:
+    """The ResourceClaim (from the pod's template) the scheduler allocated ``device`` of the
+    node's pool and reserved for ``pod``."""
+    result = {"request": "gpu", "driver": DRA_DRIVER, "pool": NODE, "device": device}
+    return {
+        "metadata": {"namespace": pod.namespace, "name": f"{pod.name}-gpu"},
+        "status": {
+            "allocation": {"devices": {"results": [result]}},
+            "reservedFor": [{"resource": "pods", "name": pod.name, "uid": pod.uid}],
+        },
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class Armed:
     """A fault that strikes inside the next pass: at the ``nth`` event of ``at`` (a GPU
@@ -724,31 +738,48 @@ class World:
         slow_s: float = 0.0,
     ) -> PodRef | None:
         """The scheduler and the kubelet place a pod asking one GPU device on the node: one
-        of the devices the node advertises and no pod holds (``pick`` chooses which). None
-        when none is free, or the node is cordoned (a DaemonSet's pod tolerates that, and a
-        bind in flight, ``ignore_cordon``, lands all the same). ``late``: its process has not
-        started yet (its container is starting)."""
+        of the devices the node advertises (on a DRA node: a ResourceClaim allocated one the
+        slice lists and no DeviceTaintRule of the agent's takes out) and no pod holds
+        (``pick`` chooses which). None when none is free, or the node is cordoned (a
+        DaemonSet's pod tolerates that, and a bind in flight, ``ignore_cordon``, lands all the
+        same, taints too). ``late``: its process has not started yet (its container is
+        starting)."""
         node = self.cluster.nodes[NODE]
-        if self.dra or (node.unschedulable and not ignore_cordon and owner != "DaemonSet"):
-            return None  # the DRA world draws no pods (claims) yet
+        if node.unschedulable and not ignore_cordon and owner != "DaemonSet":
+            return None
         used = {u for f in self.live_pods() for u in f.devices}
-        free = sorted(
-            (r, u) for r, us in self.plugin.advertised(node).items() for u in us if u not in used
-        )
+        free = self._free_devices(used, ignore_taints=ignore_cordon)
         if not free:
             return None
-        resource, uuid = free[pick % len(free)]
+        device, uuid = free[pick % len(free)]
         kind = {"": "bare", "DaemonSet": "ds"}.get(owner, "train")
         name = f"{kind}-{next(self.names)}"
-        ref = self.cluster.add_pod(
-            "work", name, NODE, gpu={resource: 1}, labels={"app": name}, owner=owner
-        )
+        if self.dra:
+            ref = self.cluster.add_pod(
+                "work", name, NODE, labels={"app": name}, owner=owner, claims=(f"{name}-gpu",)
+            )
+            self.cluster.claims.append(_claim(ref, device))
+        else:
+            ref = self.cluster.add_pod(
+                "work", name, NODE, gpu={device: 1}, labels={"app": name}, owner=owner
+            )
         alive = uuid in held_devices(self.gpus)
         facts = PodFacts(ref, frozenset({uuid}), None, stuck, slow_s, bound_alive=alive)
         self.pods[ref] = facts
         if not late:
             self.start_process(facts)
         return ref
+
+    def _free_devices(self, used: set[str], *, ignore_taints: bool) -> list[tuple[str, str]]:
+        """(resource, UUID) the node advertises that no pod holds; on a DRA node (device
+        name, UUID) of the slice, less those the agent's rules take out."""
+        if isinstance(self.plugin, DevicePluginModel):
+            advertised = self.plugin.advertised(self.cluster.nodes[NODE])
+            return sorted((r, u) for r, us in advertised.items() for u in us if u not in used)
+        rules = device_taints.rules_of_node(self.cluster.taint_rules.values(), NODE)
+        tainted = set() if ignore_taints else set(rules)
+        listed = self.plugin.listed()
+        return sorted((n, u) for n, (u, _) in listed.items() if u not in used and n not in tainted)
 
     def start_process(self, facts: PodFacts) -> None:
         """The pod's CUDA process starts on its device, if the device is there."""
@@ -779,6 +810,14 @@ class World:
         if facts is not None:
             self.stop_process(facts)
         self.cluster.pods.pop(ref, None)
+        self._release_claims(ref)
+
+    def _release_claims(self, ref: PodRef) -> None:
+        """The pod gone or finished: its claim is reserved for it no more (and deleted, as a
+        claim made from a template is)."""
+        self.cluster.claims = [
+            c for c in self.cluster.claims if c["metadata"]["name"] != f"{ref.name}-gpu"
+        ]
 
     def finish_pod(self, pick: int) -> None:
         """A GPU pod's work ends: it succeeds, its process ends, its object stays."""
@@ -788,6 +827,7 @@ class World:
         facts = live[pick % len(live)]
         self.stop_process(facts)
         self.cluster.pods[facts.ref] = replace(self.cluster.pods[facts.ref], phase="Succeeded")
+        self._release_claims(facts.ref)
 
     def evict(self, ref: PodRef) -> None:
         """One eviction, answered as its script says (model_answers) through the real client."""

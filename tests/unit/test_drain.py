@@ -275,6 +275,42 @@ def test_a_pod_replaced_before_its_eviction_is_decided_afresh_and_evicted() -> N
     assert evicted == [first, second]
 
 
+class ClaimReplacedAtEviction(FakeCluster):
+    """As ReplacedAtEviction, on a DRA node: the pod holds its device by ResourceClaim and
+    requests no GPU resource."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replaced: list[PodRef] = []
+
+    def evict(self, ref: PodRef) -> None:
+        if not self.replaced:
+            old = self.pods.pop(ref)
+            self.replaced.append(self.add_pod(ref.namespace, ref.name, old.node, claims=old.claims))
+        super().evict(ref)
+
+
+def test_a_claim_holding_pod_replaced_before_its_eviction_is_evicted_too() -> None:
+    """Before: the drain's look for the pod now of that name kept only pods requesting GPU
+    resources, found none, and took the replacement (its device about to go) for gone."""
+    cluster = ClaimReplacedAtEviction()
+    first = cluster.add_pod("work", "db-0", NODE, owner="StatefulSet", claims=("db-0-gpu",))
+    t = FakeTime()
+    evicted = drain_gpu_pods(
+        cluster,
+        NODE,
+        timeout_s=60,
+        retry_s=5,
+        poll_s=1.0,
+        clock=Clock(t.now, t.sleep),
+        claimed={("work", "db-0")},
+    )
+    [second] = cluster.replaced
+    assert cluster.evicted == [second]
+    assert not cluster.pods
+    assert evicted == [first, second]
+
+
 class KeptByAFinalizer(FakeCluster):
     """An evicted pod's containers exit (phase Succeeded) but a finalizer keeps its object."""
 

@@ -166,7 +166,6 @@ class GuardModel(RuleBasedStateMachine):
 
     # -- the workloads ---------------------------------------------------------------------
 
-    @precondition(lambda self: not self.world.dra)  # the DRA world draws no pods yet
     @rule(
         pick=st.integers(0, 60),
         owner=st.sampled_from(["ReplicaSet", "ReplicaSet", "", "DaemonSet"]),
@@ -191,7 +190,6 @@ class GuardModel(RuleBasedStateMachine):
         selector = LabelSelector({"app": ref.name})
         w.cluster.pdbs += [PdbView(ref.namespace, n, selector, 0) for n in names]
 
-    @precondition(lambda self: not self.world.dra)
     @rule(pick=st.integers(0, 60))
     def pod_finishes(self, pick: int) -> None:
         self.world.finish_pod(pick)

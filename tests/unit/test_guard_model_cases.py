@@ -15,14 +15,17 @@ that every run holds them, not only the model's own budget of examples:
   that asked the GPUs for a change, and failed there, for a failed drain);
 * a pod stuck terminating after its eviction, a relabel to the layout the GPUs hold (success,
   schedulable: that layout changes no GPU), then a relabel back: the node is schedulable until
-  the next pass cordons, by the agent's decision for the label it last saw.
+  the next pass cordons, by the agent's decision for the label it last saw;
+* on a DRA node, a pod whose claim the scheduler allocated as the drain looked (a bind in
+  flight, landing past the taints): the drain's look after it found the pod and its claim, then
+  dropped it as no GPU pod (it requests no GPU resource), and the GPUs changed under it.
 """
 
 from __future__ import annotations
 
 from tests.unit.model_answers import Answer
 from tests.unit.model_world import Armed
-from tests.unit.test_guard_model import GuardModel
+from tests.unit.test_guard_model import DraGuardModel, GuardModel
 
 
 def _start(**kw: bool) -> tuple[str, dict[str, object]]:
@@ -32,8 +35,8 @@ def _start(**kw: bool) -> tuple[str, dict[str, object]]:
     return ("start", {**args, **kw})
 
 
-def _replay(steps: list[tuple[str, dict[str, object]]]) -> None:
-    state = GuardModel()
+def _replay(steps: list[tuple[str, dict[str, object]]], dra: bool = False) -> None:
+    state = DraGuardModel() if dra else GuardModel()
     try:
         for name, args in steps:
             getattr(state, name)(**args)
@@ -114,4 +117,17 @@ def test_a_stuck_pod_beside_a_layout_that_keeps_its_gpu_is_no_reason_to_stay_cor
             ("relabel", {"fault": None, "layout": "all-disabled"}),
             ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
         ]
+    )
+
+
+def test_a_dra_pod_bound_after_the_drains_look_is_drained_by_its_claim() -> None:
+    _replay(
+        [
+            ("start", {"reboot": False, "pending": False}),
+            (
+                "relabel",
+                {"fault": Armed(at="look", nth=1, action="bind"), "layout": "all-1g.10gb"},
+            ),
+        ],
+        dra=True,
     )

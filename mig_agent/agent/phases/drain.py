@@ -87,14 +87,15 @@ class DrainPhase:
         t = self.tools
         pods = t.cluster.list_pods(node=t.settings.node_name)
         holds = self.holders.holds(change, pods)
+        by_claim = claimed(change, holds)
         candidates = gpu_pods(
             t.cluster,
             t.settings.node_name,
             exclude=[p.ref for p in pods if is_paused_operand(p, paused)],
-            claimed=claimed(change, holds),
+            claimed=by_claim,
             pods=pods,
         )
-        return to_drain(candidates, self.holders.may_stay(change.plan, holds))
+        return to_drain(candidates, self.holders.may_stay(change.plan, holds), claimed=by_claim)
 
     def _drain(self, change: Change, paused: list[str]) -> None:
         t = self.tools
@@ -172,9 +173,8 @@ class DrainPhase:
         except MigAgentError:
             return ()
         holds = self.holders.holds(change, pods)
-        drained = to_drain(
-            gpu_pods(t.cluster, t.settings.node_name, claimed=claimed(change, holds), pods=pods)
-        )
+        by_claim = claimed(change, holds)
+        drained = gpu_pods(t.cluster, t.settings.node_name, claimed=by_claim, pods=pods)
         return tuple(p.ref for p in drained if p.terminating and not is_paused_operand(p, paused))
 
     def _retried(self, exc: MigAgentError, change: Change) -> MigAgentError:
