@@ -476,7 +476,8 @@ class World:
         dra: bool = False,
     ) -> None:
         """``dra``: a DRA node on Kubernetes 1.37 (NVIDIA's DRA plugin, DeviceTaintRules
-        served); no operands, no PodResources and, for now, no GPU pods there."""
+        served); no operands and no PodResources there: its GPU pods hold their devices by
+        ResourceClaim."""
         self.dra = dra
         operands, podresources = operands and not dra, podresources and not dra
         self.catalog, self.operands, self.podresources = catalog, operands, podresources

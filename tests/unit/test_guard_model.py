@@ -24,7 +24,8 @@ in a ``failed`` whose reason names what the operator must fix.
 
 DraGuardModel runs the same over a DRA node on Kubernetes 1.37 (NVIDIA's DRA plugin publishing
 the node's ResourceSlice, DeviceTaintRules served: the guard taints the changing GPUs' devices
-instead of the cordon), without GPU pods yet.
+instead of the cordon), its GPU pods holding their devices by ResourceClaims the scheduler
+allocates from the slice (past the agent's taints only for a bind in flight).
 
 The default run holds a fixed, derandomized budget (CI_EXAMPLES examples of up to STEPS
 steps, DRA_EXAMPLES in the DRA world; ``MIG_AGENT_MODEL=0`` leaves them out);
@@ -55,7 +56,7 @@ from tests.unit.model_invariants import after_pass, settled
 from tests.unit.model_world import PROFILES, Armed, World
 
 CI_EXAMPLES = 2000  # 22 s here; each reverted fix was found within it (docs/reliability.md)
-DRA_EXAMPLES = 500  # the DRA world (DraGuardModel): 14 s here; each of its reverted fixes found
+DRA_EXAMPLES = 500  # the DRA world (DraGuardModel): 18 s here; each of its reverted fixes found
 STEPS = 12
 SETTLE_PASSES = 6
 
@@ -240,7 +241,8 @@ class DraGuardModel(GuardModel):
     node back by tainting the changing GPUs' devices, not by the cordon. The same faults, the
     same invariants read for a slice (model_invariants: while a GPU is not as the slice lists
     it, its listed devices carry the agent's taint or the node is cordoned; at ``success`` no
-    rule of the agent's is left); no GPU pods (claims) yet, so no drain."""
+    rule of the agent's is left; between a failed drain's tries, the changing GPUs' devices
+    stay tainted). Its GPU pods hold devices by claim: the drain goes by the claims."""
 
     @initialize(reboot=st.booleans(), pending=st.booleans())
     def start(self, reboot: bool, pending: bool) -> None:  # type: ignore[override]
