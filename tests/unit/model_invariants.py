@@ -318,7 +318,7 @@ def _evicted_only_from_changing_gpus(w: World) -> Iterator[str]:
     if not (w.podresources or w.dra):  # a DRA node's claims tell it
         return
     for pass_no, ev in w.evictions:
-        if pass_no != w.pass_no or not ev.devices:
+        if pass_no != w.pass_no or not ev.devices or not ev.named_true:
             continue
         held = held_devices(w.gpus, ev.gpus)
         if not ev.devices <= held.keys():

@@ -29,7 +29,6 @@ from mig_agent.core.errors import GpuError
 from mig_agent.core.gpu_models import MODELS, resource_name
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.core.observed import NodeState
-from mig_agent.core.planner import observed_devices
 from mig_agent.kube.cluster import NodeCondition, NodeView, PodRef, PodsSeen
 from mig_agent.node.waits import Clock
 from tests.unit.fake_cluster import FakeCluster
@@ -160,6 +159,13 @@ class ModelCluster(FakeCluster):
         self._check("evict")
         assert self.world is not None
         self.world.evict(ref)
+
+    def delete_device_taint(self, name: str) -> None:
+        super().delete_device_taint(name)
+        if self.world is not None and not device_taints.rules_of_node(
+            self.taint_rules.values(), NODE
+        ):  # the agent's last rule gone: a DRA node's uncordon, for the label now
+            self.world.uncordoned_for = self.nodes[NODE].labels.get(CONFIG)
 
     def watch_pods(self, node: str, *, timeout_s: float, seen: PodsSeen | None = None):  # type: ignore[override]
         pods = self.list_pods(node=node)
@@ -319,17 +325,20 @@ def slice_devices(gpus: FakeGpus) -> tuple[dict[str, object], ...]:
             attrs = {"type": {"string": "gpu"}, "uuid": uuid}
             out.append({"name": f"gpu-{gpu.index}", "attributes": attrs})
             continue
-        names = sorted(observed_devices(gpus.models()[gpu.index], gpu).elements())
-        cis = [ci for gi in gpu.gpu_instances for ci in gi.compute_instances]
-        for n, (name, ci) in enumerate(zip(names, cis, strict=True)):
-            attrs = {
-                "type": {"string": "mig"},
-                "profile": {"string": name},
-                "uuid": {"string": ci.uuid},
-                "parentUUID": uuid,
-            }
-            # names by place, as tests/unit/test_agent_dra's plugin: a later layout reuses them
-            out.append({"name": f"gpu-{gpu.index}-mig-{n}", "attributes": attrs})
+        model = gpus.models()[gpu.index]
+        for gi in gpu.gpu_instances:
+            profile = next(p for p in model.gi_profiles if p.id == gi.profile_id)
+            for ci in gi.compute_instances:
+                attrs = {
+                    "type": {"string": "mig"},
+                    "profile": {"string": profile.name},
+                    "uuid": {"string": ci.uuid},
+                    "parentUUID": uuid,
+                }
+                # named as NVIDIA's plugin names them, by profile and placement: a GPU
+                # instance kept through a change keeps its name, a layout made again reuses them
+                place = f"{profile.name.replace('.', '')}-{gi.profile_id}-{gi.placement.start}"
+                out.append({"name": f"gpu-{gpu.index}-mig-{place}", "attributes": attrs})
     return tuple(out)
 
 
@@ -446,6 +455,9 @@ class Eviction:
     devices: frozenset[str]
     layout: str | None
     gpus: NodeState
+    # on a DRA node, whether the slice then named the device of the pod's claim by the UUID it
+    # holds: a stale or partial slice can name another, or none, and the claim tells no more
+    named_true: bool = True
 
 
 SETTINGS = {
@@ -498,7 +510,8 @@ class World:
         self.pass_no = 0
         self.pass_start: tuple[object, ...] = ()
         self.gpu_calls = 0
-        self.uncordoned_for: str | None = None  # the label when the agent last uncordoned
+        # the label when the agent last uncordoned (on a DRA node: lifted its last taint)
+        self.uncordoned_for: str | None = None
         self.pass_label: str | None = None
         self.written: list[Written] = []
         self.evictions: list[tuple[int, Eviction]] = []
@@ -842,7 +855,8 @@ class World:
                 devices = facts.devices if facts else frozenset()
                 layout = self.cluster.nodes[NODE].labels.get(CONFIG)
                 state = FakeGpus.observe(self.gpus)
-                self.evictions.append((self.pass_no, Eviction(ref, devices, layout, state)))
+                named = self._claim_named_true(ref, devices)
+                self.evictions.append((self.pass_no, Eviction(ref, devices, layout, state, named)))
                 if facts is not None and (facts.stuck or facts.slow_s):
                     self.cluster.pods[ref] = replace(pod, terminating=True)
                     facts.leaves_at = None if facts.stuck else self.time.now() + facts.slow_s
@@ -859,6 +873,18 @@ class World:
             self.answers.evict(ref, self.cluster.pods.get(ref), granted, self.time.advance)
         finally:
             self.evictions_refused += len(self.evictions) == before
+
+    def _claim_named_true(self, ref: PodRef, devices: frozenset[str]) -> bool:
+        """Not a DRA node, or its slice names the device of ``ref``'s claim by a UUID the pod
+        holds."""
+        if isinstance(self.plugin, DevicePluginModel):
+            return True
+        listed = self.plugin.listed()
+        for c in self.cluster.claims:
+            if c["metadata"]["name"] == f"{ref.name}-gpu":
+                [result] = c["status"]["allocation"]["devices"]["results"]
+                return listed.get(result["device"], ("", ""))[0] in devices
+        return False
 
     def pod_devices(self) -> Mapping[tuple[str, str], frozenset[str]]:
         """The kubelet's PodResources List: the devices each pod on the node was given."""

@@ -18,7 +18,10 @@ that every run holds them, not only the model's own budget of examples:
   the next pass cordons, by the agent's decision for the label it last saw;
 * on a DRA node, a pod whose claim the scheduler allocated as the drain looked (a bind in
   flight, landing past the taints): the drain's look after it found the pod and its claim, then
-  dropped it as no GPU pod (it requests no GPU resource), and the GPUs changed under it.
+  dropped it as no GPU pod (it requests no GPU resource), and the GPUs changed under it;
+* on a DRA node, the stuck pod's case above: the agent's last taint lifted for the layout the
+  GPUs hold is its decision for that label, as the uncordon is (the model had read it for the
+  label after).
 """
 
 from __future__ import annotations
@@ -128,6 +131,33 @@ def test_a_dra_pod_bound_after_the_drains_look_is_drained_by_its_claim() -> None
                 "relabel",
                 {"fault": Armed(at="look", nth=1, action="bind"), "layout": "all-1g.10gb"},
             ),
+        ],
+        dra=True,
+    )
+
+
+def test_a_dra_pod_slow_to_go_beside_a_layout_that_keeps_its_gpu_is_no_reason_to_taint() -> None:
+    _replay(
+        [
+            ("start", {"reboot": False, "pending": False}),
+            (
+                "pod_arrives",
+                {
+                    "leaving": "slowly",
+                    "owner": "ReplicaSet",
+                    "pick": 0,
+                    "script": (Answer.GRANTED,),
+                },
+            ),
+            (
+                "relabel",
+                {
+                    "fault": Armed(at="sleep", nth=1, action="kill", arg="all-1g.10gb"),
+                    "layout": "all-1g.10gb",
+                },
+            ),
+            ("relabel", {"fault": None, "layout": "all-disabled"}),
+            ("relabel", {"fault": None, "layout": "all-1g.10gb"}),
         ],
         dra=True,
     )
