@@ -56,7 +56,7 @@ from tests.unit.model_invariants import after_pass, settled
 from tests.unit.model_world import PROFILES, Armed, World
 
 CI_EXAMPLES = 2000  # 22 s here; each reverted fix was found within it (docs/reliability.md)
-DRA_EXAMPLES = 500  # the DRA world (DraGuardModel): 18 s here; each of its reverted fixes found
+DRA_EXAMPLES = 500  # the DRA world (DraGuardModel): 16 s here; each of its reverted fixes found
 STEPS = 12
 SETTLE_PASSES = 6
 
