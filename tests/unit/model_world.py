@@ -161,11 +161,11 @@ class ModelCluster(FakeCluster):
         self.world.evict(ref)
 
     def delete_device_taint(self, name: str) -> None:
-        super().delete_device_taint(name)
-        if self.world is not None and not device_taints.rules_of_node(
-            self.taint_rules.values(), NODE
-        ):  # the agent's last rule gone: a DRA node's uncordon, for the label now
+        # the agent deletes its rules only to lift them all: a DRA node's uncordon, decided for
+        # the label now (one rule at a time: the decision stands from the first)
+        if self.world is not None:
             self.world.uncordoned_for = self.nodes[NODE].labels.get(CONFIG)
+        super().delete_device_taint(name)
 
     def watch_pods(self, node: str, *, timeout_s: float, seen: PodsSeen | None = None):  # type: ignore[override]
         pods = self.list_pods(node=node)
