@@ -114,13 +114,17 @@ def gpu_pods(
     exclude: Iterable[PodRef] = (),
     claimed: Collection[tuple[str, str]] = (),
     pods: Iterable[PodView] | None = None,
+    may_stay: Callable[[PodView], bool] | None = None,
 ) -> list[PodView]:
     """Pods on ``node`` that request GPU resources (or are ``claimed``) and have not finished,
-    out of ``pods`` (the node's, as just listed) where given."""
+    out of ``pods`` (the node's, as just listed) where given; those ``may_stay`` spares left
+    out (to_drain)."""
     skip = {(r.namespace, r.name) for r in exclude}
     listed = cluster.list_pods(node=node) if pods is None else pods
     return to_drain(
-        (p for p in listed if (p.ref.namespace, p.ref.name) not in skip), claimed=claimed
+        (p for p in listed if (p.ref.namespace, p.ref.name) not in skip),
+        may_stay,
+        claimed=claimed,
     )
 
 
@@ -277,9 +281,7 @@ def drain_gpu_pods(
     rules = DrainRules(timeout_s, retry_s, poll_s, on_blocked, on_waiting, still_wanted)
 
     def successor(ref: PodRef) -> PodView | None:  # the pod now of a replaced one's name
-        fresh = to_drain(
-            gpu_pods(cluster, node, exclude=exclude, claimed=claimed), may_stay, claimed=claimed
-        )
+        fresh = gpu_pods(cluster, node, exclude=exclude, claimed=claimed, may_stay=may_stay)
         named = [p for p in fresh if (p.ref.namespace, p.ref.name) == (ref.namespace, ref.name)]
         return next((p for p in named if p.ref.uid != ref.uid), None)
 

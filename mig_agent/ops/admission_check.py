@@ -100,20 +100,21 @@ def run_round(
     waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
     held = _held(cluster, admitted, pool)
     decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
-    decided = list(zip(objects, decisions[: len(waiting)], strict=True))
+    done = list(decisions[: len(waiting)])
     skipped: dict[str, str] = {}
-    # verify's pods take seconds to minutes: every other workload is written first
-    later = {i for i, ((w, check), d) in enumerate(decided) if _asks_verify(d, w, params[check])}
-    done: dict[int, Decision] = {}
-    for i in [*(i for i in range(len(decided)) if i not in later), *sorted(later)]:
-        (w, check), d = decided[i]
-        done[i] = _verified(d, w, params[check], verify) if i in later else d
+    later = [_asks_verify(d, w, params[check]) for (w, check), d in zip(objects, done, strict=True)]
+    # verify's pods take seconds to minutes: every other workload is written first (a stable
+    # sort keeps the queue's order within each)
+    for i in sorted(range(len(done)), key=later.__getitem__):
+        w, check = objects[i]
+        if later[i]:
+            done[i] = _verified(done[i], w, params[check], verify)
         try:
             _apply(cluster, settings, w, check, done[i], pool, now())
         except KubeError as exc:
-            skipped[d.workload] = str(exc)
-            log.warning("admission_check.write_failed", workload=d.workload, error=str(exc))
-    return Round(activated, tuple(done[i] for i in range(len(decided))), skipped)
+            skipped[done[i].workload] = str(exc)
+            log.warning("admission_check.write_failed", workload=done[i].workload, error=str(exc))
+    return Round(activated, tuple(done), skipped)
 
 
 def _name(obj: Mapping[str, Any]) -> str:

@@ -33,7 +33,6 @@ from mig_agent.node.drain import (
     gpu_pods,
     is_paused_operand,
     look,
-    to_drain,
     wait_pods_gone,
 )
 
@@ -87,15 +86,14 @@ class DrainPhase:
         t = self.tools
         pods = t.cluster.list_pods(node=t.settings.node_name)
         holds = self.holders.holds(change, pods)
-        by_claim = claimed(change, holds)
-        candidates = gpu_pods(
+        return gpu_pods(
             t.cluster,
             t.settings.node_name,
             exclude=[p.ref for p in pods if is_paused_operand(p, paused)],
-            claimed=by_claim,
+            claimed=claimed(change, holds),
             pods=pods,
+            may_stay=self.holders.may_stay(change.plan, holds),
         )
-        return to_drain(candidates, self.holders.may_stay(change.plan, holds), claimed=by_claim)
 
     def _drain(self, change: Change, paused: list[str]) -> None:
         t = self.tools
@@ -173,8 +171,9 @@ class DrainPhase:
         except MigAgentError:
             return ()
         holds = self.holders.holds(change, pods)
-        by_claim = claimed(change, holds)
-        drained = gpu_pods(t.cluster, t.settings.node_name, claimed=by_claim, pods=pods)
+        drained = gpu_pods(
+            t.cluster, t.settings.node_name, claimed=claimed(change, holds), pods=pods
+        )
         return tuple(p.ref for p in drained if p.terminating and not is_paused_operand(p, paused))
 
     def _retried(self, exc: MigAgentError, change: Change) -> MigAgentError:
