@@ -410,12 +410,17 @@ class DraPluginModel:
         return out
 
 
+def claim_name(pod: str) -> str:
+    """The name of the one ResourceClaim a GPU pod of the DRA world holds."""
+    return f"{pod}-gpu"
+
+
 def _claim(pod: PodRef, device: str) -> dict[str, object]:
     """The ResourceClaim (from the pod's template) the scheduler allocated ``device`` of the
     node's pool and reserved for ``pod``."""
     result = {"request": "gpu", "driver": DRA_DRIVER, "pool": NODE, "device": device}
     return {
-        "metadata": {"namespace": pod.namespace, "name": f"{pod.name}-gpu"},
+        "metadata": {"namespace": pod.namespace, "name": claim_name(pod.name)},
         "status": {
             "allocation": {"devices": {"results": [result]}},
             "reservedFor": [{"resource": "pods", "name": pod.name, "uid": pod.uid}],
@@ -510,7 +515,7 @@ class World:
         self.pass_no = 0
         self.pass_start: tuple[object, ...] = ()
         self.gpu_calls = 0
-        # the label when the agent last uncordoned (on a DRA node: lifted its last taint)
+        # the label when the agent last uncordoned (on a DRA node: began to lift its taints)
         self.uncordoned_for: str | None = None
         self.pass_label: str | None = None
         self.written: list[Written] = []
@@ -770,7 +775,7 @@ class World:
         name = f"{kind}-{next(self.names)}"
         if self.dra:
             ref = self.cluster.add_pod(
-                "work", name, NODE, labels={"app": name}, owner=owner, claims=(f"{name}-gpu",)
+                "work", name, NODE, labels={"app": name}, owner=owner, claims=(claim_name(name),)
             )
             self.cluster.claims.append(_claim(ref, device))
         else:
@@ -830,7 +835,7 @@ class World:
         """The pod gone or finished: its claim is reserved for it no more (and deleted, as a
         claim made from a template is)."""
         self.cluster.claims = [
-            c for c in self.cluster.claims if c["metadata"]["name"] != f"{ref.name}-gpu"
+            c for c in self.cluster.claims if c["metadata"]["name"] != claim_name(ref.name)
         ]
 
     def finish_pod(self, pick: int) -> None:
@@ -881,7 +886,7 @@ class World:
             return True
         listed = self.plugin.listed()
         for c in self.cluster.claims:
-            if c["metadata"]["name"] == f"{ref.name}-gpu":
+            if c["metadata"]["name"] == claim_name(ref.name):
                 [result] = c["status"]["allocation"]["devices"]["results"]
                 return listed.get(result["device"], ("", ""))[0] in devices
         return False

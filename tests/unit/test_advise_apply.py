@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -138,42 +138,29 @@ class _RelabelledInTheWindow(FakeCluster):
     """Someone relabels gpu-a once advise has looked at it again, before its patch: when the
     look asks after the pod it serves."""
 
+    also: ClassVar[Mapping[str, str]] = {}  # written with the relabel
+
     def get_pod(self, ref: PodRef) -> Any:
         if self.nodes["gpu-a"].labels.get(CONFIG_LABEL) == "all-1g.10gb":
-            self.patch_node("gpu-a", labels={CONFIG_LABEL: "all-3g"})
+            self.patch_node("gpu-a", labels={CONFIG_LABEL: "all-3g", **self.also})
         return super().get_pod(ref)
 
 
-def test_a_relabel_between_the_look_again_and_the_patch_is_not_overwritten(
-    catalog: Any,
-) -> None:
-    pool = _pool(catalog, "gpu-a")
-    c = _RelabelledInTheWindow(nodes=pool.nodes, pods=pool.pods)
-    _ask_3g(c, "wants-3g")
-    report = ops_advise.run(c, catalog, settings=S)
-
-    applied, _ = _apply(c, catalog, report)
-    assert c.nodes["gpu-a"].labels[CONFIG_LABEL] == "all-3g"
-    assert _result(applied, "gpu-a").reason == (
-        f"relabelled ({CONFIG_LABEL}=all-3g) meanwhile, not overwritten"
-    )
-
-
-class _RelabelledAndStarted(FakeCluster):
+class _RelabelledAndStarted(_RelabelledInTheWindow):
     """As above, and the node's agent has taken up the new layout (state ``pending``) before
     advise's patch reaches the server."""
 
-    def get_pod(self, ref: PodRef) -> Any:
-        if self.nodes["gpu-a"].labels.get(CONFIG_LABEL) == "all-1g.10gb":
-            self.patch_node("gpu-a", labels={CONFIG_LABEL: "all-3g", S.state_label: "pending"})
-        return super().get_pod(ref)
+    also = {S.state_label: "pending"}
 
 
-def test_the_skip_names_the_relabel_not_the_agent_taking_it_up(catalog: Any) -> None:
+@pytest.mark.parametrize("world", [_RelabelledInTheWindow, _RelabelledAndStarted])
+def test_a_relabel_between_the_look_again_and_the_patch_is_not_overwritten(
+    catalog: Any, world: type[_RelabelledInTheWindow]
+) -> None:
     """The reason is the same however far the node's agent got: the layout label is what
     someone changed, the state label only follows it."""
     pool = _pool(catalog, "gpu-a")
-    c = _RelabelledAndStarted(nodes=pool.nodes, pods=pool.pods)
+    c = world(nodes=pool.nodes, pods=pool.pods)
     c.patch_node("gpu-a", labels={S.state_label: "success"})
     _ask_3g(c, "wants-3g")
     report = ops_advise.run(c, catalog, settings=S)

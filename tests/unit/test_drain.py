@@ -241,8 +241,9 @@ def test_waiting_for_the_device_plugin_costs_one_read_per_look() -> None:
 
 
 class ReplacedAtEviction(FakeCluster):
-    """A StatefulSet's pod deleted and made again under its name, on this node, between the
-    drain's look and its eviction (the API server then answers the eviction 409)."""
+    """A StatefulSet's pod deleted and made again under its name (with its requests and claims),
+    on this node, between the drain's look and its eviction (the API server then answers the
+    eviction 409)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -252,7 +253,9 @@ class ReplacedAtEviction(FakeCluster):
         if not self.replaced:
             old = self.pods.pop(ref)
             self.replaced.append(
-                self.add_pod(ref.namespace, ref.name, old.node, gpu=old.gpu_requests)
+                self.add_pod(
+                    ref.namespace, ref.name, old.node, gpu=old.gpu_requests, claims=old.claims
+                )
             )
         super().evict(ref)
 
@@ -275,25 +278,11 @@ def test_a_pod_replaced_before_its_eviction_is_decided_afresh_and_evicted() -> N
     assert evicted == [first, second]
 
 
-class ClaimReplacedAtEviction(FakeCluster):
-    """As ReplacedAtEviction, on a DRA node: the pod holds its device by ResourceClaim and
-    requests no GPU resource."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.replaced: list[PodRef] = []
-
-    def evict(self, ref: PodRef) -> None:
-        if not self.replaced:
-            old = self.pods.pop(ref)
-            self.replaced.append(self.add_pod(ref.namespace, ref.name, old.node, claims=old.claims))
-        super().evict(ref)
-
-
 def test_a_claim_holding_pod_replaced_before_its_eviction_is_evicted_too() -> None:
-    """Before: the drain's look for the pod now of that name kept only pods requesting GPU
-    resources, found none, and took the replacement (its device about to go) for gone."""
-    cluster = ClaimReplacedAtEviction()
+    """As above, on a DRA node: the pod holds its device by ResourceClaim, requesting no GPU
+    resource. Before: the drain's look for the pod now of that name kept only pods requesting
+    GPU resources, found none, and took the replacement (its device about to go) for gone."""
+    cluster = ReplacedAtEviction()
     first = cluster.add_pod("work", "db-0", NODE, owner="StatefulSet", claims=("db-0-gpu",))
     t = FakeTime()
     evicted = drain_gpu_pods(
