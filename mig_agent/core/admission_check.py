@@ -5,16 +5,20 @@ workload as one gang, approved layouts only, no eviction unless the check allows
 ``max_nodes`` nodes changing at once), whether it waits (nodes changing for it, or its devices
 promised to workloads before it), or why no approved layout can serve it.
 
-Two workloads never claim the same devices. Workloads are taken in this order: those marked
-Ready already (their devices stay promised until Kueue admits them and their pods hold them),
+Two workloads never claim the same devices. Workloads are taken in this order: those holding a
+promise (marked Ready, or admitted with pods still to bind: mig_agent.core.admission_ledger),
 those whose nodes change for them, then the others in queue order; each takes its devices off
-the pool before the next is looked at. A node that changes for a workload is wholly its own
-until the change is done, and a node some of whose free devices are promised is not relabelled.
+the pool before the next is looked at. A promise is kept where it was made, never placed again;
+only a Ready workload not yet admitted whose promised devices are gone is placed afresh. A node
+that changes for a workload is wholly its own until the change is done, and a node some of
+whose free devices are promised is not relabelled.
 
 A relabel is done when the node is no longer left alone (its state is ``success``, not
 ``pending``), its layout label is the target, and the devices its agent publishes are those
 the target makes (a ``success`` left from before the relabel shows the old devices). A relabel
-that failed (state ``failed``) makes the check Retry.
+that failed (state ``failed``) makes the check Retry; one whose write never landed is written
+again; one whose node went to another layout or left the pool is dropped and the workload
+searched again, its message saying so.
 
 Pure module: no I/O.
 """
@@ -60,14 +64,22 @@ class Target:
 
 @dataclass(frozen=True, slots=True)
 class Waiting:
-    """A workload that reserved quota and waits on the check: its pods as wants (one gang),
-    the nodes relabelled for it earlier, whether the check is Ready already."""
+    """A workload that reserved quota and waits on the check (or was admitted and holds the
+    devices of pods still to bind: ``admitted``): its pods as wants (one gang), the nodes
+    relabelled for it (``unwritten``: those whose write is to be made again; ``lost``: those
+    dropped since, -> why), where its pods were promised (pod -> node), the nodes it is kept
+    off (-> why), whether the check is Ready already."""
 
     workload: str  # namespace/name
     wants: tuple[Want, ...]
     params: Params = Params()
     relabelled: Mapping[str, Target] = field(default_factory=dict)
     ready: bool = False
+    promised: Mapping[str, str] = field(default_factory=dict)
+    unwritten: frozenset[str] = frozenset()
+    lost: Mapping[str, str] = field(default_factory=dict)
+    avoid: Mapping[str, str] = field(default_factory=dict)
+    admitted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +87,10 @@ class Decision:
     workload: str
     verdict: Verdict
     message: str
-    # RELABEL, WAIT: its nodes; RETRY: those kept named on it (verify failed there)
+    # RELABEL, WAIT: its nodes changing for it (the relabels recorded on it)
     relabels: Mapping[str, Target] = field(default_factory=dict)
     placed: Mapping[str, str] = field(default_factory=dict)  # READY: pod -> node
+    avoid: Mapping[str, str] = field(default_factory=dict)  # RETRY: nodes to keep it off
 
 
 class _Pool:
@@ -90,26 +103,35 @@ class _Pool:
         self.claimed: set[str] = set()  # changing for a workload
         self.touched: set[str] = set()  # some of its free devices promised
 
-    def capacity(self) -> dict[str, Mapping[str, int]]:
-        return {n: c for n, c in self.free.items() if n not in self.claimed}
+    def capacity(self, avoid: Mapping[str, str]) -> dict[str, Mapping[str, int]]:
+        return {n: c for n, c in self.free.items() if n not in self.claimed and n not in avoid}
 
     def take(self, wants: Sequence[Want], placed: Mapping[str, str]) -> None:
         for w in wants:
-            node = placed[w.pod]
-            self.free[node][w.kind] -= w.count
-            self.touched.add(node)
+            node = placed.get(w.pod)
+            if node in self.free:
+                self.free[node][w.kind] -= w.count
+                self.touched.add(node)
 
-    def searchable(self, params: Params, *, fresh: bool = False) -> list[Supply]:
-        """The nodes a relabel may use, each with staying as an option (its free devices
-        now); ``fresh``: as if no workload had claimed anything."""
+    def holds(self, wants: Sequence[Want], placed: Mapping[str, str]) -> bool:
+        """Whether the devices ``placed`` names are free still (each on its node)."""
+        need = Counter((placed[w.pod], w.kind) for w in wants for _ in range(w.count))
+        return all(
+            node not in self.claimed and self.free.get(node, Counter())[kind] >= n
+            for (node, kind), n in need.items()
+        )
+
+    def searchable(self, w: Waiting, *, fresh: bool = False) -> list[Supply]:
+        """The nodes a relabel for ``w`` may use, each with staying as an option (its free
+        devices now); ``fresh``: as if no workload had claimed anything."""
         out = []
         for s in self.supplies.values():
-            if not fresh and s.node in self.claimed:
+            if s.node in w.avoid or (not fresh and s.node in self.claimed):
                 continue
             free = dict(s.free) if fresh else _positive(self.free[s.node])
             options: tuple[Option, ...] = ()
             if fresh or s.node not in self.touched:
-                options = tuple(o for o in s.options if params.allow_evict or not o.evicts)
+                options = tuple(o for o in s.options if w.params.allow_evict or not o.evicts)
             stay = Option(s.layout or "", (), free, s.resources)
             out.append(Supply(s.node, s.layout, {}, (stay, *options), s.resources))
         return out
@@ -129,45 +151,89 @@ def decide(
     pool = _Pool(supplies, left_alone or {})
     changing = sum(len(w.relabelled) for w in waiting if not _relabels_done(w, pool))
     order = sorted(
-        range(len(waiting)), key=lambda i: (not waiting[i].ready, not waiting[i].relabelled)
+        range(len(waiting)),
+        key=lambda i: (not waiting[i].promised, not waiting[i].ready, not waiting[i].relabelled),
     )
     out: dict[int, Decision] = {}
     for i in order:
         w = waiting[i]
         d = _one(w, pool, changing, budgets or {})
         if d.verdict is Verdict.RELABEL:
-            changing += len(d.relabels)
+            changing += len(set(d.relabels) - set(w.relabelled))
         out[i] = d
     return [out[i] for i in range(len(waiting))]
 
 
 def _one(w: Waiting, pool: _Pool, changing: int, budgets: Budgets) -> Decision:
+    if w.promised:
+        kept = _kept(w, pool)
+        if kept is not None:
+            return kept
     if w.relabelled:
-        failed = [n for n in w.relabelled if "failed" in pool.left_alone.get(n, "")]
-        if failed:
-            why = "; ".join(f"{n}: {pool.left_alone[n]}" for n in failed)
-            return Decision(w.workload, Verdict.RETRY, f"the relabel for it failed ({why})")
-        if not _relabels_done(w, pool):
-            pool.claimed.update(w.relabelled)
-            nodes = ", ".join(f"{n} (to {t.layout})" for n, t in sorted(w.relabelled.items()))
-            return Decision(
-                w.workload, Verdict.WAIT, f"waiting for {nodes} to reach success", w.relabelled
-            )
-    placed = assign(w.wants, pool.capacity())
+        d = _relabelled(w, pool)
+        if d is not None:
+            return d
+    placed = assign(w.wants, pool.capacity(w.avoid))
     if len(placed) == len(w.wants):
         pool.take(w.wants, placed)
         nodes = ", ".join(sorted(set(placed.values())))
-        return Decision(
-            w.workload, Verdict.READY, f"its {len(w.wants)} pod(s) fit on {nodes}", placed=placed
+        return _noted(
+            w,
+            Decision(
+                w.workload,
+                Verdict.READY,
+                f"its {len(w.wants)} pod(s) fit on {nodes}",
+                placed=placed,
+            ),
         )
-    if w.ready:  # marked Ready, its devices gone meanwhile: Kueue admits it all the same
-        return Decision(w.workload, Verdict.READY, "marked Ready already")
-    return _search(w, pool, changing, budgets)
+    if w.admitted:  # admitted without a promise kept: it holds whatever it can
+        pool.take(w.wants, placed)
+        return Decision(w.workload, Verdict.READY, "admitted already")
+    return _noted(w, _search(w, pool, changing, budgets))
+
+
+def _kept(w: Waiting, pool: _Pool) -> Decision | None:
+    """The promise of ``w`` kept where it was made (None: its devices are gone, and it is
+    not admitted yet: placed afresh)."""
+    promised = [x for x in w.wants if x.pod in w.promised]
+    if pool.holds(promised, w.promised) or w.admitted:
+        pool.take(promised, w.promised)
+        nodes = ", ".join(sorted(set(w.promised.values())))
+        return Decision(w.workload, Verdict.READY, f"promised on {nodes}", placed=w.promised)
+    return None
+
+
+def _relabelled(w: Waiting, pool: _Pool) -> Decision | None:
+    """The decision while nodes change for ``w`` (None: they are done)."""
+    failed = [n for n in w.relabelled if "failed" in pool.left_alone.get(n, "")]
+    if failed:
+        why = "; ".join(f"{n}: {pool.left_alone[n]}" for n in failed)
+        return Decision(w.workload, Verdict.RETRY, f"the relabel for it failed ({why})")
+    if w.unwritten:
+        pool.claimed.update(w.relabelled)
+        nodes = ", ".join(f"{n} to {w.relabelled[n].layout}" for n in sorted(w.unwritten))
+        message = f"relabelling {nodes} again for it (the last write did not land)"
+        return Decision(w.workload, Verdict.RELABEL, message, w.relabelled)
+    if not _relabels_done(w, pool):
+        pool.claimed.update(w.relabelled)
+        nodes = ", ".join(f"{n} (to {t.layout})" for n, t in sorted(w.relabelled.items()))
+        message = f"waiting for {nodes} to reach success"
+        return Decision(w.workload, Verdict.WAIT, message, w.relabelled)
+    return None
+
+
+def _noted(w: Waiting, d: Decision) -> Decision:
+    """``d`` with what became of the relabels dropped for ``w`` said first."""
+    if not w.lost:
+        return d
+    lost = "; ".join(f"{n} {why}" for n, why in sorted(w.lost.items()))
+    message = f"{lost}: searched again; {d.message}"
+    return replace(d, message=message, avoid={**w.lost, **d.avoid})
 
 
 def _search(w: Waiting, pool: _Pool, changing: int, budgets: Budgets) -> Decision:
     gang = [replace(want, gang=f"check:{w.workload}") for want in w.wants]
-    advice = advise(gang, pool.searchable(w.params), budgets)
+    advice = advise(gang, pool.searchable(w), budgets)
     if not advice.unserved:
         relabels = {
             p.node: Target(p.option.layout, dict(p.option.resources))
@@ -176,7 +242,12 @@ def _search(w: Waiting, pool: _Pool, changing: int, budgets: Budgets) -> Decisio
         }
         cap = w.params.max_nodes
         if cap is not None and len(relabels) > cap:
-            return _unservable(w, f"it needs {len(relabels)} nodes changed, more than {cap}")
+            return Decision(
+                w.workload,
+                Verdict.WAIT,
+                f"it needs {len(relabels)} nodes changed, more than {cap} "
+                "(the check's mig-agent.dev/max-nodes)",
+            )
         if cap is not None and changing + len(relabels) > cap:
             return Decision(
                 w.workload,
@@ -191,27 +262,34 @@ def _search(w: Waiting, pool: _Pool, changing: int, budgets: Budgets) -> Decisio
                 pool.take([by_pod[pod] for pod in p.serves], dict.fromkeys(p.serves, p.node))
         nodes = ", ".join(f"{n} to {t.layout}" for n, t in sorted(relabels.items()))
         return Decision(w.workload, Verdict.RELABEL, f"relabelling {nodes} for it", relabels)
-    if not advise(gang, pool.searchable(w.params, fresh=True), budgets).unserved:
+    return _unserved(w, pool, budgets)
+
+
+def _unserved(w: Waiting, pool: _Pool, budgets: Budgets) -> Decision:
+    """Why no relabel serves ``w`` now: only Rejected (where the check asks it) when no
+    approved layout anywhere in the pool could serve it, evictions allowed or not."""
+    gang = [replace(want, gang=f"check:{w.workload}") for want in w.wants]
+    if not advise(gang, pool.searchable(w, fresh=True), budgets).unserved:
         return Decision(
             w.workload,
             Verdict.WAIT,
             f"{_asks(w.wants)}: the devices approved layouts can offer go to workloads before "
             "it, or change for them",
         )
-    evicting = Params(True, w.params.max_nodes)
-    if (
-        not w.params.allow_evict
-        and not advise(gang, pool.searchable(evicting, fresh=True), budgets).unserved
-    ):
-        return _unservable(
-            w,
-            f"{_asks(w.wants)}: only layouts that evict running pods serve it, and the "
-            "check does not allow evictions",
-        )
-    return _unservable(w, f"{_asks(w.wants)}: no approved layout can serve all of its pods")
-
-
-def _unservable(w: Waiting, message: str) -> Decision:
+    evicting = replace(w, params=replace(w.params, allow_evict=True))
+    if not advise(gang, pool.searchable(evicting, fresh=True), budgets).unserved:
+        if w.params.allow_evict:
+            why = "only layouts that evict pods serve it, and PodDisruptionBudgets allow none now"
+        else:
+            why = (
+                "only layouts that evict running pods serve it, and the check does not allow "
+                "evictions"
+            )
+        return Decision(w.workload, Verdict.WAIT, f"{_asks(w.wants)}: {why}")
+    message = f"{_asks(w.wants)}: no approved layout can serve all of its pods"
+    if w.avoid:
+        message += " (kept off " + "; ".join(f"{n}: {y}" for n, y in sorted(w.avoid.items())) + ")"
+        return Decision(w.workload, Verdict.WAIT, message)
     verdict = Verdict.REJECTED if w.params.reject_unservable else Verdict.WAIT
     return Decision(w.workload, verdict, message)
 

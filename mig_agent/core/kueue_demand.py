@@ -71,6 +71,7 @@ HOSTNAME: Final = "kubernetes.io/hostname"
 # on the pods of a workload the check marked Ready (through podSetUpdates): its UID, by which
 # the check finds them, whatever kind of job made them
 WORKLOAD_LABEL: Final = "mig-agent.dev/admission-workload"
+POD_SET_LABEL: Final = "mig-agent.dev/admission-pod-set"  # which pod set a pod is of
 ADMITTED: Final = "Admitted"
 FINISHED: Final = "Finished"
 
@@ -380,7 +381,9 @@ def pod_set_updates(
             odd[name] = f"its template selects {HOSTNAME}={selector[HOSTNAME]} itself"
         elif not host:
             odd[name] = f"{next(iter(nodes))} has no {HOSTNAME} label"
-        update: dict[str, Any] = {"name": name, "labels": labels} if labels else {"name": name}
+        update: dict[str, Any] = {"name": name}
+        if labels:
+            update["labels"] = {**labels, POD_SET_LABEL: name}
         if name not in odd:
             update["nodeSelector"] = {HOSTNAME: host}
         if len(update) > 1:

@@ -1,35 +1,40 @@
 """``mig-agent admission-check``: Kueue's check controller for the AdmissionChecks whose
 ``spec.controllerName`` is ours. One round (``run_round``):
 
-1. marks each of our AdmissionChecks Active (``status.conditions``: Kueue keeps a ClusterQueue
-   that names an inactive check inactive), reading its parameters from its annotations
+1. reads each of our AdmissionChecks' parameters from its annotations
    (``mig-agent.dev/allow-evict: "true"``, ``mig-agent.dev/max-nodes: "N"``,
    ``mig-agent.dev/reject-unservable: "true"``, ``mig-agent.dev/verify: "true"``;
-   ``spec.parameters`` is not read);
+   ``spec.parameters`` is not read) and marks it Active (``status.conditions``: Kueue keeps a
+   ClusterQueue that names an inactive check inactive), or, where an annotation is not what it
+   must be, inactive with reason ``InvalidParameters`` and a Warning Event naming it and its
+   value (its workloads are left alone until it is mended);
 2. reads the Workloads that reserved quota and whose ``status.admissionChecks[]`` entry of one
-   of our checks is Pending (or Ready, not yet admitted: their devices stay promised), and the
-   pool as ``advise`` reads it (mig_agent.ops.advise_read); a workload admitted after our check
-   was Ready whose pods (by the label its podSetUpdates gave them) are not all bound yet holds
-   the devices of those still to be;
-3. decides (mig_agent.core.admission_check) and writes: a relabel names its nodes in the
-   Workload's annotation ``mig-agent.dev/admission-relabels`` first, then patches each node's
-   layout label, conditional on its labels as read; Ready, Retry and Rejected set the entry's
-   state (status subresource, with the resourceVersion read: a workload changed meanwhile is
-   left for the next round); a wait sets the entry's message. Each change of state or message
-   gets an Event on the Workload. Ready carries ``podSetUpdates`` pinning each pod set whose
-   pods were placed on one node to it (mig_agent.core.kueue_demand.pod_set_updates). Where the
-   check asks ``verify``, the nodes relabelled for a workload pass verify's checks (its tiny pods
-   on the new devices) before it is Ready; a node that fails them makes it Retry, naming the
-   check that failed. The round waits for those pods (seconds each; minutes at most, the pods'
-   timeout), once it has written every other workload's decision.
+   of our checks is Pending (or Ready, not yet admitted), those admitted after our check was
+   Ready whose pods (by the label its podSetUpdates gave them) are not all bound yet, the pool
+   as ``advise`` reads it (mig_agent.ops.advise_read), and each workload's ledger
+   (mig_agent.core.admission_ledger, mig_agent.ops.admission_read): the promise of a Ready or
+   admitted workload is kept where it was made, never placed again;
+3. decides (mig_agent.core.admission_check) and writes, the ledger first: a relabel is recorded
+   on the Workload (``mig-agent.dev/admission-relabels``: target, the label before, not yet
+   landed), then each node's layout label is patched, conditional on its labels as read, then
+   the record marks the writes that landed (one that did not is written again next round);
+   Ready records the promise (``mig-agent.dev/admission-promise``) and sets the entry with
+   ``podSetUpdates`` pinning each pod set whose pods were placed on one node to it and labelling
+   its pods with the workload's UID and their pod set; Retry (with ``requeueAfterSeconds``
+   doubling from 15 s to 10 min by Kueue's ``retryCount``) and Rejected drop the record. Status
+   writes carry the resourceVersion read: a workload changed meanwhile is left for the next
+   round. Each change of state or message gets an Event on the Workload. Where the check asks
+   ``verify``, the relabelled nodes its pods are placed on pass verify's checks (its tiny pods
+   on the new devices) before it is Ready; a node that fails them makes it Retry and keeps it
+   off that node for 10 minutes (``mig-agent.dev/admission-avoid``). The round waits for those
+   pods (seconds each; minutes at most), once it has written every other workload's decision.
 
-All its state is on the objects (the annotation, the entry, the nodes' labels): a restarted
-controller carries on where the last one stopped.
+All its state is on the objects (the ledger's annotations, the entry, the nodes' labels): a
+restarted controller, or the next leader, carries on where the last one stopped.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -38,34 +43,38 @@ from typing import Any, Final
 import structlog
 
 from mig_agent.config.settings import Settings
+from mig_agent.core import admission_ledger as ledger
 from mig_agent.core import kueue_demand
-from mig_agent.core.admission_check import Decision, Params, Target, Verdict, Waiting, decide
+from mig_agent.core.admission_check import Decision, Params, Target, Verdict, decide
 from mig_agent.core.errors import KubeError, LabelsChanged
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import KUEUE_GROUP, KUEUE_VERSIONS, KueueCluster, ObjectRef
+from mig_agent.ops import admission_read as read
+from mig_agent.ops.admission_read import PENDING, READY, entry, key
 from mig_agent.ops.advise_read import Pool, read_pool
 from mig_agent.ops.verify import NodeVerdict
 
 log = structlog.get_logger(__name__)
 
 CONTROLLER_NAME: Final = "mig-agent.dev/mig-layout"
-RELABELS: Final = "mig-agent.dev/admission-relabels"
+RELABELS: Final = ledger.RELABELS
 ALLOW_EVICT: Final = "mig-agent.dev/allow-evict"
 MAX_NODES: Final = "mig-agent.dev/max-nodes"
 REJECT_UNSERVABLE: Final = "mig-agent.dev/reject-unservable"
 VERIFY: Final = "mig-agent.dev/verify"
-PENDING, READY = "Pending", "Ready"
 API_VERSION: Final = f"{KUEUE_GROUP}/{KUEUE_VERSIONS[0]}"
+AVOID_S: Final = 600  # how long a node that failed verify for a workload is kept from it
 
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    """What one round did: the checks it marked Active, a decision per workload, and the
-    workloads it could not write (-> why)."""
+    """What one round did: the checks it marked Active, a decision per workload, the
+    workloads it could not write (-> why), the checks refused (-> why)."""
 
     activated: tuple[str, ...] = ()
     decisions: tuple[Decision, ...] = ()
     skipped: Mapping[str, str] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
 
 
 def run_round(
@@ -85,175 +94,122 @@ def run_round(
         for c in cluster.list_kueue("admissionchecks")
         if (c.get("spec") or {}).get("controllerName") == controller_name
     ]
-    activated = tuple(_activate(cluster, c, now()) for c in checks if not _active(c))
-    params = {_name(c): _params(c) for c in checks}
+    got = {_name(c): (c, read_params(c)) for c in checks}
+    activated = tuple(n for n, (c, p) in got.items() if _mark(cluster, c, p, now()))
+    refused = {n: p for n, (_, p) in got.items() if isinstance(p, str)}
+    params = {n: p for n, (_, p) in got.items() if isinstance(p, Params)}
     workloads = cluster.list_kueue("workloads")
-    objects = _waiting_workloads(workloads, params)
+    objects = read.waiting_workloads(workloads, params)
     if not objects:
-        return Round(activated)
-    admitted = _admitted_unbound(workloads, params)
-    as_waiting = {_key(w): _as_waiting(w) for w, _ in admitted}
-    read = [as_waiting.get(_key(w), w) for w in workloads]
+        return Round(activated, refused=refused)
+    admitted = read.admitted_unbound(workloads, params)
+    as_waiting = {key(w): read.as_waiting(w) for w, _ in admitted}
+    listed = [as_waiting.get(key(w), w) for w in workloads]
     pool = read_pool(
-        cluster, catalog, settings, selector=selector, allow_evict=True, workloads=read
+        cluster, catalog, settings, selector=selector, allow_evict=True, workloads=listed
     )
-    waiting = [_waiting(w, check, params[check], pool) for w, check in objects]
-    held = _held(cluster, admitted, pool)
+    t = now()
+    waiting = [read.waiting(w, c, params[c], (pool, settings), t) for w, c in objects]
+    held = read.held(cluster, admitted, pool)
     decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
     done = list(decisions[: len(waiting)])
+    later = [_verified_on(d, w, params[c]) for (w, c), d in zip(objects, done, strict=True)]
     skipped: dict[str, str] = {}
-    later = [_asks_verify(d, w, params[check]) for (w, check), d in zip(objects, done, strict=True)]
     # verify's pods take seconds to minutes: every other workload is written first (a stable
     # sort keeps the queue's order within each)
-    for i in sorted(range(len(done)), key=later.__getitem__):
+    for i in sorted(range(len(done)), key=lambda i: bool(later[i])):
         w, check = objects[i]
         if later[i]:
-            done[i] = _verified(done[i], w, params[check], verify)
+            done[i] = _verified(done[i], later[i], verify)
         try:
-            _apply(cluster, settings, w, check, done[i], pool, now())
+            _apply(cluster, settings, (w, check), done[i], pool, now())
         except KubeError as exc:
             skipped[done[i].workload] = str(exc)
             log.warning("admission_check.write_failed", workload=done[i].workload, error=str(exc))
-    return Round(activated, tuple(done), skipped)
+    return Round(activated, tuple(done), skipped, refused)
 
 
 def _name(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("name", ""))
 
 
-def _key(obj: Mapping[str, Any]) -> str:
-    meta = obj.get("metadata") or {}
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-
-
-def _conditions(obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return list((obj.get("status") or {}).get("conditions") or ())
-
-
-def _is_true(obj: Mapping[str, Any], kind: str) -> bool:
-    return any(c.get("type") == kind and c.get("status") == "True" for c in _conditions(obj))
-
-
-def _active(check: Mapping[str, Any]) -> bool:
-    return _is_true(check, "Active")
-
-
 def _stamp(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _activate(cluster: KueueCluster, check: Mapping[str, Any], t: datetime) -> str:
+def _mark(cluster: KueueCluster, check: Mapping[str, Any], got: Params | str, t: datetime) -> bool:
+    """The check's Active condition as ``got`` says (its parameters, or why they are
+    refused), written where it says otherwise now; a refusal gets a Warning Event on the
+    check naming the annotations. True where it was marked Active."""
+    ok = isinstance(got, Params)
     active = {
         "type": "Active",
-        "status": "True",
-        "reason": "Active",
-        "message": "mig-agent's MIG layout check controller serves it",
-        "lastTransitionTime": _stamp(t),
+        "status": "True" if ok else "False",
+        "reason": "Active" if ok else "InvalidParameters",
+        "message": "mig-agent's MIG layout check controller serves it" if ok else str(got),
     }
+    now = next((c for c in read.conditions(check) if c.get("type") == "Active"), {})
+    if all(now.get(k) == v for k, v in active.items()):
+        return False
+    active["lastTransitionTime"] = _stamp(t)
     cluster.patch_kueue(
         "admissionchecks", _name(check), {"status": {"conditions": [active]}}, status=True
     )
-    log.info("admission_check.activated", check=_name(check))
-    return _name(check)
+    if ok:
+        log.info("admission_check.activated", check=_name(check))
+        return True
+    log.warning("admission_check.refused", check=_name(check), why=str(got))
+    meta = check.get("metadata") or {}
+    ref = ObjectRef("AdmissionCheck", "", _name(check), str(meta.get("uid", "")), API_VERSION)
+    try:
+        cluster.emit_object_event(ref, reason="InvalidParameters", message=str(got), warning=True)
+    except KubeError as exc:
+        log.warning("admission_check.event_failed", check=_name(check), error=str(exc))
+    return False
 
 
-def _params(check: Mapping[str, Any]) -> Params:
+def read_params(check: Mapping[str, Any]) -> Params | str:
+    """The check's parameters from its annotations, or why they are refused: each annotation
+    that is there must be what it must be (``"true"``/``"false"``; ``max-nodes`` a whole
+    number above 0), never read as a default."""
     notes = (check.get("metadata") or {}).get("annotations") or {}
-    max_nodes = str(notes.get(MAX_NODES, "")).strip()
-    return Params(
-        allow_evict=str(notes.get(ALLOW_EVICT, "")).lower() == "true",
-        max_nodes=int(max_nodes) if max_nodes.isdigit() and int(max_nodes) > 0 else None,
-        reject_unservable=str(notes.get(REJECT_UNSERVABLE, "")).lower() == "true",
-        verify=str(notes.get(VERIFY, "")).lower() == "true",
-    )
+    bad: list[str] = []
+
+    def flag(key: str) -> bool:
+        value = notes.get(key)
+        if value is None or str(value).strip().lower() in ("true", "false"):
+            return str(value).strip().lower() == "true"
+        bad.append(f'{key}: {str(value)!r} is not "true" or "false"')
+        return False
+
+    got = Params(flag(ALLOW_EVICT), None, flag(REJECT_UNSERVABLE), flag(VERIFY))
+    raw = notes.get(MAX_NODES)
+    if raw is not None:
+        text = str(raw).strip()
+        if text.isascii() and text.isdigit() and int(text) > 0:
+            got = replace(got, max_nodes=int(text))
+        else:
+            bad.append(f"{MAX_NODES}: {str(raw)!r} is not a whole number above 0")
+    if bad:
+        return "refused: " + "; ".join(bad)
+    return got
 
 
-def _entry(workload: Mapping[str, Any], check: str) -> Mapping[str, Any]:
-    for e in (workload.get("status") or {}).get("admissionChecks") or ():
-        if e.get("name") == check:
-            return dict(e)
-    return {}
-
-
-def _waiting_workloads(
-    workloads: Sequence[Mapping[str, Any]], checks: Mapping[str, Params]
-) -> list[tuple[Mapping[str, Any], str]]:
-    """(workload, our check it waits on), in queue order: higher priority first, then older."""
-    out = []
-    for w in workloads:
-        if not _is_true(w, "QuotaReserved") or _is_true(w, "Admitted"):
-            continue
-        if _is_true(w, "Finished") or (w.get("spec") or {}).get("active") is False:
-            continue
-        for check in checks:
-            if _entry(w, check).get("state") in (PENDING, READY):
-                out.append((w, check))
-                break
-
-    def order(item: tuple[Mapping[str, Any], str]) -> tuple[int, str, str]:
-        w = item[0]
-        created = str((w.get("metadata") or {}).get("creationTimestamp", ""))
-        return (-int((w.get("spec") or {}).get("priority") or 0), created, _key(w))
-
-    return sorted(out, key=order)
-
-
-def _admitted_unbound(
-    workloads: Sequence[Mapping[str, Any]], checks: Mapping[str, Params]
-) -> list[tuple[Mapping[str, Any], str]]:
-    """The workloads admitted after one of our checks was Ready and not finished, each with
-    the label selector of its pods."""
-    return [
-        (w, found)
-        for w in workloads
-        if _is_true(w, "Admitted")
-        and not _is_true(w, "Finished")
-        and (found := _pods_of(w, checks))
-    ]
-
-
-def _as_waiting(workload: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``workload`` as not yet admitted: read as demand, its pod sets' as they wait."""
-    status = {**(workload.get("status") or {})}
-    status["conditions"] = [c for c in _conditions(workload) if c.get("type") != "Admitted"]
-    return {**workload, "status": status}
-
-
-def _held(
-    cluster: KueueCluster, admitted: Sequence[tuple[Mapping[str, Any], str]], pool: Pool
-) -> list[Waiting]:
-    """The admitted workloads whose pods are not all bound yet (made, scheduled: seconds after
-    the admission), as Ready ones holding the devices of the pods still to be bound, so that
-    no later workload is marked Ready on them. Their wants are those read for them as demand
-    (asks by claim included, renamed on DRA nodes as a waiting workload's are)."""
-    out = []
-    for w, found in admitted:
-        meta = w.get("metadata") or {}
-        pods = cluster.list_pods(namespace=str(meta.get("namespace", "")), label_selector=found)
-        done = sum(1 for p in pods if p.node or p.finished)
-        wants = [x for x in pool.wants if x.gang == f"workload:{_key(w)}"]
-        if len(wants) > done:
-            out.append(Waiting(_key(w), tuple(wants[done:]), ready=True))
-    return out
-
-
-def _asks_verify(d: Decision, w: Mapping[str, Any], params: Params) -> bool:
-    """Whether ``d`` is Ready only once verify's checks pass: the check asks them and nodes
-    were relabelled for ``w``."""
-    return d.verdict is Verdict.READY and params.verify and bool(_relabelled(w))
+def _verified_on(d: Decision, w: Mapping[str, Any], params: Params) -> list[str]:
+    """The nodes verify's checks must pass before ``d`` is Ready: where the check asks them,
+    the nodes its pods are placed on that were relabelled for ``w`` or failed verify for it
+    before."""
+    if d.verdict is not Verdict.READY or not params.verify:
+        return []
+    asked = set(ledger.intents_of(w)) | ledger.failed_verify(w)
+    return sorted(asked & set(d.placed.values()))
 
 
 def _verified(
-    d: Decision,
-    w: Mapping[str, Any],
-    params: Params,
-    verify: Callable[[str], NodeVerdict] | None,
+    d: Decision, nodes: list[str], verify: Callable[[str], NodeVerdict] | None
 ) -> Decision:
-    """``d``, or Retry where the check asks verify and a node relabelled for ``w`` fails it
-    (verify's checks run once: on the round that finds the relabels done)."""
-    nodes = sorted(_relabelled(w))
-    if not _asks_verify(d, w, params):
-        return d
+    """``d``, or Retry where one of ``nodes`` fails verify's checks (run once: on the round
+    that finds the relabels done); the workload is then kept off that node for a while."""
     if verify is None:
         return Decision(
             d.workload,
@@ -264,124 +220,115 @@ def _verified(
         failed = verify(node).failed
         if failed is not None:
             log.warning("admission_check.verify_failed", workload=d.workload, node=node)
+            why = f"failed verify after its relabel: {failed.name}: {failed.detail}"
             return Decision(
                 d.workload,
                 Verdict.RETRY,
-                f"{node} failed verify after its relabel: {failed.name}: {failed.detail}",
-                _relabelled(w),  # kept on the workload: verified again when it comes back
+                f"{node} {why}; kept off it for {AVOID_S // 60} min",
+                avoid={node: why},
             )
     return replace(d, message=f"{d.message}; verified {', '.join(nodes)}")
-
-
-def _pods_of(workload: Mapping[str, Any], checks: Mapping[str, Params]) -> str:
-    """The label selector of the pods of ``workload`` where one of our checks marked it Ready:
-    the label that check's podSetUpdates put on them, else (marked Ready before the check set
-    labels) its Job's; "" for none."""
-    for check in checks:
-        entry = _entry(workload, check)
-        if entry.get("state") == READY:
-            found = kueue_demand.pods_selector(entry)
-            if found:
-                return found
-            job = _job_of(workload)
-            return f"batch.kubernetes.io/job-name={job}" if job else ""
-    return ""
-
-
-def _job_of(workload: Mapping[str, Any]) -> str:
-    """The Job that owns ``workload`` ("" for none)."""
-    for o in (workload.get("metadata") or {}).get("ownerReferences") or ():
-        if o.get("kind") == "Job":
-            return str(o.get("name", ""))
-    return ""
-
-
-def _relabelled(workload: Mapping[str, Any]) -> dict[str, Target]:
-    notes = (workload.get("metadata") or {}).get("annotations") or {}
-    try:
-        got = json.loads(notes.get(RELABELS, "") or "{}")
-        return {
-            str(n): Target(str(t["layout"]), {str(k): int(v) for k, v in t["resources"].items()})
-            for n, t in got.items()
-        }
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return {}
-
-
-def _waiting(w: Mapping[str, Any], check: str, params: Params, pool: Pool) -> Waiting:
-    key = _key(w)
-    wants = tuple(x for x in pool.wants if x.gang == f"workload:{key}")
-    return Waiting(key, wants, params, _relabelled(w), ready=_entry(w, check).get("state") == READY)
 
 
 def _apply(
     cluster: KueueCluster,
     s: Settings,
-    w: Mapping[str, Any],
-    check: str,
+    waits: tuple[Mapping[str, Any], str],
     d: Decision,
     pool: Pool,
     t: datetime,
 ) -> None:
-    entry = _entry(w, check)
+    """``d`` written: the ledger first (relabels, promise, avoided nodes), the nodes' labels
+    for a relabel, then the check's entry and an Event where its state or message changes."""
+    w, check = waits
+    e = entry(w, check)
     odd = pool.not_understood.get(f"workload {d.workload}")
     if odd:
         d = Decision(d.workload, Verdict.WAIT, f"not understood: {odd}")
-    if d.verdict is Verdict.READY and entry.get("state") == READY:
-        return
+    promise = ledger.promise_from(d.placed) if d.verdict is Verdict.READY else {}
+    settled = not ledger.intents_of(w) and not ledger.failed_verify(w)
+    kept = settled and promise == ledger.promise_of(w)
+    if d.verdict is Verdict.READY and e.get("state") == READY and kept:
+        return  # kept where it was promised: nothing to write
+    record = {ledger.PROMISE: ledger.promise_value(promise)}
+    if d.avoid:
+        record[ledger.AVOID] = ledger.avoid_value(w, d.avoid, t.timestamp() + AVOID_S)
+    elif d.verdict is Verdict.READY:
+        record[ledger.AVOID] = None
     if d.verdict is Verdict.RELABEL:
-        w = _relabel(cluster, s, w, d, pool)
-    elif d.verdict is not Verdict.WAIT and _relabelled(w) and not d.relabels:
-        w = _annotate(cluster, w, None)
+        w = _relabel(cluster, s, _record(cluster, w, record), d, pool)
+    else:
+        intents = _intents(w, d.relabels, pool, s)
+        w = _record(cluster, w, {**record, ledger.RELABELS: ledger.intents_value(intents)})
     state = PENDING if d.verdict in (Verdict.RELABEL, Verdict.WAIT) else d.verdict.value
     updates: tuple[Mapping[str, Any], ...] = ()
     if d.verdict is Verdict.READY and d.placed:
         pins = kueue_demand.pod_set_updates(w, d.placed, pool.hostnames)
         updates = pins.updates
         d = replace(d, message="; ".join(filter(None, (d.message, pins.describe()))))
-    if state == entry.get("state") and d.message == entry.get("message"):
+    if state == e.get("state") and d.message == e.get("message") and state != READY:
         return
-    _set_state(cluster, w, entry, (state, d.message, updates), t)
+    _set_state(cluster, w, e, (state, d.message, updates), t)
     _event(cluster, w, d)
+
+
+def _intents(
+    w: Mapping[str, Any], relabels: Mapping[str, Target], pool: Pool, s: Settings
+) -> dict[str, ledger.Intent]:
+    """The record of ``relabels``: those recorded already as they are, new ones with the
+    node's layout label before and not yet landed."""
+    had = ledger.intents_of(w)
+    return {
+        n: had.get(n)
+        or ledger.Intent(
+            t.layout, dict(t.resources), pool.labels.get(n, {}).get(s.config_label), False
+        )
+        for n, t in relabels.items()
+    }
 
 
 def _relabel(
     cluster: KueueCluster, s: Settings, w: Mapping[str, Any], d: Decision, pool: Pool
 ) -> Mapping[str, Any]:
-    """The nodes named on the workload, then relabelled each while its labels are as read;
-    a node someone else relabelled meanwhile is taken off the annotation again."""
-    w = _annotate(cluster, w, d.relabels)
-    lost = []
-    for node, target in sorted(d.relabels.items()):
-        try:
-            cluster.patch_node(
-                node, labels={s.config_label: target.layout}, expect_labels=pool.seen[node]
-            )
-            log.info("admission_check.relabel", workload=d.workload, node=node, to=target.layout)
-        except LabelsChanged:
-            lost.append(node)
-    if lost:
-        kept = {n: t for n, t in d.relabels.items() if n not in lost}
-        w = _annotate(cluster, w, kept or None)
-    return w
+    """The relabels recorded on the workload, then each node's label written (unless it is
+    the target already) while its labels are as read, then the record says which landed; a
+    node someone else relabelled meanwhile is taken off it again. A write that fails leaves
+    its intent unlanded: written again next round."""
+    intents = _intents(w, d.relabels, pool, s)
+    w = _record(cluster, w, {ledger.RELABELS: ledger.intents_value(intents), ledger.PROMISE: None})
+    landed, lost = [], []
+    for node, intent in sorted(intents.items()):
+        labels = pool.labels.get(node, {})
+        if labels.get(s.config_label) != intent.layout:
+            try:
+                cluster.patch_node(
+                    node, labels={s.config_label: intent.layout}, expect_labels=labels
+                )
+                log.info(
+                    "admission_check.relabel", workload=d.workload, node=node, to=intent.layout
+                )
+            except LabelsChanged:
+                lost.append(node)
+                continue
+        landed.append(node)
+    kept = {n: i for n, i in intents.items() if n not in lost}
+    return _record(cluster, w, {ledger.RELABELS: ledger.intents_value(ledger.landed(kept, landed))})
 
 
-def _annotate(
-    cluster: KueueCluster, w: Mapping[str, Any], relabels: Mapping[str, Target] | None
+def _record(
+    cluster: KueueCluster, w: Mapping[str, Any], values: Mapping[str, str | None]
 ) -> Mapping[str, Any]:
-    value = (
-        json.dumps(
-            {n: {"layout": t.layout, "resources": dict(t.resources)} for n, t in relabels.items()},
-            sort_keys=True,
-        )
-        if relabels
-        else None
-    )
+    """The ledger's annotations on ``w`` set to ``values`` (None: removed), written only where
+    one differs from what ``w`` carries."""
+    notes = ledger.notes_of(w)
+    changed = {k: v for k, v in values.items() if notes.get(k) != v}
+    if not changed:
+        return w
     meta = w.get("metadata") or {}
     return cluster.patch_kueue(
         "workloads",
         str(meta.get("name", "")),
-        {"metadata": {"annotations": {RELABELS: value}}},
+        {"metadata": {"annotations": changed}},
         namespace=str(meta.get("namespace", "")),
     )
 
@@ -389,23 +336,27 @@ def _annotate(
 def _set_state(
     cluster: KueueCluster,
     w: Mapping[str, Any],
-    entry: Mapping[str, Any],
+    e: Mapping[str, Any],
     written: tuple[str, str, Sequence[Mapping[str, Any]]],
     t: datetime,
 ) -> None:
     """The check's entry at ``written``'s state, message and podSetUpdates (none but for
-    Ready: Kueue applies them when it admits), the other entries as they are, written only
-    while the workload is as ``w`` (its resourceVersion)."""
+    Ready: Kueue applies them when it admits; Retry asks Kueue to wait before queueing it
+    again, longer each time), the other entries as they are, written only while the
+    workload is as ``w`` (its resourceVersion)."""
     state, message, updates = written
-    since = entry.get("lastTransitionTime") if entry.get("state") == state else None
-    mine = {**entry, "state": state, "message": message[:32768], "lastTransitionTime": since}
+    since = e.get("lastTransitionTime") if e.get("state") == state else None
+    mine = {**e, "state": state, "message": message[:32768], "lastTransitionTime": since}
     mine["lastTransitionTime"] = mine["lastTransitionTime"] or _stamp(t)
     mine.pop("podSetUpdates", None)
+    mine.pop("requeueAfterSeconds", None)
     if updates:
         mine["podSetUpdates"] = [dict(u) for u in updates]
+    if state == Verdict.RETRY.value:
+        mine["requeueAfterSeconds"] = ledger.retry_after(int(e.get("retryCount") or 0))
     entries = [
-        mine if e.get("name") == entry.get("name") else e
-        for e in (w.get("status") or {}).get("admissionChecks") or ()
+        mine if x.get("name") == e.get("name") else x
+        for x in (w.get("status") or {}).get("admissionChecks") or ()
     ]
     meta = w.get("metadata") or {}
     cluster.patch_kueue(

@@ -84,7 +84,13 @@ def run(
     if max_nodes is not None and max_nodes < 1:
         raise ConfigError(f"--max-nodes must be at least 1, got {max_nodes}")
     pool = read_pool(
-        cluster, catalog, settings, selector=selector, allow_evict=allow_evict, generated=generated
+        cluster,
+        catalog,
+        settings,
+        selector=selector,
+        allow_evict=allow_evict,
+        generated=generated,
+        keep_promises=True,
     )
     advice = advise(pool.wants, pool.supplies, pool.budgets)
     proposals, beyond = _at_most(advice, max_nodes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mig_agent.config.settings import Settings
-from mig_agent.core import demand, device_classes, dra_devices, kueue_demand
+from mig_agent.core import admission_ledger, demand, device_classes, dra_devices, kueue_demand
 from mig_agent.core.advertised import node_mig_strategy
 from mig_agent.core.advise import Option, Supply
 from mig_agent.core.advise_assign import Want
@@ -60,6 +60,7 @@ class Pool:
     # what a relabel checks again: per node its layout and state labels as read, per pod its
     # UID (a pod made again under the same name is another pod), the layouts searched
     seen: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    labels: dict[str, dict[str, str | None]] = field(default_factory=dict)  # every GPU node's
     uids: dict[str, str] = field(default_factory=dict)
     catalog: LayoutCatalog | None = None
     budgets: dict[str, int] = field(default_factory=dict)  # PDB -> evictions it allows now
@@ -80,10 +81,13 @@ def read_pool(
     allow_evict: bool = False,
     generated: bool = False,
     workloads: Sequence[Mapping[str, Any]] | None = None,
+    keep_promises: bool = False,
 ) -> Pool:
     """Demand and supply of the GPU nodes ``selector`` picks; with ``generated``, the layouts
     generated for GPU models the catalog does not cover are candidates too; ``workloads``:
-    Kueue's Workloads to read as demand (None: as listed now)."""
+    Kueue's Workloads to read as demand (None: as listed now); ``keep_promises``: the nodes
+    the MIG layout check's ledger holds are left alone (advise's read; the check keeps its
+    promises itself)."""
     s = settings
     pool = Pool()
     dra = dra_view_of(cluster, claims=True) if s.dra else DraView()
@@ -109,6 +113,7 @@ def read_pool(
         catalog = with_generated(catalog, _models(nodes, s))[0]
     pool.catalog = catalog
     for node in nodes:
+        pool.labels[node.name] = {k: node.labels.get(k) for k in (s.config_label, s.state_label)}
         busy = _left_alone(node, s, dra)
         if busy:
             pool.left_alone[node.name] = busy
@@ -120,7 +125,7 @@ def read_pool(
         supply, evicting = _allowed_options(supply, pdbs, running.get(node.name, []), allow_evict)
         pool.evicting_only[node.name] = evicting
         pool.supplies.append(supply)
-        pool.seen[node.name] = {k: node.labels.get(k) for k in (s.config_label, s.state_label)}
+        pool.seen[node.name] = pool.labels[node.name]
         pool.hostnames[node.name] = node.labels.get(kueue_demand.HOSTNAME, "")
     free = {sp.node: sp.free for sp in pool.supplies}
     served = Served(names, frozenset(n.name for n in nodes if _is_dra(n, dra)), profiles)
@@ -131,7 +136,27 @@ def read_pool(
     if workloads is None:
         workloads = _tolerant_kueue(cluster, "workloads")
     _add_workloads(pool, cluster, (nodes, workloads), free, claims, served)
+    if keep_promises:
+        _leave_promised_alone(pool, workloads, pods)
     return pool
+
+
+def _leave_promised_alone(
+    pool: Pool, workloads: Sequence[Mapping[str, Any]], pods: Sequence[PodView]
+) -> None:
+    """The nodes the MIG layout check's ledger holds (promised to a workload, or changing for
+    one) taken out of the supply: left alone, saying for whom."""
+    done: dict[str, int] = {}
+    for p in pods:
+        uid = p.labels.get(kueue_demand.WORKLOAD_LABEL)
+        if uid and (p.node or p.finished):
+            done[uid] = done.get(uid, 0) + 1
+    held = admission_ledger.held_nodes(workloads, done)
+    for node, why in held.items():
+        if any(s.node == node for s in pool.supplies):
+            pool.left_alone[node] = f"{why} by the MIG layout check"
+    pool.supplies = [s for s in pool.supplies if s.node not in held]
+    pool.wants = [dataclasses.replace(w, nodes=w.nodes.difference(held)) for w in pool.wants]
 
 
 def _add_workloads(

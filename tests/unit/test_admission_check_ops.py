@@ -24,6 +24,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import pytest
 
 from mig_agent.config.profiles import load_catalog
 from mig_agent.config.settings import Settings
+from mig_agent.core.admission_ledger import AVOID, PROMISE
 from mig_agent.core.gpu_models import MODELS
 from mig_agent.core.planner import plan
 from mig_agent.core.snapshot import compact
@@ -171,8 +173,8 @@ def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catal
     assert ours["status"]["conditions"][0]["type"] == "Active"
     assert "status" not in other
     assert c.nodes["gpu-a"].labels[S.config_label] == "all-3g"
-    assert json.loads(_notes(c, "train")[RELABELS]) == {
-        "gpu-a": {"layout": "all-3g", "resources": {MIG_3G: 2}}
+    assert json.loads(_notes(c, "train")[RELABELS]) == {  # its write landed
+        "gpu-a": {"layout": "all-3g", "resources": {MIG_3G: 2}, "before": "all-1g.10gb"}
     }
     entry = _entry(c, "train")
     assert entry["state"] == "Pending" and entry["message"] == "relabelling gpu-a to all-3g for it"
@@ -197,7 +199,11 @@ def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catal
     assert _entry(c, "train")["podSetUpdates"] == [
         {
             "name": "main",
-            "labels": {"mig-agent.dev/admission-workload": "train"},  # its UID
+            # its UID, and its pod set
+            "labels": {
+                "mig-agent.dev/admission-workload": "train",
+                "mig-agent.dev/admission-pod-set": "main",
+            },
             "nodeSelector": {"kubernetes.io/hostname": "host-a"},
         }
     ]
@@ -205,6 +211,7 @@ def test_relabels_for_a_workload_then_marks_it_ready_once_the_node_is_done(catal
         "its 2 pod(s) fit on gpu-a; pod set main pinned to host-a"
     )
     assert RELABELS not in _notes(c, "train")
+    assert json.loads(_notes(c, "train")[PROMISE]) == {"main": {"gpu-a": 2}}
     assert c.object_events[-1][1] == "MIGLayoutReady"
     writes = c.writes
     run_round(c, catalog, S, controller_name=CONTROLLER)
@@ -342,20 +349,28 @@ def test_a_check_asking_verify_verifies_the_relabelled_nodes_before_ready(catalo
     assert d.verdict.value == "Retry"
     assert _entry(c, "train")["message"] == (
         "gpu-a failed verify after its relabel: pod nvidia.com/mig-3g.40gb: "
-        "the pod saw no MIG device"
+        "the pod saw no MIG device; kept off it for 10 min"
     )
+    assert _entry(c, "train")["requeueAfterSeconds"] == 15  # Kueue's first retry
     assert c.object_events[-1][1] == "MIGLayoutRetry"
-    assert "gpu-a" in json.loads(_notes(c, "train")[RELABELS])  # verified again next time
+    assert RELABELS not in _notes(c, "train")
+    assert "gpu-a" in json.loads(_notes(c, "train")[AVOID])
 
     [w] = c.kueue["workloads"]  # Kueue queues it again: the check Pending once more
-    w["status"]["admissionChecks"][0]["state"] = "Pending"
+    w["status"]["admissionChecks"][0].update(state="Pending", retryCount=1)
     [d] = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify).decisions
-    assert asked == ["gpu-a", "gpu-a"]
+    assert asked == ["gpu-a"] and d.verdict.value == "Wait"  # the only node: kept off it
+    assert "kept off gpu-a: failed verify" in d.message, d.message
+    later = datetime.now(UTC) + timedelta(minutes=11)
+    [d] = run_round(
+        c, catalog, S, controller_name=CONTROLLER, verify=verify, now=lambda: later
+    ).decisions
+    assert asked == ["gpu-a", "gpu-a"]  # verified again before it is used
     assert d.verdict.value == "Ready"
     assert _entry(c, "train")["message"] == (
         "its 2 pod(s) fit on gpu-a; verified gpu-a; pod set main pinned to host-a"
     )
-    assert RELABELS not in _notes(c, "train")
+    assert AVOID not in _notes(c, "train") and "requeueAfterSeconds" not in _entry(c, "train")
 
 
 def test_verify_waits_for_no_other_workloads_decision(catalog: Any) -> None:

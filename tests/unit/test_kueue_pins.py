@@ -18,6 +18,7 @@ from typing import Any
 from mig_agent.core.demand import Ask
 from mig_agent.core.kueue_demand import (
     HOSTNAME,
+    POD_SET_LABEL,
     WORKLOAD_LABEL,
     PodSetDemand,
     pod_set_of,
@@ -91,9 +92,13 @@ def test_every_placed_pod_set_gets_the_workloads_label_pinned_or_not() -> None:
     }
     label = {WORKLOAD_LABEL: "uid-1"}
     entry = {"podSetUpdates": list(pod_set_updates(w, placed, HOSTS).updates)}
-    assert entry["podSetUpdates"] == [
-        {"name": "spread", "labels": label},
-        {"name": "workers", "labels": label, "nodeSelector": {HOSTNAME: "host-a"}},
+    assert entry["podSetUpdates"] == [  # each pod also says its pod set
+        {"name": "spread", "labels": {**label, POD_SET_LABEL: "spread"}},
+        {
+            "name": "workers",
+            "labels": {**label, POD_SET_LABEL: "workers"},
+            "nodeSelector": {HOSTNAME: "host-a"},
+        },
     ]
     assert pods_selector(entry) == f"{WORKLOAD_LABEL}=uid-1"
     assert pods_selector({}) == ""
