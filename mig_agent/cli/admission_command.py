@@ -16,8 +16,9 @@ import structlog
 from mig_agent.cli.common import EXIT_OK, add_config_args, load_configs
 from mig_agent.cli.verify_options import add_pod_options, verifier
 from mig_agent.config.settings import Settings
-from mig_agent.core.errors import ConfigError, KubeUnavailable
+from mig_agent.core.errors import ConfigError, KubeUnavailable, LeadershipLost
 from mig_agent.ops.admission_check import CONTROLLER_NAME, Round, run_round
+from mig_agent.ops.leadership import LeaseKeeper, leading
 
 log = structlog.get_logger(__name__)
 
@@ -96,13 +97,15 @@ def cmd_admission_check(
     catalog = load_configs(args)
     settings = Settings.from_env()
     cluster = KubernetesCluster.connect(args.kubeconfig or "", component="mig-agent-admission")
+    keeper = _keeper(args, lease)
+    if keeper is not None:  # every write of a round (verify's pods too) confirms the lease
+        cluster = leading(cluster, keeper.confirm)
     verify = verifier(cluster, args, settings, lambda line: print(line, flush=True))
-    me = os.environ.get("POD_NAME") or socket.gethostname()
     try:
         while True:
             try:
-                if lease and not cluster.hold_lease(*lease, me, args.lease_duration):
-                    log.info("admission_check.not_leader", lease=args.lease, holder=me)
+                if keeper is not None and not keeper.holds() and not keeper.attempt():
+                    log.info("admission_check.not_leader", lease=args.lease)
                     sys.stdout.write(f"not the leader: {args.lease} is held by another\n")
                     sys.stdout.flush()
                     if args.once:
@@ -119,6 +122,10 @@ def cmd_admission_check(
                         verify=verify,
                     )
                 )
+            except LeadershipLost as exc:
+                log.warning("admission_check.leadership_lost", error=str(exc))
+                sys.stdout.write(f"stopped the round: {exc}\n")
+                sys.stdout.flush()
             except KubeUnavailable as exc:
                 if args.once:
                     raise
@@ -127,4 +134,24 @@ def cmd_admission_check(
                 return EXIT_OK
             sleep(args.interval)
     finally:
+        if keeper is not None:
+            keeper.stop()
         cluster.close()
+
+
+def _keeper(args: argparse.Namespace, lease: tuple[str, str] | None) -> LeaseKeeper | None:
+    """The Lease's keeper, renewing on its own thread over a connection of its own (none
+    without ``--lease``; with ``--once``, one take and no thread)."""
+    from mig_agent.kube.client import KubernetesCluster
+
+    if lease is None:
+        return None
+    me = os.environ.get("POD_NAME") or socket.gethostname()
+    own = KubernetesCluster.connect(args.kubeconfig or "", component="mig-agent-admission-lease")
+    keeper = LeaseKeeper(
+        lambda: own.hold_lease(*lease, me, args.lease_duration), args.lease_duration
+    )
+    keeper.attempt()
+    if not args.once:
+        keeper.start()
+    return keeper

@@ -205,3 +205,8 @@ class Stopping(Exception):  # noqa: N818 (a signal to stop, not an error)
     def __init__(self, refs: tuple[object, ...] = ()) -> None:
         super().__init__()
         self.refs = refs
+
+
+class LeadershipLost(MigAgentError):
+    """A replica that no longer surely holds its Lease was about to write: the round stops
+    there, and the next leader carries on from what is on the objects."""
