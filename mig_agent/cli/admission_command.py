@@ -16,7 +16,7 @@ import structlog
 from mig_agent.cli.common import EXIT_OK, add_config_args, load_configs
 from mig_agent.cli.verify_options import add_pod_options, verifier
 from mig_agent.config.settings import Settings
-from mig_agent.core.errors import ConfigError, KubeUnavailable, LeadershipLost
+from mig_agent.core.errors import ConfigError, KubeError, LeadershipLost
 from mig_agent.ops.admission_check import CONTROLLER_NAME, Round, run_round
 from mig_agent.ops.leadership import LeaseKeeper, leading
 
@@ -126,7 +126,7 @@ def cmd_admission_check(
                 log.warning("admission_check.leadership_lost", error=str(exc))
                 sys.stdout.write(f"stopped the round: {exc}\n")
                 sys.stdout.flush()
-            except KubeUnavailable as exc:
+            except KubeError as exc:  # a read the round needs: the next round reads again
                 if args.once:
                     raise
                 log.warning("admission_check.round_failed", error=str(exc))

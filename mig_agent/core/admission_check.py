@@ -196,11 +196,21 @@ def _kept(w: Waiting, pool: _Pool) -> Decision | None:
     """The promise of ``w`` kept where it was made (None: its devices are gone, and it is
     not admitted yet: placed afresh)."""
     promised = [x for x in w.wants if x.pod in w.promised]
-    if pool.holds(promised, w.promised) or w.admitted:
+    if pool.holds(promised, w.promised):
         pool.take(promised, w.promised)
         nodes = ", ".join(sorted(set(w.promised.values())))
         return Decision(w.workload, Verdict.READY, f"promised on {nodes}", placed=w.promised)
-    return None
+    if not w.admitted:
+        return None
+    # admitted, its pods to come pinned where their devices are gone: only Kueue's requeue
+    # (Retry evicts it) can place them again
+    gone = sorted(
+        f"{n} ({pool.left_alone.get(n, 'not in the pool')})"
+        for n in set(w.promised.values())
+        if not pool.holds([x for x in promised if w.promised[x.pod] == n], w.promised)
+    )
+    message = f"the devices promised to its pods still to start are gone: {', '.join(gone)}"
+    return Decision(w.workload, Verdict.RETRY, message)
 
 
 def _relabelled(w: Waiting, pool: _Pool) -> Decision | None:
@@ -288,7 +298,8 @@ def _unserved(w: Waiting, pool: _Pool, budgets: Budgets) -> Decision:
         return Decision(w.workload, Verdict.WAIT, f"{_asks(w.wants)}: {why}")
     message = f"{_asks(w.wants)}: no approved layout can serve all of its pods"
     if w.avoid:
-        message += " (kept off " + "; ".join(f"{n}: {y}" for n, y in sorted(w.avoid.items())) + ")"
+        kept_off = "; ".join(f"{n}: {y}" for n, y in sorted(w.avoid.items()))
+        message += f" on the nodes it is not kept off for now ({kept_off})"
         return Decision(w.workload, Verdict.WAIT, message)
     verdict = Verdict.REJECTED if w.params.reject_unservable else Verdict.WAIT
     return Decision(w.workload, verdict, message)

@@ -96,6 +96,25 @@ def node_supply(
     return Supply(node, current, _positive(Counter(seen.now) - held), tuple(options), seen.now)
 
 
+def holds(
+    layout: Layout, state: NodeState, models: Mapping[int, GpuModel], memo: Memo | None = None
+) -> bool:
+    """Whether the GPUs hold ``layout`` already: a node labelled with another than its GPUs
+    hold is about to change (its agent has not begun, or has not published yet). ``memo``
+    keeps the answer for the next node alike."""
+    key = ("holds", layout.name, state, tuple(sorted((i, m.key) for i, m in models.items())))
+    seen = None if memo is None else memo.get(key)
+    if seen is None:
+        try:
+            held = not plan(layout, state, models).changed_gpus
+        except PlanError:
+            held = False
+        seen = _Seen({"held": int(held)})
+        if memo is not None:
+            memo[key] = seen
+    return bool(seen.now["held"])
+
+
 # GPUs changed, devices offered after, kinds of the devices destroyed, UUIDs that stay
 Effect = tuple[tuple[int, ...], dict[str, int], frozenset[str], frozenset[str]]
 

@@ -110,9 +110,16 @@ def run_round(
     )
     t = now()
     waiting = [read.waiting(w, c, params[c], (pool, settings), t) for w, c in objects]
-    held = read.held(cluster, admitted, pool)
+    held, holding = read.held(cluster, admitted, pool)
     decisions = decide(waiting + held, pool.supplies, pool.left_alone, pool.budgets)
-    done = list(decisions[: len(waiting)])
+    # an admitted workload is written only to be requeued (its devices gone)
+    requeued = [
+        (pair, d)
+        for pair, d in zip(holding, decisions[len(waiting) :], strict=True)
+        if d.verdict is Verdict.RETRY
+    ]
+    objects += [pair for pair, _ in requeued]
+    done = list(decisions[: len(waiting)]) + [d for _, d in requeued]
     later = [_verified_on(d, w, params[c]) for (w, c), d in zip(objects, done, strict=True)]
     skipped: dict[str, str] = {}
     # verify's pods take seconds to minutes: every other workload is written first (a stable
@@ -152,9 +159,13 @@ def _mark(cluster: KueueCluster, check: Mapping[str, Any], got: Params | str, t:
     if all(now.get(k) == v for k, v in active.items()):
         return False
     active["lastTransitionTime"] = _stamp(t)
-    cluster.patch_kueue(
-        "admissionchecks", _name(check), {"status": {"conditions": [active]}}, status=True
-    )
+    try:
+        cluster.patch_kueue(
+            "admissionchecks", _name(check), {"status": {"conditions": [active]}}, status=True
+        )
+    except KubeError as exc:  # written again next round
+        log.warning("admission_check.mark_failed", check=_name(check), error=str(exc))
+        return False
     if ok:
         log.info("admission_check.activated", check=_name(check))
         return True

@@ -70,11 +70,11 @@ def admitted_unbound(
     workloads: Listed, checks: Mapping[str, Params]
 ) -> list[tuple[Mapping[str, Any], str]]:
     """The workloads admitted after one of our checks was Ready and not finished, each with
-    the label selector of its pods."""
+    that check."""
     return [
-        (w, found)
+        (w, check)
         for w in workloads
-        if is_true(w, "Admitted") and not is_true(w, "Finished") and (found := _pods_of(w, checks))
+        if is_true(w, "Admitted") and not is_true(w, "Finished") and (check := _ready_by(w, checks))
     ]
 
 
@@ -122,15 +122,21 @@ def waiting(
     )
 
 
-def held(cluster: KueueCluster, admitted: Pairs, pool: Pool) -> list[Waiting]:
+def held(
+    cluster: KueueCluster, admitted: Pairs, pool: Pool
+) -> tuple[list[Waiting], list[tuple[Mapping[str, Any], str]]]:
     """The admitted workloads whose pods are not all bound yet (made, scheduled: seconds after
     the admission), each holding the devices promised to its pods still to bind: per pod set,
     its promise less the pods bound or finished, by node (a workload admitted before promises
     were recorded: per pod set, as many of its wants as its pods still to bind, placed where
-    they fit). Their wants are those read for them as demand (asks by claim included)."""
-    out = []
-    for w, found in admitted:
+    they fit). Their wants are those read for them as demand (asks by claim included). Each
+    with its workload and check."""
+    out, pairs = [], []
+    for w, check in admitted:
         meta = w.get("metadata") or {}
+        found = _pods_of(w, check)
+        if not found:
+            continue
         pods = cluster.list_pods(namespace=str(meta.get("namespace", "")), label_selector=found)
         wants = wants_of(pool, w)
         done = _done_by_set(pods, wants)
@@ -139,7 +145,8 @@ def held(cluster: KueueCluster, admitted: Pairs, pool: Pool) -> list[Waiting]:
         left = tuple(x for x in wants if x.pod in promised) if promise else _unbound(wants, done)
         if left:
             out.append(Waiting(key(w), left, ready=True, promised=promised, admitted=True))
-    return out
+            pairs.append((w, check))
+    return out, pairs
 
 
 def _done_by_set(pods: Sequence[PodView], wants: Sequence[Want]) -> dict[str, dict[str, int]]:
@@ -169,19 +176,20 @@ def _unbound(wants: Sequence[Want], done: Mapping[str, Mapping[str, int]]) -> tu
     return tuple(out)
 
 
-def _pods_of(workload: Mapping[str, Any], checks: Mapping[str, Params]) -> str:
-    """The label selector of the pods of ``workload`` where one of our checks marked it Ready:
-    the label that check's podSetUpdates put on them, else (marked Ready before the check set
-    labels) its Job's; "" for none."""
-    for check in checks:
-        e = entry(workload, check)
-        if e.get("state") == READY:
-            found = kueue_demand.pods_selector(e)
-            if found:
-                return found
-            job = _job_of(workload)
-            return f"batch.kubernetes.io/job-name={job}" if job else ""
-    return ""
+def _ready_by(workload: Mapping[str, Any], checks: Mapping[str, Params]) -> str:
+    """The one of our checks that marked ``workload`` Ready ("" for none)."""
+    return next((c for c in checks if entry(workload, c).get("state") == READY), "")
+
+
+def _pods_of(workload: Mapping[str, Any], check: str) -> str:
+    """The label selector of the pods of ``workload``, which ``check`` marked Ready: the label
+    its podSetUpdates put on them, else (marked Ready before the check set labels) its Job's;
+    "" for none."""
+    found = kueue_demand.pods_selector(entry(workload, check))
+    if found:
+        return found
+    job = _job_of(workload)
+    return f"batch.kubernetes.io/job-name={job}" if job else ""
 
 
 def _job_of(workload: Mapping[str, Any]) -> str:

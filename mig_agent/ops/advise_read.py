@@ -20,7 +20,7 @@ from mig_agent.core import admission_ledger, demand, device_classes, dra_devices
 from mig_agent.core.advertised import node_mig_strategy
 from mig_agent.core.advise import Option, Supply
 from mig_agent.core.advise_assign import Want
-from mig_agent.core.advise_options import DRA, Holder, Memo, node_supply, renamed
+from mig_agent.core.advise_options import DRA, Holder, Memo, holds, node_supply, renamed
 from mig_agent.core.errors import ConfigError, KubeError
 from mig_agent.core.generated_layouts import with_generated
 from mig_agent.core.gpu_models import GpuModel
@@ -357,6 +357,10 @@ def _supply(
         )
     except ConfigError as exc:
         return str(exc)
+    label = node.labels.get(s.config_label) or ""
+    layout = catalog.layouts.get(label)
+    if layout is not None and not holds(layout, state, models, memo):
+        return f"its GPUs do not hold its layout {label} yet: a change its agent has not begun"
     holders = _holders(node.name, running, claims, dra, is_dra, holders_of(raw))
     supply = node_supply(
         node.name,

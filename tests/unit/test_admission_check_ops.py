@@ -360,7 +360,7 @@ def test_a_check_asking_verify_verifies_the_relabelled_nodes_before_ready(catalo
     w["status"]["admissionChecks"][0].update(state="Pending", retryCount=1)
     [d] = run_round(c, catalog, S, controller_name=CONTROLLER, verify=verify).decisions
     assert asked == ["gpu-a"] and d.verdict.value == "Wait"  # the only node: kept off it
-    assert "kept off gpu-a: failed verify" in d.message, d.message
+    assert "kept off for now (gpu-a: failed verify" in d.message, d.message
     later = datetime.now(UTC) + timedelta(minutes=11)
     [d] = run_round(
         c, catalog, S, controller_name=CONTROLLER, verify=verify, now=lambda: later
