@@ -100,9 +100,9 @@ def run_round(
     params = {n: p for n, (_, p) in got.items() if isinstance(p, Params)}
     workloads = cluster.list_kueue("workloads")
     objects = read.waiting_workloads(workloads, params)
-    if not objects:
-        return Round(activated, refused=refused)
     admitted = read.admitted_unbound(workloads, params)
+    if not objects and not admitted:
+        return Round(activated, refused=refused)
     as_waiting = {key(w): read.as_waiting(w) for w, _ in admitted}
     listed = [as_waiting.get(key(w), w) for w in workloads]
     pool = read_pool(

@@ -316,3 +316,52 @@ def test_the_ledger_reads_what_it_writes() -> None:
     w = {"metadata": {"annotations": {ledger.AVOID: ledger.avoid_value({}, {"n": "why"}, later)}}}
     assert ledger.avoided(w, now) == {"n": "why"} and ledger.avoided(w, later) == {}
     assert ledger.failed_verify(w) == {"n"}
+
+
+# found by the model (test_admission_model.py), each failing before its fix
+
+
+def test_a_node_labelled_for_a_layout_its_gpus_do_not_hold_yet_serves_nothing(
+    catalog: Any,
+) -> None:
+    """Relabelled by someone a moment ago, its agent not begun: its devices are about to go."""
+    c = _pool(catalog, _workload("small", 1, MIG_1G))
+    node = c.nodes["gpu-a"]
+    c.nodes["gpu-a"] = dataclasses.replace(node, labels={**node.labels, S.config_label: "all-3g"})
+    [d] = _round(c, catalog).decisions
+    assert d.verdict.value == "Wait", d
+    assert _entry(c, "small")["state"] == "Pending"
+
+
+def test_an_admitted_workload_whose_promised_devices_are_gone_is_requeued(
+    catalog: Any,
+) -> None:
+    c = _pool(catalog, _workload("first", 2, MIG_1G))
+    _round(c, catalog)
+    [w] = c.kueue["workloads"]
+    w["status"]["conditions"][1] = {"type": "Admitted", "status": "True"}
+    _at(c, catalog, "gpu-a", "all-3g")  # someone else's relabel: no 1g.10gb left
+    r = _round(c, catalog)
+    [d] = r.decisions
+    assert (d.workload, d.verdict.value) == ("team/first", "Retry"), d
+    assert _entry(c, "first")["state"] == "Retry"
+    assert "the devices promised to its pods still to start are gone: gpu-a" in d.message
+    assert ledger.PROMISE not in _notes(c, "first")
+
+
+def test_a_check_whose_active_mark_fails_does_not_end_the_round(catalog: Any) -> None:
+    c = _pool(catalog, _workload("small", 1, MIG_1G))
+    real = c.patch_kueue
+    refused: list[str] = []
+
+    def once_503(plural: str, name: str, body: Any, **kw: Any) -> Any:
+        if plural == "admissionchecks" and not refused:
+            refused.append(name)
+            raise KubeError("patch: 503 Service Unavailable", status=503)
+        return real(plural, name, body, **kw)
+
+    c.patch_kueue = once_503  # type: ignore[method-assign]
+    r = _round(c, catalog)
+    assert refused == [CHECK] and r.activated == ()
+    assert [d.verdict.value for d in r.decisions] == ["Ready"]
+    assert _round(c, catalog).activated == (CHECK,)  # marked on the next round
