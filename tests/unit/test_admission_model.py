@@ -34,6 +34,7 @@ derandomized; ``MIG_AGENT_MODEL_RANDOM=1`` for fresh sequences).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -52,17 +53,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from mig_agent.config.profiles import load_catalog
-from mig_agent.core.errors import KubeError
+from mig_agent.core.errors import KubeError, LeadershipLost
 from mig_agent.core.kueue_demand import HOSTNAME
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import PodRef
-from mig_agent.ops.admission_check import run_round
+from mig_agent.ops import advise as advise_ops
+from mig_agent.ops.admission_check import read_params, run_round
+from mig_agent.ops.leadership import LeaseKeeper, leading
+from mig_agent.ops.verify import Check, NodeVerdict
 from tests.unit.test_admission_check_ops import CHECK, CONTROLLER, KueueFake, S, _gpu_state
 from tests.unit.test_kueue_demand import CONFIG
 
 EXAMPLES = 300
 STEPS = 30
-SETTLE_ROUNDS = 12
+SETTLE_ROUNDS = 8  # and three more a workload
 NODES = ("gpu-a", "gpu-b", "gpu-c")
 LAYOUTS = ("all-1g.10gb", "all-3g")
 DEVICES = {"all-1g.10gb": {"nvidia.com/mig-1g.10gb": 7}, "all-3g": {"nvidia.com/mig-3g.40gb": 2}}
@@ -132,6 +136,19 @@ class ModelCluster(KueueFake):
     def emit_object_event(self, obj: Any, **kw: Any) -> None:
         self._write("event")
         super().emit_object_event(obj, **kw)
+
+
+class _Stale:
+    """A replica's view: reads from what it read at its round's start, writes to the
+    cluster as it is now."""
+
+    def __init__(self, read: ModelCluster, live: ModelCluster) -> None:
+        self._read, self._live = read, live
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(("patch_", "emit_", "create_", "delete_")):
+            return getattr(self._live, name)
+        return getattr(self._read, name)
 
 
 @dataclass
@@ -218,6 +235,10 @@ class AdmissionModel(RuleBasedStateMachine):
         self.pods = itertools.count()
         self.names = itertools.count()
         self.t = datetime(2026, 12, 7, 10, tzinfo=UTC)
+        self.stale: ModelCluster | None = None  # what a second replica read, not written yet
+        self.led_since: bool = False  # the leader ran a round since that replica read
+        self.verify_on = False  # the check asks verify; gpu-c always fails it
+        self.broken_verify = False
 
     def _add_node(self, name: str, layout: str) -> None:
         self.c.add_node(name, {HOSTNAME: f"host-{name}"}, {KINDS[0]: "7"})
@@ -401,14 +422,34 @@ class AdmissionModel(RuleBasedStateMachine):
             self.c.fail.append(fault)
         before = len(self.c.relabels)
         self.t += timedelta(minutes=1)  # a round a minute
+        self.led_since = True
         try:
-            run_round(self.c, _catalog(), S, controller_name=CONTROLLER, now=lambda: self.t)
+            run_round(
+                self.c,
+                _catalog(),
+                S,
+                controller_name=CONTROLLER,
+                now=lambda: self.t,
+                verify=self._verify,
+            )
         except Killed:
             pass
         finally:
             self.c.fail.clear()
             self.c.kill_at = None
-        for node, layout in self.c.relabels[before:]:
+        self._relabelled_since(before)
+
+    def _verify(self, node: str) -> NodeVerdict:
+        ok = node != "gpu-c"
+        return NodeVerdict(node, (Check("pod", ok, "" if ok else "the pod saw no MIG device"),))
+
+    def _relabelled_since(self, before: int) -> None:
+        """What the check's relabels since ``before`` must keep to: none while its
+        annotations are refused, no more nodes changing than its cap, no back and forth."""
+        got = read_params(self.c.kueue["admissionchecks"][0])
+        new = self.c.relabels[before:]
+        assert not (new and isinstance(got, str)), f"relabelled {new} though {got}"
+        for node, layout in new:
             going = self.in_flight.get(node)
             assert going in (None, layout), (
                 f"the check relabelled {node} to {layout} while its relabel to {going} was "
@@ -416,6 +457,58 @@ class AdmissionModel(RuleBasedStateMachine):
             )
             self.in_flight[node] = layout
             self.check_label[node] = layout
+        cap = None if isinstance(got, str) else got.max_nodes
+        changing = {n for n in self.in_flight if n in self.c.nodes and not self._steady(n)}
+        assert not new or cap is None or len(changing) <= cap, f"{changing} changing, cap {cap}"
+
+    # -- a second replica, and the operator's settings of the check ---------------------------
+
+    @rule()
+    def second_replica_reads(self) -> None:
+        """A second replica begins a round: what it reads now, it writes later."""
+        self.stale = copy.deepcopy(self.c)
+        self.stale.fail, self.stale.kill_at = [], None
+        self.led_since = False
+
+    @rule()
+    def second_replica_writes(self) -> None:
+        """...and writes it, its Lease kept only while no other round ran meanwhile: a
+        leader's round since means the Lease went to another (it lapsed), and every write
+        must confirm it first."""
+        if self.stale is None:
+            return
+        keeper = LeaseKeeper(lambda: not self.led_since, 30, lambda: 0.0)
+        keeper.attempt()
+        before = len(self.c.relabels)
+        with contextlib.suppress(LeadershipLost):
+            run_round(
+                leading(_Stale(self.stale, self.c), keeper.confirm),
+                _catalog(),
+                S,
+                controller_name=CONTROLLER,
+                now=lambda: self.t,
+                verify=self._verify,
+            )
+        self.stale = None
+        self._relabelled_since(before)
+
+    @rule(
+        max_nodes=st.sampled_from([None, None, "1", "2", "0", "2.0", "two"]),
+        verify=st.booleans(),
+    )
+    def operator_annotates_the_check(self, max_nodes: str | None, verify: bool) -> None:
+        notes = {"mig-agent.dev/verify": "true"} if verify else {}
+        if max_nodes is not None:
+            notes["mig-agent.dev/max-nodes"] = max_nodes
+        self.c.kueue["admissionchecks"][0]["metadata"]["annotations"] = notes
+        self.verify_on = self.verify_on or verify
+
+    @rule()
+    def advise_applies(self) -> None:
+        """``advise --apply``'s relabels, beside the check."""
+        report = advise_ops.run(self.c, _catalog(), settings=S)
+        for p in report.proposals:
+            self.c.nodes[p.node].labels[S.config_label] = p.option.layout
 
     # -- what must hold ----------------------------------------------------------------------
 
@@ -476,12 +569,18 @@ class AdmissionModel(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "c"):
             return
+        self.stale = None
+        check = self.c.kueue["admissionchecks"][0]
+        if isinstance(read_params(check), str):  # and the check's annotations
+            check["metadata"]["annotations"] = {}
         for node in NODES:  # the operator mends what others broke
             if node not in self.c.nodes:
                 self._add_node(node, "all-1g.10gb")
             elif self._label(node) not in LAYOUTS:
                 self.c.nodes[node].labels[S.config_label] = self.nodes[node].applied
-        for _ in range(SETTLE_ROUNDS):
+        rounds = SETTLE_ROUNDS + 3 * len(self._workloads())  # bounded by the queue
+        for _ in range(rounds):
+            self.t += timedelta(minutes=4)  # time passes: what a workload is kept off lapses
             for node in NODES:
                 for _ in range(3):
                     self.agent_step(node, False)
@@ -496,21 +595,23 @@ class AdmissionModel(RuleBasedStateMachine):
             if _true(w, "Finished") or w["spec"].get("active") is False:
                 continue
             message = _entry(w)["message"]
-            assert _beyond_the_pool(w), (
-                f"{w['metadata']['name']} did not end in {SETTLE_ROUNDS} rounds with the pool "
+            # with verify asked, gpu-c (which fails it) may be all that would serve it
+            usable = NODES[:2] if self.verify_on else NODES
+            assert _beyond(w, usable), (
+                f"{w['metadata']['name']} did not end in {rounds} rounds with the pool "
                 f"to itself: {_entry(w)['state']}: {message!r}"
             )
-            assert "no approved layout can serve" in message, message
+            assert "no approved layout can serve" in message or "gpu-c" in message, message
 
 
-def _beyond_the_pool(w: Mapping[str, Any]) -> bool:
-    """Whether no layout of the three nodes could serve ``w`` alone."""
+def _beyond(w: Mapping[str, Any], nodes: tuple[str, ...]) -> bool:
+    """Whether no layout of ``nodes`` could serve ``w`` alone."""
     need = Counter[str]()
     for ps in w["spec"]["podSets"]:
         need[next(iter(ps["template"]["spec"]["containers"][0]["resources"]["requests"]))] += ps[
             "count"
         ]
-    for layouts in itertools.product(LAYOUTS, repeat=len(NODES)):
+    for layouts in itertools.product(LAYOUTS, repeat=len(nodes)):
         have = Counter[str]()
         for layout in layouts:
             have.update(DEVICES[layout])
