@@ -25,6 +25,8 @@ from kubernetes import client
 from migsim.cluster import Cluster, agents, dra_plugin
 from migsim.nvml import state as simstate
 
+from tests.node_watch import node_versions
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 REASON = "mig-agent.dev/reason"
@@ -110,30 +112,28 @@ class AgentNode:
         self.core.patch_node(self.name, {"metadata": {"labels": {CONFIG: layout}}})
 
     def wait_state(self, *states: str, timeout: float = 60.0, seen: list[str] | None = None) -> str:
-        """Poll until the state label is one of ``states``; every state seen goes to ``seen``."""
+        """Wait until the state label is one of ``states``; every state it passes through on the
+        way goes to ``seen`` (a watch on the node: none is missed, however short)."""
         n = self.wait_settled(*states, timeout=timeout, seen=seen)
         return str((n.metadata.labels or {}).get(STATE, ""))
 
     def wait_settled(
         self, *states: str, timeout: float = 60.0, seen: list[str] | None = None
     ) -> Any:
-        """As wait_state, but the node as read when its state was first one of ``states``: one
-        read, so what a test asserts of it is what that state came with (a retry may start the
-        next pass a moment later)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            n = self.node()
+        """As wait_state, but the node as it was when its state first became one of ``states``
+        (the watch's version of it), so what a test asserts of it is what that state came with
+        (a retry may start the next pass a moment later)."""
+        state = None
+        for n in node_versions(self.core, self.name, timeout):
             state = (n.metadata.labels or {}).get(STATE, "")
             if seen is not None and (not seen or seen[-1] != state):
                 seen.append(state)
             if state in states:
                 return n
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{self.name}: state {state!r}, not {states} after "
-                    f"{timeout} s; agent log:\n{self.log_tail()}"
-                )
-            time.sleep(0.1)
+        raise AssertionError(
+            f"{self.name}: state {state!r}, not {states} after "
+            f"{timeout} s; agent log:\n{self.log_tail()}"
+        )
 
     def gpu_resources(self) -> dict[str, int]:
         alloc = self.node().status.allocatable or {}

@@ -4,8 +4,9 @@ kubeconfig:
 
 * on a pool of two nodes at all-1g.10gb, nothing is proposed while no pod is pending;
 * pods Pending for mig-3g.40gb, which no node offers, get a proposal on the node whose change
-  evicts nobody, and a pod pinned by nodeSelector to the node where a running pod holds a
-  1g.10gb device gets an unserved reason naming the selector (its only layouts would evict);
+  evicts nobody, and a pod pinned by nodeSelector to the node where a running pod holds every
+  1g.10gb device (published by the agent as its own) gets an unserved reason naming the
+  selector (its only layouts would evict);
 * ``--apply`` relabels through the rollout; the served pod then runs on the proposed node, and
   the running pod was never evicted (same UID, still Running).
 * a relabel someone makes after ``apply`` looked at a node again, as its patch is on its way, is
@@ -26,13 +27,15 @@ from kubernetes import client
 from migsim.cluster import Cluster
 
 from mig_agent.config.profiles import load_catalog
-from mig_agent.config.settings import PROFILES
+from mig_agent.config.settings import PROFILES, Settings
+from mig_agent.core.snapshot import holders_of
 from mig_agent.kube.client import KubernetesCluster
 from mig_agent.kube.cluster import NodeView
 from mig_agent.ops import advise as ops_advise
 from mig_agent.ops.values import Result
+from tests.node_watch import node_versions
 
-from .conftest import CONFIG, NodeFactory, wait_running
+from .conftest import CONFIG, AgentNode, NodeFactory, wait_running
 from .test_dra import claim, claiming_pod
 from .test_ops import explain, make_pool, mig_agent_cli
 
@@ -42,6 +45,21 @@ MIG_1G, MIG_3G = "nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb"
 def advise(cluster: Cluster, selector: str, *extra: str) -> Any:
     return mig_agent_cli(
         "advise", "-l", selector, "--kubeconfig", str(cluster.kubeconfig), *extra, timeout=240
+    )
+
+
+def wait_holder(node: AgentNode, uid: str, timeout: float = 30.0) -> frozenset[str]:
+    """The devices the node's agent published pod ``uid`` as holding (the gpu-state
+    annotation's holders, as advise reads them), once it has (a watch on the node)."""
+    published: dict[str, frozenset[str]] = {}
+    for n in node_versions(node.core, node.name, timeout):
+        raw = (n.metadata.annotations or {}).get(Settings().gpu_state_annotation)
+        published = holders_of(json.loads(raw)) if raw else {}
+        if uid in published:
+            return published[uid]
+    raise AssertionError(
+        f"{node.name}: pod {uid} not among the holders published after {timeout} s "
+        f"({sorted(published)}); agent log:\n{node.log_tail()}"
     )
 
 
@@ -58,8 +76,13 @@ def test_pending_profile_gets_a_proposal_that_applied_runs_it_evicting_nobody(
     for n in nodes:
         n.wait_state("success", timeout=90)
     busy_node, free_node = nodes
-    busy = gpu_pod(namespace, "busy", resources={MIG_1G: 1}, node=busy_node.name)
+    # the busy pod holds every device of its node, so any relabel of it evicts the pod, whichever
+    # devices the plugin gave it and whether advise reads them from the agent or judges by kind
+    every = busy_node.gpu_resources()[MIG_1G]
+    busy = gpu_pod(namespace, "busy", resources={MIG_1G: every}, node=busy_node.name)
     wait_running(core, namespace, "busy")
+    # advise reads the pod's devices as the agent published them (never judged by kind alone)
+    assert len(wait_holder(busy_node, busy.metadata.uid)) == every
 
     res = advise(installed, selector, "-o", "json")
     assert res.returncode == 0, explain(res, nodes)

@@ -32,6 +32,7 @@ from migsim.cluster import Cluster, agents
 
 from deploy import policies
 from mig_agent.config.settings import Settings
+from tests.node_watch import core_for, node_versions
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "mig-agent"
@@ -395,23 +396,22 @@ def agent_settings(cluster: Cluster, state_label: str) -> dict[str, str]:
 
 
 def wait_label(cluster: Cluster, node: str, key: str, value: str, timeout: float = 90) -> list[str]:
-    """Wait for the node's label `key` to read `value`; the values it showed on the way."""
-    deadline = time.monotonic() + timeout
+    """Wait for the node's label `key` to read `value`; every value it held on the way (a watch
+    on the node: none is missed, however short)."""
     seen: list[str] = []
-    while True:
-        labels = kube_json(cluster, "get", "node", node)["metadata"].get("labels", {})
-        if key in labels and (not seen or seen[-1] != labels[key]):
-            seen.append(labels[key])
-        if labels.get(key) == value:
-            return seen
-        log = cluster.dir / "logs" / f"agent-{node}.log"
-        assert time.monotonic() < deadline, (
-            f"{key}={labels.get(key)!r}, not {value}\n"
-            + "\n".join(log.read_text().splitlines()[-20:])
-            if log.exists()
-            else ""
-        )
-        time.sleep(0.3)
+    labels: dict[str, str] = {}
+    with core_for(cluster.kubeconfig) as core:
+        for n in node_versions(core, node, timeout):
+            labels = n.metadata.labels or {}
+            if key in labels and (not seen or seen[-1] != labels[key]):
+                seen.append(labels[key])
+            if labels.get(key) == value:
+                return seen
+    log = cluster.dir / "logs" / f"agent-{node}.log"
+    raise AssertionError(
+        f"{key}={labels.get(key)!r}, not {value}\n"
+        + ("\n".join(log.read_text().splitlines()[-20:]) if log.exists() else "")
+    )
 
 
 def mig_events(cluster: Cluster, node: str) -> dict[str, int]:

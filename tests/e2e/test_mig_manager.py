@@ -24,6 +24,8 @@ from migsim.cluster import Cluster, agents, mig_manager
 from migsim.cluster.processes import Proc
 from migsim.nvml import state as simstate
 
+from tests.node_watch import node_versions
+
 from .conftest import CONFIG, REPO, STATE
 
 LAYOUTS = REPO / "profiles" / "all.yaml"
@@ -55,20 +57,20 @@ class ManagedNode:
         self.core.patch_node(self.name, {"metadata": {"labels": {CONFIG: layout}}})
 
     def wait_state(self, *states: str, timeout: float = 120.0) -> tuple[str, list[str]]:
-        """The state label once it is one of `states`, and every state seen on the way."""
+        """The state label once it is one of `states`, and every state it passed through on the
+        way (a watch on the node: none is missed, however short)."""
         seen: list[str] = []
-        deadline = time.monotonic() + timeout
-        while True:
-            state = self.labels().get(STATE, "")
+        state = None
+        for n in node_versions(self.core, self.name, timeout):
+            state = (n.metadata.labels or {}).get(STATE, "")
             if not seen or seen[-1] != state:
                 seen.append(state)
             if state in states:
                 return state, seen
-            assert time.monotonic() < deadline, (
-                f"{self.name}: state {state!r} after {timeout} s; MIG Manager's log:\n"
-                + Path(self.record.log).read_text()[-3000:]
-            )
-            time.sleep(0.1)
+        raise AssertionError(
+            f"{self.name}: state {state!r} after {timeout} s; MIG Manager's log:\n"
+            + Path(self.record.log).read_text()[-3000:]
+        )
 
     def gpu_resources(self) -> dict[str, int]:
         alloc = self.core.read_node(self.name).status.allocatable or {}

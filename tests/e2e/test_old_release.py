@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from migsim.cluster import Cluster, agents, dra_plugin
 
+from tests.node_watch import core_for, node_versions
+
 from .conftest import CONFIG, STATE
 from .test_dra import DRA_HALF
 
@@ -78,12 +80,11 @@ def _change(cluster: Cluster, layout: str) -> tuple[bool, str]:
         {"metadata": {"labels": {CONFIG: layout, STATE: None}}},
         content_type="application/merge-patch+json",
     )
-    cordoned, deadline = False, time.monotonic() + 180
-    while time.monotonic() < deadline:
-        node = cluster.api.get("/api/v1/nodes/old-dra")
-        cordoned = cordoned or bool((node.get("spec") or {}).get("unschedulable"))
-        state = (node["metadata"].get("labels") or {}).get(STATE, "")
-        if state in ("success", "failed"):
-            return cordoned, state
-        time.sleep(0.05)
+    cordoned = False
+    with core_for(cluster.kubeconfig) as core:  # a watch on the node: a cordon is never missed
+        for node in node_versions(core, "old-dra", timeout=180):
+            cordoned = cordoned or bool(node.spec.unschedulable)
+            state = (node.metadata.labels or {}).get(STATE, "")
+            if state in ("success", "failed"):
+                return cordoned, state
     raise AssertionError(f"no end of the change to {layout}")

@@ -18,6 +18,8 @@ from kubernetes import client
 from migsim.cluster import Cluster, agents, images, real_node, seed_checks
 from migsim.cluster.errors import WaitTimeout
 
+from tests.node_watch import core_for, node_versions
+
 REAL_NODE = real_node.NAME
 REAL_GPUS = "2xH100-80GB"
 PLUGIN_DAEMONSET = "nvidia-device-plugin-real-node"
@@ -178,20 +180,20 @@ def wait_state(c: Cluster, timeout: float = 120) -> tuple[str, list[str]]:
 
 
 def wait_settled(c: Cluster, timeout: float = 120) -> tuple[Any, list[str]]:
-    """The node as read when its state first said `success` or `failed`, and the states seen:
-    one read, so that what a test asserts of it is what that state came with (a retry may
-    start the next pass a moment later)."""
+    """The node (as JSON) as it was when its state first said `success` or `failed`, and every
+    state it passed through on the way (a watch on the node: none is missed, however short),
+    so that what a test asserts of it is what that state came with (a retry may start the next
+    pass a moment later)."""
     seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        n = kube(c, "get", "node", real_node.NAME)
-        state = n["metadata"]["labels"].get(STATE, "")
-        if not seen or seen[-1] != state:
-            seen.append(state)
-        if state in ("success", "failed"):
-            return n, seen
-        assert time.monotonic() < deadline, (seen, agent_log(c))
-        time.sleep(0.3)
+    with core_for(c.kubeconfig) as core:
+        for version in node_versions(core, real_node.NAME, timeout):
+            n = core.api_client.sanitize_for_serialization(version)
+            state = n["metadata"].get("labels", {}).get(STATE, "")
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            if state in ("success", "failed"):
+                return n, seen
+    raise AssertionError((seen, agent_log(c)))
 
 
 def agent_log(c: Cluster) -> str:

@@ -25,6 +25,8 @@ from kubernetes import client
 from migsim.cluster import Cluster, agents, real_node, wait_until
 from migsim.cluster.processes import Proc, free_ports, spawn, stop
 
+from tests.node_watch import node_versions
+
 from .conftest import REAL_NODE, busybox_pod, gone, gpu_resources, pod_log, wait_phase
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -184,15 +186,15 @@ def test_a_repartition_drains_the_slow_pod_on_its_gpu_keeps_the_other_and_starts
 
     started = time.monotonic()
     core.patch_node(REAL_NODE, {"metadata": {"labels": {CONFIG: "gpu1-all-1g.10gb"}}})
-    seen: list[str] = []
-    while (state := (core.read_node(REAL_NODE).metadata.labels or {}).get(STATE, "")) not in (
-        "success",
-        "failed",
-    ):
+    seen: list[str] = []  # every state on the way (a watch on the node: none is missed)
+    for n in node_versions(core, REAL_NODE, timeout=180):
+        state = (n.metadata.labels or {}).get(STATE, "")
         if not seen or seen[-1] != state:
             seen.append(state)
-        assert time.monotonic() - started < 180, (seen, _log(cluster).read_text()[-4000:])
-        time.sleep(0.2)
+        if state in ("success", "failed"):
+            break
+    else:
+        raise AssertionError((seen, _log(cluster).read_text()[-4000:]))
     took = time.monotonic() - started
     # `success` only once the real kubelet advertises the layout
     assert state == "success", _log(cluster).read_text()[-4000:]
