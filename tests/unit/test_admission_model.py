@@ -114,6 +114,8 @@ class ModelCluster(KueueFake):
 
     def patch_node(self, name: str, **kw: Any) -> Any:
         self._write("node")
+        if name not in self.nodes:
+            raise KubeError(f"patch node {name}: 404 Not Found (model)", status=404)
         got = super().patch_node(name, **kw)
         layout = (kw.get("labels") or {}).get(S.config_label)
         if layout:
@@ -157,13 +159,23 @@ class NodeModel:
     by_check: bool = False  # the pending label was written by the check
 
 
-def _workload(name: str, sets: tuple[tuple[str, str, int], ...]) -> dict[str, Any]:
+def _ask(ps: Mapping[str, Any]) -> tuple[str, int]:
+    """What each pod of a pod set asks: its kind, and how many."""
+    [(kind, n)] = ps["template"]["spec"]["containers"][0]["resources"]["requests"].items()
+    return kind, int(n)
+
+
+Sets = tuple[tuple[str, str, int, int], ...]  # (pod set, kind, pods, devices each)
+Pod = tuple[str, str, int, Mapping[str, Any]]  # a pod to come: pod set, kind, devices, update
+
+
+def _workload(name: str, sets: Sets) -> dict[str, Any]:
     pod_sets = []
-    for ps, kind, count in sets:
+    for ps, kind, count, per in sets:
         container = {
             "name": "c",
             "image": "x",
-            "resources": {"requests": {kind: "1"}, "limits": {kind: "1"}},
+            "resources": {"requests": {kind: str(per)}, "limits": {kind: str(per)}},
         }
         pod_sets.append(
             {"name": ps, "count": count, "template": {"spec": {"containers": [container]}}}
@@ -203,14 +215,16 @@ def _entry(w: Mapping[str, Any]) -> dict[str, Any]:
 
 SIZES = st.sampled_from(
     [
-        (("main", KINDS[0], 1),),
-        (("main", KINDS[0], 3),),
-        (("main", KINDS[0], 7),),
-        (("main", KINDS[1], 1),),
-        (("main", KINDS[1], 2),),
-        (("main", KINDS[1], 3),),
-        (("big", KINDS[1], 1), ("small", KINDS[0], 2)),
-        (("main", KINDS[1], 7),),  # more than the pool can hold: never served
+        (("main", KINDS[0], 1, 1),),
+        (("main", KINDS[0], 3, 1),),
+        (("main", KINDS[0], 7, 1),),
+        (("main", KINDS[0], 1, 2),),  # pods of two devices: placed on the fullest node
+        (("main", KINDS[0], 3, 2),),
+        (("main", KINDS[1], 1, 1),),
+        (("main", KINDS[1], 2, 1),),
+        (("main", KINDS[1], 3, 1),),
+        (("big", KINDS[1], 1, 1), ("small", KINDS[0], 2, 1)),
+        (("main", KINDS[1], 7, 1),),  # more than the pool can hold: never served
     ]
 )
 
@@ -263,7 +277,7 @@ class AdmissionModel(RuleBasedStateMachine):
     # -- Kueue and its users -------------------------------------------------------------
 
     @rule(sets=SIZES)
-    def submit(self, sets: tuple[tuple[str, str, int], ...]) -> None:
+    def submit(self, sets: Sets) -> None:
         self._workloads().append(_workload(f"w{next(self.names)}", sets))
 
     @rule()
@@ -317,42 +331,42 @@ class AdmissionModel(RuleBasedStateMachine):
         uid = w["metadata"]["uid"]
         return [r for r, p in self.c.pods.items() if p.labels.get("workload") == uid]
 
-    def _unbound(self, w: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
-        """The pods of an admitted workload not made yet: (pod set, kind, its update)."""
+    def _unbound(self, w: Mapping[str, Any]) -> list[Pod]:
+        """The pods of an admitted workload not made yet: (pod set, kind, devices, update)."""
         if not _true(w, "Admitted") or _true(w, "Finished"):
             return []
         have = Counter(self.c.pods[r].labels["pod-set"] for r in self._pods_of(w))
         updates = {u["name"]: u for u in _entry(w).get("podSetUpdates") or ()}
         out = []
         for ps in w["spec"]["podSets"]:
-            kind = next(iter(ps["template"]["spec"]["containers"][0]["resources"]["requests"]))
+            kind, per = _ask(ps)
             for _ in range(ps["count"] - have[ps["name"]]):
-                out.append((ps["name"], kind, updates.get(ps["name"], {})))
+                out.append((ps["name"], kind, per, updates.get(ps["name"], {})))
         return out
 
-    def _bind(self, w: Mapping[str, Any], pod: tuple[str, str, Mapping[str, Any]]) -> None:
+    def _bind(self, w: Mapping[str, Any], pod: Pod) -> None:
         """The scheduler: a pinned pod to its node (its device must be there: the check's
         promise), another to a node with a device of its kind not promised to pinned pods."""
-        pod_set, kind, update = pod
+        pod_set, kind, per, update = pod
         host = (update.get("nodeSelector") or {}).get(HOSTNAME)
         free = self._free()
         if host:
             node = host.removeprefix("host-")
             exempt = w["metadata"]["name"] in self.exempt
-            if node not in self.c.nodes or (exempt and free[node][kind] <= 0):
+            if node not in self.c.nodes or (exempt and free[node][kind] < per):
                 return  # pending: its promise was broken by another
-            assert free[node][kind] > 0, (
+            assert free[node][kind] >= per, (
                 f"{w['metadata']['name']}: its pod of {pod_set} is pinned to {node}, which "
                 f"has no {kind} left for it"
             )
         else:  # not onto a node changing (its agent cordons it), nor a device promised
             room = self._unpromised()
-            fits = [n for n in sorted(room) if room[n][kind] > 0 and self._steady(n)]
+            fits = [n for n in sorted(room) if room[n][kind] >= per and self._steady(n)]
             if not fits:
                 return
             node = fits[0]
         labels = {"workload": w["metadata"]["uid"], "pod-set": pod_set, **update.get("labels", {})}
-        self.c.add_pod("team", f"p{next(self.pods)}", node, gpu={kind: 1}, labels=labels)
+        self.c.add_pod("team", f"p{next(self.pods)}", node, gpu={kind: per}, labels=labels)
 
     # -- the nodes, their agents and the others ----------------------------------------------
 
@@ -443,10 +457,11 @@ class AdmissionModel(RuleBasedStateMachine):
         ok = node != "gpu-c"
         return NodeVerdict(node, (Check("pod", ok, "" if ok else "the pod saw no MIG device"),))
 
-    def _relabelled_since(self, before: int) -> None:
+    def _relabelled_since(self, before: int, read: ModelCluster | None = None) -> None:
         """What the check's relabels since ``before`` must keep to: none while its
-        annotations are refused, no more nodes changing than its cap, no back and forth."""
-        got = read_params(self.c.kueue["admissionchecks"][0])
+        annotations (as ``read``) are refused, no more nodes changing than its cap, no back
+        and forth."""
+        got = read_params((read or self.c).kueue["admissionchecks"][0])
         new = self.c.relabels[before:]
         assert not (new and isinstance(got, str)), f"relabelled {new} though {got}"
         for node, layout in new:
@@ -479,7 +494,7 @@ class AdmissionModel(RuleBasedStateMachine):
             return
         keeper = LeaseKeeper(lambda: not self.led_since, 30, lambda: 0.0)
         keeper.attempt()
-        before = len(self.c.relabels)
+        before, writes = len(self.c.relabels), self.c.writes + len(self.c.object_events)
         with contextlib.suppress(LeadershipLost):
             run_round(
                 leading(_Stale(self.stale, self.c), keeper.confirm),
@@ -489,8 +504,10 @@ class AdmissionModel(RuleBasedStateMachine):
                 now=lambda: self.t,
                 verify=self._verify,
             )
-        self.stale = None
-        self._relabelled_since(before)
+        stale, self.stale = self.stale, None
+        wrote = self.c.writes + len(self.c.object_events) - writes
+        assert not (self.led_since and wrote), f"{wrote} write(s) without the Lease"
+        self._relabelled_since(before, stale)
 
     @rule(
         max_nodes=st.sampled_from([None, None, "1", "2", "0", "2.0", "two"]),
@@ -537,12 +554,12 @@ class AdmissionModel(RuleBasedStateMachine):
                 continue
             if _entry(w)["state"] != "Ready" and not _true(w, "Admitted"):
                 continue
-            for _, kind, update in self._pending_pods(w):
+            for _, kind, per, update in self._pending_pods(w):
                 host = (update.get("nodeSelector") or {}).get(HOSTNAME)
                 if host and host.removeprefix("host-") in free:
-                    free[host.removeprefix("host-")][kind] -= 1
+                    free[host.removeprefix("host-")][kind] -= per
                 elif not host:
-                    unpinned[kind] += 1
+                    unpinned[kind] += per
         return free, unpinned
 
     @invariant()
@@ -556,23 +573,24 @@ class AdmissionModel(RuleBasedStateMachine):
         for kind, n in unpinned.items():
             assert n <= sum(left[kind] for left in free.values()), f"{n} unpinned {kind} pods"
 
-    def _pending_pods(self, w: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    def _pending_pods(self, w: Mapping[str, Any]) -> list[Pod]:
         if _true(w, "Admitted"):
             return self._unbound(w)
         updates = {u["name"]: u for u in _entry(w).get("podSetUpdates") or ()}
         out = []
         for ps in w["spec"]["podSets"]:
-            kind = next(iter(ps["template"]["spec"]["containers"][0]["resources"]["requests"]))
-            out += [(ps["name"], kind, updates.get(ps["name"], {}))] * ps["count"]
+            kind, per = _ask(ps)
+            out += [(ps["name"], kind, per, updates.get(ps["name"], {}))] * ps["count"]
         return out
 
     def teardown(self) -> None:
         if not hasattr(self, "c"):
             return
         self.stale = None
-        check = self.c.kueue["admissionchecks"][0]
-        if isinstance(read_params(check), str):  # and the check's annotations
-            check["metadata"]["annotations"] = {}
+        check = self.c.kueue["admissionchecks"][0]  # and lifts the check's cap, if any
+        check["metadata"]["annotations"] = (
+            {"mig-agent.dev/verify": "true"} if self.verify_on else {}
+        )
         for node in NODES:  # the operator mends what others broke
             if node not in self.c.nodes:
                 self._add_node(node, "all-1g.10gb")
@@ -605,12 +623,11 @@ class AdmissionModel(RuleBasedStateMachine):
 
 
 def _beyond(w: Mapping[str, Any], nodes: tuple[str, ...]) -> bool:
-    """Whether no layout of ``nodes`` could serve ``w`` alone."""
+    """Whether no layout of ``nodes`` could serve ``w`` alone (by devices in sum)."""
     need = Counter[str]()
     for ps in w["spec"]["podSets"]:
-        need[next(iter(ps["template"]["spec"]["containers"][0]["resources"]["requests"]))] += ps[
-            "count"
-        ]
+        kind, per = _ask(ps)
+        need[kind] += ps["count"] * per
     for layouts in itertools.product(LAYOUTS, repeat=len(nodes)):
         have = Counter[str]()
         for layout in layouts:
@@ -620,8 +637,10 @@ def _beyond(w: Mapping[str, Any], nodes: tuple[str, ...]) -> bool:
     return True
 
 
+# MIG_AGENT_MODEL_SHRINK=0: a failure reported as found, unshrunk (runs of reverted fixes)
+_shrink = os.environ.get("MIG_AGENT_MODEL_SHRINK") != "0"
 AdmissionModel.TestCase.settings = settings(
-    phases=list(Phase),
+    phases=list(Phase) if _shrink else [Phase.explicit, Phase.reuse, Phase.generate],
     max_examples=int(os.environ.get("MIG_AGENT_MODEL_EXAMPLES", EXAMPLES)),
     stateful_step_count=int(os.environ.get("MIG_AGENT_MODEL_STEPS", STEPS)),
     derandomize=os.environ.get("MIG_AGENT_MODEL_RANDOM") != "1",
