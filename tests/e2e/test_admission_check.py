@@ -30,6 +30,7 @@ the queue label, as Kueue's Job webhook would have made them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -347,8 +348,14 @@ def test_the_check_relabels_a_node_for_a_queued_gang_and_kueue_admits_it(
     pin = {"kubernetes.io/hostname": node.name}
     train = workload(installed, namespace, "train")
     assert train is not None
-    label = {"mig-agent.dev/admission-workload": train["metadata"]["uid"]}
+    label = {
+        "mig-agent.dev/admission-workload": train["metadata"]["uid"],
+        "mig-agent.dev/admission-pod-set": "main",
+    }
     assert ready["podSetUpdates"] == [{"name": "main", "labels": label, "nodeSelector": pin}]
+    # its promise on the Workload, kept there until its pods hold the devices
+    notes = train["metadata"].get("annotations") or {}
+    assert json.loads(notes["mig-agent.dev/admission-promise"]) == {"main": {node.name: 2}}
     pods = _pods(core, namespace, "train")
     assert all((p.spec.node_selector or {}).items() >= pin.items() for p in pods)
     assert all((p.metadata.labels or {}).items() >= label.items() for p in pods)
@@ -456,7 +463,7 @@ def test_a_check_asking_verify_retries_a_workload_whose_new_node_fails_it(
     assert node.labels()[S.config_label] == "all-3g.40gb"
     assert retried[0] == (
         f"{node.name} failed verify after its relabel: pod {MIG_3G}: not ended after 5 s: "
-        "the pod is Running"
+        "the pod is Running; kept off it for 10 min"
     ), retried
     w = workload(installed, namespace, "train")
     assert w is not None

@@ -64,7 +64,7 @@ from mig_agent.ops.verify import Check, NodeVerdict
 from tests.unit.test_admission_check_ops import CHECK, CONTROLLER, KueueFake, S, _gpu_state
 from tests.unit.test_kueue_demand import CONFIG
 
-EXAMPLES = 300
+EXAMPLES = 1200
 STEPS = 30
 SETTLE_ROUNDS = 8  # and three more a workload
 NODES = ("gpu-a", "gpu-b", "gpu-c")
@@ -583,6 +583,14 @@ class AdmissionModel(RuleBasedStateMachine):
             out += [(ps["name"], kind, per, updates.get(ps["name"], {}))] * ps["count"]
         return out
 
+    def _left(self) -> list[dict[str, Any]]:
+        """The workloads neither finished nor deactivated."""
+        return [
+            w
+            for w in self._workloads()
+            if not _true(w, "Finished") and w["spec"].get("active") is not False
+        ]
+
     def teardown(self) -> None:
         if not hasattr(self, "c"):
             return
@@ -596,6 +604,8 @@ class AdmissionModel(RuleBasedStateMachine):
                 self._add_node(node, "all-1g.10gb")
             elif self._label(node) not in LAYOUTS:
                 self.c.nodes[node].labels[S.config_label] = self.nodes[node].applied
+        # with verify asked, gpu-c (which fails it) may be all that would serve a workload
+        usable = NODES[:2] if self.verify_on else NODES
         rounds = SETTLE_ROUNDS + 3 * len(self._workloads())  # bounded by the queue
         for _ in range(rounds):
             self.t += timedelta(minutes=4)  # time passes: what a workload is kept off lapses
@@ -609,12 +619,10 @@ class AdmissionModel(RuleBasedStateMachine):
                     self._bind(w, pod)
             for i in range(len(self._workloads())):
                 self.finish(i)
-        for w in self._workloads():
-            if _true(w, "Finished") or w["spec"].get("active") is False:
-                continue
+            if all(_beyond(w, usable) and _entry(w)["message"] for w in self._left()):
+                break  # what is left, no pool could serve: nothing more to come
+        for w in self._left():
             message = _entry(w)["message"]
-            # with verify asked, gpu-c (which fails it) may be all that would serve it
-            usable = NODES[:2] if self.verify_on else NODES
             assert _beyond(w, usable), (
                 f"{w['metadata']['name']} did not end in {rounds} rounds with the pool "
                 f"to itself: {_entry(w)['state']}: {message!r}"
