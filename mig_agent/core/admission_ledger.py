@@ -211,12 +211,16 @@ def pod_set_of_pod(
     return matching[0] if len(matching) == 1 else ""
 
 
-def held_nodes(workloads: Iterable[Mapping[str, Any]], done: Mapping[str, int]) -> dict[str, str]:
+def held_nodes(
+    workloads: Iterable[Mapping[str, Any]], done: Mapping[str, int]
+) -> tuple[dict[str, str], set[str]]:
     """The nodes the check's ledger holds, -> why: those promised to a workload Ready or
     admitted whose pods are not all bound (``done``: workload UID -> its pods bound or
     finished), and those relabelled for a workload that waits on them; for ``advise``, which
-    must not relabel them from under it."""
+    must not relabel them from under it. And the workloads (namespace/name) holding a
+    promise: their pods are served where they were promised, no demand of advise's."""
     out: dict[str, str] = {}
+    promised: set[str] = set()
     for w in workloads:
         meta = w.get("metadata") or {}
         name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
@@ -228,13 +232,14 @@ def held_nodes(workloads: Iterable[Mapping[str, Any]], done: Mapping[str, int]) 
         promise = promise_of(w)
         total = sum(sum(nodes.values()) for nodes in promise.values())
         if ready and done.get(str(meta.get("uid", "")), 0) < total:
+            promised.add(name)
             for nodes in promise.values():
                 for node in nodes:
                     out.setdefault(node, f"its devices are promised to workload {name}")
         if not _condition(w, "Admitted"):
             for node in intents_of(w):
                 out.setdefault(node, f"it is being relabelled for workload {name}")
-    return out
+    return out, promised
 
 
 def _condition(w: Mapping[str, Any], kind: str) -> bool:

@@ -145,18 +145,25 @@ def _leave_promised_alone(
     pool: Pool, workloads: Sequence[Mapping[str, Any]], pods: Sequence[PodView]
 ) -> None:
     """The nodes the MIG layout check's ledger holds (promised to a workload, or changing for
-    one) taken out of the supply: left alone, saying for whom."""
+    one) taken out of the supply: left alone, saying for whom; the workloads promised their
+    devices are no demand."""
     done: dict[str, int] = {}
     for p in pods:
         uid = p.labels.get(kueue_demand.WORKLOAD_LABEL)
         if uid and (p.node or p.finished):
             done[uid] = done.get(uid, 0) + 1
-    held = admission_ledger.held_nodes(workloads, done)
+    held, promised = admission_ledger.held_nodes(workloads, done)
     for node, why in held.items():
         if any(s.node == node for s in pool.supplies):
             pool.left_alone[node] = f"{why} by the MIG layout check"
     pool.supplies = [s for s in pool.supplies if s.node not in held]
-    pool.wants = [dataclasses.replace(w, nodes=w.nodes.difference(held)) for w in pool.wants]
+    gangs = {f"workload:{w}" for w in promised}
+    pool.wants = [
+        dataclasses.replace(w, nodes=w.nodes.difference(held))
+        for w in pool.wants
+        if w.gang not in gangs
+    ]
+    pool.workloads = [w for w in pool.workloads if w not in promised]
 
 
 def _add_workloads(

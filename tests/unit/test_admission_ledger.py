@@ -298,6 +298,9 @@ def test_advise_leaves_alone_the_nodes_the_check_promised(catalog: Any) -> None:
     report = advise_ops.run(c, catalog, settings=S)
     assert report.proposals == ()
     assert "promised" in report.left_alone["gpu-a"] and "team/first" in report.left_alone["gpu-a"]
+    # first is served where it was promised: no demand of advise's, nothing unserved
+    assert [pod for pod, _ in report.unserved] == ["team/wants-3g"], report.unserved
+    assert "team/first" not in report.workloads
 
 
 def test_the_ledger_reads_what_it_writes() -> None:

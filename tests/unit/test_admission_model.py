@@ -58,7 +58,7 @@ from mig_agent.core.kueue_demand import HOSTNAME
 from mig_agent.core.layout import LayoutCatalog
 from mig_agent.kube.cluster import PodRef
 from mig_agent.ops import advise as advise_ops
-from mig_agent.ops.admission_check import read_params, run_round
+from mig_agent.ops.admission_check import run_round
 from mig_agent.ops.leadership import LeaseKeeper, leading
 from mig_agent.ops.verify import Check, NodeVerdict
 from tests.unit.test_admission_check_ops import CHECK, CONTROLLER, KueueFake, S, _gpu_state
@@ -71,6 +71,7 @@ NODES = ("gpu-a", "gpu-b", "gpu-c")
 LAYOUTS = ("all-1g.10gb", "all-3g")
 DEVICES = {"all-1g.10gb": {"nvidia.com/mig-1g.10gb": 7}, "all-3g": {"nvidia.com/mig-3g.40gb": 2}}
 KINDS = ("nvidia.com/mig-1g.10gb", "nvidia.com/mig-3g.40gb")
+MALFORMED = ("0", "2.0", "two")  # max-nodes values the check must refuse
 
 
 @cache
@@ -246,6 +247,7 @@ class AdmissionModel(RuleBasedStateMachine):
         self.exempt: set[str] = set()  # workloads whose promise another broke
         self.in_flight: dict[str, str] = {}  # node -> the layout the check set, not yet done
         self.check_label: dict[str, str] = {}  # node -> the label the check wrote last
+        self.pins: dict[str, list[dict[str, Any]]] = {}  # Ready workload -> its pins then
         self.pods = itertools.count()
         self.names = itertools.count()
         self.t = datetime(2026, 12, 7, 10, tzinfo=UTC)
@@ -461,9 +463,10 @@ class AdmissionModel(RuleBasedStateMachine):
         """What the check's relabels since ``before`` must keep to: none while its
         annotations (as ``read``) are refused, no more nodes changing than its cap, no back
         and forth."""
-        got = read_params((read or self.c).kueue["admissionchecks"][0])
+        notes = (read or self.c).kueue["admissionchecks"][0]["metadata"].get("annotations") or {}
+        value = notes.get("mig-agent.dev/max-nodes")
         new = self.c.relabels[before:]
-        assert not (new and isinstance(got, str)), f"relabelled {new} though {got}"
+        assert not (new and value in MALFORMED), f"relabelled {new} though max-nodes is {value!r}"
         for node, layout in new:
             going = self.in_flight.get(node)
             assert going in (None, layout), (
@@ -472,7 +475,7 @@ class AdmissionModel(RuleBasedStateMachine):
             )
             self.in_flight[node] = layout
             self.check_label[node] = layout
-        cap = None if isinstance(got, str) else got.max_nodes
+        cap = None if value is None or value in MALFORMED else int(value)
         changing = {n for n in self.in_flight if n in self.c.nodes and not self._steady(n)}
         assert not new or cap is None or len(changing) <= cap, f"{changing} changing, cap {cap}"
 
@@ -510,7 +513,7 @@ class AdmissionModel(RuleBasedStateMachine):
         self._relabelled_since(before, stale)
 
     @rule(
-        max_nodes=st.sampled_from([None, None, "1", "2", "0", "2.0", "two"]),
+        max_nodes=st.sampled_from([None, None, "1", "2", *MALFORMED]),
         verify=st.booleans(),
     )
     def operator_annotates_the_check(self, max_nodes: str | None, verify: bool) -> None:
@@ -561,6 +564,20 @@ class AdmissionModel(RuleBasedStateMachine):
                 elif not host:
                     unpinned[kind] += per
         return free, unpinned
+
+    @invariant()
+    def promises_stay(self) -> None:
+        """A Ready workload's pins never move while it stays Ready (unless another broke its
+        promise): Kueue applies them as they were when it admits it."""
+        if not hasattr(self, "c"):
+            return
+        for w in self._workloads():
+            name = w["metadata"]["name"]
+            if _entry(w)["state"] != "Ready" or name in self.exempt:
+                self.pins.pop(name, None)
+                continue
+            now = [dict(u) for u in _entry(w).get("podSetUpdates") or ()]
+            assert self.pins.setdefault(name, now) == now, f"{name}'s pins moved while Ready"
 
     @invariant()
     def promises_fit(self) -> None:
