@@ -102,8 +102,13 @@ def _devices_to_taint(t: Tools, change: Change, record: Record | None) -> _Taint
         record is None or not (record.empty or record.tainted)
     ):
         return None
-    rules = _listed_taints(t) if t.cluster.device_taints_served() else None
+    if not t.cluster.device_taints_served():
+        log.warning("devices.taints_not_served", fallback="cordon")
+        t.metrics.taint_fallbacks.inc()
+        return None
+    rules = _listed_taints(t)
     if rules is None:
+        t.metrics.taint_fallbacks.inc()
         return None
     changing = {change.observed.gpu(i).info.uuid for i in change.plan.changed_gpus}
     slices = change.slices

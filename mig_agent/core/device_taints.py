@@ -10,6 +10,7 @@ not its UUID, so a device made again in the same place keeps its name and its ta
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -41,9 +42,15 @@ def devices_of_gpus(
 
 
 def rule_name(node: str, device: str) -> str:
-    """The rule's name: the device and the node, within the name's cap."""
-    name = f"mig-agent.{device}.{node}"[:NAME_CAP]
-    return name.rstrip(".-")
+    """The rule's name: the device and the node, within the name's cap; where they do not fit,
+    the node's name cut short and a digest of the whole, so that two nodes whose long names
+    share their start never share a rule's name."""
+    name = f"mig-agent.{device}.{node}"
+    if len(name) <= NAME_CAP:
+        return name
+    digest = hashlib.sha256(f"{device}/{node}".encode()).hexdigest()[:16]
+    head = name[: NAME_CAP - len(digest) - 1].rstrip(".-")
+    return f"{head}-{digest}"
 
 
 def rule(node: str, device: str, key: str) -> dict[str, Any]:

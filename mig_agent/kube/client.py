@@ -251,7 +251,7 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
         self._component = component
         self._conflict_attempts = 10
         self._watch_refused = False
-        self._taints_served: bool | None = None  # asked once: an upgrade restarts the agent
+        self._taints_served: bool | None = None  # a yes is kept; a no asked again
         # per (node, condition type), the condition this client last wrote: the next write of
         # that type needs no read first (only the agent writes its own condition type)
         self._written: dict[tuple[str, str], NodeCondition] = {}
@@ -869,12 +869,15 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
     # device taints (resource.k8s.io/v1 DeviceTaintRule) ------------------------------------
 
     def device_taints_served(self) -> bool:
-        if self._taints_served is None:
+        """Whether the API server serves DeviceTaintRules. Only a yes is kept: a no (a 404 in
+        the seconds after an API server restarts, an aggregated API not ready) is asked again
+        at the next change, not kept for the agent's life."""
+        if not self._taints_served:
             with _kube("discover resource.k8s.io/v1"):
                 found = self._call_unless_absent(self._resource.get_api_resources)
             names = {r.get("name") for r in (found or {}).get("resources") or []}
             self._taints_served = device_taints.PLURAL in names
-        return self._taints_served
+        return bool(self._taints_served)
 
     def list_device_taints(self) -> list[dict[str, Any]]:
         group, version = device_taints.GROUP_VERSION
@@ -902,17 +905,29 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
                     dict(rule),
                 )
             except ApiException as exc:
-                if exc.status != 409 or not self._same_rule(rule):
+                if exc.status != 409:
                     raise
+                met = self._same_rule(rule)
+                if met is not None:
+                    raise KubeError(
+                        f"DeviceTaintRule {name} exists and is not this agent's rule for "
+                        f"{(rule.get('spec') or {}).get('deviceSelector')}: it selects {met}; "
+                        "delete or rename it (the agent names its rules "
+                        "mig-agent.<device>.<node>)",
+                        status=409,
+                        name=name,
+                    ) from None
 
-    def _same_rule(self, rule: Mapping[str, Any]) -> bool:
-        """Whether the rule of ``rule``'s name is the agent's, for the same device."""
+    def _same_rule(self, rule: Mapping[str, Any]) -> str | None:
+        """None where the rule of ``rule``'s name is the agent's, for the same device; else
+        what the rule of that name selects ("not the agent's" where it is not labelled so)."""
         want = (rule.get("spec") or {}).get("deviceSelector")
-        return any(
-            (r.get("metadata") or {}).get("name") == (rule.get("metadata") or {}).get("name")
-            and (r.get("spec") or {}).get("deviceSelector") == want
-            for r in self.list_device_taints()
-        )
+        name = (rule.get("metadata") or {}).get("name")
+        for r in self.list_device_taints():
+            if (r.get("metadata") or {}).get("name") == name:
+                got = (r.get("spec") or {}).get("deviceSelector")
+                return None if got == want else str(got)
+        return "a rule not labelled as the agent's"
 
     def delete_device_taint(self, name: str) -> None:
         group, version = device_taints.GROUP_VERSION

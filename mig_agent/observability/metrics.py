@@ -97,6 +97,12 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
         )
         self.evictions = Counter("mig_agent_evictions", "Pods evicted from the node", registry=r)
+        self.taint_fallbacks = Counter(
+            "mig_agent_device_taint_fallbacks",
+            "Changes of a DRA node that cordoned it whole: DeviceTaintRules not served or "
+            "not listable",
+            registry=r,
+        )
         self.nvml_calls = Counter(
             "mig_agent_nvml_calls", "NVML operations by call", ["call"], registry=r
         )

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from mig_agent.agent import Agent, Outcome
 from mig_agent.agent import guard as agent_guard
@@ -154,9 +156,13 @@ def test_without_device_taints_served_the_node_is_cordoned_as_before() -> None:
     cluster.taints_served = False
     seen = watched(agent, cluster, gpus)
     label(cluster, "gpu1-changes")
-    assert agent.reconcile_once().outcome is Outcome.APPLIED
+    with capture_logs() as logs:
+        assert agent.reconcile_once().outcome is Outcome.APPLIED
     assert seen and all(s == (True, set()) for s in seen), seen
     assert_clean(cluster)
+    # the fallback said and counted (issue 54, item 6: it was silent)
+    assert any(e["event"] == "devices.taints_not_served" for e in logs), logs
+    assert agent.metrics.taint_fallbacks._value.get() == 1
 
 
 def test_with_the_setting_off_the_node_is_cordoned() -> None:
@@ -305,3 +311,18 @@ def test_the_change_after_a_kill_reads_the_node_s_record_once_as_it_starts(
     monkeypatch.setattr(agent_guard, "paused", spied)
     assert successor_of(agent, cluster, gpus).reconcile_once().outcome is Outcome.APPLIED
     assert starts == [1]  # the taint's choice and the record it writes from one parse
+
+
+def test_rule_names_of_long_node_names_that_share_their_start_never_collide() -> None:
+    """Issue 54, item 5: names cut at the cap alone collided for nodes whose long names share
+    their first ~215 characters; the second node's change then failed with a bare 409."""
+    nodes = [f"{'gpu-node-' * 24}east.rack-{i:02d}" for i in range(2)]  # 230 characters
+    assert all(len(n) <= 253 for n in nodes)
+    device = "gpu-0-mig-1g10gb-19-0"
+    names = [device_taints.rule_name(n, device) for n in nodes]
+    assert names[0] != names[1], names
+    subdomain = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    for name in names:
+        assert len(name) <= device_taints.NAME_CAP and subdomain.match(name), name
+    # a name that fits is the plain one, as before
+    assert device_taints.rule_name("node-a", device) == f"mig-agent.{device}.node-a"

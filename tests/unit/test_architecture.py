@@ -38,6 +38,7 @@ STDLIB_OK_IN_PURE = {
     "difflib",
     "json",
     "heapq",
+    "hashlib",  # digests of names: no I/O
 }
 
 

@@ -321,3 +321,55 @@ def test_a_pods_emptydir_volumes_are_read() -> None:
         }
     )
     assert pod.empty_dirs == ("shm", "scratch")
+
+
+def test_device_taints_discovery_keeps_only_a_yes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 54, item 6: a 404 at discovery (the seconds after an API server restart) was kept
+    for the agent's life, and every later change cordoned the whole node."""
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    answers: list[Any] = [
+        ApiException(status=404, reason="Not Found"),
+        _Answer({"resources": [{"name": "resourceslices"}, {"name": "devicetaintrules"}]}),
+    ]
+    asked: list[int] = []
+
+    def get_api_resources(**_: Any) -> Any:
+        asked.append(1)
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(k._resource, "get_api_resources", get_api_resources)
+    assert not k.device_taints_served()
+    assert k.device_taints_served()  # asked again
+    assert k.device_taints_served() and len(asked) == 2  # a yes is kept
+
+
+def test_a_taint_rule_of_the_same_name_for_another_device_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 54, item 5: the second node's change failed with a bare 409."""
+    from mig_agent.core import device_taints
+
+    k = KubernetesCluster(client.ApiClient(), sleep=lambda _s: None)
+    mine = device_taints.rule("node-b", "gpu-0", "mig-agent.dev/changing")
+    other = device_taints.rule("node-a", "gpu-0", "mig-agent.dev/changing")
+    other["metadata"]["name"] = mine["metadata"]["name"]
+
+    def create(*_: Any, **__: Any) -> Any:
+        raise ApiException(status=409, reason="AlreadyExists")
+
+    monkeypatch.setattr(k._custom, "create_cluster_custom_object", create)
+    monkeypatch.setattr(
+        k._custom, "list_cluster_custom_object", lambda *_a, **_k: _Answer({"items": [other]})
+    )
+    with pytest.raises(KubeError) as got:
+        k.create_device_taint(mine)
+    message = str(got.value)
+    assert mine["metadata"]["name"] in message and "'pool': 'node-a'" in message, message
+    assert "delete or rename it" in message
+    monkeypatch.setattr(
+        k._custom, "list_cluster_custom_object", lambda *_a, **_k: _Answer({"items": [mine]})
+    )
+    k.create_device_taint(mine)  # its own rule, made before: nothing to do

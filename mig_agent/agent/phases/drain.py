@@ -20,7 +20,6 @@ from mig_agent.agent.phases.holders import Holders, claimed
 from mig_agent.core import guard
 from mig_agent.core.errors import (
     DrainGivenUp,
-    DrainRefused,
     DrainTimeout,
     EvictionBlocked,
     KubeError,
@@ -117,8 +116,6 @@ class DrainPhase:
             # webhook, a 5xx past the retries), and the window applies to every failed drain
             if isinstance(exc, KubeError) and not isinstance(exc, EvictionBlocked):
                 exc.context.setdefault("refs", self._going(change, paused))
-            if isinstance(exc, DrainRefused):
-                raise
             raise self._retried(exc, change) from None
         t.metrics.evictions.inc(len(evicted))
         if operand_pods:
