@@ -298,8 +298,11 @@ def _readvertise(t: Tools, node: NodeView, dra_node: bool | None) -> tuple[bool,
             advertisers.DraPlugin(t) if dra_node else advertisers.DevicePlugin(t)
         )
         operands = [o for o in node.annotations.get(s.paused_annotation, "").split(",") if o]
-        log.warning("guard.readvertising", advertiser=advertiser.name)
-        advertiser.advertise(node, t.gpus.models(), operands, set())
+        # every plugin pod there now is an old one: one that outlived a short pause of its
+        # operand would otherwise pass for the restarted one
+        old = {p.ref.uid for p in advertiser.find()}
+        log.warning("guard.readvertising", advertiser=advertiser.name, old=len(old))
+        advertiser.advertise(node, t.gpus.models(), operands, old)
     except MigAgentError as err:
         name = _name(dra_node)
         return False, (

@@ -10,6 +10,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from mig_agent.agent import Agent, Outcome
 from mig_agent.core.errors import (
     EvictionUnsupported,
@@ -360,3 +362,31 @@ def test_the_label_removed_with_the_plugin_gone_keeps_the_cordon_and_says_why() 
     reason = node.annotations[REASON]
     assert "stays cordoned until the device plugin advertises" in reason, reason
     assert "app=nvidia-device-plugin-daemonset" in reason, reason
+
+
+def test_a_readvertise_counts_every_plugin_pod_there_as_an_old_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 54, item 3: the guard's re-advertise (the failure, idle and stop exits) passed no
+    old plugin pods, so one that outlived a short pause of its operand passed for the
+    restarted one and the node could be uncordoned over the old registration."""
+    from mig_agent.agent.advertisers import advertiser as advertisers
+
+    agent, cluster, gpus = make(operands=False, device_plugin_timeout_s=5.0)
+    plugin = _plugin_failing_after_the_change(agent, cluster)
+    cluster.on_change = plugin
+    plugin(cluster)  # a plugin pod there before the re-advertise
+    there = {p.ref.uid for p in advertisers.DevicePlugin(agent.tools).find()}
+    assert there, "the fake's plugin pod"
+    asked: list[set[str]] = []
+    real = advertisers.DevicePlugin.advertise
+
+    def advertise(self: Any, node: Any, models: Any, paused: Any, old: set[str]) -> Any:
+        asked.append(set(old))
+        return real(self, node, models, paused, old)
+
+    monkeypatch.setattr(advertisers.DevicePlugin, "advertise", advertise)
+    cluster.patch_node(NODE, labels={CONFIG: None})
+    assert agent.reconcile_once().outcome is Outcome.IDLE
+    assert asked and there <= asked[0], (there, asked)
+    assert_clean(cluster)
