@@ -985,16 +985,19 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
     def emit_object_event(
         self, obj: ObjectRef, *, reason: str, message: str, warning: bool = False
     ) -> None:
-        """An Event about ``obj`` (in its namespace), from this client's component."""
+        """An Event about ``obj`` (in its namespace; about a cluster-scoped object, such as an
+        AdmissionCheck, in ``default``, as Kubernetes puts a Node's), from this client's
+        component."""
+        where = obj.namespace or "default"
         event = self._event(
             client.V1ObjectReference(
                 kind=obj.kind,
                 name=obj.name,
-                namespace=obj.namespace,
+                namespace=obj.namespace or None,
                 uid=obj.uid,
                 api_version=obj.api_version,
             ),
-            client.V1ObjectMeta(generate_name=f"{obj.name}.", namespace=obj.namespace),
+            client.V1ObjectMeta(generate_name=f"{obj.name}.", namespace=where),
             reason=reason,
             message=message,
             warning=warning,
@@ -1002,7 +1005,7 @@ class KubernetesCluster(KueueCluster, Leases, PodRunner):
             instance=self._component,
         )
         with _kube("create event", object=f"{obj.kind} {obj.namespace}/{obj.name}"):
-            self._call(self._core.create_namespaced_event, obj.namespace, event)
+            self._call(self._core.create_namespaced_event, where, event)
 
     # leader election ---------------------------------------------------------------------
 

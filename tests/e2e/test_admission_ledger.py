@@ -263,3 +263,35 @@ def test_a_node_relabelled_away_by_hand_is_dropped_and_the_workload_served_elsew
         lambda: _running(core, namespace, "train", 2), timeout=120, what="train's pods running"
     )
     assert on == [other.name, other.name]
+
+
+def test_a_malformed_check_annotation_refuses_the_check_with_a_warning_event(
+    installed: Cluster,
+    core: client.CoreV1Api,
+    namespace: str,
+    queue: Queue,
+    agent_node: NodeFactory,
+    tmp_path: Path,
+    rounds: Callable[[Any, str, str], Round],
+) -> None:
+    """`max-nodes: "0"` read as no cap before; now the check is inactive, saying why, with a
+    Warning Event about it (an AdmissionCheck is cluster-scoped: its Events go to default)."""
+    catalog, [node], pool = _pool(tmp_path, agent_node, core, namespace, 1)
+    check, controller = _check(installed, queue, namespace, {MIG_3G: 2})
+    path = f"/apis/kueue.x-k8s.io/v1beta2/admissionchecks/{check}"
+    installed.api.request(
+        "PATCH",
+        path,
+        {"metadata": {"annotations": {"mig-agent.dev/max-nodes": "0"}}},
+        content_type="application/merge-patch+json",
+    )
+    rounds(catalog, controller, pool)()
+    got = installed.api.request("GET", path)
+    [active] = [c for c in got["status"]["conditions"] if c["type"] == "Active"]
+    assert (active["status"], active["reason"]) == ("False", "InvalidParameters"), active
+    assert "mig-agent.dev/max-nodes: '0' is not a whole number above 0" in active["message"]
+    events = core.list_namespaced_event(
+        "default", field_selector=f"involvedObject.name={check}"
+    ).items
+    assert [(e.reason, e.type) for e in events] == [("InvalidParameters", "Warning")], events
+    assert node.labels()[S.config_label] == "all-1g.10gb"
