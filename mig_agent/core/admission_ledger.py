@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from mig_agent.core.advise_assign import Want
-from mig_agent.core.kueue_demand import POD_SET_LABEL, pod_set_of
+from mig_agent.core.kueue_demand import POD_SET_LABEL, is_true, pod_set_of
 
 PROMISE: Final = "mig-agent.dev/admission-promise"
 RELABELS: Final = "mig-agent.dev/admission-relabels"
@@ -224,9 +224,9 @@ def held_nodes(
     for w in workloads:
         meta = w.get("metadata") or {}
         name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
-        if _condition(w, "Finished"):
+        if is_true(w, "Finished"):
             continue
-        ready = _condition(w, "Admitted") or any(
+        ready = is_true(w, "Admitted") or any(
             e.get("state") == "Ready" for e in (w.get("status") or {}).get("admissionChecks") or ()
         )
         promise = promise_of(w)
@@ -236,12 +236,7 @@ def held_nodes(
             for nodes in promise.values():
                 for node in nodes:
                     out.setdefault(node, f"its devices are promised to workload {name}")
-        if not _condition(w, "Admitted"):
+        if not is_true(w, "Admitted"):
             for node in intents_of(w):
                 out.setdefault(node, f"it is being relabelled for workload {name}")
     return out, promised
-
-
-def _condition(w: Mapping[str, Any], kind: str) -> bool:
-    conditions = (w.get("status") or {}).get("conditions") or ()
-    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)

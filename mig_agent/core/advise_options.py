@@ -66,12 +66,7 @@ def node_supply(
 ) -> Supply:
     """The node now and an option per layout that fits it and changes a GPU (``current``
     aside). ``memo`` keeps each layout's effect on a GPU state for the next node alike."""
-    model_keys = tuple(sorted((i, m.key) for i, m in models.items()))
-    memo = {} if memo is None else memo
-    key = (state, model_keys, strategy)  # hashed once per node: a state is a deep tuple
-    seen = memo.get(key)
-    if seen is None:
-        seen = memo[key] = _Seen(resources(plugin_devices(state, models), strategy))
+    seen = _seen(state, models, strategy, memo)
     held: Counter[str] = Counter()
     for h in holders:
         held.update(h.kinds)
@@ -97,22 +92,37 @@ def node_supply(
 
 
 def holds(
-    layout: Layout, state: NodeState, models: Mapping[int, GpuModel], memo: Memo | None = None
+    layout: Layout,
+    state: NodeState,
+    models: Mapping[int, GpuModel],
+    *,
+    strategy: str,
+    memo: Memo | None = None,
 ) -> bool:
     """Whether the GPUs hold ``layout`` already: a node labelled with another than its GPUs
     hold is about to change (its agent has not begun, or has not published yet). ``memo``
     keeps the answer for the next node alike."""
-    key = ("holds", layout.name, state, tuple(sorted((i, m.key) for i, m in models.items())))
+    seen = _seen(state, models, strategy, memo)
+    if layout.name not in seen.holds:
+        try:
+            seen.holds[layout.name] = not plan(layout, state, models).changed_gpus
+        except PlanError:
+            seen.holds[layout.name] = False
+    return seen.holds[layout.name]
+
+
+def _seen(
+    state: NodeState, models: Mapping[int, GpuModel], strategy: str, memo: Memo | None
+) -> _Seen:
+    """What ``memo`` knows of a GPU state (made and kept there the first time)."""
+    model_keys = tuple(sorted((i, m.key) for i, m in models.items()))
+    key = (state, model_keys, strategy)  # hashed once per node: a state is a deep tuple
     seen = None if memo is None else memo.get(key)
     if seen is None:
-        try:
-            held = not plan(layout, state, models).changed_gpus
-        except PlanError:
-            held = False
-        seen = _Seen({"held": int(held)})
+        seen = _Seen(resources(plugin_devices(state, models), strategy))
         if memo is not None:
             memo[key] = seen
-    return bool(seen.now["held"])
+    return seen
 
 
 # GPUs changed, devices offered after, kinds of the devices destroyed, UUIDs that stay
@@ -132,6 +142,7 @@ class _Seen:
 
     now: dict[str, int]
     effects: dict[str, Effect | None] = field(default_factory=dict)
+    holds: dict[str, bool] = field(default_factory=dict)  # layout -> the GPUs hold it
 
 
 Memo = dict[tuple[object, ...], _Seen]

@@ -119,7 +119,7 @@ def _condition(workload: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
     return {}
 
 
-def _is_true(workload: Mapping[str, Any], kind: str) -> bool:
+def is_true(workload: Mapping[str, Any], kind: str) -> bool:
     return _condition(workload, kind).get("status") == "True"
 
 
@@ -254,9 +254,9 @@ def _skip(workload: Mapping[str, Any]) -> str | None:
     """Why ``workload`` is no demand at all (not even counted), or None."""
     if (workload.get("spec") or {}).get("active") is False:
         return "deactivated"
-    if _is_true(workload, FINISHED):
+    if is_true(workload, FINISHED):
         return "finished"
-    if _is_true(workload, ADMITTED):
+    if is_true(workload, ADMITTED):
         return "admitted"
     return None
 

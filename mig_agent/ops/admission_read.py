@@ -14,6 +14,7 @@ from mig_agent.core import admission_ledger as ledger
 from mig_agent.core import kueue_demand
 from mig_agent.core.admission_check import Params, Target, Waiting
 from mig_agent.core.advise_assign import Want
+from mig_agent.core.kueue_demand import is_true
 from mig_agent.kube.cluster import KueueCluster, PodView
 from mig_agent.ops.advise_read import Pool
 
@@ -29,10 +30,6 @@ def key(obj: Mapping[str, Any]) -> str:
 
 def conditions(obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return list((obj.get("status") or {}).get("conditions") or ())
-
-
-def is_true(obj: Mapping[str, Any], kind: str) -> bool:
-    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions(obj))
 
 
 def entry(workload: Mapping[str, Any], check: str) -> Mapping[str, Any]:

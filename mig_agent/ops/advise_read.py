@@ -366,7 +366,7 @@ def _supply(
         return str(exc)
     label = node.labels.get(s.config_label) or ""
     layout = catalog.layouts.get(label)
-    if layout is not None and not holds(layout, state, models, memo):
+    if layout is not None and not holds(layout, state, models, strategy=strategy, memo=memo):
         return f"its GPUs do not hold its layout {label} yet: a change its agent has not begun"
     holders = _holders(node.name, running, claims, dra, is_dra, holders_of(raw))
     supply = node_supply(
