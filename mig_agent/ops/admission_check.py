@@ -257,8 +257,14 @@ def _apply(
     if odd:
         d = Decision(d.workload, Verdict.WAIT, f"not understood: {odd}")
     promise = ledger.promise_from(d.placed) if d.verdict is Verdict.READY else {}
+    pins = kueue_demand.Pins()
+    if d.verdict is Verdict.READY and d.placed:
+        pins = kueue_demand.pod_set_updates(w, d.placed, pool.hostnames)
     settled = not ledger.intents_of(w) and not ledger.failed_verify(w)
-    kept = settled and promise == ledger.promise_of(w)
+    # the promise and the pins Kueue will apply agree (the two are written one after the
+    # other: a status write refused after the promise's leaves them apart, mended here)
+    pinned = list(e.get("podSetUpdates") or ()) == [dict(u) for u in pins.updates]
+    kept = settled and pinned and promise == ledger.promise_of(w)
     if d.verdict is Verdict.READY and e.get("state") == READY and kept:
         return  # kept where it was promised: nothing to write
     record = {ledger.PROMISE: ledger.promise_value(promise)}
@@ -272,14 +278,11 @@ def _apply(
         intents = _intents(w, d.relabels, pool, s)
         w = _record(cluster, w, {**record, ledger.RELABELS: ledger.intents_value(intents)})
     state = PENDING if d.verdict in (Verdict.RELABEL, Verdict.WAIT) else d.verdict.value
-    updates: tuple[Mapping[str, Any], ...] = ()
-    if d.verdict is Verdict.READY and d.placed:
-        pins = kueue_demand.pod_set_updates(w, d.placed, pool.hostnames)
-        updates = pins.updates
+    if pins.updates or pins.not_pinned:
         d = replace(d, message="; ".join(filter(None, (d.message, pins.describe()))))
     if state == e.get("state") and d.message == e.get("message") and state != READY:
         return
-    _set_state(cluster, w, e, (state, d.message, updates), t)
+    _set_state(cluster, w, e, (state, d.message, pins.updates), t)
     _event(cluster, w, d)
 
 

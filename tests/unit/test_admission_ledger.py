@@ -368,3 +368,30 @@ def test_a_check_whose_active_mark_fails_does_not_end_the_round(catalog: Any) ->
     assert refused == [CHECK] and r.activated == ()
     assert [d.verdict.value for d in r.decisions] == ["Ready"]
     assert _round(c, catalog).activated == (CHECK,)  # marked on the next round
+
+
+def test_a_promise_and_pins_written_apart_are_brought_together(catalog: Any) -> None:
+    """Found by the model: the promise is written before the entry; a status write refused
+    after it (409) left the promise on gpu-b and the pins on gpu-a, and the next rounds,
+    finding the promise kept, never wrote the pins again."""
+    c = _pool(catalog, _workload("first", 1, MIG_1G))
+    _second_node(c, catalog)
+    _round(c, catalog)
+    assert _pinned(c, "first") == {"main": "host-a"}
+    node = c.nodes["gpu-a"]  # someone relabels gpu-a: first's device is about to go
+    c.nodes["gpu-a"] = dataclasses.replace(node, labels={**node.labels, S.config_label: "all-3g"})
+    real = c.patch_kueue
+
+    def status_409(plural: str, name: str, body: Any, **kw: Any) -> Any:
+        if kw.get("status"):
+            raise KubeError("patch workload status: 409 Conflict", status=409)
+        return real(plural, name, body, **kw)
+
+    c.patch_kueue = status_409  # type: ignore[method-assign]
+    r = _round(c, catalog)
+    assert "team/first" in r.skipped
+    assert json.loads(_notes(c, "first")[ledger.PROMISE]) == {"main": {"gpu-b": 1}}
+    assert _pinned(c, "first") == {"main": "host-a"}  # apart
+    c.patch_kueue = real  # type: ignore[method-assign]
+    _round(c, catalog)
+    assert _pinned(c, "first") == {"main": "host-b"}
