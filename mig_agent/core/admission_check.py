@@ -155,8 +155,14 @@ def decide(
         key=lambda i: (not waiting[i].promised, not waiting[i].ready, not waiting[i].relabelled),
     )
     out: dict[int, Decision] = {}
+    for i in order:  # every promise that holds first: one broken is placed afresh after them
+        kept = _kept(waiting[i], pool) if waiting[i].promised else None
+        if kept is not None:
+            out[i] = kept
     for i in order:
-        w = waiting[i]
+        if i in out:
+            continue
+        w = replace(waiting[i], promised={})
         d = _one(w, pool, changing, budgets or {})
         if d.verdict is Verdict.RELABEL:
             changing += len(set(d.relabels) - set(w.relabelled))
@@ -165,10 +171,6 @@ def decide(
 
 
 def _one(w: Waiting, pool: _Pool, changing: int, budgets: Budgets) -> Decision:
-    if w.promised:
-        kept = _kept(w, pool)
-        if kept is not None:
-            return kept
     if w.relabelled:
         d = _relabelled(w, pool)
         if d is not None:

@@ -267,7 +267,9 @@ def _apply(
     kept = settled and pinned and promise == ledger.promise_of(w)
     if d.verdict is Verdict.READY and e.get("state") == READY and kept:
         return  # kept where it was promised: nothing to write
-    record = {ledger.PROMISE: ledger.promise_value(promise)}
+    # a promise made is written before the entry, one dropped after it: a write refused in
+    # between never leaves an entry Ready without its promise
+    record = {ledger.PROMISE: ledger.promise_value(promise)} if promise else {}
     if d.avoid:
         record[ledger.AVOID] = ledger.avoid_value(w, d.avoid, t.timestamp() + AVOID_S)
     elif d.verdict is Verdict.READY:
@@ -280,10 +282,11 @@ def _apply(
     state = PENDING if d.verdict in (Verdict.RELABEL, Verdict.WAIT) else d.verdict.value
     if pins.updates or pins.not_pinned:
         d = replace(d, message="; ".join(filter(None, (d.message, pins.describe()))))
-    if state == e.get("state") and d.message == e.get("message") and state != READY:
-        return
-    _set_state(cluster, w, e, (state, d.message, pins.updates), t)
-    _event(cluster, w, d)
+    if state != e.get("state") or d.message != e.get("message") or state == READY:
+        w = _set_state(cluster, w, e, (state, d.message, pins.updates), t)
+        _event(cluster, w, d)
+    if not promise:
+        _record(cluster, w, {ledger.PROMISE: None})
 
 
 def _intents(
@@ -309,7 +312,7 @@ def _relabel(
     node someone else relabelled meanwhile is taken off it again. A write that fails leaves
     its intent unlanded: written again next round."""
     intents = _intents(w, d.relabels, pool, s)
-    w = _record(cluster, w, {ledger.RELABELS: ledger.intents_value(intents), ledger.PROMISE: None})
+    w = _record(cluster, w, {ledger.RELABELS: ledger.intents_value(intents)})
     landed, lost = [], []
     for node, intent in sorted(intents.items()):
         labels = pool.labels.get(node, {})
@@ -353,7 +356,7 @@ def _set_state(
     e: Mapping[str, Any],
     written: tuple[str, str, Sequence[Mapping[str, Any]]],
     t: datetime,
-) -> None:
+) -> Mapping[str, Any]:
     """The check's entry at ``written``'s state, message and podSetUpdates (none but for
     Ready: Kueue applies them when it admits; Retry asks Kueue to wait before queueing it
     again, longer each time), the other entries as they are, written only while the
@@ -373,7 +376,7 @@ def _set_state(
         for x in (w.get("status") or {}).get("admissionChecks") or ()
     ]
     meta = w.get("metadata") or {}
-    cluster.patch_kueue(
+    return cluster.patch_kueue(
         "workloads",
         str(meta.get("name", "")),
         {
